@@ -1,0 +1,1 @@
+"""Fused Triton kernels and their pure-torch twins (installed as `mrl_kernels`)."""
