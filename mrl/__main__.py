@@ -1,0 +1,5 @@
+import sys
+
+from mrl.cli import main
+
+sys.exit(main())

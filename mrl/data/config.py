@@ -1,0 +1,26 @@
+"""The `data` section: where prompts come from and how many each step consumes."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from mrl.config.schema import option, section
+
+
+@section
+class DataConfig:
+    """Prompt source and per-step prompt count. Rows need a prompt and (for rule rewards) an answer."""
+
+    train_files: tuple[str, ...] = option((), help="parquet files of training prompts")
+    val_files: tuple[str, ...] = option((), help="parquet files of validation prompts")
+    generator: Optional[str] = option(None, help="prompt generator 'module:function' or 'reasoning_gym:<task>' instead of files")
+    generator_size: int = option(10000, ge=1, help="prompts a generator yields per epoch")
+    prompt_key: str = option("prompt", help="column holding the prompt (string or chat messages)")
+    answer_key: str = option("answer", help="column holding the ground truth passed to the reward")
+    prompts_per_step: int = option(8, ge=1, help="prompts consumed per training step (verl: train_batch_size)")
+    max_prompt_tokens: int = option(512, ge=1, help="longest prompt, in tokens")
+    prompt_overflow: Literal["error", "drop", "truncate_left"] = option("drop", help="what to do with a longer prompt")
+    chat_template: bool = option(True, help="apply the tokenizer's chat template to prompts")
+    system_prompt: Optional[str] = option(None, help="system message prepended to chat prompts")
+    shuffle: bool = option(True, help="shuffle prompts every epoch (resumable)")
+    seed: Optional[int] = option(None, help="sampler seed (default: job.seed)")
+    val_prompts: Optional[int] = option(None, ge=1, help="cap on validation prompts")

@@ -1,0 +1,17 @@
+"""The `model` section: which checkpoint the actor (and by default critic and reference) start from."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from mrl.config.schema import option, section
+
+
+@section
+class ModelConfig:
+    """The policy model. `path` is a local Hugging Face directory, a Hub id, or `builtin:<preset>`."""
+
+    path: str = option(help="HF model directory, Hub id, or builtin:<preset> (tiny random models for CPU runs)")
+    dtype: Literal["bfloat16", "float16", "float32"] = option("bfloat16", help="parameter/compute dtype")
+    tokenizer: Optional[str] = option(None, help="tokenizer directory or id (default: model.path)")
+    trust_remote_code: bool = option(False, help="allow custom modelling code from the checkpoint")
+    use_fused_kernels: bool = option(True, help="fused log-prob/entropy kernels (torch twins on cpu)")

@@ -1,0 +1,85 @@
+"""Architecture facts a job spec is validated against (heads, query groups, layers, experts).
+
+They come, in order, from a local checkpoint's `config.json`, a `builtin:` preset, or a table of
+well-known Hub models so that production jobs validate offline. Unknown models skip the checks
+that need them (with a warning), never guess.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    hidden_size: int
+    vocab_size: int
+    num_experts: Optional[int] = None
+    experts_per_token: Optional[int] = None
+    source: str = ""
+
+
+# Tiny random models for CPU runs and tests: Hugging Face config kwargs per preset.
+BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                       max_position_embeddings=1024, tie_word_embeddings=True),
+    "tiny-llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                       max_position_embeddings=1024, tie_word_embeddings=False),
+    "tiny-qwen3-moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128,
+                           moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=512, num_experts=4,
+                           num_experts_per_tok=2, max_position_embeddings=1024),
+}
+
+# Published configs of models used by the shipped jobs (from their config.json on the Hub).
+KNOWN_MODELS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2.5-7B-Instruct": dict(num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                     hidden_size=3584, vocab_size=152064),
+    "Qwen/Qwen2.5-7B": dict(num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                            hidden_size=3584, vocab_size=152064),
+    "Qwen/Qwen2.5-32B": dict(num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                             hidden_size=5120, vocab_size=152064),
+    "Qwen/Qwen3-30B-A3B": dict(num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                               hidden_size=2048, vocab_size=151936, num_experts=128, num_experts_per_tok=8),
+}
+
+
+def facts_from_hf_config(cfg: dict[str, Any], source: str) -> ModelFacts:
+    heads = cfg["num_attention_heads"]
+    return ModelFacts(
+        num_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        hidden_size=cfg["hidden_size"],
+        vocab_size=cfg["vocab_size"],
+        num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"),
+        experts_per_token=cfg.get("num_experts_per_tok"),
+        source=source,
+    )
+
+
+def builtin_preset(path: str) -> str | None:
+    return path[len("builtin:"):] if path.startswith("builtin:") else None
+
+
+def model_facts(path: str) -> ModelFacts | None:
+    """Facts for `model.path`, or None when the model's config cannot be read here."""
+    preset = builtin_preset(path)
+    if preset is not None:
+        cfg = BUILTIN_PRESETS.get(preset)
+        return facts_from_hf_config(cfg, f"builtin preset {preset!r}") if cfg else None
+    config_json = Path(path) / "config.json"
+    if config_json.is_file():
+        cfg = json.loads(config_json.read_text())
+        cfg = cfg.get("text_config", cfg)
+        return facts_from_hf_config(cfg, str(config_json))
+    if path in KNOWN_MODELS:
+        return facts_from_hf_config(KNOWN_MODELS[path], f"mrl's table of known models ({path})")
+    return None

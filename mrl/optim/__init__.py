@@ -1,0 +1,1 @@
+"""mrl.optim: optimizer and learning-rate schedule."""

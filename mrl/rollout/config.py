@@ -1,0 +1,86 @@
+"""The `rollout` section: the generation engine, its sampling, lengths, memory and weight sync.
+
+It covers every field of verl's RolloutConfig that applies to vLLM, under clearer names
+(CONTRIBUTING.md has the verl -> mrl table).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from mrl.config.schema import option, section
+
+
+@section
+class ValidationSampling:
+    """Sampling used for validation generations (verl: val_kwargs)."""
+
+    responses_per_prompt: int = option(1, ge=1, help="responses per validation prompt")
+    do_sample: bool = option(False, help="sample (True) or decode greedily (False)")
+    temperature: float = option(1.0, gt=0, help="sampling temperature when do_sample")
+    top_k: int = option(-1, ge=-1, help="top-k; -1 disables")
+    top_p: float = option(1.0, gt=0, le=1, help="nucleus sampling mass")
+
+
+@section
+class MultiTurnConfig:
+    """Multi-turn / tool-calling rollouts. Tool observations are masked out of the loss."""
+
+    enable: bool = option(False, help="generate multi-turn conversations with tool calls")
+    max_assistant_turns: Optional[int] = option(None, ge=1, help="cap on assistant turns")
+    max_user_turns: Optional[int] = option(None, ge=1, help="cap on user/tool turns")
+    tool_config: Optional[str] = option(None, help="tool definitions (YAML/JSON file)")
+    interaction_config: Optional[str] = option(None, help="interaction (simulated user) definitions")
+    max_parallel_calls: int = option(1, ge=1, help="tool calls executed in parallel per turn")
+    max_tool_response_tokens: int = option(256, ge=1, help="longest tool response kept, in tokens")
+    tool_response_truncate_side: Literal["left", "middle", "right"] = option("middle", help="where a long tool response is cut")
+    format: str = option("hermes", help="tool-call parser format")
+
+
+@section
+class WeightSyncConfig:
+    """How trainer weights reach the engine each step (mrl's weight-mapping stream)."""
+
+    bucket_mb: int = option(512, ge=1, help="size bound of one bucket of HF-named tensors")
+    dtype: Optional[Literal["bfloat16", "float16", "float32"]] = option(None, help="dtype sent to the engine (default: rollout.dtype)")
+
+
+@section
+class RolloutConfig:
+    """Generation engine and sampling. Colocated: engines sleep while the trainer runs."""
+
+    engine: Literal["vllm", "hf"] = option("vllm", help="vllm on GPU clusters; hf (transformers generate) anywhere")
+    responses_per_prompt: int = option(1, ge=1, help="responses sampled per prompt (verl: n)")
+    max_response_tokens: int = option(512, ge=1, help="longest response, in tokens (verl: response_length)")
+    do_sample: bool = option(True, help="sample (True) or decode greedily (False)")
+    temperature: float = option(1.0, gt=0, help="sampling temperature; the trainer's log-probs use the same")
+    top_k: int = option(-1, ge=-1, help="top-k; -1 disables")
+    top_p: float = option(1.0, gt=0, le=1, help="nucleus sampling mass")
+    min_p: float = option(0.0, ge=0, le=1, help="min-p sampling threshold")
+    repetition_penalty: float = option(1.0, gt=0, help="repetition penalty (1 = off)")
+    ignore_eos: bool = option(False, help="keep generating past EOS up to max_response_tokens")
+    stop_token_ids: tuple[int, ...] = option((), help="extra token ids that end a response")
+    over_sample_rate: float = option(0.0, ge=0, lt=1, help="fraction of slowest requests aborted each step")
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = option("processed_logprobs", help="engine log-probs after (processed) or before temperature/penalties")
+    seed: Optional[int] = option(None, help="engine sampling seed (default: job.seed)")
+    dtype: Optional[Literal["bfloat16", "float16", "float32"]] = option(None, help="engine dtype (default: model.dtype)")
+    tensor_parallel: int = option(1, ge=1, help="engine tensor-parallel size")
+    pipeline_parallel: int = option(1, ge=1, help="engine pipeline-parallel size")
+    expert_parallel: bool = option(False, help="shard MoE experts across the engine's TP x DP ranks")
+    gpu_memory_utilization: float = option(0.5, gt=0, le=1, help="fraction of GPU memory the engine may use")
+    max_model_len: Optional[int] = option(None, ge=1, help="engine context length (default: prompt + response tokens)")
+    max_num_seqs: int = option(1024, ge=1, help="sequences batched concurrently")
+    max_num_batched_tokens: int = option(8192, ge=1, help="tokens per engine scheduler step")
+    enable_chunked_prefill: bool = option(True, help="chunked prefill")
+    enable_prefix_caching: bool = option(True, help="prefix caching (shared prompts across n responses)")
+    enforce_eager: bool = option(False, help="disable CUDA graphs")
+    cudagraph_capture_sizes: Optional[tuple[int, ...]] = option(None, ge=1, help="batch sizes captured as CUDA graphs")
+    sleep_level: int = option(1, choices=(0, 1, 2), help="0 keeps the engine awake; 1 offloads weights, drops KV cache; 2 drops both")
+    load_format: Literal["dummy", "auto"] = option("dummy", help="dummy: weights arrive from the trainer; auto: engine loads model.path")
+    quantization: Optional[Literal["fp8"]] = option(None, help="online quantization of rollout weights")
+    disable_log_stats: bool = option(True, help="silence the engine's periodic stats")
+    skip_tokenizer_init: bool = option(False, help="engine works on token ids only")
+    generate_timeout_s: float = option(3600.0, gt=0, help="a generate call that takes longer is an error")
+    engine_kwargs: dict[str, Any] = option(factory=dict, help="extra engine arguments passed through verbatim")
+    validation: ValidationSampling = option(factory=ValidationSampling, help="validation sampling")
+    multi_turn: MultiTurnConfig = option(factory=MultiTurnConfig, help="multi-turn rollouts")
+    weight_sync: WeightSyncConfig = option(factory=WeightSyncConfig, help="trainer -> engine weight stream")

@@ -1,0 +1,17 @@
+"""The `tracking` section: console progress and MLflow."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from mrl.config.schema import option, section
+
+
+@section
+class TrackingConfig:
+    """Where metrics go."""
+
+    backends: tuple[Literal["console", "mlflow"], ...] = option(("console", "mlflow"), help="console and/or mlflow")
+    experiment: str = option("mrl", help="MLflow experiment")
+    run_name: Optional[str] = option(None, help="MLflow run name (default: job.name)")
+    tracking_uri: Optional[str] = option(None, help="MLflow URI (default: sqlite:///<job.output_dir>/mlflow.db)")
+    tags: dict[str, str] = option(factory=dict, help="tags attached to the run")

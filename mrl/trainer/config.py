@@ -1,0 +1,19 @@
+"""The `trainer` section: length of the run, validation and logging cadence."""
+from __future__ import annotations
+
+from typing import Optional
+
+from mrl.config.schema import option, section
+
+
+@section
+class TrainerConfig:
+    """Run length and cadence. `total_steps` wins over `epochs` when both are set."""
+
+    epochs: int = option(1, ge=1, help="passes over the prompt set")
+    total_steps: Optional[int] = option(None, ge=1, help="stop after this many steps")
+    val_every_steps: int = option(0, ge=0, help="validate every N steps; 0 = never")
+    val_before_train: bool = option(False, help="validate once before the first step")
+    balance_batch: bool = option(True, help="balance tokens across DP ranks")
+    log_every_steps: int = option(1, ge=1, help="console/metrics cadence")
+    profile_steps: tuple[int, ...] = option((), ge=1, help="steps to profile with torch.profiler")

@@ -1,0 +1,223 @@
+"""The bad-spec battery: every mistake exits 2 with a one-line message naming the dotted key."""
+import pytest
+
+from tests.config.conftest import DELETE
+
+# (case id, patch over the valid base job, the dotted key the message must name, a fragment it must contain)
+CASES = [
+    # typos at every nesting level
+    ("typo-top-level", {"rollut": {"temperature": 1.0}}, "rollut", "did you mean `rollout`"),
+    ("typo-section-key", {"rollout": {"temprature": 0.7}}, "rollout.temprature", "did you mean `rollout.temperature`"),
+    ("typo-nested-2", {"rollout": {"validation": {"temprature": 0.7}}}, "rollout.validation.temprature", "`rollout.validation.temperature`"),
+    ("typo-nested-kl", {"algorithm": {"kl_loss": {"coeff": 0.1}}}, "algorithm.kl_loss.coeff", "`algorithm.kl_loss.coef`"),
+    ("typo-optim", {"actor": {"optim": {"lrr": 1e-6}}}, "actor.optim.lrr", "`actor.optim.lr`"),
+    ("key-at-wrong-level", {"actor": {"lr": 1e-6}}, "actor.lr", "`actor.optim.lr`"),
+    ("typo-dynamic-sampling", {"algorithm": {"dynamic_sampling": {"max_generation_batchs": 3}}},
+     "algorithm.dynamic_sampling.max_generation_batchs", "`algorithm.dynamic_sampling.max_generation_batches`"),
+    ("verl-name-n", {"rollout": {"n": 8}}, "rollout.n", "`rollout.responses_per_prompt`"),
+    ("verl-name-train-batch", {"data": {"train_batch_size": 8}}, "data.train_batch_size", "`data.prompts_per_step`"),
+    ("verl-name-gpus", {"trainer": {"n_gpus_per_node": 8}}, "trainer.n_gpus_per_node", "`platform.ranks_per_node`"),
+    ("verl-name-clip", {"algorithm": {"clip_ratio_high": 0.28}}, "algorithm.clip_ratio_high", "`algorithm.clip_high`"),
+    # wrong types
+    ("type-int-as-string", {"rollout": {"responses_per_prompt": "8"}}, "rollout.responses_per_prompt", "must be an integer"),
+    ("type-float-as-string", {"rollout": {"temperature": "hot"}}, "rollout.temperature", "must be a number"),
+    ("type-int-as-float", {"parallel": {"tensor": 2.5}}, "parallel.tensor", "must be an integer"),
+    ("type-bool-as-int", {"rollout": {"do_sample": 1}}, "rollout.do_sample", "must be true or false"),
+    ("type-list-as-string", {"data": {"train_files": "x.parquet"}}, "data.train_files", "must be a list"),
+    ("type-section-as-scalar", {"rollout": 3}, "rollout", "must be a table"),
+    ("type-subsection-as-scalar", {"actor": {"optim": 1e-6}}, "actor.optim", "must be a table"),
+    ("type-list-element", {"tracking": {"backends": ["console", "wandb"]}}, "tracking.backends", "element 1"),
+    ("type-dtype-name", {"model": {"dtype": "bf16"}}, "model.dtype", "is not one of"),
+    # negative, zero and out-of-range values
+    ("zero-prompts", {"data": {"prompts_per_step": 0}}, "data.prompts_per_step", "must be >= 1"),
+    ("negative-responses", {"rollout": {"responses_per_prompt": -1}}, "rollout.responses_per_prompt", "must be >= 1"),
+    ("zero-micro-batch", {"actor": {"micro_batch_tokens": 0}}, "actor.micro_batch_tokens", "must be >= 1"),
+    ("zero-pipeline", {"parallel": {"pipeline": 0}}, "parallel.pipeline", "must be >= 1"),
+    ("zero-nodes", {"platform": {"nodes": 0}}, "platform.nodes", "must be >= 1"),
+    ("top-p-above-one", {"rollout": {"top_p": 1.5}}, "rollout.top_p", "must be <= 1"),
+    ("zero-temperature", {"rollout": {"temperature": 0.0}}, "rollout.temperature", "must be > 0"),
+    ("negative-lr", {"actor": {"optim": {"lr": -1e-6}}}, "actor.optim.lr", "must be > 0"),
+    ("gpu-mem-above-one", {"rollout": {"gpu_memory_utilization": 1.2}}, "rollout.gpu_memory_utilization", "must be <= 1"),
+    ("clip-low-one", {"algorithm": {"clip_low": 1.0}}, "algorithm.clip_low", "must be < 1"),
+    ("sleep-level-choice", {"rollout": {"sleep_level": 3}}, "rollout.sleep_level", "is not one of 0, 1, 2"),
+    ("negative-timeout", {"reward": {"timeout_s": -5}}, "reward.timeout_s", "must be > 0"),
+    ("dual-clip-below-one", {"algorithm": {"dual_clip": 0.5}}, "algorithm.dual_clip", "must be > 1"),
+    # impossible batch arithmetic and layouts
+    ("mini-not-dividing-prompts", {"data": {"prompts_per_step": 10}, "actor": {"mini_batch_prompts": 4}},
+     "actor.mini_batch_prompts", "4 does not divide data.prompts_per_step 10"),
+    ("responses-not-dividing-dp", {"platform": {"ranks_per_node": 8}, "actor": {"mini_batch_prompts": 1},
+                                   "rollout": {"responses_per_prompt": 3}},
+     "actor.mini_batch_prompts", "1 prompts x rollout.responses_per_prompt 3 = 3 responses"),
+    ("model-split-not-dividing-world", {"parallel": {"tensor": 2, "pipeline": 2}},
+     "parallel", "tensor 2 x pipeline 2 x context 1 = 4 does not divide the world size 2"),
+    ("tp-not-dividing-heads", {"platform": {"ranks_per_node": 3}, "parallel": {"tensor": 3}},
+     "parallel.tensor", "3 does not divide the 4 attention heads"),
+    ("tp-not-dividing-query-groups", {"platform": {"ranks_per_node": 4}, "parallel": {"tensor": 4}},
+     "parallel.tensor", "4 does not divide the 2 query groups"),
+    ("pp-not-dividing-layers", {"platform": {"ranks_per_node": 4}, "parallel": {"pipeline": 4}},
+     "parallel.pipeline", "do not divide the 2 layers"),
+    ("ep-without-experts", {"parallel": {"expert": 2}}, "parallel.expert", "the model has no experts"),
+    ("ep-not-dividing-experts", {"platform": {"ranks_per_node": 3}, "parallel": {"expert": 3},
+                                 "model": {"path": "builtin:tiny-qwen3-moe"}},
+     "parallel.expert", "3 does not divide the 4 experts"),
+    ("ep-not-dividing-world", {"parallel": {"expert": 4}, "model": {"path": "builtin:tiny-qwen3-moe"}},
+     "parallel.expert", "expert 4 x expert_tensor 1 = 4 does not divide world / pipeline"),
+    ("micro-batch-too-small", {"actor": {"micro_batch_tokens": 64}}, "actor.micro_batch_tokens",
+     "cannot hold one sequence of data.max_prompt_tokens 64 + rollout.max_response_tokens 32 = 96 tokens"),
+    ("max-model-len-too-short", {"rollout": {"max_model_len": 50}}, "rollout.max_model_len", "50 is shorter than"),
+    ("engine-tp-not-dividing-world", {"rollout": {"tensor_parallel": 4}}, "rollout.tensor_parallel", "does not divide the world size 2"),
+    ("vpp-without-pp", {"parallel": {"virtual_pipeline": 2}}, "parallel.virtual_pipeline", "needs parallel.pipeline > 1"),
+    # algorithm combinations
+    ("grpo-single-response", {"rollout": {"responses_per_prompt": 1}}, "rollout.responses_per_prompt", "needs >= 2 responses"),
+    ("gae-without-critic", {"algorithm": {"advantage": "gae"}, "critic": {"enable": False}}, "critic.enable", "needs a critic"),
+    ("kl-without-ref", {"algorithm": {"kl_loss": {"enable": True}}, "ref": {"enable": False}}, "ref.enable", "needs the reference model"),
+    ("gspo-wrong-aggregation", {"algorithm": {"policy_loss": "gspo", "loss_aggregation": "token-mean"}},
+     "algorithm.loss_aggregation", "'seq-mean-token-mean'"),
+    ("dynamic-sampling-small-gen-batch", {"algorithm": {"dynamic_sampling": {"enable": True, "generation_batch_prompts": 2}}},
+     "algorithm.dynamic_sampling.generation_batch_prompts", "2 is smaller than data.prompts_per_step 4"),
+    ("overlong-buffer-too-big", {"algorithm": {"overlong": {"enable": True, "buffer_tokens": 32}}},
+     "algorithm.overlong.buffer_tokens", "must be smaller than rollout.max_response_tokens 32"),
+    ("masked-is-bounds", {"algorithm": {"correction": {"level": "token", "mode": "mask", "mask_low": 2.0, "mask_high": 1.0}}},
+     "algorithm.correction.mask_low", "must be below"),
+    ("warmup-both", {"actor": {"schedule": {"warmup_steps": 5, "warmup_ratio": 0.1}}}, "actor.schedule.warmup_ratio", "either"),
+    # platform
+    ("sequence-parallel-on-cpu", {"parallel": {"tensor": 2, "sequence_parallel": True}}, "parallel.sequence_parallel", "cpu platform"),
+    ("nccl-on-cpu", {"platform": {"backend": "nccl"}}, "platform.backend", "nccl needs GPUs"),
+    # unknown engine / estimator / preset names
+    ("unknown-engine", {"rollout": {"engine": "sglang"}}, "rollout.engine", "'sglang' is not one of 'vllm', 'hf'"),
+    ("unknown-kl-estimator", {"algorithm": {"kl_loss": {"estimator": "k4"}}}, "algorithm.kl_loss.estimator", "did you mean"),
+    ("unknown-advantage", {"algorithm": {"advantage": "gpro"}}, "algorithm.advantage", "did you mean 'grpo'"),
+    ("unknown-policy-loss", {"algorithm": {"policy_loss": "ppo2"}}, "algorithm.policy_loss", "did you mean 'ppo'"),
+    ("unknown-preset", {"model": {"path": "builtin:tiny-qwen"}}, "model.path", "did you mean 'builtin:tiny-qwen2'"),
+    # required keys and the reward source
+    ("missing-model-path", {"model": {"path": DELETE}}, "model.path", "missing required key"),
+    ("no-reward-source", {"reward": {"builtin": DELETE}}, "reward", "set exactly one of"),
+    ("two-reward-sources", {"reward": {"function": "mrl.data.generators:arithmetic"}}, "reward", "got reward.function, reward.builtin"),
+    ("reward-file-missing", {"reward": {"builtin": DELETE, "function": "nowhere/rw.py:score"}}, "reward.function", "not found"),
+    ("reward-bad-format", {"reward": {"builtin": DELETE, "function": "rw.py"}}, "reward.function", "is not 'path/to/file.py:function'"),
+    ("no-prompt-source", {"data": {"generator": DELETE}}, "data.train_files", "no prompts"),
+]
+
+
+@pytest.mark.parametrize("patch,key,fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_spec(write_job, cli, patch, key, fragment):
+    path = write_job(patch)
+    rc, out, err = cli("validate", path)
+    assert rc == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    hits = [line for line in lines if f": {key}: " in line]
+    assert hits, f"no error names {key!r}:\n{err}"
+    assert any(fragment in line for line in hits), f"{fragment!r} not in:\n{err}"
+    assert all(str(path.name) in line for line in hits), "every message names the file"
+
+
+def test_battery_is_large_enough():
+    assert len(CASES) >= 40
+
+
+@pytest.mark.parametrize("key,text", [
+    ("trainer.total_stepz", "# a comment\n[trainer]\ntotal_stepz = 1\n"),
+    ("actor.optim.lrr", "[actor.optim]\nlr = 1e-6\nlrr = 1.0\n"),
+    ("algorithm.correction.levell", '[algorithm]\ncorrection = { mode = "mask", levell = "token" }\n'),
+    ("algorithm.kl_loss.coeff", "\nalgorithm.kl_loss.coeff = 0.1\n"),
+])
+def test_message_gives_the_line(write_job, cli, key, text):
+    import tomli_w
+    from tests.config.conftest import BASE
+    body = text + "\n" + tomli_w.dumps(BASE)
+    path = write_job(text=body)
+    line_no = body.splitlines().index(text.splitlines()[-1]) + 1
+    rc, _, err = cli("validate", path)
+    assert rc == 2
+    assert f"{path.name}:{line_no}: {key}: unknown key" in err, err
+
+
+def test_three_errors_are_all_listed(write_job, cli):
+    path = write_job({"rollout": {"temprature": 0.7, "top_p": 2.0}, "actor": {"lr": 1e-6}})
+    rc, _, err = cli("validate", path)
+    assert rc == 2
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 3, err
+    assert {"rollout.temprature", "rollout.top_p", "actor.lr"} == {e.split(": ")[2] for e in errors}
+    assert "3 errors" in err
+
+
+def test_arithmetic_errors_are_all_listed(write_job, cli):
+    path = write_job({"data": {"prompts_per_step": 10}, "actor": {"mini_batch_prompts": 4, "micro_batch_tokens": 8},
+                      "rollout": {"responses_per_prompt": 1}})
+    rc, _, err = cli("validate", path)
+    assert rc == 2
+    named = [line.split(": ")[2] for line in err.splitlines() if line.startswith("error:")]
+    assert {"actor.mini_batch_prompts", "actor.micro_batch_tokens", "rollout.responses_per_prompt"} <= set(named), err
+
+
+# ---- extends ----------------------------------------------------------------------------------
+
+def test_extends_cycle(tmp_path, cli):
+    (tmp_path / "a.toml").write_text('extends = "b.toml"\n')
+    (tmp_path / "b.toml").write_text('extends = "c.toml"\n')
+    (tmp_path / "c.toml").write_text('extends = "a.toml"\n')
+    rc, _, err = cli("validate", tmp_path / "a.toml")
+    assert rc == 2
+    assert "extends: extends cycle:" in err and "a.toml -> " in err and "c.toml -> " in err, err
+
+
+def test_extends_self(tmp_path, cli):
+    (tmp_path / "a.toml").write_text('extends = "a.toml"\n')
+    rc, _, err = cli("validate", tmp_path / "a.toml")
+    assert rc == 2 and "extends cycle" in err
+
+
+def test_extends_missing_file(tmp_path, cli):
+    (tmp_path / "a.toml").write_text('# comment\nextends = "nope.toml"\n')
+    rc, _, err = cli("validate", tmp_path / "a.toml")
+    assert rc == 2
+    assert "a.toml:2: extends: file 'nope.toml' not found" in err, err
+
+
+def test_extends_not_a_string(tmp_path, cli):
+    (tmp_path / "a.toml").write_text("extends = 3\n")
+    rc, _, err = cli("validate", tmp_path / "a.toml")
+    assert rc == 2 and "extends: must be a string" in err
+
+
+def test_error_in_base_file_names_the_base(write_job, tmp_path, cli):
+    write_job({"rollout": {"temprature": 1.0}}, name="base.toml")
+    (tmp_path / "child.toml").write_text('extends = "base.toml"\n[data]\nprompts_per_step = 8\n')
+    rc, _, err = cli("validate", tmp_path / "child.toml")
+    assert rc == 2
+    assert "base.toml:" in err and "rollout.temprature" in err, err
+
+
+# ---- overrides and files ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("override,key,fragment", [
+    ("rollout.temprature=0.5", "rollout.temprature", "did you mean `rollout.temperature`"),
+    ("actor.optim.lr=abc", "actor.optim.lr", "must be a number"),
+    ("rollout=3", "rollout", "is a table"),
+    ("parallel.tensor=two", "parallel.tensor", "must be an integer"),
+    ("rollout.do_sample=maybe", "rollout.do_sample", "must be true or false"),
+    ("algorithm.kl_loss.estimator=k9", "algorithm.kl_loss.estimator", "is not one of"),
+    ("data.prompts_per_step=none", "data.prompts_per_step", "must be an integer"),
+])
+def test_bad_override(write_job, cli, override, key, fragment):
+    rc, _, err = cli("validate", write_job(), override)
+    assert rc == 2
+    assert f"command line: {key}: " in err and fragment in err, err
+
+
+def test_override_without_key(write_job, cli):
+    rc, _, err = cli("validate", write_job(), "=5")
+    assert rc == 2 and "an override is dotted.key=value" in err
+
+
+def test_invalid_toml(write_job, cli):
+    path = write_job(text="[rollout\ntemperature = 1\n")
+    rc, _, err = cli("validate", path)
+    assert rc == 2 and "invalid TOML" in err and "line 1" in err, err
+
+
+def test_missing_job_file(tmp_path, cli):
+    rc, _, err = cli("validate", tmp_path / "absent.toml")
+    assert rc == 2 and "absent.toml: job file not found" in err
