@@ -64,6 +64,14 @@ def cmd_show(args) -> int:
     if len(jobs) != 1:
         raise UserError(f"mrl show takes one job file, got {len(jobs)}: {' '.join(jobs)}")
     spec, report = load(jobs[0], overrides)
+    if args.get:
+        value = spec
+        for part in args.get.split("."):
+            if not hasattr(value, part):
+                raise UserError(f"{args.get}: no such key in the resolved spec")
+            value = getattr(value, part)
+        print(value if not isinstance(value, bool) else str(value).lower())
+        return 0
     for line in report.warnings:
         print(f"# warning: {line}")
     sys.stdout.write(to_toml(spec))
@@ -113,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_validate)
     p = sub.add_parser("show", help="print the fully resolved job spec as TOML")
     p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")
+    p.add_argument("--get", metavar="KEY", help="print only this resolved value (for scripts), e.g. platform.world_size")
     p.set_defaults(func=cmd_show)
     p = sub.add_parser("keys", help="list every job-spec key with its type, default and meaning")
     p.add_argument("prefix", nargs="?", default="", help="only keys starting with this (e.g. rollout.)")

@@ -155,3 +155,8 @@ def test_command_line_exit_codes_end_to_end(write_job):
     proc = subprocess.run([sys.executable, "-m", "mrl", "validate", "jobs/quickstart_cpu.toml"],
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_contributing_lists_the_verl_table():
+    text = (REPO / "CONTRIBUTING.md").read_text()
+    assert not [k for k, v in VERL_TO_MRL.items() if f"| `{k}` | `{v}` |" not in text]

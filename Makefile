@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine:
+#   make demo   - set up .venv (pinned) and run the CPU demo job
+#   make test   - set up .venv (pinned) and run every test tier (what CI runs)
+# Set-up is idempotent: it reinstalls only when constraints.txt, pyproject.toml or setup.py change.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+HASH   := $(shell cat constraints.txt pyproject.toml setup.py | sha1sum | cut -c1-12)
+STAMP  := $(VENV)/.mrl-installed-$(HASH)
+
+.PHONY: setup demo test test-fast lint clean
+
+$(STAMP): constraints.txt pyproject.toml setup.py
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "mrl needs Python >= 3.11")'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	@rm -f $(VENV)/.mrl-installed-*
+	@touch $@
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/mrl validate jobs/quickstart_cpu.toml
+	$(VENV)/bin/mrl show jobs/quickstart_cpu.toml
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 --master_port 29531 -m mrl preflight jobs/quickstart_cpu.toml
+
+# Every tier: fast unit tests plus the slow multi-process (torchrun/gloo) tier.
+test: setup
+	$(VENV)/bin/python -m pytest -m '' -q
+
+# The fast tier only (the default `pytest` run).
+test-fast: setup
+	$(VENV)/bin/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Launch a job on this node: one rank per GPU (or CPU rank), sized from the job spec.
+#   launch/torchrun.sh JOB.toml [key=value ...]
+# MRL_COMMAND picks the mrl subcommand (default: preflight, until `mrl train` lands).
+set -euo pipefail
+JOB=${1:?usage: launch/torchrun.sh JOB.toml [key=value ...]}
+cd "$(dirname "$0")/.."
+VENV=${MRL_VENV:-.venv}
+MRL="$VENV/bin/python -m mrl"
+$MRL validate "$@" >/dev/null   # a bad spec fails here, before any rank starts
+NODES=$($MRL show "$@" --get platform.nodes)
+RANKS=$($MRL show "$@" --get platform.ranks_per_node)
+if [ "$NODES" != 1 ]; then
+  echo "error: $JOB: platform.nodes = $NODES; launch multi-node jobs with: sbatch launch/slurm.sh $JOB" >&2
+  exit 2
+fi
+exec "$VENV/bin/torchrun" --standalone --nnodes 1 --nproc_per_node "$RANKS" -m mrl "${MRL_COMMAND:-preflight}" "$@"
