@@ -1,0 +1,22 @@
+"""mrl.algos: the algorithm core, pure torch functions with no dependency on the rest of mrl.
+
+Semantics reference: ALGORITHMS.md. Modules:
+- `advantages`: gae, grpo (Dr.GRPO via norm_by_std=False), rloo, reinforce_pp,
+  reinforce_pp_baseline, remax, token_rewards;
+- `losses`: ppo (dual-clip), gspo, cispo, sapo per-token losses, `aggregate` (loss_agg_mode,
+  split-invariant with global counts), clipped `value` loss;
+- `kl`: k1/abs/k2/k3 and straight-through `+` estimators, KL controllers;
+- `correction`: rollout-correction importance weights (TIS, IcePop-style masking) and mismatch
+  metrics;
+- `dapo`: overlong penalty and the dynamic-sampling group filter.
+"""
+import importlib
+
+__all__ = ["advantages", "correction", "dapo", "kl", "losses"]
+
+
+def __getattr__(name: str):
+    # Lazy: `mrl.algos.config` is read by the spec loader, which must not pay for importing torch.
+    if name in __all__:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
