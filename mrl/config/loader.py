@@ -39,6 +39,7 @@ class Report:
     origins: dict[str, Origin] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    bad_keys: set[str] = field(default_factory=set)
 
     def where(self, key: str) -> Origin:
         parts = key.split(".")
@@ -258,32 +259,37 @@ def _parse_free(text: str) -> Any:
 # ---- typed build --------------------------------------------------------------------------------
 
 def build_section(cls, raw: Any, prefix: str, report: Report, valid: list[str]):
-    """Instance of section `cls` from `raw`, or None after reporting every problem in it."""
+    """Instance of section `cls` from `raw`, reporting every problem in it.
+
+    A field with a bad value falls back to its default (its key goes in `report.bad_keys`) so that
+    the cross-section checks still run and the user sees every error at once. Returns None only
+    when the section cannot be built at all (a required key is missing or bad).
+    """
     name = prefix[:-1] if prefix else "job spec"
     if not isinstance(raw, dict):
         report.error(name, f"must be a table, got {schema.kind_of(raw)}")
-        return None
+        report.bad_keys.add(name)
+        raw = {}
     fields = schema.fields_of(cls)
-    ok = True
     for key in raw:
         if key not in fields:
             dotted = prefix + key
             hint = suggest(dotted, list(fields), valid)
             report.error(dotted, "unknown key" + (f"; did you mean `{hint}`?" if hint else ""))
-            ok = False
     values = {}
+    buildable = True
     for fname, f in fields.items():
         dotted = prefix + fname
         if fname not in raw:
             if f.required:
                 report.error(dotted, f"missing required key ({f.meta.get('help') or schema.describe(f.type)})")
-                ok = False
+                buildable = False
             continue
         sub = schema.section_of(f.type)
         if sub is not None:
             value = build_section(sub, raw[fname], dotted + ".", report, valid)
             if value is None:
-                ok = False
+                buildable = False
             values[fname] = value
             continue
         try:
@@ -291,10 +297,16 @@ def build_section(cls, raw: Any, prefix: str, report: Report, valid: list[str]):
             schema.check_range(value, f.meta)
         except schema.ValueProblem as e:
             report.error(dotted, str(e))
-            ok = False
+            report.bad_keys.add(dotted)
+            buildable = buildable and not f.required
             continue
         values[fname] = value
-    return cls(**values) if ok else None
+    return cls(**values) if buildable else None
+
+
+def _about(problem: str, keys: set[str]) -> bool:
+    """Whether a formatted problem names one of `keys` (or a key inside one of them)."""
+    return any(f" {k}" in problem or f": {k}." in problem for k in keys)
 
 
 def load(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), root=None):
@@ -311,8 +323,13 @@ def load(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), r
     apply_overrides(raw, list(overrides), root, report)
     spec = build_section(root, raw, "", report, schema.all_keys(root))
     if spec is not None:
+        # Cross-section checks run even after field errors (bad values fell back to defaults),
+        # but a check about a key whose value was rejected would only repeat that error.
         spec = validate.resolve(spec, default_name=path.stem)
-        validate.check(spec, report)
+        checks = Report(main_file=report.main_file, origins=report.origins)
+        validate.check(spec, checks)
+        report.problems += [p for p in checks.problems if not _about(p, report.bad_keys)]
+        report.warnings += checks.warnings
     if report.problems:
         raise SpecError(report.problems[0], problems=report.problems)
     return spec, report

@@ -79,7 +79,8 @@ def check(spec: JobSpec, report) -> None:
     if par.sequence_parallel and par.tensor == 1:
         err("parallel.sequence_parallel", "needs parallel.tensor > 1 (it is 1)")
     expert_split = par.expert * par.expert_tensor
-    if world % par.pipeline == 0 and (world // par.pipeline) % expert_split:
+    expert_layout_set = par.expert > 1 or par.expert_tensor != par.tensor
+    if expert_layout_set and world % par.pipeline == 0 and (world // par.pipeline) % expert_split:
         err("parallel.expert", f"expert {par.expert} x expert_tensor {par.expert_tensor} = {expert_split} does not divide "
                                f"world / pipeline = {world} / {par.pipeline} = {world // par.pipeline}")
     if par.virtual_pipeline is not None and par.pipeline == 1:

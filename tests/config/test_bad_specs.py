@@ -143,6 +143,23 @@ def test_three_errors_are_all_listed(write_job, cli):
     assert "3 errors" in err
 
 
+def test_mixed_errors_are_all_listed(write_job, cli):
+    # a typo, a wrong type and an impossible layout: all three are reported in one run
+    path = write_job({"rollout": {"temprature": 0.7, "top_k": "50"},
+                      "platform": {"ranks_per_node": 3}, "parallel": {"tensor": 3}})
+    rc, _, err = cli("validate", path)
+    assert rc == 2
+    named = [line.split(": ")[2] for line in err.splitlines() if line.startswith("error:")]
+    assert {"rollout.temprature", "rollout.top_k", "parallel.tensor"} <= set(named), err
+
+
+def test_rejected_value_is_not_reported_twice(write_job, cli):
+    # responses_per_prompt is rejected; the GRPO check must not then complain about its default of 1
+    rc, _, err = cli("validate", write_job({"rollout": {"responses_per_prompt": "8"}}))
+    assert rc == 2
+    assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1, err
+
+
 def test_arithmetic_errors_are_all_listed(write_job, cli):
     path = write_job({"data": {"prompts_per_step": 10}, "actor": {"mini_batch_prompts": 4, "micro_batch_tokens": 8},
                       "rollout": {"responses_per_prompt": 1}})
