@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 
 from mrl.config.job import JobSpec
 from mrl.models.facts import builtin_preset, model_facts
+from mrl.reward import function as reward_function
 
 _GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
 _SEQ_MEAN_LOSSES = ("gspo", "sapo")
@@ -158,6 +158,10 @@ def check(spec: JobSpec, report) -> None:
         err("rollout.multi_turn.enable", "multi-turn rollouts need rollout.engine = 'vllm'")
 
     # --- data source
+    if data.generator is not None:
+        problem = reward_function.static_problem(data.generator, n_args=2, signature="generator(size, seed)")
+        if problem:
+            err("data.generator", problem)
     if not data.train_files and data.generator is None:
         err("data.train_files", "no prompts: set data.train_files or data.generator")
     for f in data.train_files:
@@ -210,11 +214,9 @@ def check(spec: JobSpec, report) -> None:
         got = ", ".join(f"reward.{k}" for k in sources) or "none"
         err("reward", f"set exactly one of reward.function, reward.builtin, reward.model_path (got {got})")
     if rw.function is not None:
-        target, sep, func = rw.function.rpartition(":")
-        if not sep or not target or not func.isidentifier():
-            err("reward.function", f"{rw.function!r} is not 'path/to/file.py:function' or 'module:function'")
-        elif target.endswith(".py") and not Path(target).is_file():
-            err("reward.function", f"file {target!r} not found (relative to the working directory {os.getcwd()})")
+        problem = reward_function.static_problem(rw.function)
+        if problem:
+            err("reward.function", problem)
 
     # --- checkpoint / trainer
     if spec.checkpoint.resume == "must" and spec.checkpoint.load_from is None and spec.checkpoint.dir is None:

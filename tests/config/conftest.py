@@ -1,4 +1,5 @@
 import copy
+from pathlib import Path
 
 import pytest
 import tomli_w
@@ -41,8 +42,10 @@ def write_job(tmp_path):
 
 
 @pytest.fixture
-def cli(capsys):
-    """Run `mrl ARGS...` in-process; return (exit code, stdout, stderr)."""
+def cli(capsys, monkeypatch):
+    """Run `mrl ARGS...` in-process from the repository root; return (exit code, stdout, stderr)."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+
     def run(*args: str):
         rc = main([str(a) for a in args])
         out, err = capsys.readouterr()

@@ -95,6 +95,11 @@ CASES = [
     ("two-reward-sources", {"reward": {"function": "mrl.data.generators:arithmetic"}}, "reward", "got reward.function, reward.builtin"),
     ("reward-file-missing", {"reward": {"builtin": DELETE, "function": "nowhere/rw.py:score"}}, "reward.function", "not found"),
     ("reward-bad-format", {"reward": {"builtin": DELETE, "function": "rw.py"}}, "reward.function", "is not 'path/to/file.py:function'"),
+    ("reward-function-misspelt", {"reward": {"builtin": DELETE, "function": "jobs/rewards/arithmetic.py:scor"}},
+     "reward.function", "has no function 'scor'; did you mean 'score'?"),
+    ("reward-function-signature", {"reward": {"builtin": DELETE, "function": "mrl.data.generators:arithmetic"}},
+     "reward.function", "must accept 4 positional arguments"),
+    ("generator-module-missing", {"data": {"generator": "no_such_module_xyz:rows"}}, "data.generator", "module 'no_such_module_xyz' not found"),
     ("no-prompt-source", {"data": {"generator": DELETE}}, "data.train_files", "no prompts"),
 ]
 

@@ -1,0 +1,69 @@
+"""User reward functions named as `path/to/file.py:function` or `package.module:function`.
+
+`static_problem` checks a reference without running the user's code (it parses the file), so
+`mrl validate` can catch a missing file, a misspelt function name or a wrong signature before any
+compute starts. The reward stage loads and runs the function in isolated worker processes.
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+from pathlib import Path
+
+SIGNATURE = "score(prompt, response, ground_truth, extra)"
+
+
+def split_ref(ref: str) -> tuple[str, str] | None:
+    """('file.py' or 'module', 'function'), or None when `ref` is malformed."""
+    target, sep, func = ref.rpartition(":")
+    if not sep or not target or not func.isidentifier():
+        return None
+    return target, func
+
+
+def source_file(target: str) -> Path | None:
+    """The .py file behind a path or an importable module name (without importing it)."""
+    if target.endswith(".py"):
+        return Path(target)
+    try:
+        spec = importlib.util.find_spec(target)
+    except (ImportError, ValueError):
+        return None
+    return Path(spec.origin) if spec is not None and spec.origin and spec.origin.endswith(".py") else None
+
+
+def _accepts(fn: ast.FunctionDef | ast.AsyncFunctionDef, n: int) -> bool:
+    a = fn.args
+    positional = len(a.posonlyargs) + len(a.args)
+    required = positional - len(a.defaults)
+    return a.vararg is not None or required <= n <= positional
+
+
+def static_problem(ref: str, n_args: int = 4, signature: str = SIGNATURE) -> str | None:
+    """Why `ref` cannot be the named function, or None if it looks right."""
+    parts = split_ref(ref)
+    if parts is None:
+        return f"{ref!r} is not 'path/to/file.py:function' or 'module:function'"
+    target, func = parts
+    path = source_file(target)
+    if path is None:
+        what = "file" if target.endswith(".py") else "module"
+        return f"{what} {target!r} not found" + (" (paths are relative to the working directory)" if what == "file" else "")
+    if not path.is_file():
+        return f"file {target!r} not found (paths are relative to the working directory)"
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except SyntaxError as e:
+        return f"{target} does not parse: line {e.lineno}: {e.msg}"
+    defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    assigned = {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    imported = {(a.asname or a.name).split(".")[0] for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    if func not in defs:
+        if func in assigned or func in imported:
+            return None  # defined dynamically; checked when loaded
+        close = difflib.get_close_matches(func, list(defs), n=1)
+        return f"{target} has no function {func!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+    if not _accepts(defs[func], n_args):
+        return f"{target}:{defs[func].lineno}: {func} must accept {n_args} positional arguments: {signature}"
+    return None
