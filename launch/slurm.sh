@@ -5,6 +5,8 @@
 # any rank starts. Ranks read SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID; the rendezvous address
 # is the first node of the allocation. MRL_COMMAND picks the subcommand (default: preflight,
 # until `mrl train` lands); MRL_VENV the virtualenv (default: .venv in the submit directory).
+# Command-line options override the #SBATCH lines below: on a cluster without GPUs (or to run a
+# CPU job such as jobs/quickstart_cpu.toml) add --gpus-per-node=0.
 #SBATCH --job-name=mrl
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
@@ -23,9 +25,15 @@ RANKS=$("$PY" -m mrl show "$@" --get platform.ranks_per_node)
 HAVE_NODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
 HAVE_TASKS=${SLURM_NTASKS:-0}
 if [ "$HAVE_NODES" != "$NODES" ] || [ "$HAVE_TASKS" != $((NODES * RANKS)) ]; then
+  # The resubmit command keeps a GPU count the user chose over the #SBATCH default, and quotes
+  # the job arguments so that it can be pasted as is.
+  GPUS=""
+  if [ -n "${SLURM_GPUS_PER_NODE:-}" ] && [ "$SLURM_GPUS_PER_NODE" != 8 ]; then
+    GPUS=" --gpus-per-node $(printf '%q' "$SLURM_GPUS_PER_NODE")"
+  fi
   echo "error: $JOB wants platform.nodes $NODES x platform.ranks_per_node $RANKS = $((NODES * RANKS)) ranks;" \
        "this allocation has $HAVE_NODES node(s) and $HAVE_TASKS task(s)." \
-       "Submit with: sbatch --nodes $NODES --ntasks-per-node $RANKS launch/slurm.sh $*" >&2
+       "Submit with: sbatch --nodes $NODES --ntasks-per-node $RANKS$GPUS launch/slurm.sh$(printf ' %q' "$@")" >&2
   exit 2
 fi
 

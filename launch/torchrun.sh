@@ -6,12 +6,13 @@ set -euo pipefail
 JOB=${1:?usage: launch/torchrun.sh JOB.toml [key=value ...]}
 cd "$(dirname "$0")/.."
 VENV=${MRL_VENV:-.venv}
-MRL="$VENV/bin/python -m mrl"
-$MRL validate "$@" >/dev/null   # a bad spec fails here, before any rank starts
-NODES=$($MRL show "$@" --get platform.nodes)
-RANKS=$($MRL show "$@" --get platform.ranks_per_node)
+mrl() { "$VENV/bin/python" -m mrl "$@"; }
+mrl validate "$@" >/dev/null   # a bad spec fails here, before any rank starts
+NODES=$(mrl show "$@" --get platform.nodes)
+RANKS=$(mrl show "$@" --get platform.ranks_per_node)
 if [ "$NODES" != 1 ]; then
-  echo "error: $JOB: platform.nodes = $NODES; launch multi-node jobs with: sbatch launch/slurm.sh $JOB" >&2
+  echo "error: $JOB: platform.nodes = $NODES; launch multi-node jobs with:" \
+       "sbatch --nodes $NODES --ntasks-per-node $RANKS launch/slurm.sh$(printf ' %q' "$@")" >&2
   exit 2
 fi
 exec "$VENV/bin/torchrun" --standalone --nnodes 1 --nproc_per_node "$RANKS" -m mrl "${MRL_COMMAND:-preflight}" "$@"

@@ -1,7 +1,8 @@
 """The `mrl` command.
 
 Exit codes: 0 success; 2 a user error (bad spec, data, reward function or command line), printed
-as one line per problem with no traceback; 1 an internal error, printed with its traceback.
+as one line per problem with no traceback; 1 an internal error, printed with its traceback, or a
+collective that timed out, printed as one line naming the stage.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import argparse
 import sys
 import traceback
 
-from mrl.errors import UserError
+from mrl.errors import CollectiveTimeout, UserError
 
 
 def _split_args(items: list[str]) -> tuple[list[str], list[str]]:
@@ -113,6 +114,18 @@ def cmd_keys(args) -> int:
     return 0
 
 
+def cmd_preflight(args) -> int:
+    from mrl import preflight
+    from mrl.config.loader import load
+
+    jobs, overrides = _split_args(args.items)
+    if len(jobs) != 1:
+        raise UserError(f"mrl preflight takes one job file, got {len(jobs)}: {' '.join(jobs)}")
+    spec, _ = load(jobs[0], overrides)
+    preflight.run(spec)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mrl", description="Megatron-centric RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")
     p.add_argument("--get", metavar="KEY", help="print only this resolved value (for scripts), e.g. platform.world_size")
     p.set_defaults(func=cmd_show)
+    p = sub.add_parser("preflight", help="bring the job's platform up on its real layout and run one forward/backward "
+                                         "(run under torchrun or srun with the job's world size)")
+    p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")
+    p.set_defaults(func=cmd_preflight)
     p = sub.add_parser("keys", help="list every job-spec key with its type, default and meaning")
     p.add_argument("prefix", nargs="?", default="", help="only keys starting with this (e.g. rollout.)")
     p.set_defaults(func=cmd_keys)
@@ -137,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         for line in e.problems:
             print(f"error: {line}", file=sys.stderr)
         return 2
+    except CollectiveTimeout as e:  # a hang turned into an error: the message names the stage
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except Exception:  # an mrl bug: show everything

@@ -18,9 +18,11 @@ def free_port() -> int:
 
 def run_torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 300,
                  env: dict | None = None) -> subprocess.CompletedProcess:
-    """Launch `script` on `nproc` local ranks; fail the calling test with all output if any rank fails."""
+    """Launch `script` (a path, or "-m module") on `nproc` local ranks; fail the calling test with
+    all output if any rank fails."""
+    target = str(script).split() if str(script).startswith("-m ") else [str(script)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args]
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *target, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

@@ -112,6 +112,10 @@ def check(spec: JobSpec, report) -> None:
                 err("parallel.expert", f"is {par.expert} but the model has no experts ({src})")
             elif facts.num_experts % par.expert:
                 err("parallel.expert", f"{par.expert} does not divide the {facts.num_experts} experts ({src})")
+        if facts.num_experts and par.tensor > 1 and not par.sequence_parallel:
+            err("parallel.sequence_parallel", f"megatron trains MoE models with parallel.tensor {par.tensor} > 1 only with "
+                                              "sequence_parallel = true" + (" (not available on cpu: use tensor = 1 there)"
+                                                                            if plat.device == "cpu" else ""))
         if facts.num_attention_heads % roll.tensor_parallel:
             err("rollout.tensor_parallel", f"{roll.tensor_parallel} does not divide the {facts.num_attention_heads} attention heads ({src})")
 

@@ -62,6 +62,8 @@ CASES = [
      "parallel.expert", "3 does not divide the 4 experts"),
     ("ep-not-dividing-world", {"parallel": {"expert": 4}, "model": {"path": "builtin:tiny-qwen3-moe"}},
      "parallel.expert", "expert 4 x expert_tensor 1 = 4 does not divide world / pipeline"),
+    ("moe-tp-without-sp", {"parallel": {"tensor": 2}, "model": {"path": "builtin:tiny-qwen3-moe"}},
+     "parallel.sequence_parallel", "MoE models with parallel.tensor 2 > 1 only with sequence_parallel = true"),
     ("micro-batch-too-small", {"actor": {"micro_batch_tokens": 64}}, "actor.micro_batch_tokens",
      "cannot hold one sequence of data.max_prompt_tokens 64 + rollout.max_response_tokens 32 = 96 tokens"),
     ("max-model-len-too-short", {"rollout": {"max_model_len": 50}}, "rollout.max_model_len", "50 is shorter than"),

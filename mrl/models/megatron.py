@@ -1,0 +1,158 @@
+"""Hugging Face architecture configs -> megatron-core GPTModel shards on this rank's layout.
+
+Supported decoder families: Llama/Mistral (RMSNorm, SwiGLU, RoPE, GQA), Qwen2 (plus QKV bias),
+Qwen3 (plus QK-norm) and Qwen3-MoE (plus routed experts, softmax router with normalised top-k).
+Weights here are random (megatron's init); loading Hugging Face weights is the weight-mapping
+layer's job.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mrl.errors import UserError
+from mrl.models.config import ModelConfig
+from mrl.models.facts import BUILTIN_PRESETS, builtin_preset
+from mrl.platform.config import ParallelConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def hf_config(model: ModelConfig) -> dict[str, Any]:
+    """The model's Hugging Face config as a dict, from a builtin preset or `<path>/config.json`."""
+    preset = builtin_preset(model.path)
+    if preset is not None:
+        if preset not in BUILTIN_PRESETS:
+            raise UserError(f"model.path: unknown builtin preset {preset!r} (presets: {', '.join(BUILTIN_PRESETS)})")
+        return dict(BUILTIN_PRESETS[preset])
+    config_json = Path(model.path) / "config.json"
+    if not config_json.is_file():
+        raise UserError(f"model.path: {model.path!r} has no config.json here (a local Hugging Face model directory is needed)")
+    cfg = json.loads(config_json.read_text())
+    return cfg.get("text_config", cfg)
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int, multiple: int = 128) -> int:
+    """Vocabulary padded so every TP rank holds an equal, aligned slice (as Megatron training does)."""
+    step = multiple * tensor_parallel
+    return -(-vocab_size // step) * step
+
+
+def _te_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConfig, device: str,
+                       recompute: str = "none"):
+    """A megatron `TransformerConfig` for the HF config `hf` on the job's parallel layout."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UserError(f"model.path: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UserError(f"model.path: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
+    torch_dtype = _DTYPES[dtype]
+    heads = hf["num_attention_heads"]
+    fused = device == "cuda" and _te_available()
+    kwargs: dict[str, Any] = dict(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=hf.get("initializer_range", 0.02),
+        params_dtype=torch_dtype,
+        bf16=torch_dtype is torch.bfloat16,
+        fp16=torch_dtype is torch.float16,
+        pipeline_dtype=torch_dtype if parallel.pipeline > 1 else None,
+        use_cpu_initialization=device == "cpu",
+        gradient_accumulation_fusion=fused,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=fused,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+        context_parallel_size=parallel.context,
+        expert_model_parallel_size=parallel.expert,
+        expert_tensor_parallel_size=parallel.expert_tensor or parallel.tensor,
+        sequence_parallel=parallel.sequence_parallel,
+    )
+    if recompute == "selective":
+        kwargs.update(recompute_granularity="selective")
+    elif recompute == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    if experts:
+        kwargs.update(
+            num_moe_experts=experts,
+            moe_router_topk=hf["num_experts_per_tok"],
+            moe_ffn_hidden_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
+            moe_router_score_function="softmax",
+            # top-k over logits, then softmax over the k = softmax, top-k, renormalise (norm_topk_prob)
+            moe_router_pre_softmax=not hf.get("norm_topk_prob", True),
+            moe_token_dispatcher_type="alltoall",
+            moe_router_load_balancing_type="aux_loss" if hf.get("router_aux_loss_coef") else "none",
+            moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef") or 0.0),
+            moe_grouped_gemm=fused,
+            moe_permute_fusion=False,
+        )
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None):
+    """This rank's GPTModel shard (one virtual-pipeline chunk) for `hf` with `config`."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    experts = config.num_moe_experts
+    if _te_available() and not config.use_cpu_initialization:
+        layer_spec = specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=config.qk_layernorm)
+    else:
+        layer_spec = specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                    qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=padded_vocab_size(hf["vocab_size"], config.tensor_model_parallel_size),
+        max_sequence_length=hf.get("max_position_embeddings", 4096),
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=int(hf.get("rope_theta", 10000)),
+        vp_stage=vp_stage,
+    )
+
+
+def build_model_chunks(model: ModelConfig, parallel: ParallelConfig, *, device: str, recompute: str = "none"):
+    """(hf config, [GPTModel per virtual-pipeline stage]) for this rank, moved to its device."""
+    hf = hf_config(model)
+    config = transformer_config(hf, dtype=model.dtype, parallel=parallel, device=device, recompute=recompute)
+    stages = parallel.virtual_pipeline or 1
+    chunks = [build_gpt(hf, config, vp_stage=i if parallel.virtual_pipeline else None) for i in range(stages)]
+    if device == "cuda":
+        chunks = [c.cuda(torch.cuda.current_device()) for c in chunks]
+    return hf, chunks

@@ -1,0 +1,441 @@
+"""Process-group set-up for SPMD launches, and collective timeouts that name the stage.
+
+Launchers (detected from the environment, first match wins):
+
+| launcher | detected by | rank / world / local rank | rendezvous |
+| --- | --- | --- | --- |
+| torchrun | `RANK` and `WORLD_SIZE` | `RANK`, `WORLD_SIZE`, `LOCAL_RANK` | TCP store at `MASTER_ADDR`:`MASTER_PORT` (torchrun's agent hosts it) |
+| Slurm `srun` | `SLURM_PROCID` and `SLURM_NTASKS` | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` | TCP store hosted by rank 0 on `MASTER_ADDR` or the first host of `SLURM_STEP_NODELIST` / `SLURM_JOB_NODELIST`; port `MASTER_PORT` or derived from `SLURM_JOB_ID` |
+| single | neither | 0 / 1 / 0 | in-process hash store |
+
+The backend is nccl on the cuda platform and gloo on cpu unless the job says otherwise.
+
+Timeouts: the process group is created with `timeout=collective_timeout_s`, which gloo (and nccl
+with async error handling) enforce per collective. `stage(name)` marks a region of the program
+(e.g. "weight sync"); a backend timeout raised inside it becomes a `CollectiveTimeout` naming the
+stage, and a watchdog thread ends a process whose stage outlives its deadline without the
+backend noticing (a collective stuck in C++ cannot be interrupted from Python any other way).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import itertools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from typing import Iterator, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from mrl.errors import CollectiveTimeout, UserError
+
+# Exit status of a process ended by the stage watchdog (distinct from 1 = bug, 2 = user error).
+WATCHDOG_EXIT_CODE = 124
+
+
+# --------------------------------------------------------------------------- launch detection
+
+@dataclasses.dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, as told by its launcher."""
+
+    launcher: str  # "torchrun" | "slurm" | "single"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+
+
+def _int_env(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise UserError(f"environment variable {key}={env[key]!r} is not an integer") from None
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm compressed host list: `node[01-03,07],gpu5` -> node01 node02 node03 node07 gpu5.
+
+    Handles zero padding, several bracket groups in one name (`r[1-2]-n[01-02]`, expanded as a
+    cartesian product in Slurm's order) and comma-separated items. Raises `ValueError` on a
+    malformed list.
+    """
+    items, depth, cur = [], 0, []
+    for ch in nodelist.strip():
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in nodelist {nodelist!r}")
+        if ch == "," and depth == 0:
+            items.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if depth != 0:
+        raise ValueError(f"unbalanced '[' in nodelist {nodelist!r}")
+    items.append("".join(cur))
+
+    hosts: list[str] = []
+    for item in items:
+        item = item.strip()
+        if not item:
+            continue
+        parts = re.split(r"(\[[^\]]*\])", item)
+        choices: list[list[str]] = []
+        for part in parts:
+            if part.startswith("["):
+                choices.append(_expand_range_list(part[1:-1], nodelist))
+            elif part:
+                choices.append([part])
+        hosts.extend("".join(p) for p in itertools.product(*choices))
+    if not hosts:
+        raise ValueError(f"empty nodelist {nodelist!r}")
+    return hosts
+
+
+def _expand_range_list(spec: str, nodelist: str) -> list[str]:
+    out = []
+    for rng in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", rng)
+        if not m:
+            raise ValueError(f"bad range {rng!r} in nodelist {nodelist!r}")
+        lo, hi = m.group(1), m.group(2) or m.group(1)
+        if int(hi) < int(lo):
+            raise ValueError(f"descending range {rng!r} in nodelist {nodelist!r}")
+        width = len(lo)
+        out.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
+    return out
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm nodelist (the rendezvous host); falls back to `scontrol`."""
+    try:
+        return expand_nodelist(nodelist)[0]
+    except ValueError:
+        if shutil.which("scontrol") is None:
+            raise UserError(f"cannot parse SLURM nodelist {nodelist!r} and scontrol is not on PATH") from None
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, timeout=30, check=False)
+        hosts = out.stdout.split()
+        if out.returncode != 0 or not hosts:
+            raise UserError(f"cannot expand SLURM nodelist {nodelist!r}: scontrol said {out.stderr.strip()!r}") from None
+        return hosts[0]
+
+
+def slurm_master_port(env: Mapping[str, str]) -> int:
+    """`MASTER_PORT` if set, else a port derived from the job id so that concurrent jobs sharing a
+    node do not collide (15000-29999: below Linux's default ephemeral range)."""
+    if "MASTER_PORT" in env:
+        return _int_env(env, "MASTER_PORT")
+    job = env.get("SLURM_JOB_ID", "0")
+    return 15000 + (int(job) if job.isdigit() else 0) % 15000
+
+
+def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read rank, world size and rendezvous address from torchrun's or Slurm's variables."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = _int_env(env, "WORLD_SIZE")
+        return LaunchEnv(
+            launcher="torchrun",
+            rank=_int_env(env, "RANK"),
+            world_size=world,
+            local_rank=_int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
+            local_world_size=_int_env(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world,
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=_int_env(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if "MASTER_ADDR" in env:
+            addr = env["MASTER_ADDR"]
+        elif nodelist:
+            addr = first_host(nodelist)
+        else:
+            raise UserError("SLURM_PROCID is set but no SLURM_*NODELIST or MASTER_ADDR names the rendezvous host")
+        world = _int_env(env, "SLURM_NTASKS")
+        local_world = world
+        tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+        if tasks_per_node:
+            # e.g. "4(x2),3": tasks on the first node; homogeneous layouts are the norm.
+            m = re.match(r"(\d+)", tasks_per_node)
+            if m:
+                local_world = int(m.group(1))
+        return LaunchEnv(
+            launcher="slurm",
+            rank=_int_env(env, "SLURM_PROCID"),
+            world_size=world,
+            local_rank=_int_env(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            local_world_size=local_world,
+            master_addr=addr,
+            master_port=slurm_master_port(env),
+        )
+    return LaunchEnv(launcher="single", rank=0, world_size=1, local_rank=0, local_world_size=1)
+
+
+def check_world_size(launched: int, expected: int, launcher: str) -> None:
+    """Raise `UserError` when the launch and the job disagree on the number of ranks."""
+    if launched != expected:
+        hint = {
+            "torchrun": "torchrun --nnodes/--nproc_per_node",
+            "slurm": "sbatch/srun --nodes/--ntasks-per-node",
+            "single": "a plain `python` run (one process); launch with torchrun or srun for more",
+        }[launcher]
+        raise UserError(
+            f"the job expects world size {expected} (platform.nodes x platform.ranks_per_node) "
+            f"but {launcher} started {launched} rank(s) ({hint}); make them agree"
+        )
+
+
+def resolve_backend(backend: str, device: str) -> str:
+    """`auto` -> nccl on cuda, gloo on cpu; nccl on cpu is refused."""
+    if backend == "auto":
+        return "nccl" if device == "cuda" else "gloo"
+    if backend == "nccl" and device == "cpu":
+        raise UserError("platform.backend = 'nccl' needs platform.device = 'cuda'; use 'gloo' (or 'auto') on cpu")
+    return backend
+
+
+# --------------------------------------------------------------------------- process group
+
+def init_process_group(launch: LaunchEnv, *, backend: str, device: torch.device,
+                       collective_timeout_s: float, init_timeout_s: float) -> None:
+    """Create the default process group for `launch`.
+
+    The group's timeout is `collective_timeout_s`; rendezvous waits at most `init_timeout_s`
+    for all ranks. On nccl the group is bound to this rank's GPU up front. Each init in a
+    process uses a fresh key prefix on the rendezvous store, so `teardown()` + `setup()` in one
+    process works (a second plain `env://` init would read the first group's stale addresses).
+    """
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized; call mrl.platform.teardown() first")
+    timeout = datetime.timedelta(seconds=collective_timeout_s)
+    kwargs = {}
+    if backend == "nccl":
+        kwargs["device_id"] = device
+    if launch.launcher == "single":
+        store = dist.HashStore()
+    else:
+        store = dist.PrefixStore(f"mrl/pg{_STATE.generation}", _base_store(launch, init_timeout_s))
+    _STATE.generation += 1
+    dist.init_process_group(backend=backend, store=store, rank=launch.rank, world_size=launch.world_size,
+                            timeout=timeout, **kwargs)
+    _STATE.default_timeout_s = collective_timeout_s
+    _STATE.rank, _STATE.world_size = launch.rank, launch.world_size
+
+
+def _base_store(launch: LaunchEnv, init_timeout_s: float) -> dist.Store:
+    """The job's TCP rendezvous store, created once per process and reused by later inits.
+
+    Under torchrun the elastic agent already hosts it at MASTER_ADDR:MASTER_PORT
+    (TORCHELASTIC_USE_AGENT_STORE=True) and every rank is a client; otherwise (Slurm, or torchrun
+    without an agent store) rank 0 hosts it and waits for the others. Every rank passes
+    `wait_for_workers=True`: a client only counts as joined when it does.
+    """
+    key = (launch.master_addr, launch.master_port, launch.world_size)
+    if _STATE.base_store is not None and _STATE.base_store_key == key:
+        return _STATE.base_store
+    if not launch.master_addr or launch.master_port is None:
+        raise UserError(f"{launch.launcher} launch without MASTER_ADDR/MASTER_PORT: cannot rendezvous")
+    agent = launch.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    host = not agent and launch.rank == 0
+    try:
+        store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=host,
+                              timeout=datetime.timedelta(seconds=init_timeout_s), wait_for_workers=True,
+                              multi_tenant=True)
+    except (dist.DistError, RuntimeError) as e:
+        raise CollectiveTimeout(
+            f"stage 'process-group init': rank {launch.rank}/{launch.world_size} could not rendezvous "
+            f"at {launch.master_addr}:{launch.master_port} within {init_timeout_s:g} s ({_first_line(e)}). "
+            "Are all ranks running? Inside an sbatch script, start ranks with `srun`."
+        ) from e
+    _STATE.base_store, _STATE.base_store_key = store, key
+    return store
+
+
+def destroy_process_group() -> None:
+    """Tear down the default process group (idempotent)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE.default_timeout_s = None
+
+
+# --------------------------------------------------------------------------- stages and watchdog
+
+class _State:
+    def __init__(self):
+        self.default_timeout_s: Optional[float] = None
+        self.rank: int = 0
+        self.world_size: int = 1
+        self.generation: int = 0
+        self.base_store: Optional[dist.Store] = None
+        self.base_store_key: Optional[tuple] = None
+        self.local = threading.local()
+
+
+_STATE = _State()
+
+# Messages with which backends report a collective that ran out of time.
+_TIMEOUT_MARKERS = ("timed out", "timeout", "deadline exceeded")
+
+
+def current_stage() -> Optional[str]:
+    """The innermost active `stage` of this thread, or None."""
+    stack = getattr(_STATE.local, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__
+
+
+def _is_timeout(e: BaseException) -> bool:
+    if isinstance(e, CollectiveTimeout):
+        return False
+    if not isinstance(e, (RuntimeError, dist.DistError)):
+        return False
+    msg = str(e).lower()
+    return any(m in msg for m in _TIMEOUT_MARKERS)
+
+
+@dataclasses.dataclass
+class _Watch:
+    stage: str
+    timeout_s: float
+    grace_s: float
+    deadline: float        # start + timeout: warn, naming the stage
+    kill_at: float         # deadline + grace: abort and exit
+    warned: bool = False
+
+
+class _Watchdog:
+    """One daemon thread that watches every active stage's deadline.
+
+    At `timeout_s` it prints which stage on which rank overran (so the log names the stage even
+    if the backend then kills the process: nccl's own watchdog tears a rank down on timeout).
+    The backend's timeout normally fires at about the same time (gloo raises, which `stage` turns
+    into `CollectiveTimeout`). The backstop, for a collective stuck where no timeout applies: at
+    `timeout_s + grace_s` it tries to abort the process group so blocked calls return, waits
+    `grace_s` more, and exits with `WATCHDOG_EXIT_CODE` so the launcher tears the job down
+    instead of it hanging forever.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._active: dict[int, _Watch] = {}
+        self._next = 0
+        self._thread: Optional[threading.Thread] = None
+        self._wake = threading.Event()
+
+    def register(self, name: str, timeout_s: float, grace_s: float) -> int:
+        now = time.monotonic()
+        with self._lock:
+            token = self._next
+            self._next += 1
+            self._active[token] = _Watch(name, timeout_s, grace_s, now + timeout_s, now + timeout_s + grace_s)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="mrl-stage-watchdog", daemon=True)
+                self._thread.start()
+        self._wake.set()
+        return token
+
+    def unregister(self, token: int) -> None:
+        with self._lock:
+            self._active.pop(token, None)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            with self._lock:
+                now = time.monotonic()
+                watches = list(self._active.values())
+            for w in watches:
+                if now >= w.kill_at:
+                    self._fire(w)
+                    return
+                if now >= w.deadline and not w.warned:
+                    w.warned = True
+                    print(f"mrl: rank {_STATE.rank}/{_STATE.world_size}: stage '{w.stage}' has run past its "
+                          f"{w.timeout_s:g} s collective timeout", file=sys.stderr, flush=True)
+            pending = [w.kill_at if w.warned else w.deadline for w in watches]
+            self._wake.wait(timeout=max(0.05, min(pending) - now) if pending else None)
+
+    def _fire(self, w: _Watch) -> None:
+        print(f"mrl: rank {_STATE.rank}/{_STATE.world_size}: collective in stage '{w.stage}' did not finish "
+              f"within {w.timeout_s:g} s and the backend did not time it out; aborting the process",
+              file=sys.stderr, flush=True)
+        # Abort on a helper thread (it can block too); nccl's blocked collectives then return an error.
+        threading.Thread(target=_try_abort, name="mrl-pg-abort", daemon=True).start()
+        time.sleep(w.grace_s)
+        os._exit(WATCHDOG_EXIT_CODE)
+
+
+def _try_abort() -> None:
+    try:
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None and dist.is_initialized():
+            abort()
+    except Exception:  # noqa: BLE001 - best effort before the hard exit
+        pass
+
+
+_WATCHDOG = _Watchdog()
+
+
+def _grace(timeout_s: float) -> float:
+    return max(5.0, 0.1 * timeout_s)
+
+
+@contextlib.contextmanager
+def stage(name: str, timeout_s: Optional[float] = None, *, watchdog: bool = True,
+          grace_s: Optional[float] = None) -> Iterator[None]:
+    """Mark a region whose collectives must finish within `timeout_s` (default: the job's
+    `collective_timeout_s`, which is also the process group's timeout: a longer `timeout_s`
+    cannot extend what the backend enforces, a shorter one arms the watchdog earlier).
+
+    A backend timeout raised inside becomes `CollectiveTimeout("collective in stage 'NAME' did not
+    finish within T s ...")`; other distributed errors get a note naming the stage. With
+    `watchdog`, a stage still running `timeout_s` + `grace_s` (default max(5 s, 10 %)) after it
+    started ends the process (see `_Watchdog`). Stages nest; the innermost name is reported.
+    A stage is per thread; the watchdog watches all threads' stages.
+    """
+    if timeout_s is None:
+        timeout_s = _STATE.default_timeout_s if _STATE.default_timeout_s is not None else 1800.0
+    stack = getattr(_STATE.local, "stack", None)
+    if stack is None:
+        stack = _STATE.local.stack = []
+    stack.append(name)
+    grace_s = _grace(timeout_s) if grace_s is None else grace_s
+    token = _WATCHDOG.register(name, timeout_s, grace_s) if watchdog else None
+    start = time.monotonic()
+    try:
+        yield
+    except BaseException as e:
+        elapsed = time.monotonic() - start
+        limit = min(timeout_s, _STATE.default_timeout_s or timeout_s)  # the backend fires at its own timeout
+        if _is_timeout(e) and elapsed >= 0.9 * limit:
+            raise CollectiveTimeout(
+                f"collective in stage '{name}' did not finish within {limit:g} s "
+                f"(rank {_STATE.rank}/{_STATE.world_size}, {elapsed:.1f} s into the stage): "
+                f"{_first_line(e)}. A peer rank is stuck, crashed or skipped the collective; "
+                "its log names where."
+            ) from e
+        if isinstance(e, (RuntimeError, dist.DistError)) and not isinstance(e, CollectiveTimeout):
+            e.add_note(f"mrl: raised in stage '{name}' on rank {_STATE.rank}/{_STATE.world_size}")
+        raise
+    finally:
+        if token is not None:
+            _WATCHDOG.unregister(token)
+        stack.pop()
