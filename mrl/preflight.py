@@ -16,7 +16,7 @@ import torch
 
 
 def _synthetic_batch(vocab: int, batch: int, seq: int, seed: int, device) -> dict:
-    from mrl.platform.tiny_model import causal_attention_mask, position_ids
+    from mrl.models.megatron import causal_attention_mask, position_ids
 
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)

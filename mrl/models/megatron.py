@@ -48,9 +48,27 @@ def _te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+def parallel_from_state() -> ParallelConfig:
+    """The `ParallelConfig` megatron's parallel state was initialised with."""
+    from megatron.core import parallel_state as ps
+
+    return ParallelConfig(
+        tensor=ps.get_tensor_model_parallel_world_size(),
+        pipeline=ps.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline=ps.get_virtual_pipeline_model_parallel_world_size(),
+        context=ps.get_context_parallel_world_size(),
+        expert=ps.get_expert_model_parallel_world_size(),
+        expert_tensor=ps.get_expert_tensor_parallel_world_size(),
+    )
+
+
 def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConfig, device: str,
-                       recompute: str = "none"):
-    """A megatron `TransformerConfig` for the HF config `hf` on the job's parallel layout."""
+                       recompute: str = "none", **overrides):
+    """A megatron `TransformerConfig` for the HF config `hf` on the job's parallel layout.
+
+    On cpu, weights are drawn whole on every rank and sliced (`use_cpu_initialization`), so one
+    seed gives the same model at any TP/EP size. `overrides` are TransformerConfig fields.
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     model_type = hf.get("model_type")
@@ -117,11 +135,18 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
             moe_grouped_gemm=fused,
             moe_permute_fusion=False,
         )
+    kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None):
-    """This rank's GPTModel shard (one virtual-pipeline chunk) for `hf` with `config`."""
+def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_multiple: int = 128,
+              max_sequence_length: int | None = None, pre_process: bool | None = None,
+              post_process: bool | None = None):
+    """This rank's GPTModel shard (one virtual-pipeline chunk) for `hf` with `config`.
+
+    The vocabulary is padded to a multiple of `vocab_multiple x TP`; pre/post-processing (embedding,
+    output layer) default to this rank's place in the pipeline.
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs as specs
@@ -136,10 +161,12 @@ def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None):
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
-        vocab_size=padded_vocab_size(hf["vocab_size"], config.tensor_model_parallel_size),
-        max_sequence_length=hf.get("max_position_embeddings", 4096),
-        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        vocab_size=padded_vocab_size(hf["vocab_size"], config.tensor_model_parallel_size, vocab_multiple),
+        max_sequence_length=max_sequence_length or hf.get("max_position_embeddings", 4096),
+        pre_process=(ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+                     if pre_process is None else pre_process),
+        post_process=(ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+                      if post_process is None else post_process),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
         rotary_base=int(hf.get("rope_theta", 10000)),
@@ -156,3 +183,23 @@ def build_model_chunks(model: ModelConfig, parallel: ParallelConfig, *, device: 
     if device == "cuda":
         chunks = [c.cuda(torch.cuda.current_device()) for c in chunks]
     return hf, chunks
+
+
+def causal_attention_mask(batch: int, seq: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Megatron's boolean attention mask, shape [batch, 1, seq, seq], True = masked (the future).
+
+    Passing it explicitly keeps megatron from building its default mask on `device="cuda"`.
+    """
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)
+    return mask.view(1, 1, seq, seq).expand(batch, 1, seq, seq).contiguous()
+
+
+def position_ids(batch: int, seq: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq).contiguous()
+
+
+def gather_vocab_parallel_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits from the TP-sharded output layer (differentiable all-gather)."""
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.gather_from_tensor_model_parallel_region(logits.contiguous())

@@ -1,16 +1,22 @@
-"""A tiny megatron-core GPTModel for platform tests and the CPU demo.
+"""A tiny megatron-core GPTModel for platform tests: `mrl.models.megatron` at toy sizes.
 
-Llama-shaped (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied embeddings by default),
-optionally MoE, fp32, with every CUDA-only fusion off so that it runs on both platforms. The model
-definitions proper belong in `mrl/models/`; this stays the minimal stand-in until that exists.
+Llama-shaped (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied embeddings by
+default), optionally MoE, fp32, every CUDA-only fusion off, weights drawn whole on every rank so
+one seed gives the same model at any TP/EP size. Parallel sizes come from megatron's state.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
-import torch
-import torch.nn.functional as F
+from mrl.models.megatron import (  # noqa: F401  (re-exported for the tests)
+    build_gpt,
+    causal_attention_mask,
+    gather_vocab_parallel_logits,
+    parallel_from_state,
+    position_ids,
+    transformer_config,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,108 +35,29 @@ class TinyGPTSpec:
     moe_ffn_hidden_size: Optional[int] = None
     init_method_std: float = 0.02
 
+    def hf_config(self, share_embeddings: bool = False) -> dict[str, Any]:
+        """The equivalent Hugging Face (Llama/Mixtral-style) config dict."""
+        cfg = dict(model_type="llama", vocab_size=self.vocab_size, max_position_embeddings=self.seq_length,
+                   num_hidden_layers=self.num_layers, hidden_size=self.hidden_size,
+                   num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_query_groups,
+                   intermediate_size=self.ffn_hidden_size, initializer_range=self.init_method_std,
+                   rms_norm_eps=1e-5, tie_word_embeddings=share_embeddings)
+        if self.num_moe_experts:
+            cfg.update(num_experts=self.num_moe_experts, num_experts_per_tok=self.moe_router_topk,
+                       moe_intermediate_size=self.moe_ffn_hidden_size or self.ffn_hidden_size)
+        return cfg
+
 
 def tiny_gpt_config(spec: TinyGPTSpec = TinyGPTSpec(), **overrides):
-    """A `TransformerConfig` for `spec`, with the parallel sizes taken from megatron's parallel state."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    pp = ps.get_pipeline_model_parallel_world_size()
-    kwargs = dict(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.num_query_groups,
-        ffn_hidden_size=spec.ffn_hidden_size,
-        kv_channels=spec.hidden_size // spec.num_attention_heads,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=spec.init_method_std,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32 if pp > 1 else None,
-        use_cpu_initialization=True,
-        # Every fusion is a CUDA kernel (or needs one); off on both platforms for bit-comparable tests.
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        cross_entropy_loss_fusion=False,
-        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
-        context_parallel_size=ps.get_context_parallel_world_size(),
-        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
-        sequence_parallel=False,
-    )
-    if spec.num_moe_experts:
-        kwargs.update(
-            num_moe_experts=spec.num_moe_experts,
-            moe_router_topk=spec.moe_router_topk,
-            moe_ffn_hidden_size=spec.moe_ffn_hidden_size or spec.ffn_hidden_size,
-            moe_token_dispatcher_type="alltoall",
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-            moe_grouped_gemm=False,
-            moe_permute_fusion=False,
-        )
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    """A `TransformerConfig` for `spec` on megatron's current parallel layout; `overrides` win."""
+    return transformer_config(spec.hf_config(), dtype="float32", parallel=parallel_from_state(), device="cpu",
+                              **overrides)
 
 
 def build_tiny_gpt(spec: TinyGPTSpec = TinyGPTSpec(), *, config=None, pre_process: Optional[bool] = None,
                    post_process: Optional[bool] = None, vp_stage: Optional[int] = None,
                    share_embeddings: bool = False):
-    """Build the GPTModel (this rank's TP/PP/EP shard) with megatron's local (non-TE) layer spec.
-
-    Weights come from the default torch generator via `use_cpu_initialization`: every rank draws
-    the full tensor and keeps its shard, so the same seed gives the same model at any TP/EP size.
-    """
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    config = config or tiny_gpt_config(spec)
-    layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_moe_experts, moe_grouped_gemm=False,
-                                          normalization="RMSNorm")
-    if pre_process is None:
-        pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-    if post_process is None:
-        post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec,
-        vocab_size=spec.vocab_size,
-        max_sequence_length=spec.seq_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=share_embeddings,
-        position_embedding_type="rope",
-        vp_stage=vp_stage,
-    )
-
-
-def causal_attention_mask(batch: int, seq: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Megatron's boolean attention mask, shape [batch, 1, seq, seq], True = masked (the future).
-
-    Passing it explicitly keeps megatron from building its default mask on `device="cuda"`.
-    """
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)
-    return mask.view(1, 1, seq, seq).expand(batch, 1, seq, seq).contiguous()
-
-
-def position_ids(batch: int, seq: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    return torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq).contiguous()
-
-
-def gather_vocab_parallel_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Full-vocabulary logits from the TP-sharded output layer (differentiable all-gather)."""
-    from megatron.core import tensor_parallel
-
-    return tensor_parallel.gather_from_tensor_model_parallel_region(logits.contiguous())
+    """This rank's TP/PP/EP shard of the tiny model (megatron's local, non-TE, layer spec)."""
+    return build_gpt(spec.hf_config(share_embeddings), config or tiny_gpt_config(spec), vp_stage=vp_stage,
+                     vocab_multiple=1, max_sequence_length=spec.seq_length, pre_process=pre_process,
+                     post_process=post_process)
