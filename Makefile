@@ -24,9 +24,10 @@ setup: $(STAMP)
 demo: setup
 	$(VENV)/bin/mrl validate jobs/quickstart_cpu.toml
 	$(VENV)/bin/mrl show jobs/quickstart_cpu.toml
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 --master_port 29531 -m mrl preflight jobs/quickstart_cpu.toml
+	OMP_NUM_THREADS=1 MRL_VENV=$(VENV) launch/torchrun.sh jobs/quickstart_cpu.toml
 
-# Every tier: fast unit tests plus the slow multi-process (torchrun/gloo) tier.
+# Every tier: fast unit tests plus the slow tier (torchrun/gloo, and Slurm when a cluster is up:
+# `bash .ci/slurm-setup.sh` starts a one-node cluster as root; without it those tests skip).
 test: setup
 	$(VENV)/bin/python -m pytest -m '' -q
 

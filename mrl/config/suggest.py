@@ -96,7 +96,6 @@ VERL_TO_MRL: dict[str, str] = {
     "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": "rollout.multi_turn.tool_response_truncate_side",
     "actor_rollout_ref.rollout.multi_turn.format": "rollout.multi_turn.format",
     "actor_rollout_ref.rollout.update_weights_bucket_megabytes": "rollout.weight_sync.bucket_mb",
-    "actor_rollout_ref.rollout.calculate_log_probs": "algorithm.correction.level",
     "critic.enable": "critic.enable",
     "critic.model.path": "critic.model_path",
     "critic.optim.lr": "critic.optim.lr",
@@ -143,6 +142,32 @@ VERL_TO_MRL: dict[str, str] = {
     "trainer.experiment_name": "tracking.run_name",
     "trainer.logger": "tracking.backends",
     "trainer.seed": "job.seed",
+    "actor_rollout_ref.rollout.online_quant": "rollout.quantization",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "actor.logprob_micro_batch_tokens",
+    "actor_rollout_ref.rollout.seed": "rollout.seed",
+    "actor_rollout_ref.rollout.logprobs_mode": "rollout.logprobs_mode",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "ref.micro_batch_tokens",
+    "critic.ppo_micro_batch_size_per_gpu": "critic.micro_batch_tokens",
+    "reward_model.micro_batch_size_per_gpu": "reward.micro_batch_tokens",
+    "reward_model.reward_fn.path": "reward.function",
+    "reward_model.reward_fn.name": "reward.function",
+}
+
+# verl keys with no mrl counterpart, and why (CONTRIBUTING.md lists them).
+VERL_NOT_APPLICABLE: dict[str, str] = {
+    "actor_rollout_ref.rollout.mode": "mrl is SPMD: generation is synchronous inside the training step",
+    "actor_rollout_ref.rollout.server": "no rollout servers: engines run inside the trainer ranks (external_launcher)",
+    "actor_rollout_ref.rollout.agent": "no agent-loop workers: multi-turn runs inside the engine ranks",
+    "actor_rollout_ref.rollout.data_parallel_size": "derived: world size / (rollout.tensor_parallel x rollout.pipeline_parallel)",
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": "always on: every micro-batch is a token budget",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size": "global sequence counts are not used; see actor.logprob_micro_batch_tokens",
+    "actor_rollout_ref.actor.ppo_micro_batch_size": "global sequence counts are not used; see actor.micro_batch_tokens",
+    "actor_rollout_ref.actor.use_dynamic_bsz": "always on: every micro-batch is a token budget",
+    "actor_rollout_ref.actor.use_torch_compile": "the Megatron path uses fused kernels (mrl_kernels), not torch.compile",
+    "actor_rollout_ref.actor.strategy": "Megatron only",
+    "actor_rollout_ref.actor.peft": "LoRA is not supported yet",
+    "actor_rollout_ref.rollout.calculate_log_probs": "always on: the engine's per-token log-probs are always recorded",
+    "trainer.prometheus": "metrics go to MLflow and the console",
 }
 
 # Leaf names that are too generic to map on their own ("enable", "path", ...).

@@ -160,3 +160,10 @@ def test_command_line_exit_codes_end_to_end(write_job):
 def test_contributing_lists_the_verl_table():
     text = (REPO / "CONTRIBUTING.md").read_text()
     assert not [k for k, v in VERL_TO_MRL.items() if f"| `{k}` | `{v}` |" not in text]
+
+
+def test_contributing_lists_the_not_applicable_verl_keys():
+    from mrl.config.suggest import VERL_NOT_APPLICABLE
+    text = (REPO / "CONTRIBUTING.md").read_text()
+    assert not [k for k in VERL_NOT_APPLICABLE if f"| `{k}` |" not in text]
+    assert not set(VERL_NOT_APPLICABLE) & set(VERL_TO_MRL)
