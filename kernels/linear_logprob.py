@@ -25,7 +25,7 @@ from torch.autograd.function import once_differentiable
 
 from mrl_kernels import _dispatch
 from mrl_kernels.logprob import (
-    IGNORE_INDEX, _check_labels, backward_grad, check_temperature, combine_group, combine_partials,
+    IGNORE_INDEX, _check_labels, backward_grad, check_label_tensor, check_temperature, combine_group, combine_partials,
     compute_dtype, finalize, group_rank_size, twin_stats,
 )
 
@@ -146,11 +146,7 @@ def linear_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
         raise ValueError("weight must have at least one vocabulary row")
     if hidden.dtype != weight.dtype:
         raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
-    if labels.shape != hidden.shape[:-1]:
-        raise ValueError(f"labels shape {tuple(labels.shape)} must equal hidden.shape[:-1] "
-                         f"= {tuple(hidden.shape[:-1])}")
-    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    check_label_tensor(labels, hidden, "hidden")
     compute_dtype(hidden.dtype)
     _, world = group_rank_size(group)
     _check_labels(labels, weight.shape[0] * world, ignore_index)

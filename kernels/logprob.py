@@ -123,6 +123,15 @@ def finalize(stats: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> to
     return torch.stack([logp, entropy, lse, mu])
 
 
+def check_label_tensor(labels: torch.Tensor, x: torch.Tensor, name: str) -> None:
+    """labels must be an integer tensor shaped like `x` without its last dimension."""
+    if labels.shape != x.shape[:-1]:
+        raise ValueError(f"labels shape {tuple(labels.shape)} must equal {name}.shape[:-1] "
+                         f"= {tuple(x.shape[:-1])}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+
+
 def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """Reject out-of-range labels on CPU (free there); skipped on GPU to avoid a device sync."""
     if labels.is_cuda or labels.numel() == 0:
@@ -288,11 +297,7 @@ def logprob_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
     inv_temp = check_temperature(temperature)
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits must be [..., V] with V >= 1, got shape {tuple(logits.shape)}")
-    if labels.shape != logits.shape[:-1]:
-        raise ValueError(f"labels shape {tuple(labels.shape)} must equal logits.shape[:-1] "
-                         f"= {tuple(logits.shape[:-1])}")
-    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    check_label_tensor(labels, logits, "logits")
     compute_dtype(logits.dtype)
     lead, v = logits.shape[:-1], logits.shape[-1]
     rank, world = group_rank_size(group)
