@@ -1,8 +1,9 @@
 """Architecture facts a job spec is validated against (heads, query groups, layers, experts).
 
-They come, in order, from a local checkpoint's `config.json`, a `builtin:` preset, or a table of
-well-known Hub models so that production jobs validate offline. Unknown models skip the checks
-that need them (with a warning), never guess.
+They come, in order, from a `builtin:` preset, a local checkpoint's `config.json`, the Hugging
+Face cache (for a Hub id, without network access), or a table of well-known Hub models so that
+production jobs validate offline. Unknown models skip the checks that need them (with a
+warning), never guess.
 """
 from __future__ import annotations
 
@@ -69,17 +70,33 @@ def builtin_preset(path: str) -> str | None:
     return path[len("builtin:"):] if path.startswith("builtin:") else None
 
 
-def model_facts(path: str) -> ModelFacts | None:
-    """Facts for `model.path`, or None when the model's config cannot be read here."""
+def find_hf_config(path: str) -> tuple[dict[str, Any], str] | None:
+    """(full HF config dict, where it came from) for a preset, local directory or cached Hub id."""
     preset = builtin_preset(path)
     if preset is not None:
         cfg = BUILTIN_PRESETS.get(preset)
-        return facts_from_hf_config(cfg, f"builtin preset {preset!r}") if cfg else None
+        return (dict(cfg), f"builtin preset {preset!r}") if cfg else None
     config_json = Path(path) / "config.json"
+    if not config_json.is_file() and "/" in path and not Path(path).exists():
+        try:  # a Hub id already in the local Hugging Face cache (never downloads)
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(path, "config.json")
+        except Exception:  # noqa: BLE001 - a malformed id is simply not cached
+            cached = None
+        if isinstance(cached, str):
+            config_json = Path(cached)
     if config_json.is_file():
         cfg = json.loads(config_json.read_text())
-        cfg = cfg.get("text_config", cfg)
-        return facts_from_hf_config(cfg, str(config_json))
+        return cfg.get("text_config", cfg), str(config_json)
+    return None
+
+
+def model_facts(path: str) -> ModelFacts | None:
+    """Facts for `model.path`, or None when the model's config cannot be read here."""
+    found = find_hf_config(path)
+    if found is not None:
+        return facts_from_hf_config(*found)
     if path in KNOWN_MODELS:
         return facts_from_hf_config(KNOWN_MODELS[path], f"mrl's table of known models ({path})")
     return None

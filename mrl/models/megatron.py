@@ -8,8 +8,6 @@ layer's job.
 from __future__ import annotations
 
 import importlib.util
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +15,7 @@ import torch.nn.functional as F
 
 from mrl.errors import UserError
 from mrl.models.config import ModelConfig
-from mrl.models.facts import BUILTIN_PRESETS, builtin_preset
+from mrl.models.facts import BUILTIN_PRESETS, builtin_preset, find_hf_config
 from mrl.platform.config import ParallelConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
@@ -25,17 +23,14 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 
 def hf_config(model: ModelConfig) -> dict[str, Any]:
-    """The model's Hugging Face config as a dict, from a builtin preset or `<path>/config.json`."""
-    preset = builtin_preset(model.path)
-    if preset is not None:
-        if preset not in BUILTIN_PRESETS:
-            raise UserError(f"model.path: unknown builtin preset {preset!r} (presets: {', '.join(BUILTIN_PRESETS)})")
-        return dict(BUILTIN_PRESETS[preset])
-    config_json = Path(model.path) / "config.json"
-    if not config_json.is_file():
-        raise UserError(f"model.path: {model.path!r} has no config.json here (a local Hugging Face model directory is needed)")
-    cfg = json.loads(config_json.read_text())
-    return cfg.get("text_config", cfg)
+    """The model's Hugging Face config: a builtin preset, `<path>/config.json`, or the HF cache."""
+    found = find_hf_config(model.path)
+    if found is None:
+        if builtin_preset(model.path) is not None:
+            raise UserError(f"model.path: unknown builtin preset {model.path!r} (presets: {', '.join(BUILTIN_PRESETS)})")
+        raise UserError(f"model.path: no config.json for {model.path!r} here (a local Hugging Face model "
+                        "directory, or a Hub id already in the Hugging Face cache, is needed)")
+    return found[0]
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, multiple: int = 128) -> int:
