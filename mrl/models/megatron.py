@@ -45,16 +45,11 @@ def _te_available() -> bool:
 
 def parallel_from_state() -> ParallelConfig:
     """The `ParallelConfig` megatron's parallel state was initialised with."""
-    from megatron.core import parallel_state as ps
+    from mrl.platform.parallel import current_layout
 
-    return ParallelConfig(
-        tensor=ps.get_tensor_model_parallel_world_size(),
-        pipeline=ps.get_pipeline_model_parallel_world_size(),
-        virtual_pipeline=ps.get_virtual_pipeline_model_parallel_world_size(),
-        context=ps.get_context_parallel_world_size(),
-        expert=ps.get_expert_model_parallel_world_size(),
-        expert_tensor=ps.get_expert_tensor_parallel_world_size(),
-    )
+    layout = current_layout()
+    return ParallelConfig(tensor=layout.tp, pipeline=layout.pp, virtual_pipeline=layout.vpp, context=layout.cp,
+                          expert=layout.ep, expert_tensor=layout.etp)
 
 
 def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConfig, device: str,
