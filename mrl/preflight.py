@@ -70,8 +70,9 @@ def run(spec) -> dict:
             hf, chunks = build_model_chunks(spec.model, spec.parallel, device=ctx.platform, recompute=spec.actor.recompute)
         params = sum(p.numel() for c in chunks for p in c.parameters())
 
-        seq = spec.data.max_prompt_tokens + spec.rollout.max_response_tokens
-        seq = -(-seq // (2 * spec.parallel.context)) * 2 * spec.parallel.context if spec.parallel.context > 1 else seq
+        # The longest sequence the job allows; with CP, padded to a multiple of 2 x CP as megatron needs.
+        step = 2 * spec.parallel.context if spec.parallel.context > 1 else 1
+        seq = -(-(spec.data.max_prompt_tokens + spec.rollout.max_response_tokens) // step) * step
         micro_batch = max(1, (spec.actor.micro_batch_tokens * spec.parallel.context) // seq)
         microbatches = spec.parallel.pipeline
         tp_group = ps.get_tensor_model_parallel_group() if spec.parallel.tensor > 1 else None

@@ -7,6 +7,10 @@ rollout section lives in `mrl/rollout/config.py`, and so on). Fields are declare
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import types
+import typing
 from typing import Any, Callable
 
 _MISSING = dataclasses.MISSING
@@ -40,11 +44,6 @@ def section(cls):
 
 
 # ---- introspection ---------------------------------------------------------------------------
-
-import functools
-import types
-import typing
-
 
 @dataclasses.dataclass(frozen=True)
 class Field:
@@ -148,8 +147,6 @@ def convert(value: Any, tp: Any) -> Any:
         choices = typing.get_args(tp)
         if value in choices and type(value) in {type(c) for c in choices}:
             return value
-        import difflib
-
         hint = ""
         if isinstance(value, str):
             close = difflib.get_close_matches(value, [c for c in choices if isinstance(c, str)], n=1, cutoff=0.5)

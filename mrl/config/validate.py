@@ -121,32 +121,27 @@ def check(spec: JobSpec, report) -> None:
 
     # --- batch arithmetic: prompts -> responses -> tokens
     n = roll.responses_per_prompt
-    prompts, mini = data.prompts_per_step, spec.actor.mini_batch_prompts
+    prompts = data.prompts_per_step
     seq_tokens = data.max_prompt_tokens + roll.max_response_tokens
-    if prompts % mini:
-        err("actor.mini_batch_prompts", f"{mini} does not divide data.prompts_per_step {prompts}")
-    if dp and (mini * n) % dp:
-        err("actor.mini_batch_prompts", f"{mini} prompts x rollout.responses_per_prompt {n} = {mini * n} responses per "
-                                        f"mini-batch do not split evenly over data-parallel size {dp} "
-                                        f"({world_txt} / (tensor {par.tensor} x pipeline {par.pipeline} x context {par.context}))")
-    if spec.actor.micro_batch_tokens * par.context < seq_tokens:
-        err("actor.micro_batch_tokens", f"{spec.actor.micro_batch_tokens} tokens x context {par.context} cannot hold one sequence of "
-                                        f"data.max_prompt_tokens {data.max_prompt_tokens} + rollout.max_response_tokens "
-                                        f"{roll.max_response_tokens} = {seq_tokens} tokens")
-    lp_tokens = spec.actor.logprob_micro_batch_tokens
-    if lp_tokens is not None and lp_tokens * par.context < seq_tokens:
-        err("actor.logprob_micro_batch_tokens", f"{lp_tokens} tokens cannot hold one sequence of {seq_tokens} tokens")
-    if spec.ref.micro_batch_tokens is not None and spec.ref.micro_batch_tokens * par.context < seq_tokens:
-        err("ref.micro_batch_tokens", f"{spec.ref.micro_batch_tokens} tokens cannot hold one sequence of {seq_tokens} tokens")
+    mini_batches = [("actor", spec.actor.mini_batch_prompts)]
+    budgets = [("actor.micro_batch_tokens", spec.actor.micro_batch_tokens),
+               ("actor.logprob_micro_batch_tokens", spec.actor.logprob_micro_batch_tokens),
+               ("ref.micro_batch_tokens", spec.ref.micro_batch_tokens)]
     if spec.critic.enable:
-        cmini = spec.critic.mini_batch_prompts
-        if prompts % cmini:
-            err("critic.mini_batch_prompts", f"{cmini} does not divide data.prompts_per_step {prompts}")
-        if dp and (cmini * n) % dp:
-            err("critic.mini_batch_prompts", f"{cmini} prompts x {n} responses = {cmini * n} do not split evenly over "
-                                             f"data-parallel size {dp}")
-        if spec.critic.micro_batch_tokens * par.context < seq_tokens:
-            err("critic.micro_batch_tokens", f"{spec.critic.micro_batch_tokens} tokens cannot hold one sequence of {seq_tokens} tokens")
+        mini_batches.append(("critic", spec.critic.mini_batch_prompts))
+        budgets.append(("critic.micro_batch_tokens", spec.critic.micro_batch_tokens))
+    for owner, mini in mini_batches:
+        key = f"{owner}.mini_batch_prompts"
+        if prompts % mini:
+            err(key, f"{mini} does not divide data.prompts_per_step {prompts}")
+        if dp and (mini * n) % dp:
+            err(key, f"{mini} prompts x rollout.responses_per_prompt {n} = {mini * n} responses per mini-batch do not "
+                     f"split evenly over data-parallel size {dp} ({world_txt} / (tensor {par.tensor} x pipeline "
+                     f"{par.pipeline} x context {par.context}))")
+    for key, tokens in budgets:
+        if tokens is not None and tokens * par.context < seq_tokens:
+            err(key, f"{tokens} tokens x context {par.context} cannot hold one sequence of data.max_prompt_tokens "
+                     f"{data.max_prompt_tokens} + rollout.max_response_tokens {roll.max_response_tokens} = {seq_tokens} tokens")
 
     # --- rollout engine layout and lengths
     engine_split = roll.tensor_parallel * roll.pipeline_parallel
