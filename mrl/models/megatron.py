@@ -1,7 +1,10 @@
 """Hugging Face architecture configs -> megatron-core GPTModel shards on this rank's layout.
 
 Supported decoder families: Llama/Mistral (RMSNorm, SwiGLU, RoPE, GQA), Qwen2 (plus QKV bias),
-Qwen3 (plus QK-norm) and Qwen3-MoE (plus routed experts, softmax router with normalised top-k).
+Qwen3 (plus QK-norm), Qwen3-MoE (plus routed experts, softmax router, top-k optionally
+renormalised, dense MLPs in `mlp_only_layers`) and Mixtral (routed experts, renormalised top-k).
+RoPE uses the checkpoint's inverse frequencies as `transformers` computes them (default,
+linear and llama3 scaling).
 Weights here are random (megatron's init); loading Hugging Face weights is the weight-mapping
 layer's job.
 """
@@ -18,19 +21,73 @@ from mrl.models.config import ModelConfig
 from mrl.models.facts import BUILTIN_PRESETS, builtin_preset, find_hf_config
 from mrl.platform.config import ParallelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def hf_config(model: ModelConfig) -> dict[str, Any]:
-    """The model's Hugging Face config: a builtin preset, `<path>/config.json`, or the HF cache."""
+    """The model's Hugging Face config: a builtin preset, `<path>/config.json`, or the HF cache,
+    completed with `transformers`' defaults for its architecture."""
     found = find_hf_config(model.path)
     if found is None:
         if builtin_preset(model.path) is not None:
             raise UserError(f"model.path: unknown builtin preset {model.path!r} (presets: {', '.join(BUILTIN_PRESETS)})")
         raise UserError(f"model.path: no config.json for {model.path!r} here (a local Hugging Face model "
                         "directory, or a Hub id already in the Hugging Face cache, is needed)")
-    return found[0]
+    return complete_hf_config(found[0])
+
+
+def complete_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """`cfg` with every field its `transformers` config class defaults (e.g. `norm_topk_prob`,
+    `rope_parameters`), so mrl reads the architecture exactly as `transformers` does."""
+    from transformers import AutoConfig
+
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UserError(f"model.path: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    rest = {k: v for k, v in cfg.items() if k != "model_type"}
+    full = AutoConfig.for_model(model_type, **rest).to_dict()
+    return {**full, "model_type": model_type}
+
+
+def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE type and parameters, from transformers 5's `rope_parameters` or the older
+    `rope_theta` / `rope_scaling` fields."""
+    params = dict(hf.get("rope_parameters") or {})
+    if not params:
+        params = dict(hf.get("rope_scaling") or {})
+        params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def hf_inv_freq(hf: dict[str, Any]) -> torch.Tensor:
+    """RoPE inverse frequencies exactly as `transformers` computes them for this config."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = rope_parameters(hf)
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UserError(f"model.path: RoPE type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    cfg = AutoConfig.for_model(**hf)
+    if rope_type == "default":
+        base = float(params["rope_theta"])
+        dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+    if attention_factor != 1.0:
+        raise UserError(f"model.path: RoPE type {rope_type!r} with attention factor {attention_factor} is not supported")
+    return inv_freq.float()
+
+
+def moe_layer_pattern(hf: dict[str, Any]) -> list[int] | None:
+    """Per layer 1 (routed experts) or 0 (dense MLP), for MoE configs that mix the two."""
+    dense = set(hf.get("mlp_only_layers") or ())
+    step = hf.get("decoder_sparse_step") or 1
+    pattern = [0 if (i in dense or (i + 1) % step) else 1 for i in range(hf["num_hidden_layers"])]
+    return None if all(pattern) else pattern
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, multiple: int = 128) -> int:
@@ -112,6 +169,9 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     experts = hf.get("num_experts") or hf.get("num_local_experts")
     if experts:
+        pattern = moe_layer_pattern(hf)
+        if pattern is not None:
+            kwargs.update(moe_layer_freq=pattern)
         kwargs.update(
             num_moe_experts=experts,
             moe_router_topk=hf["num_experts_per_tok"],
@@ -148,7 +208,7 @@ def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_
     else:
         layer_spec = specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
                                                     qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(hf["vocab_size"], config.tensor_model_parallel_size, vocab_multiple),
@@ -159,9 +219,12 @@ def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_
                       if post_process is None else post_process),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
-        rotary_base=int(hf.get("rope_theta", 10000)),
+        rotary_base=int(float(rope_parameters(hf)["rope_theta"])),
         vp_stage=vp_stage,
     )
+    if getattr(model, "rotary_pos_emb", None) is not None:
+        model.rotary_pos_emb.inv_freq = hf_inv_freq(hf).to(model.rotary_pos_emb.inv_freq.device)
+    return model
 
 
 def build_model_chunks(model: ModelConfig, parallel: ParallelConfig, *, device: str, recompute: str = "none"):

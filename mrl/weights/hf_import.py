@@ -1,0 +1,153 @@
+"""Import: a Hugging Face safetensors checkpoint -> this rank's Megatron shards.
+
+Each rank opens the checkpoint lazily and reads only the slices its shards need
+(`safe_open(...).get_slice`); no rank loads the whole model. Every problem (missing or
+unexpected tensors, shape mismatches) is found before any weight is copied, agreed on by all
+ranks, and reported naming the tensor.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from mrl.errors import UserError
+from mrl.weights.layout import Placement, is_tied, local_placements, model_dims
+from mrl.weights.transforms import SliceReader
+
+log = logging.getLogger(__name__)
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Buffers some exporters write that carry no weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class Checkpoint:
+    """A safetensors checkpoint directory (single file or sharded with an index), opened lazily."""
+
+    def __init__(self, path: str | Path):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        index = self.path / INDEX
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.path / SINGLE).is_file():
+            with safe_open(self.path / SINGLE, framework="pt") as f:
+                weight_map = {k: SINGLE for k in f.keys()}
+        else:
+            raise UserError(f"weights: {self.path} has neither {INDEX} nor {SINGLE}")
+        self.weight_map: dict[str, str] = weight_map
+        self._open = safe_open
+        self._handles: dict[str, Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def names(self) -> set[str]:
+        return set(self.weight_map)
+
+    def reader(self, name: str) -> SliceReader:
+        file = self.weight_map[name]
+        if file not in self._handles:
+            path = self.path / file
+            if not path.is_file():
+                raise UserError(f"weights: {INDEX} names {file} for {name!r}, but {path} does not exist")
+            self._handles[file] = self._open(path, framework="pt")
+        sl = self._handles[file].get_slice(name)
+        return SliceReader(name, sl, sl.get_shape())
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+@dataclass
+class ImportReport:
+    tensors_read: int = 0
+    bytes_read: int = 0
+    initialised: list[str] = field(default_factory=list)   # parameters kept at init (critic value head)
+
+
+def _sources(p: Placement, ckpt: Checkpoint, tied: bool) -> tuple[str, ...]:
+    if tied and p.rule.megatron == "output_layer.weight" and p.hf_names == ("lm_head.weight",) \
+            and "lm_head.weight" not in ckpt:
+        return ("model.embed_tokens.weight",)
+    return p.hf_names
+
+
+def _all_gather(obj) -> list:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], path: str | Path, hf: dict[str, Any], *,
+                       role: str = "actor") -> ImportReport:
+    """Copy the checkpoint at `path` into this rank's Megatron model `chunks` (in place).
+
+    `role` picks the table variant: a critic may start from a policy checkpoint (its value head
+    keeps its initialisation when the checkpoint has none); a reward model needs `score.weight`.
+    A collective over the world: every rank must call it.
+    """
+    chunks = list(chunks)
+    ckpt = Checkpoint(path)
+    dims = model_dims(hf)
+    tied = is_tied(chunks)
+    placements = local_placements(chunks, hf, role)
+    problems: list[str] = []
+    consumed: set[str] = set()
+    plan: list[tuple[Placement, tuple[str, ...]]] = []
+    keep_init: list[str] = []
+    for p in placements:
+        names = _sources(p, ckpt, tied)
+        missing = [n for n in names if n not in ckpt]
+        if missing and role == "critic" and p.rule.megatron == "output_layer.weight":
+            keep_init.append(p.name)
+            continue
+        if missing:
+            problems.append(f"missing tensor {missing[0]!r} (for {p.name.split('/', 1)[1]})")
+            continue
+        consumed.update(names)
+        want = p.transform.hf_shapes(p.full_shape, dims)
+        for n, shape in zip(names, want):
+            got = tuple(ckpt.reader(n).shape)
+            if got != tuple(shape):
+                problems.append(f"tensor {n!r} has shape {list(got)}, the model needs {list(shape)}")
+        plan.append((p, names))
+
+    # Agree on problems and on what the whole model consumes before touching any weight.
+    gathered = _all_gather((problems, consumed))
+    problems = sorted({q for ps, _ in gathered for q in ps})
+    consumed = set().union(*(c for _, c in gathered))
+    unexpected = sorted(n for n in ckpt.names() - consumed
+                        if not n.endswith(_IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight"))
+    problems += [f"unexpected tensor {n!r} (no parameter of this {hf['model_type']} model maps to it)"
+                 for n in unexpected]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UserError(f"weights: {path}: {problems[0]}{more}")
+
+    report = ImportReport(initialised=keep_init)
+    with torch.no_grad():
+        for p, names in plan:
+            readers = [ckpt.reader(n) for n in names]
+            shard = p.transform.shard_from_hf(readers, p.tp_rank, p.tp_size, p.partition_dim, p.full_shape, dims)
+            if tuple(shard.shape) != tuple(p.param.shape):
+                raise UserError(f"weights: {path}: {names[0]!r} gives a shard of shape {list(shard.shape)} for "
+                                f"{p.name.split('/', 1)[1]} of shape {list(p.param.shape)}")
+            p.param.data.copy_(shard.to(p.param.dtype))
+            report.tensors_read += len(names)
+            report.bytes_read += shard.numel() * shard.element_size()
+    ckpt.close()
+    if keep_init:
+        log.info("weights: %s has no value head; %d parameter(s) keep their initialisation", path, len(keep_init))
+    return report

@@ -1,0 +1,111 @@
+"""Megatron <-> Hugging Face name tables, one per architecture.
+
+Each row is `(megatron pattern, HF name or names, transform)`. `{L}` is the global layer index,
+`{E}` the global expert index. Rows for parameters a given model does not have (Transformer
+Engine's fused norm names when running the local spec, dense MLPs in an all-MoE model) simply
+never match. Adding an architecture means adding a table here, not a code path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from mrl.weights.transforms import GATE_UP, IDENTITY, QKV_FUSED, VOCAB, Transform
+
+HFNames = Union[str, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str
+    hf: HFNames
+    transform: Transform = IDENTITY
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return (self.hf,) if isinstance(self.hf, str) else self.hf
+
+
+def _rules(*rows) -> tuple[Rule, ...]:
+    return tuple(Rule(*row) for row in rows)
+
+
+_A = "decoder.layers.{L}.self_attention"
+_M = "decoder.layers.{L}.mlp"
+_HA = "model.layers.{L}.self_attn"
+_HM = "model.layers.{L}.mlp"
+
+EMBEDDINGS = _rules(
+    ("embedding.word_embeddings.weight", "model.embed_tokens.weight", VOCAB),
+    ("decoder.final_layernorm.weight", "model.norm.weight"),
+    ("output_layer.weight", "lm_head.weight", VOCAB),
+)
+
+ATTENTION = _rules(
+    ("decoder.layers.{L}.input_layernorm.weight", "model.layers.{L}.input_layernorm.weight"),
+    (f"{_A}.linear_qkv.layer_norm_weight", "model.layers.{L}.input_layernorm.weight"),  # TE fused norm
+    (f"{_A}.linear_qkv.weight", (f"{_HA}.q_proj.weight", f"{_HA}.k_proj.weight", f"{_HA}.v_proj.weight"), QKV_FUSED),
+    (f"{_A}.linear_proj.weight", f"{_HA}.o_proj.weight"),
+    ("decoder.layers.{L}.pre_mlp_layernorm.weight", "model.layers.{L}.post_attention_layernorm.weight"),
+)
+
+QKV_BIAS = _rules(
+    (f"{_A}.linear_qkv.bias", (f"{_HA}.q_proj.bias", f"{_HA}.k_proj.bias", f"{_HA}.v_proj.bias"), QKV_FUSED),
+)
+
+QK_NORM = _rules(
+    (f"{_A}.q_layernorm.weight", f"{_HA}.q_norm.weight"),
+    (f"{_A}.k_layernorm.weight", f"{_HA}.k_norm.weight"),
+)
+
+DENSE_MLP = _rules(
+    (f"{_M}.linear_fc1.layer_norm_weight", "model.layers.{L}.post_attention_layernorm.weight"),  # TE fused norm
+    (f"{_M}.linear_fc1.weight", (f"{_HM}.gate_proj.weight", f"{_HM}.up_proj.weight"), GATE_UP),
+    (f"{_M}.linear_fc2.weight", f"{_HM}.down_proj.weight"),
+)
+
+
+def _experts(router: str, expert: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
+    """Routed experts: megatron's SequentialMLP (local spec) and TEGroupedMLP (grouped GEMM) names."""
+    e = f"{expert}.{{E}}"
+    return _rules(
+        (f"{_M}.router.weight", router),
+        (f"{_M}.experts.local_experts.{{E}}.linear_fc1.weight", (f"{e}.{gate}.weight", f"{e}.{up}.weight"), GATE_UP),
+        (f"{_M}.experts.local_experts.{{E}}.linear_fc2.weight", f"{e}.{down}.weight"),
+        (f"{_M}.experts.linear_fc1.weight{{E}}", (f"{e}.{gate}.weight", f"{e}.{up}.weight"), GATE_UP),
+        (f"{_M}.experts.linear_fc2.weight{{E}}", f"{e}.{down}.weight"),
+    )
+
+
+QWEN_MOE_EXPERTS = _experts("model.layers.{L}.mlp.gate.weight", "model.layers.{L}.mlp.experts",
+                            "gate_proj", "up_proj", "down_proj")
+MIXTRAL_EXPERTS = _experts("model.layers.{L}.block_sparse_moe.gate.weight",
+                           "model.layers.{L}.block_sparse_moe.experts", "w1", "w3", "w2")
+
+# HF checkpoint model_type -> its table.
+TABLES: dict[str, tuple[Rule, ...]] = {
+    "llama": EMBEDDINGS + ATTENTION + DENSE_MLP,
+    "mistral": EMBEDDINGS + ATTENTION + DENSE_MLP,
+    "qwen2": EMBEDDINGS + ATTENTION + QKV_BIAS + DENSE_MLP,
+    "qwen3": EMBEDDINGS + ATTENTION + QK_NORM + DENSE_MLP,
+    # Qwen3-MoE may keep dense MLPs in some layers (`mlp_only_layers`): both row groups apply.
+    "qwen3_moe": EMBEDDINGS + ATTENTION + QK_NORM + DENSE_MLP + QWEN_MOE_EXPERTS,
+    "mixtral": EMBEDDINGS + ATTENTION + MIXTRAL_EXPERTS,
+}
+
+# Heads that replace the output layer for the critic and the reward model (`*ForTokenClassification`
+# / `*ForSequenceClassification` name their one-output projection `score`).
+VALUE_HEAD = _rules(("output_layer.weight", "score.weight"))
+
+
+def table_for(model_type: str, role: str = "actor") -> tuple[Rule, ...]:
+    """The rows for `model_type`; critic and reward-model roles swap the LM head for the value head."""
+    from mrl.errors import UserError
+
+    if model_type not in TABLES:
+        raise UserError(f"model.path: no weight-mapping table for model_type {model_type!r} "
+                        f"(tables: {', '.join(sorted(TABLES))})")
+    rows = TABLES[model_type]
+    if role in ("critic", "reward"):
+        rows = tuple(r for r in rows if r.megatron != "output_layer.weight") + VALUE_HEAD
+    return rows

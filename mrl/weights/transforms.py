@@ -1,0 +1,162 @@
+"""How one Megatron parameter relates to its Hugging Face tensor(s), in both directions.
+
+A transform knows the layout of a Megatron parameter (full, and as tensor-parallel shards) and
+of the HF tensors it comes from:
+- `shard_from_hf`: read only the slices of the HF tensors that make this rank's TP shard;
+- `to_hf`: turn the TP shards (gathered in rank order) back into full HF tensors;
+- `hf_shapes`: the HF shapes implied by a full Megatron shape (checked on import, used to
+  allocate receive buffers on export).
+Transforms are stateless; model facts (query groups, true vocabulary size) come in `ModelDims`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The facts transforms need: query groups, heads per group, head dim, true vocabulary size."""
+
+    num_query_groups: int
+    heads_per_group: int
+    head_dim: int
+    vocab_size: int
+
+
+class SliceReader:
+    """Lazy access to one HF tensor: reads only the requested row or column range."""
+
+    def __init__(self, name: str, handle, shape: Sequence[int]):
+        self.name, self._handle, self.shape = name, handle, tuple(shape)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return self._handle[start:stop]
+
+    def cols(self, start: int, stop: int) -> torch.Tensor:
+        return self._handle[:, start:stop]
+
+    def all(self) -> torch.Tensor:
+        return self._handle[:]
+
+
+def _chunk_range(size: int, rank: int, parts: int) -> tuple[int, int]:
+    step = size // parts
+    return rank * step, (rank + 1) * step
+
+
+class Transform:
+    """Identity: the Megatron tensor is the HF tensor, split along `partition_dim` under TP."""
+
+    n_hf = 1
+
+    def shard_from_hf(self, readers: list[SliceReader], tp_rank: int, tp_size: int,
+                      partition_dim: Optional[int], full_shape: tuple[int, ...], dims: ModelDims) -> torch.Tensor:
+        (r,) = readers
+        if partition_dim is None or tp_size == 1:
+            return r.all()
+        a, b = _chunk_range(r.shape[partition_dim], tp_rank, tp_size)
+        return r.rows(a, b) if partition_dim == 0 else r.cols(a, b)
+
+    def to_hf(self, shards: list[torch.Tensor], partition_dim: Optional[int], dims: ModelDims) -> list[torch.Tensor]:
+        if partition_dim is None or len(shards) == 1:
+            return [shards[0]]
+        return [torch.cat(shards, dim=partition_dim)]
+
+    def hf_shapes(self, full_shape: tuple[int, ...], dims: ModelDims) -> list[tuple[int, ...]]:
+        return [tuple(full_shape)]
+
+    def __repr__(self) -> str:
+        return type(self).__name__
+
+
+class VocabRows(Transform):
+    """Embedding / output layer: Megatron pads the vocabulary rows (zeros), HF does not."""
+
+    def shard_from_hf(self, readers, tp_rank, tp_size, partition_dim, full_shape, dims):
+        (r,) = readers
+        padded = full_shape[0]
+        a, b = _chunk_range(padded, tp_rank, tp_size)
+        out = torch.zeros((b - a,) + tuple(r.shape[1:]), dtype=_dtype_of(r))
+        real_b = min(b, dims.vocab_size)
+        if real_b > a:
+            out[: real_b - a] = r.rows(a, real_b)
+        return out
+
+    def to_hf(self, shards, partition_dim, dims):
+        full = torch.cat(shards, dim=0) if len(shards) > 1 else shards[0]
+        return [full[: dims.vocab_size]]
+
+    def hf_shapes(self, full_shape, dims):
+        return [(dims.vocab_size,) + tuple(full_shape[1:])]
+
+
+def _dtype_of(reader: SliceReader) -> torch.dtype:
+    return reader.rows(0, 0).dtype
+
+
+class QKV(Transform):
+    """Megatron's fused `linear_qkv` (weight or bias) <-> HF q_proj, k_proj, v_proj.
+
+    Megatron interleaves by query group g: [q heads of g | k_g | v_g]; TP rank r holds the
+    contiguous block of groups r*G/tp .. (r+1)*G/tp - 1, so each rank reads one row range of
+    each of q, k and v.
+    """
+
+    n_hf = 3
+
+    def shard_from_hf(self, readers, tp_rank, tp_size, partition_dim, full_shape, dims):
+        q, k, v = readers
+        g0, g1 = _chunk_range(dims.num_query_groups, tp_rank, tp_size)
+        d, hpg = dims.head_dim, dims.heads_per_group
+        qs = q.rows(g0 * hpg * d, g1 * hpg * d)
+        ks, vs = k.rows(g0 * d, g1 * d), v.rows(g0 * d, g1 * d)
+        tail = tuple(qs.shape[1:])
+        groups = g1 - g0
+        fused = torch.cat([qs.reshape(groups, hpg * d, *tail), ks.reshape(groups, d, *tail),
+                           vs.reshape(groups, d, *tail)], dim=1)
+        return fused.reshape(groups * (hpg + 2) * d, *tail)
+
+    def to_hf(self, shards, partition_dim, dims):
+        full = torch.cat(shards, dim=0) if len(shards) > 1 else shards[0]
+        d, hpg, groups = dims.head_dim, dims.heads_per_group, dims.num_query_groups
+        tail = tuple(full.shape[1:])
+        per_group = full.reshape(groups, (hpg + 2) * d, *tail)
+        q, k, v = per_group.split([hpg * d, d, d], dim=1)
+        return [q.reshape(groups * hpg * d, *tail), k.reshape(groups * d, *tail), v.reshape(groups * d, *tail)]
+
+    def hf_shapes(self, full_shape, dims):
+        d, hpg, groups = dims.head_dim, dims.heads_per_group, dims.num_query_groups
+        tail = tuple(full_shape[1:])
+        return [(groups * hpg * d,) + tail, (groups * d,) + tail, (groups * d,) + tail]
+
+
+class GateUp(Transform):
+    """Megatron's SwiGLU `linear_fc1` = [gate; up] <-> HF gate_proj, up_proj.
+
+    Under TP each rank holds [gate_r; up_r] (its slice of each half), not a row block of the
+    full matrix.
+    """
+
+    n_hf = 2
+
+    def shard_from_hf(self, readers, tp_rank, tp_size, partition_dim, full_shape, dims):
+        gate, up = readers
+        a, b = _chunk_range(gate.shape[0], tp_rank, tp_size)
+        return torch.cat([gate.rows(a, b), up.rows(a, b)], dim=0)
+
+    def to_hf(self, shards, partition_dim, dims):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+
+    def hf_shapes(self, full_shape, dims):
+        half = (full_shape[0] // 2,) + tuple(full_shape[1:])
+        return [half, half]
+
+
+IDENTITY = Transform()
+VOCAB = VocabRows()
+QKV_FUSED = QKV()
+GATE_UP = GateUp()

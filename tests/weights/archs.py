@@ -1,0 +1,47 @@
+"""Tiny random Hugging Face models, one per supported architecture, saved as safetensors."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+_COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               vocab_size=250, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+# Vocab 250 is deliberately not a multiple of 128 x TP: the Megatron side pads it.
+ARCHS: dict[str, dict] = {
+    "llama": dict(model_type="llama", intermediate_size=96, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 32}),
+    "qwen2": dict(model_type="qwen2", intermediate_size=96, tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", intermediate_size=96, head_dim=32, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}),
+    "qwen3_moe": dict(model_type="qwen3_moe", intermediate_size=96, moe_intermediate_size=48, head_dim=16,
+                      num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False),
+    "mixtral": dict(model_type="mixtral", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                    tie_word_embeddings=False),
+}
+
+
+def make_hf_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides):
+    """Build `arch` with random weights (norms perturbed away from 1), save it, return the model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = {**_COMMON, **ARCHS[arch], **overrides}
+    config = AutoConfig.for_model(**cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:   # norms, biases: not their trivial init
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+            else:
+                p.normal_(0.0, 0.08, generator=g)
+    model.save_pretrained(out_dir)
+    return model
+
+
+def probe_tokens(vocab: int, batch: int = 2, seq: int = 12, seed: int = 7) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
