@@ -83,12 +83,11 @@ def _plan(placements: list[Placement], dims, tied: bool, dtype: Optional[torch.d
 class Exporter:
     """Streams one model's weights as HF tensors; the plan is computed once and reused."""
 
-    def __init__(self, chunks: Iterable[torch.nn.Module], hf: dict[str, Any], *, role: str = "actor",
-                 dtype: Optional[torch.dtype] = None):
+    def __init__(self, chunks: Iterable[torch.nn.Module], hf: dict[str, Any], *, dtype: Optional[torch.dtype] = None):
         self.chunks = list(chunks)
         self.hf = hf
         self.dims = model_dims(hf)
-        self.placements = local_placements(self.chunks, hf, role)
+        self.placements = local_placements(self.chunks, hf)
         self.by_key = {(p.order, p.hf_names): p for p in self.placements}
         self.dtype = dtype
         self.plan = _plan(self.placements, self.dims, is_tied(self.chunks), dtype)
@@ -181,7 +180,6 @@ def hf_buckets(stream: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) ->
         yield bucket
 
 
-def export_hf_weights(chunks: Iterable[torch.nn.Module], hf: dict[str, Any], *, role: str = "actor",
-                      dtype: Optional[torch.dtype] = None, targets: Targets = "all") -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(chunks: Iterable[torch.nn.Module], hf: dict[str, Any], *, dtype: Optional[torch.dtype] = None, targets: Targets = "all") -> Iterator[tuple[str, torch.Tensor]]:
     """One-shot export stream; build an `Exporter` to reuse the plan across steps."""
-    return Exporter(chunks, hf, role=role, dtype=dtype).stream(targets)
+    return Exporter(chunks, hf, dtype=dtype).stream(targets)

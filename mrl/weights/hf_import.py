@@ -16,7 +16,7 @@ from typing import Any, Iterable
 import torch
 
 from mrl.errors import UserError
-from mrl.weights.layout import Placement, is_tied, local_placements, model_dims
+from mrl.weights.layout import Placement, has_value_head, is_tied, local_placements, model_dims, unwrap
 from mrl.weights.transforms import SliceReader
 
 log = logging.getLogger(__name__)
@@ -94,15 +94,17 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], path: str | Path, hf: 
                        role: str = "actor") -> ImportReport:
     """Copy the checkpoint at `path` into this rank's Megatron model `chunks` (in place).
 
-    `role` picks the table variant: a critic may start from a policy checkpoint (its value head
-    keeps its initialisation when the checkpoint has none); a reward model needs `score.weight`.
+    Models with a value head map it to `score.weight`. `role="critic"` may start from a policy
+    checkpoint (the value head then keeps its initialisation); a reward model needs `score.weight`.
     A collective over the world: every rank must call it.
     """
     chunks = list(chunks)
     ckpt = Checkpoint(path)
     dims = model_dims(hf)
     tied = is_tied(chunks)
-    placements = local_placements(chunks, hf, role)
+    # A critic or reward model built from a policy checkpoint has no use for its LM head.
+    lm_head_unused = tied or any(has_value_head(unwrap(c)) for c in chunks)
+    placements = local_placements(chunks, hf)
     problems: list[str] = []
     consumed: set[str] = set()
     plan: list[tuple[Placement, tuple[str, ...]]] = []
@@ -129,7 +131,7 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], path: str | Path, hf: 
     problems = sorted({q for ps, _ in gathered for q in ps})
     consumed = set().union(*(c for _, c in gathered))
     unexpected = sorted(n for n in ckpt.names() - consumed
-                        if not n.endswith(_IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight"))
+                        if not n.endswith(_IGNORED_SUFFIXES) and not (lm_head_unused and n == "lm_head.weight"))
     problems += [f"unexpected tensor {n!r} (no parameter of this {hf['model_type']} model maps to it)"
                  for n in unexpected]
     if problems:

@@ -84,18 +84,25 @@ def _groups(expert: bool):
     return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
 
 
-def local_placements(chunks: Iterable[torch.nn.Module], hf: dict[str, Any], role: str = "actor") -> list[Placement]:
-    """Every parameter of this rank's model chunks, mapped through the architecture's table.
+def has_value_head(model: torch.nn.Module) -> bool:
+    from mrl.models.roles import ValueHead
+
+    return isinstance(getattr(model, "output_layer", None), ValueHead)
+
+
+def local_placements(chunks: Iterable[torch.nn.Module], hf: dict[str, Any]) -> list[Placement]:
+    """Every parameter of this rank's model chunks, mapped through the architecture's table
+    (with the value-head row when the model has one: critic, reward model).
 
     A parameter no row matches is an error naming it: a table gap must never drop weights.
     """
     from megatron.core import parallel_state as ps
 
-    rules = table_for(hf["model_type"], role)
     ep_rank = ps.get_expert_model_parallel_rank()
     out: list[Placement] = []
     for c, chunk in enumerate(chunks):
         model = unwrap(chunk)
+        rules = table_for(hf["model_type"], "critic" if has_value_head(model) else "actor")
         decoder = getattr(model, "decoder", None)
         layer_numbers = [layer.layer_number - 1 for layer in decoder.layers] if decoder is not None else []
         local_experts = _local_expert_count(model)

@@ -37,12 +37,17 @@ def forward_logits(chunks, tokens: torch.Tensor):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--layouts", nargs="+", default=["tp1"],
+                    help="each e.g. tp2, pp2, ep2, dp2 (the rest of the world is data parallel)")
+    ap.add_argument("--out", default=None, help="rank 0 writes the first layout's export here")
     a = ap.parse_args()
+    for i, layout in enumerate(a.layouts):
+        sizes = {"tp": 1, "pp": 1, "ep": 1, "dp": 1}
+        sizes[layout[:2]] = int(layout[2:])
+        check_layout(Path(a.dir), sizes, a.out if i == 0 else None)
 
+
+def check_layout(d: Path, sizes: dict, out) -> None:
     from safetensors.torch import load_file, save_file
 
     from mrl.models.megatron import complete_hf_config, gather_vocab_parallel_logits
@@ -53,9 +58,8 @@ def main() -> None:
     from megatron.core import parallel_state as ps
 
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
-    parallel = ParallelConfig(tensor=a.tp, pipeline=a.pp, expert=a.ep, distributed_optimizer=False)
+    parallel = ParallelConfig(tensor=sizes["tp"], pipeline=sizes["pp"], expert=sizes["ep"], distributed_optimizer=False)
     setup(PlatformConfig(device="cpu", nodes=1, ranks_per_node=world, collective_timeout_s=120), parallel, seed=5)
-    d = Path(a.dir)
     hf = complete_hf_config(json.loads((d / "config.json").read_text()))
     chunks = [build_role_model("actor", hf, parallel, dtype="float32", device="cpu")]
     report = load_hf_checkpoint(chunks, d, hf)
@@ -75,9 +79,9 @@ def main() -> None:
         else:
             assert not got, f"rank {dist.get_rank()} materialised {len(got)} tensors under targets=0"
     if dist.get_rank() == 0:
-        print(f"ROUNDTRIP ok {len(expected)} tensors", flush=True)
-        if a.out:
-            save_file({k: v.contiguous() for k, v in got.items()}, Path(a.out) / "model.safetensors",
+        print(f"ROUNDTRIP {sizes} ok {len(expected)} tensors", flush=True)
+        if out:
+            save_file({k: v.contiguous() for k, v in got.items()}, Path(out) / "model.safetensors",
                       metadata={"format": "pt"})
 
     ref = torch.load(d / "reference.pt")
@@ -92,14 +96,14 @@ def main() -> None:
         diff = (full.double() - ref["logits"].double()).abs().max()
         labels = tokens[:, 1:]
         lp, ent = token_logprobs(logits_vp[:, :-1], labels, vocab_size=hf["vocab_size"],
-                                 tp_group=ps.get_tensor_model_parallel_group() if a.tp > 1 else None)
+                                 tp_group=ps.get_tensor_model_parallel_group() if sizes["tp"] > 1 else None)
         lp_diff = (lp.double() - ref["logprobs"].double()).abs().max()
         lp_diff = torch.maximum(lp_diff, (ent.double() - ref["entropy"].double()).abs().max())
     for t in (diff, lp_diff):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
-        print(f"MAXDIFF logits {diff.item():.3e}", flush=True)
-        print(f"MAXDIFF logprobs {lp_diff.item():.3e}", flush=True)
+        print(f"MAXDIFF {sizes} logits {diff.item():.3e}", flush=True)
+        print(f"MAXDIFF {sizes} logprobs {lp_diff.item():.3e}", flush=True)
     assert diff.item() <= 1e-5 and lp_diff.item() <= 1e-5, (diff.item(), lp_diff.item())
     teardown()
 
