@@ -248,3 +248,20 @@ def test_reference_role_is_frozen(platform, tmp_path):
     make_hf_model("llama", tmp_path)
     _, ref, _ = _megatron("ref", tmp_path)
     assert not ref.training and not any(p.requires_grad for p in ref.parameters())
+
+
+def test_export_benchmark_runs():
+    """tools/bench/weights.py at toy size: it must run and print the side-by-side ratio."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.dist_util import REPO
+
+    proc = subprocess.run([sys.executable, str(REPO / "tools/bench/weights.py"), "--hidden", "64", "--ffn", "128",
+                           "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab", "512", "--iters", "1",
+                           "--dtype", "bf16", "--bucket-mb", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"export .* GB/s", proc.stdout) and re.search(r"copy .* GB/s", proc.stdout), proc.stdout
+    assert re.search(r"ratio export/copy throughput: \d+\.\d\d", proc.stdout), proc.stdout
