@@ -19,6 +19,8 @@ class OptimConfig:
     eps: float = option(1e-8, gt=0, help="Adam epsilon")
     grad_clip: float = option(1.0, ge=0, help="global gradient-norm clip; 0 disables")
     offload: bool = option(False, help="keep optimizer state on the host between updates")
+    nonfinite: Literal["stop", "skip"] = option(
+        "stop", help="a NaN/inf loss or gradient norm: stop the run (naming step and stage) or skip that update")
 
 
 @section

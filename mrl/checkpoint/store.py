@@ -1,0 +1,137 @@
+"""Checkpoint directory bookkeeping: atomic commits, the `latest` pointer, retention.
+
+Layout of a checkpoint root::
+
+    root/
+      step_00000012/        a complete checkpoint (only ever created by a rename)
+      step_00000016/
+      latest                text file: "step_00000016"
+      .tmp.step_00000020/   a save in progress (or one killed mid-way: never read, removed later)
+
+A save writes everything into `.tmp.<name>`, fsyncs every file and directory, renames it to
+`<name>` (atomic on POSIX), then replaces `latest` atomically (write `latest.tmp`, fsync,
+`os.replace`). A crash at any point leaves `latest` naming a complete checkpoint.
+These functions touch only the filesystem; the caller runs them on one rank.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["step_name", "tmp_path", "fsync_tree", "commit", "write_latest", "latest", "checkpoints",
+           "prune", "remove_stale_tmp", "step_of"]
+
+LATEST = "latest"
+_STEP = re.compile(r"^step_(\d{8,})$")
+_TMP_PREFIX = ".tmp."
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(path: Path) -> Optional[int]:
+    """The step of a checkpoint directory name, or None if it is not one."""
+    m = _STEP.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def tmp_path(root: Path, step: int) -> Path:
+    return Path(root) / f"{_TMP_PREFIX}{step_name(step)}"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file, then every directory (deepest first), under `path`."""
+    dirs = []
+    for dirpath, _, files in os.walk(path):
+        dirs.append(dirpath)
+        for f in files:
+            _fsync(Path(dirpath) / f)
+    for d in reversed(dirs):
+        _fsync(Path(d))
+
+
+def write_latest(root: Path, name: str) -> None:
+    """Point `root/latest` at `name` atomically."""
+    root = Path(root)
+    tmp = root / f"{LATEST}.tmp"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    _fsync(root)
+
+
+def commit(root: Path, tmp: Path, step: int) -> Path:
+    """Make the fully written `tmp` the checkpoint of `step` and point `latest` at it."""
+    root = Path(root)
+    fsync_tree(tmp)
+    final = root / step_name(step)
+    if final.exists():  # the same step saved again (e.g. after a resume): retire the old copy first
+        old = root / f"{_TMP_PREFIX}old.{final.name}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        _fsync(root)
+        os.rename(tmp, final)
+        _fsync(root)
+        write_latest(root, final.name)
+        shutil.rmtree(old, ignore_errors=True)
+        return final
+    os.rename(tmp, final)
+    _fsync(root)
+    write_latest(root, final.name)
+    return final
+
+
+def checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(step_of(p), p) for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
+    return [p for _, p in sorted(found)]
+
+
+def latest(root: Path) -> Optional[Path]:
+    """The checkpoint `latest` names; without a pointer, the highest complete step; None if none."""
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        target = root / pointer.read_text().strip()
+        if step_of(target) is not None and target.is_dir():
+            return target
+    found = checkpoints(root)
+    return found[-1] if found else None
+
+
+def remove_stale_tmp(root: Path) -> list[Path]:
+    """Delete leftovers of interrupted saves (`.tmp.*`); returns what was removed."""
+    root = Path(root)
+    gone = [p for p in root.iterdir() if p.name.startswith(_TMP_PREFIX)] if root.is_dir() else []
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return gone
+
+
+def prune(root: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints (never the one `latest` names)."""
+    keep = set(checkpoints(root)[-keep_last:]) if keep_last > 0 else set()
+    current = latest(root)
+    removed = []
+    for p in checkpoints(root):
+        if p not in keep and p != current:
+            shutil.rmtree(p)
+            removed.append(p)
+    return removed

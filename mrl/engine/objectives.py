@@ -1,0 +1,148 @@
+"""Engine callbacks of the actor and the critic: model output of a packed micro-batch -> loss or
+per-token values. Algorithms come from `mrl.algos`; only the plumbing lives here.
+
+- `actor_outputs`: log-probs (and entropy) of the response tokens from TP-sharded logits
+  through `mrl_kernels.logprob_entropy` (vocabulary-parallel with `group=`; the vocabulary is
+  never gathered).
+- `PolicyObjective`: policy loss (ppo | gspo | cispo | sapo) aggregated with the global counts,
+  plus the optional KL loss to the reference and entropy bonus.
+- `values_output` / `ValueObjective`: a value head's `[1, T, 1]` output read at the same
+  positions as the log-probs (the state before each response token), clipped value loss.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from mrl.engine.engine import Totals
+from mrl.engine.packing import MicroBatch
+
+__all__ = ["actor_outputs", "PolicyObjective", "values_output", "ValueObjective"]
+
+
+def _tp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+
+
+def response_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float = 1.0,
+                      entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(logp [N], entropy [N])` of the response tokens of `mb` from logits `[1, T, V/tp]`."""
+    import mrl_kernels
+
+    rows = mb.take(logits)  # [N, V/tp]
+    logp, ent = mrl_kernels.logprob_entropy(rows, mb.response_labels, temperature, group=_tp_group())
+    return logp, ent
+
+
+def actor_outputs(temperature: float = 1.0, entropy: bool = False):
+    """An `OutputFn` giving `logprobs` (and `entropy`) per response token (old-policy and
+    reference passes)."""
+
+    def fn(logits: torch.Tensor, mb: MicroBatch) -> dict[str, torch.Tensor]:
+        logp, ent = response_logprobs(logits, mb, temperature)
+        return {"logprobs": logp, "entropy": ent} if entropy else {"logprobs": logp}
+
+    return fn
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyObjective:
+    """The actor's `LossFn`. Reads `old_logprobs`, `advantages` and `response_mask` (plus
+    `ref_logprobs` with a KL loss and `correction_weights` when present) from the micro-batch."""
+
+    loss: str = "ppo"                     # ppo | gspo | cispo | sapo
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    clip_c: Optional[float] = 3.0         # ppo dual clip; None = off
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    aggregation: str = "token-mean"
+    norm: Optional[float] = None          # seq-mean-token-sum-norm divisor
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0                  # > 0: KL loss to the reference (GRPO style)
+    kl_estimator: str = "k3"
+    temperature: float = 1.0
+
+    def __call__(self, logits: torch.Tensor, mb: MicroBatch, totals: Totals):
+        from mrl.algos import kl, losses
+
+        logp_flat, ent_flat = response_logprobs(logits, mb, self.temperature)
+        logp, ent = mb.to_padded(logp_flat), mb.to_padded(ent_flat)
+        b = mb.batch
+        mask = b["response_mask"]
+        weights = b.get("correction_weights")
+        if self.loss == "ppo":
+            per_token, metrics = losses.ppo(logp, b["old_logprobs"], b["advantages"], mask, self.eps_low,
+                                            self.eps_high, self.clip_c, weights=weights)
+        elif self.loss == "gspo":
+            per_token, metrics = losses.gspo(logp, b["old_logprobs"], b["advantages"], mask, self.eps_low,
+                                             self.eps_high, weights=weights)
+        elif self.loss == "cispo":
+            per_token, metrics = losses.cispo(logp, b["old_logprobs"], b["advantages"], mask, self.eps_low,
+                                              self.eps_high, weights=weights)
+        elif self.loss == "sapo":
+            per_token, metrics = losses.sapo(logp, b["old_logprobs"], b["advantages"], mask, self.sapo_tau_pos,
+                                             self.sapo_tau_neg, weights=weights)
+        else:
+            raise ValueError(f"unknown policy loss {self.loss!r}")
+        mode = losses.FORCED_AGG_MODE.get(self.loss, self.aggregation)
+
+        def agg(x):
+            return losses.aggregate(x, mask, mode, self.norm, totals.tokens, global_sequences=totals.sequences)
+
+        total = agg(per_token)
+        metrics = {f"pg_{k}": v for k, v in metrics.items()}
+        metrics["pg_loss"] = total.detach() * _share(mb, totals, mode)
+        valid = mask > 0
+        metrics["entropy"] = (ent * valid).sum() / valid.sum().clamp(min=1)
+        if self.entropy_coef:
+            total = total - self.entropy_coef * agg(ent)
+        if self.kl_coef:
+            kl_tok = kl.estimate(logp, b["ref_logprobs"], self.kl_estimator)
+            total = total + self.kl_coef * agg(kl_tok)
+            metrics["kl_loss"] = (kl_tok.detach() * valid).sum() / valid.sum().clamp(min=1)
+        return total, metrics
+
+
+def _share(mb: MicroBatch, totals: Totals, mode: str) -> torch.Tensor:
+    """Factor turning a micro-batch's share of a global mean into a mean over the micro-batch
+    (metrics are token-weighted means of per-micro-batch means)."""
+    if mode == "token-mean":
+        return totals.tokens / max(mb.loss_tokens, 1)
+    non_empty = int(((mb.batch["response_mask"] > 0).sum(-1) > 0).sum())
+    return totals.sequences / max(non_empty, 1)
+
+
+def values_output():
+    """An `OutputFn` giving `values` per response token from a value head `[1, T, 1]`."""
+
+    def fn(output: torch.Tensor, mb: MicroBatch) -> dict[str, torch.Tensor]:
+        return {"values": mb.take(output)[..., 0]}
+
+    return fn
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueObjective:
+    """The critic's `LossFn`: clipped value loss against `returns`, relative to `values` (the
+    critic's pass before the update)."""
+
+    clip_eps: Optional[float] = 0.5
+    aggregation: str = "token-mean"
+    norm: Optional[float] = None
+
+    def __call__(self, output: torch.Tensor, mb: MicroBatch, totals: Totals):
+        from mrl.algos import losses
+
+        v = mb.to_padded(mb.take(output)[..., 0].float())
+        b = mb.batch
+        loss, metrics = losses.value(v, b["values"], b["returns"], b["response_mask"], self.clip_eps,
+                                     self.aggregation, norm=self.norm, global_tokens=totals.tokens,
+                                     global_sequences=totals.sequences)
+        metrics = {f"vf_{k.removeprefix('vf_')}": m for k, m in metrics.items()}
+        metrics["vf_loss"] = loss.detach() * _share(mb, totals, self.aggregation)
+        return loss, metrics

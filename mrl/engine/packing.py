@@ -1,0 +1,172 @@
+"""Token-balanced micro-batches: plan which responses go together, then pack them into one row.
+
+`plan` assigns sequences (prompt + response, padding removed) to as few micro-batches as a
+per-rank token budget allows, balancing their token counts (longest first onto the lightest
+micro-batch). `pack` lays one micro-batch out as a single row `[1, T]` of concatenated
+sequences with per-sequence position ids and either
+
+- a block-diagonal causal attention mask `[1, 1, T, T]` (True = masked; megatron's local layer
+  spec, CPU and CUDA without Transformer Engine). Megatron's RoPE is computed over the row, but
+  a rotary score depends only on the distance between two tokens of the same block, so the
+  result equals the unpacked one up to float rounding; or
+- `PackedSeqParams` in `thd` layout with `cu_seqlens` (Transformer Engine's fused attention on
+  CUDA; no mask tensor, RoPE restarts per sequence).
+
+A `MicroBatch` knows where each response token sits in the row, so a role's output
+`[1, T, ...]` is cut to the response tokens (`take`) and laid back out as `[n, R]` (`to_padded`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Any, Optional, Sequence
+
+import torch
+
+from mrl.batch import Batch
+from mrl.errors import UserError
+
+__all__ = ["plan", "pack", "MicroBatch"]
+
+
+def plan(lengths: Sequence[int], budget: int, *, min_micro_batches: int = 1,
+         budget_name: str = "micro_batch_tokens") -> list[list[int]]:
+    """Indices of the sequences in each micro-batch: every micro-batch holds at most `budget`
+    tokens, their number is the smallest for which longest-first placement onto the lightest
+    micro-batch fits (starting at ceil(total / budget); at least `min_micro_batches`, capped at
+    the number of sequences), and their token counts are balanced by that placement. Indices inside a micro-batch are ascending; micro-batches are ordered by their
+    first index, so the plan is deterministic.
+
+    A single sequence longer than the budget is a `UserError` naming `budget_name`.
+    """
+    lengths = [int(x) for x in lengths]
+    if not lengths:
+        return []
+    longest = max(lengths)
+    if longest > budget:
+        raise UserError(f"{budget_name} = {budget} is smaller than the longest sequence ({longest} tokens: "
+                        "prompt + response); raise it to at least that")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    count = max(min_micro_batches, -(-sum(lengths) // budget))
+    count = min(count, len(lengths))
+    while True:
+        bins = _fill(order, lengths, count, budget)
+        if bins is not None:
+            break
+        count += 1
+    return sorted((sorted(b) for b in bins if b), key=lambda b: b[0])
+
+
+def _fill(order: list[int], lengths: list[int], count: int, budget: int) -> Optional[list[list[int]]]:
+    """Longest-first onto the lightest bin that still fits; None when some sequence fits nowhere."""
+    heap = [(0, k) for k in range(count)]  # (tokens, bin)
+    bins: list[list[int]] = [[] for _ in range(count)]
+    for i in order:
+        skipped = []
+        while heap and heap[0][0] + lengths[i] > budget:
+            skipped.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        load, k = heapq.heappop(heap)
+        bins[k].append(i)
+        heapq.heappush(heap, (load + lengths[i], k))
+        for s in skipped:
+            heapq.heappush(heap, s)
+    return bins
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One packed micro-batch: the model's inputs and the map back to `[n, R]` responses."""
+
+    index: torch.Tensor                  # [n] rows of the mini-batch this micro-batch holds
+    batch: Batch                         # those responses, padded [n, R] as in the mini-batch
+    tokens: torch.Tensor                 # [1, T] concatenated sequences (+ padding at the end)
+    position_ids: torch.Tensor           # [1, T] 0.. per sequence
+    attention_mask: Optional[torch.Tensor]  # [1, 1, T, T] bool, True = masked; None with thd
+    packed_seq_params: Any               # megatron PackedSeqParams (thd) or None
+    response_positions: torch.Tensor     # [N] row positions whose next token is a response token
+    response_labels: torch.Tensor        # [N] that next token (= response_ids)
+    response_rows: torch.Tensor          # [N] where each lands in [n, R]
+    response_cols: torch.Tensor          # [N]
+    sequence_tokens: int                 # tokens of real sequences in the row (padding excluded)
+    loss_tokens: int                     # response tokens with response_mask = 1
+
+    @property
+    def row_tokens(self) -> int:
+        return self.tokens.shape[1]
+
+    def take(self, output: torch.Tensor) -> torch.Tensor:
+        """The response-token rows `[N, ...]` of a model output `[1, T, ...]` (differentiable)."""
+        return output[0].index_select(0, self.response_positions)
+
+    def to_padded(self, flat: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Lay per-response-token values `[N, ...]` out as `[n, R, ...]` (`fill` at padding)."""
+        n, r = len(self.batch), self.batch.response_width
+        out = flat.new_full((n, r, *flat.shape[1:]), fill)
+        return out.index_put((self.response_rows, self.response_cols), flat)
+
+
+def pack(batch: Batch, index: Sequence[int], *, pad_to_multiple: int = 1, thd: bool = False,
+         device: torch.device | str = "cpu") -> MicroBatch:
+    """Pack the responses `index` of `batch` into one row (see the module docstring).
+
+    `pad_to_multiple` pads the row length (sequence parallelism needs a multiple of TP);
+    `thd` selects Transformer Engine's packed layout instead of a dense mask.
+    """
+    idx = torch.as_tensor(list(index), dtype=torch.long)
+    sub = batch.select(idx)
+    p_width = sub["prompt_ids"].shape[1]
+    p_lens = sub.prompt_lengths.tolist()
+    r_lens = sub["response_lengths"].tolist()
+    pieces, positions, segments = [], [], []
+    resp_pos, resp_rows, resp_cols = [], [], []
+    offset = 0
+    for i, (p, r) in enumerate(zip(p_lens, r_lens)):
+        if p < 1:
+            raise ValueError(f"response {int(idx[i])} has an empty prompt; the first response token needs a context")
+        seq = torch.cat([sub["prompt_ids"][i, p_width - p:], sub["response_ids"][i, :r]])
+        pieces.append(seq)
+        positions.append(torch.arange(p + r))
+        segments.append(torch.full((p + r,), i, dtype=torch.long))
+        resp_pos.append(torch.arange(offset + p - 1, offset + p - 1 + r))
+        resp_rows.append(torch.full((r,), i, dtype=torch.long))
+        resp_cols.append(torch.arange(r))
+        offset += p + r
+    used = offset
+    row = -(-used // pad_to_multiple) * pad_to_multiple
+    if row > used:  # padding: its own block, attending to itself only
+        pieces.append(torch.zeros(row - used, dtype=torch.long))
+        positions.append(torch.arange(row - used))
+        segments.append(torch.full((row - used,), len(p_lens), dtype=torch.long))
+    tokens = torch.cat(pieces).unsqueeze(0)
+    pos = torch.cat(positions).unsqueeze(0)
+    seg = torch.cat(segments)
+    flat_pos = torch.cat(resp_pos) if resp_pos else torch.zeros(0, dtype=torch.long)
+    rows = torch.cat(resp_rows) if resp_rows else torch.zeros(0, dtype=torch.long)
+    cols = torch.cat(resp_cols) if resp_cols else torch.zeros(0, dtype=torch.long)
+    labels = sub["response_ids"][rows, cols]
+    mask = packed = None
+    if thd:
+        packed = _thd_params([p + r for p, r in zip(p_lens, r_lens)] + ([row - used] if row > used else []), device)
+    else:
+        ar = torch.arange(row)
+        mask = (seg.unsqueeze(0) != seg.unsqueeze(1)) | (ar.unsqueeze(0) > ar.unsqueeze(1))
+        mask = mask.view(1, 1, row, row).to(device)
+    return MicroBatch(index=idx, batch=sub.to(device), tokens=tokens.to(device), position_ids=pos.to(device),
+                      attention_mask=mask, packed_seq_params=packed, response_positions=flat_pos.to(device),
+                      response_labels=labels.to(device), response_rows=rows.to(device),
+                      response_cols=cols.to(device), sequence_tokens=used,
+                      loss_tokens=int((sub["response_mask"] > 0).sum()))
+
+
+def _thd_params(lengths: list[int], device):
+    """Transformer Engine's packed-sequence description (cumulative sequence starts)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.as_tensor(lengths, dtype=torch.int32), 0)
+    cu = cu.to(device)
+    longest = max(lengths)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                           cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest)

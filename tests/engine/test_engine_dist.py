@@ -1,0 +1,92 @@
+"""Slow tier of the training engine: 2-rank torchrun (gloo) runs on the cpu platform, and a
+checkpoint save killed half-way. Scripts assert their own comparisons and print `MAXDIFF name
+value` lines, re-checked here so a script that silently skipped one fails too."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.dist_util import REPO, free_port, run_torchrun
+
+SCRIPTS = Path(__file__).parent / "scripts"
+pytestmark = pytest.mark.slow
+
+
+def _maxdiffs(stdout: str) -> dict[str, float]:
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^MAXDIFF (\S+) (\S+)$", stdout, re.M)}
+
+
+def _run(script: str, *args: str, expect: dict[str, float]) -> dict[str, float]:
+    proc = run_torchrun(SCRIPTS / script, *args, nproc=2, timeout=300)
+    diffs = _maxdiffs(proc.stdout)
+    assert set(diffs) == set(expect), f"expected reports {sorted(expect)}, got {diffs}\n{proc.stdout}"
+    for name, value in diffs.items():
+        assert value <= expect[name], f"{name}: {value:g} > {expect[name]:g}"
+    print(diffs)
+    return diffs
+
+
+def test_gradients_do_not_depend_on_micro_batch_split_dp_tp_or_pp():
+    g = 1e-6  # absolute for gradients/losses, relative for grad norms
+    _run("engine_equivalence.py", expect={
+        "packed_vs_unpacked_logprobs": 1e-5, "pp2_eval_logprobs": 1e-5, "nan_policies": 0.0,
+        **{f"dp2_mb{k}_{what}": g for k in (1, 2, 4) for what in ("grads", "loss", "grad_norm")},
+        "dp2_distributed_optimizer_grad_norm": g, "tp2_grads": g, "tp2_loss": g, "tp2_grad_norm": g,
+        "pp2_loss": g, "pp2_grad_norm": g})
+
+
+def test_checkpoint_at_tp2_resumes_at_tp1_like_continuing(tmp_path):
+    _run("ckpt_resume.py", str(tmp_path / "ckpt"), "plain",
+         expect={f"resume_plain_tp2_to_tp1_{k}": 1e-6 for k in ("loss", "grad_norm", "lr", "params")})
+
+
+@pytest.mark.xfail(strict=True, reason="megatron-core 0.16.1 distributed optimizer 'fully_reshardable' "
+                   "(gloo, mem-efficient) restores the word embedding's Adam state wrongly: loss and grad "
+                   "norm resume exactly, the embedding's next update differs by ~2e-3")
+def test_distributed_optimizer_checkpoint_resumes_like_continuing(tmp_path):
+    _run("ckpt_resume.py", str(tmp_path / "ckpt"), "distributed",
+         expect={f"resume_distributed_tp2_to_tp2_{k}": 1e-6 for k in ("loss", "grad_norm", "lr", "params")})
+
+
+def test_save_killed_half_way_leaves_previous_checkpoint_loadable(tmp_path):
+    root = tmp_path / "ckpt"
+    # one rank started directly (torchrun's variables, no agent) so the kill reaches the writer itself
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "ckpt_kill.py"), "save", str(root)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    killed_in = None
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            # a save of step >= 2 in progress, with files already written: kill it now
+            for tmp in root.glob(".tmp.step_*") if root.is_dir() else []:
+                step = int(tmp.name.rsplit("_", 1)[1])
+                if step >= 2 and any(p.is_file() for p in tmp.rglob("*")):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    killed_in = step
+                    break
+            if killed_in:
+                break
+            time.sleep(0.005)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert killed_in, "the save loop never reached a second checkpoint"
+    from mrl.checkpoint import store
+
+    interrupted = store.tmp_path(root, killed_in)
+    if interrupted.exists():  # killed before the commit's rename: the previous step is the latest
+        assert store.latest(root).name == store.step_name(killed_in - 1)
+    out = run_torchrun(SCRIPTS / "ckpt_kill.py", "load", str(root), nproc=1, timeout=120).stdout
+    loaded = int(re.search(r"^LOADED (\d+)$", out, re.M).group(1))
+    assert loaded in (killed_in - 1, killed_in), (loaded, killed_in)
