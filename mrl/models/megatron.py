@@ -202,7 +202,12 @@ def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     experts = config.num_moe_experts
-    if _te_available() and not config.use_cpu_initialization:
+    use_te = _te_available() and not config.use_cpu_initialization
+    if experts and isinstance(config.moe_layer_freq, list):
+        # Dense and MoE layers mixed: one spec per layer, this stage's slice.
+        layer_spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                                      normalization="RMSNorm", vp_stage=vp_stage)
+    elif use_te:
         layer_spec = specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=config.qk_layernorm)
     else:

@@ -265,3 +265,30 @@ def test_export_benchmark_runs():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"export .* GB/s", proc.stdout) and re.search(r"copy .* GB/s", proc.stdout), proc.stdout
     assert re.search(r"ratio export/copy throughput: \d+\.\d\d", proc.stdout), proc.stdout
+
+
+def test_qwen3_moe_with_dense_layers_round_trips(platform, tmp_path):
+    """`mlp_only_layers` keeps a dense MLP in layer 0: both row groups of the table apply."""
+    from mrl.weights import Exporter
+
+    ref_model = make_hf_model("qwen3_moe", tmp_path, mlp_only_layers=[0])
+    hf, model, _ = _megatron("actor", tmp_path)
+    assert hasattr(model.decoder.layers[0].mlp, "linear_fc1") and hasattr(model.decoder.layers[1].mlp, "router")
+    exported = dict(Exporter([model], hf).stream())
+    original = load_file(tmp_path / "model.safetensors")
+    assert set(exported) == set(original) and all(torch.equal(exported[k], v) for k, v in original.items())
+    tokens = probe_tokens(hf["vocab_size"])
+    with torch.no_grad():
+        want = ref_model(tokens).logits
+    assert (_forward(model, tokens)[..., : hf["vocab_size"]] - want).abs().max().item() <= 1e-5
+
+
+def test_unsupported_rope_and_architecture_are_user_errors():
+    from mrl.models.megatron import complete_hf_config, hf_inv_freq
+
+    with pytest.raises(UserError, match="model_type 'gpt2' is not supported"):
+        complete_hf_config({"model_type": "gpt2"})
+    cfg = complete_hf_config({**ARCHS["qwen2"], "hidden_size": 64, "num_attention_heads": 4,
+                              "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}})
+    with pytest.raises(UserError, match="RoPE type 'dynamic' is not supported"):
+        hf_inv_freq(cfg)
