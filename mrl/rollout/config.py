@@ -27,13 +27,16 @@ class MultiTurnConfig:
 
     enable: bool = option(False, help="generate multi-turn conversations with tool calls")
     max_assistant_turns: Optional[int] = option(None, ge=1, help="cap on assistant turns")
-    max_user_turns: Optional[int] = option(None, ge=1, help="cap on user/tool turns")
-    tool_config: Optional[str] = option(None, help="tool definitions (YAML/JSON file)")
-    interaction_config: Optional[str] = option(None, help="interaction (simulated user) definitions")
-    max_parallel_calls: int = option(1, ge=1, help="tool calls executed in parallel per turn")
+    max_user_turns: Optional[int] = option(None, ge=1, help="cap on tool-response turns")
+    tools: tuple[str, ...] = option((), help="tool functions, 'path/file.py:function' or 'module:function'; "
+                                                 "called with the tool call's arguments as keywords")
+    tool_timeout_s: float = option(10.0, gt=0, help="a tool call running longer is killed; the model sees a timeout error")
+    tool_config: Optional[str] = option(None, help="verl's tool definition file: not supported, name functions in tools")
+    interaction_config: Optional[str] = option(None, help="verl's simulated-user definitions: not supported")
+    max_parallel_calls: int = option(1, ge=1, help="tool calls executed (in parallel) per assistant turn; later calls are ignored")
     max_tool_response_tokens: int = option(256, ge=1, help="longest tool response kept, in tokens")
     tool_response_truncate_side: Literal["left", "middle", "right"] = option("middle", help="where a long tool response is cut")
-    format: str = option("hermes", help="tool-call parser format")
+    format: Literal["hermes"] = option("hermes", help="tool-call format: hermes <tool_call>{json}</tool_call> in ChatML turns")
 
 
 @section
@@ -60,7 +63,7 @@ class RolloutConfig:
     ignore_eos: bool = option(False, help="keep generating past EOS up to max_response_tokens")
     stop_token_ids: tuple[int, ...] = option((), help="extra token ids that end a response")
     over_sample_rate: float = option(0.0, ge=0, lt=1, help="fraction of slowest requests aborted each step")
-    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = option("processed_logprobs", help="engine log-probs after (processed) or before temperature/penalties")
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = option("processed_logprobs", help="reported log-probs: of the sampled distribution (after penalty, temperature, top-k/p, min-p) or of the raw model output (mrl/rollout/README.md)")
     seed: Optional[int] = option(None, help="engine sampling seed (default: job.seed)")
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = option(None, help="engine dtype (default: model.dtype)")
     tensor_parallel: int = option(1, ge=1, help="engine tensor-parallel size")

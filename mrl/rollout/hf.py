@@ -1,0 +1,185 @@
+"""The `hf` rollout engine: batched sampling with a Hugging Face `transformers` model.
+
+The embedded default on CPU. It runs its own decoding loop over the model's KV cache rather than
+`model.generate`, so that the log-probability it reports is exactly the one defined in
+`mrl.rollout.logprobs` and sampling is seeded per response (reproducible regardless of how
+prompts are batched). Prompts are left-padded; positions count real tokens only, so a padded row
+computes what it would alone. Weights arrive from the trainer's stream and are copied into the
+existing parameters (no second copy of the model).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from mrl.errors import UserError
+from mrl.rollout.engine import RolloutEngine, WeightStream
+from mrl.rollout.logprobs import process_logits, reported_logprobs
+from mrl.rollout.types import Response, Sampling, prompt_seed
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def eos_ids_of(model) -> tuple[int, ...]:
+    """EOS ids from the model's generation config (or config), as a tuple."""
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if eos is not None:
+            return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    return ()
+
+
+class HFEngine(RolloutEngine):
+    """Rollouts from a `transformers` causal LM held in this process."""
+
+    def __init__(self, model: torch.nn.Module, *, seed: int = 0, eos_token_ids: Optional[Sequence[int]] = None,
+                 max_num_seqs: int = 256):
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else eos_ids_of(model)
+        self.max_num_seqs = max_num_seqs
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self._seeds = torch.Generator().manual_seed(seed)  # draws one seed per response
+        self._targets = model.state_dict(keep_vars=True)  # tied weights appear under both names
+        self._asleep = False
+
+    # --- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: str = "float32", device: str | torch.device = "cpu",
+                        trust_remote_code: bool = False, **kw) -> "HFEngine":
+        """Load a local Hugging Face model directory."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code)
+        return cls(model.to(device), **kw)
+
+    @classmethod
+    def from_config(cls, hf_config: dict[str, Any], *, dtype: str = "float32", device: str | torch.device = "cpu",
+                    **kw) -> "HFEngine":
+        """Build the architecture from an HF config dict (e.g. a builtin preset); weights come from
+        `update_weights` (until then they are transformers' random initialisation)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = dict(hf_config)
+        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[dtype])
+        return cls(model.to(device), **kw)
+
+    # --- generation ----------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling) -> list[Response]:
+        if self._asleep:
+            raise RuntimeError("hf engine: generate() while asleep; call wake() first")
+        rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(sampling.n)]
+        seeds = [self._row_seed(sampling, i, j) for i, j in rows]
+        out: list[Response] = []
+        for lo in range(0, len(rows), self.max_num_seqs):
+            chunk = rows[lo:lo + self.max_num_seqs]
+            out += self._generate_batch([list(prompt_token_ids[i]) for i, _ in chunk], [i for i, _ in chunk],
+                                        seeds[lo:lo + self.max_num_seqs], sampling)
+        return out
+
+    def _row_seed(self, sampling: Sampling, prompt_index: int, sample_index: int) -> int:
+        if sampling.seed is not None:
+            return prompt_seed(prompt_seed(sampling.seed, prompt_index), sample_index)
+        return int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: list[list[int]], prompt_index: list[int], seeds: list[int],
+                        sampling: Sampling) -> list[Response]:
+        dev, B = self.device, len(prompts)
+        if any(len(p) == 0 for p in prompts):
+            raise UserError("rollout: a prompt has no tokens")
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(B, width, dtype=torch.long, device=dev)
+        mask = torch.zeros(B, width, dtype=torch.long, device=dev)
+        for r, p in enumerate(prompts):  # left padding: the last column is every row's newest token
+            ids[r, width - len(p):] = torch.tensor(p, device=dev)
+            mask[r, width - len(p):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
+        seen = None
+        if sampling.repetition_penalty != 1.0:
+            seen = torch.zeros(B, self.vocab_size, dtype=torch.bool, device=dev)
+            seen.scatter_(1, ids, mask.bool())
+        stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
+        stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
+
+        tokens = torch.zeros(B, sampling.max_tokens, dtype=torch.long, device=dev)
+        logps = torch.zeros(B, sampling.max_tokens, dtype=torch.float32, device=dev)
+        lengths = torch.zeros(B, dtype=torch.long, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        stopped = torch.zeros(B, dtype=torch.bool, device=dev)
+
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        cache, next_pos = out.past_key_values, positions[:, -1] + 1
+        for t in range(sampling.max_tokens):
+            logits = out.logits[:, -1, :self.vocab_size]
+            z = process_logits(logits, sampling, seen)
+            logp_all = torch.log_softmax(z, dim=-1)
+            if sampling.greedy:
+                tok = z.argmax(dim=-1)
+            else:
+                probs = logp_all.exp()
+                tok = torch.cat([torch.multinomial(probs[r], 1, generator=gens[r]) for r in range(B)])
+            if sampling.logprobs_mode == "raw_logprobs":
+                lp = reported_logprobs(logits, tok, sampling, seen)
+            else:
+                lp = logp_all.gather(-1, tok[:, None]).squeeze(-1)
+            live = ~done
+            tokens[:, t] = torch.where(live, tok, tokens[:, t])
+            logps[:, t] = torch.where(live, lp, logps[:, t])
+            lengths += live.long()
+            hit = live & torch.isin(tok, stop)
+            stopped |= hit
+            done |= hit
+            if bool(done.all()) or t + 1 == sampling.max_tokens:
+                break
+            if seen is not None:
+                seen[torch.arange(B, device=dev), tok] = True
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=dev)], dim=1)
+            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                             past_key_values=cache, use_cache=True)
+            cache, next_pos = out.past_key_values, next_pos + 1
+
+        responses = []
+        for r in range(B):
+            n = int(lengths[r])
+            responses.append(Response(prompt_index=prompt_index[r], token_ids=tokens[r, :n].tolist(),
+                                      logprobs=logps[r, :n].tolist(),
+                                      finish_reason="stop" if bool(stopped[r]) else "length"))
+        return responses
+
+    # --- weights and memory --------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, weights: WeightStream) -> int:
+        loaded = 0
+        for name, tensor in weights:
+            target = self._targets.get(name)
+            if target is None:
+                raise KeyError(f"hf engine: the weight stream names {name!r}, which the model does not have")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"hf engine: {name} has shape {tuple(tensor.shape)} in the stream, "
+                                 f"{tuple(target.shape)} in the model")
+            target.data.copy_(tensor)  # casts dtype and moves device in place
+            loaded += 1
+        return loaded
+
+    def sleep(self, level: Optional[int] = None) -> None:
+        """On a GPU, moves the weights to host memory (levels 1 and 2 alike: rotary and other
+        buffers are not part of the weight stream, so they are kept). On CPU nothing is freed."""
+        if self.device.type != "cpu" and (level is None or level > 0):
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._asleep = True
+
+    def wake(self, tags: Optional[Sequence[str]] = None) -> None:
+        if self.device.type != "cpu" and (tags is None or "weights" in tags):
+            self.model.to(self.device)
+            self._targets = self.model.state_dict(keep_vars=True)  # buffers are new tensors after .to()
+        if tags is None or "kv_cache" in tags:
+            self._asleep = False
+
+    def shutdown(self) -> None:
+        self._targets = {}
+        self.model = None

@@ -1,0 +1,199 @@
+"""Multi-turn rollouts with tool calls; tool output is context, not policy, so its loss mask is 0.
+
+Loop, per conversation (all conversations of a call advance together, one engine call per turn):
+  1. the engine samples an assistant turn (up to the remaining response budget);
+  2. tool calls are parsed from the turn's text (hermes format:
+     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`);
+  3. without calls, or when the turn hit the budget, the conversation ends; otherwise the tools
+     run (first `max_parallel_calls` calls of the turn, in parallel, with a timeout) and their
+     output, wrapped as a ChatML user turn of `<tool_response>` blocks and ending with the next
+     assistant header, is appended with loss mask 0 and log-prob 0;
+  4. repeat until `max_assistant_turns` assistant turns or `max_user_turns` tool turns.
+The response is everything after the prompt: assistant tokens (mask 1, engine log-probs) and
+tool tokens (mask 0). `rollout.max_response_tokens` bounds the whole response.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, replace
+from typing import Optional, Protocol, Sequence
+
+from mrl.errors import UserError
+from mrl.rollout.engine import RolloutEngine
+from mrl.rollout.tools import ToolCall, ToolResult, ToolRunner
+from mrl.rollout.types import Response, Sampling, prompt_seed
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class HermesFormat:
+    """Hermes tool calls (Qwen2.5/Qwen3, NousHermes) inside ChatML turns."""
+
+    CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+    def parse(self, text: str) -> list[ToolCall | str]:
+        """The tool calls in `text`; a malformed call becomes an error string for the model."""
+        calls: list[ToolCall | str] = []
+        for body in self.CALL.findall(text):
+            try:
+                obj = json.loads(body)
+                args = obj.get("arguments", {})
+                args = json.loads(args) if isinstance(args, str) else args
+                if not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+                    raise ValueError("needs a string 'name' and an object 'arguments'")
+                calls.append(ToolCall(obj["name"], args))
+            except (ValueError, AttributeError) as e:
+                calls.append(f"error: malformed tool call ({e})")
+        return calls
+
+    def observation_template(self) -> tuple[str, str, str]:
+        """(prefix, per-response template, suffix) of the user turn that carries tool output."""
+        return "\n<|im_start|>user\n", "<tool_response>\n{}\n</tool_response>", "<|im_end|>\n<|im_start|>assistant\n"
+
+
+FORMATS = {"hermes": HermesFormat}
+
+
+@dataclass
+class _Conversation:
+    prompt_index: int
+    row: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    finish_reason: str = "stop"
+    done: bool = False
+    assistant_turns: int = 0
+    tool_turns: int = 0
+    statuses: list[str] = field(default_factory=list)
+    pending: list = field(default_factory=list)  # parsed calls of the last assistant turn
+
+    def add(self, ids: Sequence[int], logprobs: Sequence[float], mask: int) -> None:
+        self.tokens += ids
+        self.logprobs += logprobs
+        self.mask += [mask] * len(ids)
+
+
+def _truncate(ids: list[int], limit: int, side: str) -> list[int]:
+    if len(ids) <= limit:
+        return ids
+    if side == "left":  # keep the end
+        return ids[len(ids) - limit:]
+    if side == "right":  # keep the start
+        return ids[:limit]
+    head = (limit + 1) // 2
+    return ids[:head] + ids[len(ids) - (limit - head):]
+
+
+class MultiTurnRollout:
+    """Tool-calling rollouts over any `RolloutEngine` (configured by `rollout.multi_turn`)."""
+
+    def __init__(self, engine: RolloutEngine, tokenizer: Tokenizer, tools: ToolRunner, *,
+                 max_assistant_turns: Optional[int] = None, max_user_turns: Optional[int] = None,
+                 max_parallel_calls: int = 1, max_tool_response_tokens: int = 256,
+                 tool_response_truncate_side: str = "middle", format: str = "hermes", group=None, group_src: int = 0):
+        if format not in FORMATS:
+            raise UserError(f"rollout.multi_turn.format: unknown format {format!r} (known: {', '.join(FORMATS)})")
+        self.engine, self.tokenizer, self.tools = engine, tokenizer, tools
+        self.format = FORMATS[format]()
+        self.max_assistant_turns = max_assistant_turns
+        self.max_user_turns = max_user_turns
+        self.max_parallel_calls = max_parallel_calls
+        self.max_tool_response_tokens = max_tool_response_tokens
+        self.truncate_side = tool_response_truncate_side
+        # With an engine of several ranks (vllm TP), tools run on `group_src` only and the results
+        # are broadcast, so every rank of the engine feeds it identical contexts.
+        self.group, self.group_src = group, group_src
+
+    @classmethod
+    def from_config(cls, engine: RolloutEngine, tokenizer: Tokenizer, cfg, *, group=None,
+                    group_src: int = 0) -> "MultiTurnRollout":
+        """From a `rollout.multi_turn` section; `group`, `group_src` from `engine.engine_group` for vllm TP > 1."""
+        if cfg.interaction_config is not None:
+            raise UserError("rollout.multi_turn.interaction_config: simulated-user interactions are not supported")
+        if cfg.tool_config is not None:
+            raise UserError("rollout.multi_turn.tool_config: tool definition files are not supported; "
+                            "name the functions in rollout.multi_turn.tools")
+        return cls(engine, tokenizer, ToolRunner(cfg.tools, cfg.tool_timeout_s),
+                   max_assistant_turns=cfg.max_assistant_turns, max_user_turns=cfg.max_user_turns,
+                   max_parallel_calls=cfg.max_parallel_calls, max_tool_response_tokens=cfg.max_tool_response_tokens,
+                   tool_response_truncate_side=cfg.tool_response_truncate_side, format=cfg.format,
+                   group=group, group_src=group_src)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling) -> list[Response]:
+        """`sampling.n` conversations per prompt, prompt-major, as `RolloutEngine.generate`."""
+        convs = [_Conversation(i, i * sampling.n + j, list(p))
+                 for i, p in enumerate(prompt_token_ids) for j in range(sampling.n)]
+        turn = 0
+        while True:
+            active = [c for c in convs if not c.done]
+            if not active:
+                break
+            self._assistant_turn(active, sampling, turn)
+            calling = [c for c in active if not c.done]
+            if calling:
+                self._tool_turn(calling, sampling.max_tokens)
+            turn += 1
+        return [Response(c.prompt_index, c.tokens, c.logprobs, c.finish_reason, loss_mask=c.mask,
+                         info={"assistant_turns": c.assistant_turns, "tool_turns": c.tool_turns,
+                               "tool_calls": len(c.statuses), "tool_errors": c.statuses.count("error"),
+                               "tool_timeouts": c.statuses.count("timeout")})
+                for c in convs]
+
+    def _assistant_turn(self, active: list[_Conversation], sampling: Sampling, turn: int) -> None:
+        by_budget: dict[int, list[_Conversation]] = {}
+        for c in active:
+            by_budget.setdefault(sampling.max_tokens - len(c.tokens), []).append(c)
+        for budget, group in by_budget.items():
+            seed = None if sampling.seed is None else prompt_seed(sampling.seed, turn * 1_000_003 + group[0].row)
+            s = replace(sampling, n=1, max_tokens=budget, seed=seed)
+            outs = self.engine.generate([c.prompt + c.tokens for c in group], s)
+            for c, out in zip(group, outs):
+                c.add(out.token_ids, out.logprobs, 1)
+                c.assistant_turns += 1
+                c.finish_reason = out.finish_reason
+                c.pending = [] if out.finish_reason == "length" else self.format.parse(self.tokenizer.decode(out.token_ids))
+                out_of_turns = self.max_assistant_turns is not None and c.assistant_turns >= self.max_assistant_turns
+                out_of_tool_turns = self.max_user_turns is not None and c.tool_turns >= self.max_user_turns
+                if not c.pending or out_of_turns or out_of_tool_turns or len(c.tokens) >= sampling.max_tokens:
+                    c.done = True
+
+    def _run_tools(self, calls: list[ToolCall]) -> list[ToolResult]:
+        if self.group is None:
+            return self.tools.run(calls)
+        import torch.distributed as dist
+
+        from mrl.platform.dist import stage
+
+        box = [self.tools.run(calls) if dist.get_rank() == self.group_src else None]
+        with stage("rollout tool results"):
+            dist.broadcast_object_list(box, src=self.group_src, group=self.group)
+        return box[0]
+
+    def _tool_turn(self, calling: list[_Conversation], max_tokens: int) -> None:
+        jobs = [(c, k, call) for c in calling for k, call in enumerate(c.pending[:self.max_parallel_calls])]
+        runnable = [(c, k, call) for c, k, call in jobs if isinstance(call, ToolCall)]
+        results = dict(zip(((id(c), k) for c, k, _ in runnable), self._run_tools([call for _, _, call in runnable])))
+        prefix, block, suffix = self.format.observation_template()
+        for c in calling:
+            texts = []
+            for k, call in enumerate(c.pending[:self.max_parallel_calls]):
+                res = results.get((id(c), k)) or ToolResult(str(call), "error", 0.0)
+                c.statuses.append(res.status)
+                ids = _truncate(self._encode(res.text), self.max_tool_response_tokens, self.truncate_side)
+                texts.append(block.format(self.tokenizer.decode(ids)))
+            obs = self._encode(prefix + "\n".join(texts) + suffix)
+            room = max_tokens - len(c.tokens)
+            c.add(obs[:room], [0.0] * min(len(obs), room), 0)
+            c.tool_turns += 1
+            c.pending = []
+            if len(obs) >= room:  # no room left for another assistant turn
+                c.finish_reason, c.done = "length", True

@@ -1,0 +1,97 @@
+"""What an engine is asked for (`Sampling`) and what it gives back (`Response`).
+
+Both engines honour every field the same way, so a job can switch `rollout.engine` without
+changing what the trainer sees.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to sample the responses of one `generate` call.
+
+    `temperature = 0` (or `greedy=True`) decodes greedily. `seed` makes the call reproducible on
+    its own (each prompt gets a seed derived from it and its index); without it the engine's
+    generator, seeded once at construction, advances from call to call.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+    logprobs_mode: LogprobsMode = "processed_logprobs"
+
+    def __post_init__(self):
+        if self.n < 1 or self.max_tokens < 1:
+            raise ValueError(f"n ({self.n}) and max_tokens ({self.max_tokens}) must be >= 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < -1 or self.top_k == 0 or not 0 <= self.min_p <= 1 \
+                or self.repetition_penalty <= 0:
+            raise ValueError(f"bad sampling values: {self}")
+        if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
+            raise ValueError(f"unknown logprobs_mode {self.logprobs_mode!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k/top-p/min-p cut the sampled distribution (so processed != tempered softmax)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+
+def prompt_seed(seed: int, prompt_index: int) -> int:
+    """The per-prompt seed of a seeded call: distinct, well-mixed streams for neighbouring prompts."""
+    return (seed * 0x9E3779B97F4A7C15 + prompt_index * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
+
+
+@dataclass
+class Response:
+    """One sampled response.
+
+    `logprobs[i]` is the log-probability of `token_ids[i]` as defined by the call's
+    `logprobs_mode` (see mrl/rollout/README.md). `finish_reason` is "stop" (EOS or a stop token,
+    which is included as the last token) or "length" (max_tokens reached). `loss_mask` is 1 for
+    sampled tokens and 0 for tokens the policy did not sample (tool outputs in multi-turn
+    rollouts, whose `logprobs` entries are 0).
+    """
+
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    loss_mask: list[int] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.loss_mask:
+            self.loss_mask = [1] * len(self.token_ids)
+        if not len(self.token_ids) == len(self.logprobs) == len(self.loss_mask):
+            raise ValueError("token_ids, logprobs and loss_mask must have the same length")
+
+
+def sampling_from_config(rollout, *, validation: bool = False, seed: Optional[int] = None) -> Sampling:
+    """The `Sampling` a `[rollout]` section asks for (training or validation generations)."""
+    if validation:
+        v = rollout.validation
+        return Sampling(n=v.responses_per_prompt, temperature=v.temperature if v.do_sample else 0.0,
+                        top_p=v.top_p, top_k=v.top_k, max_tokens=rollout.max_response_tokens,
+                        stop_token_ids=tuple(rollout.stop_token_ids), ignore_eos=rollout.ignore_eos,
+                        seed=seed, logprobs_mode=rollout.logprobs_mode)
+    return Sampling(n=rollout.responses_per_prompt, temperature=rollout.temperature if rollout.do_sample else 0.0,
+                    top_p=rollout.top_p, top_k=rollout.top_k, min_p=rollout.min_p,
+                    repetition_penalty=rollout.repetition_penalty,
+                    max_tokens=rollout.max_response_tokens, stop_token_ids=tuple(rollout.stop_token_ids),
+                    ignore_eos=rollout.ignore_eos, seed=seed, logprobs_mode=rollout.logprobs_mode)
