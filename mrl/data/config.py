@@ -1,7 +1,7 @@
 """The `data` section: where prompts come from and how many each step consumes."""
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from mrl.config.schema import option, section
 
@@ -14,8 +14,11 @@ class DataConfig:
     val_files: tuple[str, ...] = option((), help="parquet files of validation prompts")
     generator: Optional[str] = option(None, help="prompt generator 'module:function' or 'reasoning_gym:<task>' instead of files")
     generator_size: int = option(10000, ge=1, help="prompts a generator yields per epoch")
+    generator_kwargs: dict[str, Any] = option(factory=dict, help="task options passed to a reasoning_gym generator (e.g. min_terms, max_terms for chain_sum)")
     prompt_key: str = option("prompt", help="column holding the prompt (string or chat messages)")
     answer_key: str = option("answer", help="column holding the ground truth passed to the reward")
+    source_key: str = option("data_source", help="column naming each row's data source (picks per-source rewards and metrics); optional in the files")
+    bad_rows: Literal["warn", "error"] = option("warn", help="a row whose prompt or answer is missing or empty is dropped and counted (warn) or stops the run (error)")
     prompts_per_step: int = option(8, ge=1, help="prompts consumed per training step (verl: train_batch_size)")
     max_prompt_tokens: int = option(512, ge=1, help="longest prompt, in tokens")
     prompt_overflow: Literal["error", "drop", "truncate_left"] = option("drop", help="what to do with a longer prompt")

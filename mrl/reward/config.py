@@ -1,21 +1,29 @@
-"""The `reward` section: how responses are scored. Exactly one source is set."""
+"""The `reward` section: how responses are scored.
+
+Either one source (`reward.function`, `reward.builtin` or `reward.model_path`) or a weighted list
+of them in `[[reward.sources]]`; `mrl.reward.sources.reward_problems` checks the combination.
+"""
 from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
 from mrl.config.schema import option, section
 
+Builtin = Literal["exact_match", "gsm8k", "math", "reasoning_gym", "format_boxed", "format_answer_tags",
+                  "format_think_answer"]
+
 
 @section
 class RewardConfig:
-    """A user function `file.py:function`, a builtin rule verifier, or a reward model."""
+    """A user function `file.py:function`, a builtin rule verifier, a reward model, or a weighted mix."""
 
     function: Optional[str] = option(None, help="'path/to/file.py:function' or 'module:function'; score(prompt, response, ground_truth, extra) -> float | dict")
-    builtin: Optional[Literal["exact_match", "math", "reasoning_gym"]] = option(None, help="builtin rule verifier")
+    builtin: Optional[Builtin] = option(None, help="builtin rule verifier: exact_match, gsm8k (#### n), math (math-verify, boxed), reasoning_gym (the task's scorer), format_boxed, format_answer_tags, format_think_answer")
     model_path: Optional[str] = option(None, help="reward model checkpoint (scalar head)")
+    sources: tuple[dict[str, Any], ...] = option((), help="weighted mix instead of one source: [[reward.sources]] tables with name, one of function/builtin/model_path, weight (default 1), score_key, kwargs")
     score_key: str = option("score", help="key of the score when the function returns a dict")
     kwargs: dict[str, Any] = option(factory=dict, help="extra keyword arguments passed to the function")
     workers: int = option(4, ge=1, help="reward processes (functions run isolated, in a pool)")
     timeout_s: float = option(30.0, gt=0, help="a call that takes longer is killed and scored on_error")
-    on_error: Literal["zero", "fail"] = option("zero", help="a crashing or hanging call scores 0 (and is counted), or fails the step")
+    on_error: Literal["zero", "drop", "fail"] = option("zero", help="a call that raises, hangs, crashes or returns NaN or a non-number is counted and scores 0 (zero), is left out of the update (drop), or fails the step (fail)")
     micro_batch_tokens: Optional[int] = option(None, ge=1, help="reward model token budget per forward")

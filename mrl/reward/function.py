@@ -67,3 +67,43 @@ def static_problem(ref: str, n_args: int = 4, signature: str = SIGNATURE) -> str
     if not _accepts(defs[func], n_args):
         return f"{target}:{defs[func].lineno}: {func} must accept {n_args} positional arguments: {signature}"
     return None
+
+
+def load_function(ref: str, what: str = "reward.function"):
+    """Import and return the callable named by `ref` ('path/to/file.py:function' or 'module:function').
+
+    Runs the user's module. Problems are `UserError`s naming `what` (the job key) and the reference.
+    """
+    import importlib
+    import sys
+
+    from mrl.errors import UserError
+
+    parts = split_ref(ref)
+    if parts is None:
+        raise UserError(f"{what}: {ref!r} is not 'path/to/file.py:function' or 'module:function'")
+    target, func = parts
+    if target.endswith(".py"):
+        path = Path(target).resolve()
+        if not path.is_file():
+            raise UserError(f"{what}: file {target!r} not found (paths are relative to the working directory)")
+        name = f"mrl_user_{path.stem}_{abs(hash(str(path))):x}"
+        module = sys.modules.get(name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError:
+            raise UserError(f"{what}: module {target!r} not found") from None
+    fn = getattr(module, func, None)
+    if not callable(fn):
+        raise UserError(f"{what}: {target} has no function {func!r}")
+    return fn

@@ -13,5 +13,5 @@ class TrackingConfig:
     backends: tuple[Literal["console", "mlflow"], ...] = option(("console", "mlflow"), help="console and/or mlflow")
     experiment: str = option("mrl", help="MLflow experiment")
     run_name: Optional[str] = option(None, help="MLflow run name (default: job.name)")
-    tracking_uri: Optional[str] = option(None, help="MLflow URI (default: sqlite:///<job.output_dir>/mlflow.db)")
+    tracking_uri: Optional[str] = option(None, help="MLflow URI (default: sqlite:///<job.output_dir>/<job.name>/mlflow.db)")
     tags: dict[str, str] = option(factory=dict, help="tags attached to the run")

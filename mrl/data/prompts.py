@@ -1,0 +1,78 @@
+"""Rendered, tokenized prompts ready for rollout, with over-long prompts handled as the job says.
+
+`data.prompt_overflow`: "drop" (counted in `prompts_overlong_dropped`), "truncate_left" (keep the
+last `data.max_prompt_tokens` tokens, counted in `prompts_truncated`; the end of a chat prompt
+holds the question and the generation prompt), or "error" (a `UserError` naming the row).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mrl.data.rows import Prompt, PromptRow
+from mrl.data.template import encode_prompt, render_prompt
+from mrl.errors import UserError
+
+Overflow = Literal["error", "drop", "truncate_left"]
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt of a dataset: what the rollout engine gets (`token_ids`) and what the reward needs."""
+
+    index: int  # position in the dataset (what the sampler yields)
+    token_ids: tuple[int, ...]
+    text: str  # rendered text (before any truncation)
+    prompt: Prompt  # the raw cell, as the reward function receives it
+    answer: Any
+    data_source: str
+    origin: str
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class PromptDataset:
+    """Prompts in a fixed order plus the counts of everything dropped or changed on the way."""
+
+    items: list[PromptItem]
+    stats: dict[str, int]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> PromptItem:
+        return self.items[i]
+
+
+def fit_length(ids: list[int], max_tokens: int, overflow: Overflow, origin: str) -> list[int] | None:
+    """`ids` if short enough, else truncated from the left, None (drop) or a UserError."""
+    if len(ids) <= max_tokens:
+        return ids
+    if overflow == "error":
+        raise UserError(f"{origin}: prompt has {len(ids)} tokens > data.max_prompt_tokens {max_tokens} "
+                        "(set data.prompt_overflow = 'drop' or 'truncate_left')")
+    return ids[-max_tokens:] if overflow == "truncate_left" else None
+
+
+def tokenize_rows(rows: list[PromptRow], tokenizer: Any, *, max_prompt_tokens: int, overflow: Overflow,
+                  chat_template: bool, system_prompt: str | None = None,
+                  stats: Counter | None = None) -> PromptDataset:
+    """Render and tokenize `rows`; `stats` (rows counters from loading) gains the prompt counters."""
+    counts = Counter(stats or {})
+    counts.update({"prompts_overlong_dropped": 0, "prompts_truncated": 0})
+    items: list[PromptItem] = []
+    for row in rows:
+        text = render_prompt(row.prompt, tokenizer, chat_template=chat_template, system_prompt=system_prompt,
+                             origin=row.origin)
+        ids = encode_prompt(text, tokenizer, chat_template=chat_template)
+        fitted = fit_length(ids, max_prompt_tokens, overflow, row.origin)
+        if fitted is None:
+            counts["prompts_overlong_dropped"] += 1
+            continue
+        if len(fitted) < len(ids):
+            counts["prompts_truncated"] += 1
+        items.append(PromptItem(index=len(items), token_ids=tuple(fitted), text=text, prompt=row.prompt,
+                                answer=row.answer, data_source=row.data_source, origin=row.origin, extra=row.extra))
+    counts["prompts"] = len(items)
+    return PromptDataset(items=items, stats=dict(counts))

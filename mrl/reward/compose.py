@@ -1,0 +1,167 @@
+"""Scores for a batch of responses: every source, isolated user code, weights, errors by policy.
+
+`Rewarder.score(samples)` runs rule sources (builtins and user functions) in the `RewardPool`
+and the reward model (if any) through its `RewardModelScorer`, then sums `weight x score` per
+response. A failed call (exception, timeout, crash, NaN, non-number) is logged with its sample id,
+counted in `stats`, and handled by `reward.on_error`: "zero" scores it 0, "drop" marks the sample
+invalid (`valid[i] = False`; the trainer leaves it out), "fail" raises a `UserError` for the step.
+
+Functions receive `extra` = the row's extra columns plus "data_source".
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
+
+from mrl.errors import UserError
+from mrl.reward.config import RewardConfig
+from mrl.reward.model import RewardModelScorer
+from mrl.reward.outcome import BadScore, read_score
+from mrl.reward.pool import Call, RewardPool
+from mrl.reward.sources import RewardSource, reward_sources
+
+log = logging.getLogger(__name__)
+
+OnError = Literal["zero", "drop", "fail"]
+LOGGED_ERRORS_PER_BATCH = 10  # individual warnings per batch; the rest are summarized
+
+
+@dataclass(frozen=True)
+class RewardSample:
+    """One response to score."""
+
+    sample_id: Any  # shown in error messages, e.g. "step 12 prompt 3 response 1"
+    prompt: Any
+    response: str
+    ground_truth: Any
+    data_source: str = ""
+    extra: dict = field(default_factory=dict)
+    token_ids: Sequence[int] | None = None  # prompt + response tokens; needed by a reward model
+
+
+@dataclass(frozen=True)
+class ScoreError:
+    sample_id: Any
+    source: str
+    kind: str  # exception, timeout, crash, unpicklable, non_finite, not_a_number, missing_score_key
+    message: str
+
+
+@dataclass
+class RewardResult:
+    """Per-response rewards plus what to log. Lists are aligned with the input samples."""
+
+    scores: list[float]  # weighted sum over sources
+    valid: list[bool]  # False: a source failed and reward.on_error = "drop"
+    source_scores: dict[str, list[float]]  # each source's unweighted score; NaN where it failed
+    metrics: dict[str, list[float]]  # "<source>/<key>" extra numbers from dict returns; NaN where absent
+    errors: list[ScoreError]
+    stats: dict[str, float]  # batch summary for the tracker (means over valid responses, error counts)
+
+
+def _mean(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+class Rewarder:
+    """Scores batches with a fixed set of sources; owns the worker pool (close it, or use `with`)."""
+
+    def __init__(self, sources: Sequence[RewardSource], *, on_error: OnError = "zero", workers: int = 4,
+                 timeout_s: float = 30.0, model_scorer: RewardModelScorer | None = None,
+                 start_method: str = "spawn"):
+        self.sources = tuple(sources)
+        self.on_error = on_error
+        self.model_scorer = model_scorer
+        if any(s.kind == "model" for s in self.sources) and model_scorer is None:
+            raise ValueError("a model reward source needs a RewardModelScorer")
+        refs = [s.ref for s in self.sources if s.kind != "model"]
+        self.pool = RewardPool(refs, workers=workers, timeout_s=timeout_s, start_method=start_method) if refs else None
+
+    @classmethod
+    def from_config(cls, cfg: RewardConfig, model_scorer: RewardModelScorer | None = None, **kw) -> "Rewarder":
+        return cls(reward_sources(cfg), on_error=cfg.on_error, workers=cfg.workers, timeout_s=cfg.timeout_s,
+                   model_scorer=model_scorer, **kw)
+
+    def __enter__(self) -> "Rewarder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+    def _rule_outcomes(self, samples: Sequence[RewardSample]) -> dict[str, list]:
+        rule = [s for s in self.sources if s.kind != "model"]
+        calls = [Call(src.ref, (smp.prompt, smp.response, smp.ground_truth, {**smp.extra, "data_source": smp.data_source}),
+                      src.kwargs) for src in rule for smp in samples]
+        outcomes = self.pool.run(calls) if calls else []
+        n = len(samples)
+        return {src.name: outcomes[i * n:(i + 1) * n] for i, src in enumerate(rule)}
+
+    def score(self, samples: Sequence[RewardSample]) -> RewardResult:
+        """Score every sample with every source; see the module docstring for errors."""
+        n = len(samples)
+        replaced_before = self.pool.replacements if self.pool is not None else 0
+        outcomes = self._rule_outcomes(samples)
+        self._replaced = (self.pool.replacements if self.pool is not None else 0) - replaced_before
+        source_scores: dict[str, list[float]] = {}
+        metrics: dict[str, list[float]] = {}
+        errors: list[ScoreError] = []
+        for src in self.sources:
+            scores = [math.nan] * n
+            if src.kind == "model":
+                if any(s.token_ids is None for s in samples):
+                    raise ValueError("the reward model needs RewardSample.token_ids")
+                for i, v in enumerate(self.model_scorer([s.token_ids for s in samples])):
+                    if math.isnan(v):
+                        errors.append(ScoreError(samples[i].sample_id, src.name, "non_finite", "reward model returned a non-finite score"))
+                    scores[i] = v
+            else:
+                for i, out in enumerate(outcomes[src.name]):
+                    if out.error is not None:
+                        errors.append(ScoreError(samples[i].sample_id, src.name, out.error, out.message))
+                        continue
+                    try:
+                        scores[i], extra = read_score(out.value, src.score_key)
+                    except BadScore as e:
+                        errors.append(ScoreError(samples[i].sample_id, src.name, e.kind, str(e)))
+                        continue
+                    for k, v in extra.items():
+                        metrics.setdefault(f"{src.name}/{k}", [math.nan] * n)[i] = v
+            source_scores[src.name] = scores
+        return self._combine(samples, source_scores, metrics, errors)
+
+    def _combine(self, samples, source_scores, metrics, errors) -> RewardResult:
+        n = len(samples)
+        for e in errors[:LOGGED_ERRORS_PER_BATCH]:
+            log.warning("reward %s failed on sample %s: %s: %s", e.source, e.sample_id, e.kind, e.message)
+        if len(errors) > LOGGED_ERRORS_PER_BATCH:
+            log.warning("... and %d more reward errors in this batch", len(errors) - LOGGED_ERRORS_PER_BATCH)
+        if errors and self.on_error == "fail":
+            e = errors[0]
+            raise UserError(f"reward {e.source} failed on sample {e.sample_id}: {e.kind}: {e.message} "
+                            f"({len(errors)} errors in the batch; reward.on_error = 'fail')")
+        failed = {i for i in range(n) for name in source_scores if math.isnan(source_scores[name][i])}
+        weights = {s.name: s.weight for s in self.sources}
+        totals = [sum(weights[name] * (0.0 if math.isnan(v[i]) else v[i]) for name, v in source_scores.items())
+                  for i in range(n)]
+        valid = [not (self.on_error == "drop" and i in failed) for i in range(n)]
+        counts = Counter((e.source, e.kind) for e in errors)
+        stats: dict[str, float] = {"reward/mean": _mean([t for t, ok in zip(totals, valid) if ok]),
+                                   "reward/errors": float(len(errors)),
+                                   "reward/dropped_responses": float(valid.count(False))}
+        for name, values in source_scores.items():
+            stats[f"reward/{name}/mean"] = _mean(values)
+        for (name, kind), c in counts.items():
+            stats[f"reward/{name}/errors/{kind}"] = float(c)
+        for key, values in metrics.items():
+            stats[f"reward/{key}"] = _mean(values)
+        stats["reward/workers_replaced"] = float(self._replaced)
+        return RewardResult(scores=totals, valid=valid, source_scores=source_scores, metrics=metrics,
+                            errors=errors, stats=stats)

@@ -1,0 +1,130 @@
+"""The reward sources of a job, resolved from the `reward` section, and their static checks.
+
+A job names one source (`reward.function`, `reward.builtin` or `reward.model_path`, weight 1) or a
+list of weighted sources:
+
+    [[reward.sources]]
+    name = "correct"
+    builtin = "math"
+    weight = 1.0
+
+    [[reward.sources]]
+    name = "format"
+    function = "jobs/rewards/format.py:score"
+    weight = 0.1
+
+The reward of a response is the weighted sum of its sources' scores.
+"""
+from __future__ import annotations
+
+import difflib
+import numbers
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mrl.errors import UserError
+from mrl.reward import function as reward_function
+from mrl.reward.builtins import builtin_ref
+from mrl.reward.config import Builtin, RewardConfig
+
+BUILTINS = typing.get_args(Builtin)
+KINDS = ("function", "builtin", "model_path")
+SOURCE_KEYS = ("name", *KINDS, "weight", "score_key", "kwargs")
+
+
+@dataclass(frozen=True)
+class RewardSource:
+    """One scorer: `kind` "function"/"builtin" runs `ref` in the worker pool; "model" is the reward model."""
+
+    name: str
+    kind: Literal["function", "builtin", "model"]
+    ref: str  # module:function / file.py:function, or the model path
+    weight: float = 1.0
+    score_key: str = "score"
+    kwargs: dict = field(default_factory=dict)
+
+
+def _one_source(cfg: RewardConfig) -> dict | None:
+    set_ = [k for k in KINDS if getattr(cfg, k) is not None]
+    if len(set_) != 1:
+        return None
+    kind = set_[0]
+    value = getattr(cfg, kind)
+    name = {"function": value.rpartition(":")[2], "builtin": value, "model_path": "model"}[kind]
+    return {"name": name, kind: value}
+
+
+def reward_problems(cfg: RewardConfig, check_files: bool = True) -> list[tuple[str, str]]:
+    """Every problem with the reward sources as (dotted key, one-line message); empty when fine.
+
+    `check_files` also checks user function references statically (file exists, function defined,
+    4 positional arguments) without running them.
+    """
+    problems: list[tuple[str, str]] = []
+    single = [k for k in KINDS if getattr(cfg, k) is not None]
+    if cfg.sources and single:
+        problems.append(("reward.sources", f"set either reward.sources or reward.{single[0]}, not both"))
+    elif not cfg.sources and len(single) != 1:
+        got = ", ".join(f"reward.{k}" for k in single) or "none"
+        problems.append(("reward", f"set exactly one of reward.function, reward.builtin, reward.model_path (got {got})"))
+    tables = cfg.sources or ([_one_source(cfg)] if len(single) == 1 else [])
+    names: set[str] = set()
+    models = 0
+    for i, src in enumerate(tables):
+        key = f"reward.sources[{i}]" if cfg.sources else "reward"
+        for k in src:
+            if k not in SOURCE_KEYS:
+                close = difflib.get_close_matches(k, SOURCE_KEYS, n=1)
+                problems.append((f"{key}.{k}", "unknown key" + (f"; did you mean `{close[0]}`?" if close else "")))
+        name = src.get("name")
+        if not isinstance(name, str) or not name:
+            problems.append((f"{key}.name", "missing: each source needs a name (its metrics are reward/<name>/...)"))
+        elif name in names:
+            problems.append((f"{key}.name", f"{name!r} is used by another source"))
+        names.add(name if isinstance(name, str) else "")
+        kinds = [k for k in KINDS if k in src]
+        if len(kinds) != 1:
+            problems.append((key, f"set exactly one of function, builtin, model_path (got {', '.join(kinds) or 'none'})"))
+            continue
+        kind, value = kinds[0], src[kinds[0]]
+        if not isinstance(value, str):
+            problems.append((f"{key}.{kind}", f"must be a string, got {type(value).__name__}"))
+            continue
+        if kind == "builtin" and value not in BUILTINS:
+            close = difflib.get_close_matches(value, BUILTINS, n=1)
+            problems.append((f"{key}.builtin", f"{value!r} is not a builtin reward ({', '.join(BUILTINS)})"
+                             + (f"; did you mean {close[0]!r}?" if close else "")))
+        if kind == "function" and check_files:
+            problem = reward_function.static_problem(value)
+            if problem:
+                problems.append((f"{key}.function", problem))
+        models += kind == "model_path"
+        weight = src.get("weight", 1.0)
+        if not isinstance(weight, numbers.Real) or isinstance(weight, bool):
+            problems.append((f"{key}.weight", f"must be a number, got {type(weight).__name__}"))
+        if not isinstance(src.get("score_key", ""), str):
+            problems.append((f"{key}.score_key", "must be a string"))
+        if not isinstance(src.get("kwargs", {}), dict):
+            problems.append((f"{key}.kwargs", "must be a table"))
+    if models > 1:
+        problems.append(("reward.sources", f"{models} sources set model_path; one reward model per job is supported"))
+    return problems
+
+
+def reward_sources(cfg: RewardConfig, check_files: bool = True) -> tuple[RewardSource, ...]:
+    """The job's sources, in order. Raises `UserError` listing every problem (see `reward_problems`)."""
+    problems = reward_problems(cfg, check_files=check_files)
+    if problems:
+        lines = [f"{key}: {msg}" for key, msg in problems]
+        raise UserError(lines[0], problems=lines)
+    tables = cfg.sources or (_one_source(cfg),)
+    out = []
+    for src in tables:
+        kind = next(k for k in KINDS if k in src)
+        kwargs = dict(src.get("kwargs", cfg.kwargs if not cfg.sources else {}))
+        ref = builtin_ref(src[kind]) if kind == "builtin" else src[kind]
+        out.append(RewardSource(name=src["name"], kind="model" if kind == "model_path" else kind, ref=ref,
+                                weight=float(src.get("weight", 1.0)), score_key=src.get("score_key", cfg.score_key),
+                                kwargs=kwargs))
+    return tuple(out)

@@ -1,0 +1,123 @@
+"""One MLflow run: created or re-attached, params, per-step metrics, artifacts, tags.
+
+Uses `MlflowClient` (no fluent global state, so several runs or a test can coexist in a process).
+A local sqlite store gets its artifacts next to it (`<dir>/mlartifacts`), not in the working
+directory, which is MLflow's default for new experiments.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from mrl.errors import UserError
+
+log = logging.getLogger(__name__)
+
+PARAMS_PER_BATCH = 100  # MLflow's log_batch limit for params
+METRICS_PER_BATCH = 1000
+
+
+def default_tracking_uri(run_dir: str | os.PathLike) -> str:
+    """`sqlite:///<abs run_dir>/mlflow.db` (the run directory is created)."""
+    path = Path(run_dir).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path / 'mlflow.db'}"
+
+
+def _sqlite_dir(uri: str) -> Path | None:
+    return Path(uri[len("sqlite:///"):]).parent if uri.startswith("sqlite:///") else None
+
+
+def source_tags(cwd: str | os.PathLike | None = None) -> dict[str, str]:
+    """Git commit (MLflow's standard tag), whether the tree was dirty, and the host."""
+    tags = {"mrl.host": socket.gethostname()}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
+        if commit.returncode == 0:
+            tags["mlflow.source.git.commit"] = commit.stdout.strip()
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                                   capture_output=True, text=True, timeout=10)
+            tags["mrl.git_dirty"] = str(bool(dirty.stdout.strip())).lower()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return tags
+
+
+class MlflowRun:
+    """A run in `experiment` at `tracking_uri`; `run_id` re-attaches to an existing run (resume)."""
+
+    def __init__(self, tracking_uri: str, experiment: str, run_name: str, *, run_id: str | None = None,
+                 tags: Mapping[str, str] | None = None):
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.tracking_uri = tracking_uri
+        if run_id is not None:
+            try:
+                run = self.client.get_run(run_id)
+            except MlflowException:
+                raise UserError(f"cannot resume tracking: no MLflow run {run_id} at {tracking_uri}") from None
+            self.client.update_run(run_id, status="RUNNING")
+            self._logged_params = dict(run.data.params)
+        else:
+            exp = self.client.get_experiment_by_name(experiment)
+            if exp is not None:
+                exp_id = exp.experiment_id
+            else:
+                store_dir = _sqlite_dir(tracking_uri)
+                location = (store_dir / "mlartifacts").resolve().as_uri() if store_dir is not None else None
+                exp_id = self.client.create_experiment(experiment, artifact_location=location)
+            run = self.client.create_run(exp_id, run_name=run_name)
+            self._logged_params = {}
+        self.run_id = run.info.run_id
+        if tags:
+            self.set_tags(tags)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log params. MLflow params are immutable: on a resumed run, keys already logged with the same
+        value are skipped, and changed ones are kept as they were and listed in the `mrl.resume_changed_params` tag."""
+        from mlflow.entities import Param
+
+        new = {k: str(v) for k, v in params.items() if k not in self._logged_params}
+        changed = sorted(k for k, v in params.items() if k in self._logged_params and self._logged_params[k] != str(v))
+        if changed:
+            log.warning("resumed run %s: params changed since it started (kept the original values): %s",
+                        self.run_id, ", ".join(changed))
+            self.set_tags({"mrl.resume_changed_params": ",".join(changed)[:5000]})
+        items = list(new.items())
+        for i in range(0, len(items), PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in items[i:i + PARAMS_PER_BATCH]])
+        self._logged_params.update(new)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Every metric at `step`. Non-numeric values are skipped; NaN is stored as NaN."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = []
+        for k, v in metrics.items():
+            try:
+                value = float(v)
+            except (TypeError, ValueError):
+                continue
+            items.append(Metric(k, value if not math.isinf(value) else math.copysign(1e308, value), now, step))
+        for i in range(0, len(items), METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=items[i:i + METRICS_PER_BATCH])
+
+    def log_text(self, text: str, artifact_path: str) -> None:
+        self.client.log_text(self.run_id, text, artifact_path)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)

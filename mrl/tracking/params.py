@@ -1,0 +1,28 @@
+"""A resolved job spec as flat MLflow params: dotted keys -> strings."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mrl.config.dump import to_dict
+
+MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
+    """{"a": {"b": 1}, "c": [1, 2]} -> {"a.b": "1", "c": "[1, 2]"}; lists (and tables inside them) as JSON."""
+    out: dict[str, str] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, dotted + "."))
+        elif isinstance(value, (list, tuple, dict)):
+            out[dotted] = json.dumps(value, default=str)
+        else:
+            out[dotted] = str(value).lower() if isinstance(value, bool) else str(value)
+    return {k: v if len(v) <= MAX_PARAM_CHARS else v[:MAX_PARAM_CHARS - 3] + "..." for k, v in out.items()}
+
+
+def spec_params(spec: Any) -> dict[str, str]:
+    """Every set key of a resolved spec (see `mrl show`) as a dotted param."""
+    return flatten(to_dict(spec))

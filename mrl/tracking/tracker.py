@@ -1,0 +1,101 @@
+"""The trainer's one handle on tracking: console progress and MLflow, rank 0 only.
+
+    tracker = Tracker.from_spec(spec, total_steps=..., resume_run_id=ckpt.get("mlflow_run_id"))
+    tracker.log_spec(spec)                     # params (dotted keys), spec.toml artifact
+    tracker.stage("rollout")                   # console only
+    tracker.log_metrics({"reward/mean": ...}, step)
+    tracker.finish()                           # or finish("FAILED")
+
+Save `tracker.run_id` in the checkpoint; passing it back as `resume_run_id` re-attaches to the
+same MLflow run, so a resumed job continues one run. On every other rank all methods do nothing.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import IO, Any, Mapping
+
+from mrl.config.dump import to_toml
+from mrl.tracking.config import TrackingConfig
+from mrl.tracking.console import ConsoleProgress
+from mrl.tracking.mlflow_run import MlflowRun, default_tracking_uri, source_tags
+from mrl.tracking.params import spec_params
+
+log = logging.getLogger(__name__)
+
+
+def run_dir_of(spec: Any) -> Path:
+    """`<job.output_dir>/<job.name>`: where a job's checkpoints and default MLflow store live."""
+    return Path(spec.job.output_dir) / spec.job.name
+
+
+class Tracker:
+    """Console progress and/or MLflow as `cfg.backends` says; a no-op on ranks other than 0."""
+
+    def __init__(self, cfg: TrackingConfig, *, run_dir: str | os.PathLike, total_steps: int, rank: int | None = None,
+                 resume_run_id: str | None = None, start_step: int = 0, stream: IO[str] | None = None,
+                 force_terminal: bool | None = None):
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self.console: ConsoleProgress | None = None
+        self.mlflow: MlflowRun | None = None
+        self._run_id: str | None = None
+        if self.rank != 0:
+            return
+        if "mlflow" in cfg.backends:
+            uri = cfg.tracking_uri or default_tracking_uri(run_dir)
+            tags = {**source_tags(), **cfg.tags} if resume_run_id is None else dict(cfg.tags)
+            self.mlflow = MlflowRun(uri, cfg.experiment, cfg.run_name or Path(run_dir).name, run_id=resume_run_id,
+                                    tags=tags)
+            self._run_id = self.mlflow.run_id
+            if resume_run_id is not None:
+                self.mlflow.set_tags({"mrl.resumed_at_step": str(start_step)})
+        if "console" in cfg.backends:
+            self.console = ConsoleProgress(total_steps, start_step=start_step, file=stream,
+                                           force_terminal=force_terminal)
+
+    @classmethod
+    def from_spec(cls, spec: Any, *, total_steps: int, **kw) -> "Tracker":
+        """A tracker for a resolved job spec, with the run directory `<job.output_dir>/<job.name>`."""
+        return cls(spec.tracking, run_dir=run_dir_of(spec), total_steps=total_steps, **kw)
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run id to store in checkpoints (None without MLflow or off rank 0)."""
+        return self._run_id
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        if self.mlflow is not None:
+            self.mlflow.log_params(params)
+
+    def log_spec(self, spec: Any) -> None:
+        """The resolved spec as dotted-key params and as the `spec.toml` artifact."""
+        if self.mlflow is not None:
+            self.mlflow.log_params(spec_params(spec))
+            self.mlflow.log_text(to_toml(spec), "spec.toml")
+
+    def stage(self, name: str) -> None:
+        if self.console is not None:
+            self.console.stage(name)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Every metric of `step` to MLflow, and the step line/bar to the console."""
+        if self.mlflow is not None:
+            self.mlflow.log_metrics(metrics, step)
+        if self.console is not None:
+            self.console.step_done(step, metrics)
+
+    def message(self, text: str) -> None:
+        if self.console is not None:
+            self.console.message(text)
+        elif self.rank == 0:
+            log.info(text)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """End the run: "FINISHED", "FAILED" or "KILLED". Safe to call twice."""
+        if self.console is not None:
+            self.console.close()
+            self.console = None
+        if self.mlflow is not None:
+            self.mlflow.finish(status)
+            self.mlflow = None

@@ -1,0 +1,103 @@
+"""Tracking: MLflow params/metrics/artifact/tags in a sqlite store, resume, rank 0 only, plain console."""
+import io
+import math
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from mrl.config.loader import load
+from mrl.tracking.config import TrackingConfig
+from mrl.tracking.console import ConsoleProgress
+from mrl.tracking.params import flatten
+from mrl.tracking.tracker import Tracker, run_dir_of
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    spec, _ = load("jobs/quickstart_cpu.toml", [f"job.output_dir={out}"])
+    return spec
+
+
+def test_flatten_dotted_keys():
+    assert flatten({"a": {"b": 1, "c": {"d": True}}, "e": [1, 2], "f": {}, "g": "x"}) == \
+        {"a.b": "1", "a.c.d": "true", "e": "[1, 2]", "f": "{}", "g": "x"}
+
+
+def test_mlflow_run_in_the_run_directory_and_resume(spec):
+    stream = io.StringIO()
+    tracker = Tracker.from_spec(spec, total_steps=3, rank=0, stream=stream)
+    run_dir = run_dir_of(spec)
+    assert tracker.mlflow.tracking_uri == f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
+    tracker.log_spec(spec)
+    tracker.log_metrics({"reward/mean": 0.25, "actor/kl": 0.01, "data/prompts": 256}, step=1)
+    tracker.log_metrics({"reward/mean": 0.5, "actor/kl": float("nan")}, step=2)
+    run_id = tracker.run_id
+    tracker.finish("KILLED")
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
+    run = client.get_run(run_id)
+    assert run.info.status == "KILLED" and run.info.run_name == "quickstart-cpu"
+    p = run.data.params
+    assert p["reward.function"] == "jobs/rewards/arithmetic.py:score" and p["parallel.tensor"] == "2"
+    assert p["data.prompts_per_step"] == "4" and p["tracking.backends"] == '["console", "mlflow"]'
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "reward/mean")] == [(1, 0.25), (2, 0.5)]
+    assert math.isnan(client.get_metric_history(run_id, "actor/kl")[-1].value)
+    assert len(run.data.tags["mlflow.source.git.commit"]) == 40 and run.data.tags["mrl.host"]
+    assert [a.path for a in client.list_artifacts(run_id)] == ["spec.toml"]
+    local = client.download_artifacts(run_id, "spec.toml", str(run_dir / "dl"))
+    assert 'function = "jobs/rewards/arithmetic.py:score"' in open(local).read()
+    assert (run_dir / "mlartifacts").is_dir()  # artifacts next to the store, not in the working directory
+
+    # resume: the same run continues; params already logged are not duplicated
+    resumed = Tracker.from_spec(spec, total_steps=3, rank=0, stream=stream, resume_run_id=run_id, start_step=2)
+    resumed.log_spec(spec)
+    resumed.log_metrics({"reward/mean": 0.75}, step=3)
+    resumed.finish()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["mrl.resumed_at_step"] == "2"
+    assert [m.step for m in client.get_metric_history(run_id, "reward/mean")] == [1, 2, 3]
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+
+
+def test_only_rank_zero_tracks(tmp_path):
+    stream = io.StringIO()
+    t = Tracker(TrackingConfig(), run_dir=tmp_path / "r", total_steps=2, rank=1, stream=stream)
+    t.log_params({"a": 1})
+    t.log_metrics({"reward/mean": 1.0}, step=1)
+    t.finish()
+    assert t.run_id is None and stream.getvalue() == "" and not (tmp_path / "r").exists()
+
+
+def test_console_plain_lines_when_not_a_tty():
+    stream = io.StringIO()
+    progress = ConsoleProgress(10, start_step=4, file=stream)
+    assert not progress.live
+    progress.stage("rollout")
+    line = progress.step_done(5, {"reward/mean": 0.125, "actor/kl": 0.0031, "other": 3})
+    progress.message("checkpoint saved")
+    progress.close()
+    text = stream.getvalue()
+    assert "\x1b[" not in text  # no escape codes in logs
+    first, second = text.splitlines()
+    assert first == line and first.startswith("step 5/10  reward 0.125  kl 0.0031  ") and " eta 0:" in first
+    assert second == "checkpoint saved"
+    assert math.isinf(ConsoleProgress(10, start_step=4, file=io.StringIO()).eta_seconds(4))
+
+
+def test_console_live_bar_on_a_terminal():
+    stream = io.StringIO()
+    progress = ConsoleProgress(3, file=stream, force_terminal=True)
+    assert progress.live
+    progress.stage("reward")
+    progress.step_done(1, {"reward/mean": 0.5})
+    progress.close()
+    assert "reward 0.5" in stream.getvalue() and "1/3" in stream.getvalue()
+
+
+def test_console_only_backend_makes_no_store(tmp_path):
+    t = Tracker(TrackingConfig(backends=("console",)), run_dir=tmp_path / "r", total_steps=1, rank=0,
+                stream=io.StringIO())
+    t.log_metrics({"reward/mean": 1.0}, step=1)
+    t.finish()
+    assert t.run_id is None and not (tmp_path / "r").exists()
