@@ -3,8 +3,8 @@
 #   sbatch --nodes N --ntasks-per-node M launch/slurm.sh JOB.toml [key=value ...]
 # N x M must equal the job's platform.nodes x platform.ranks_per_node; the script checks it before
 # any rank starts. Ranks read SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID; the rendezvous address
-# is the first node of the allocation. MRL_COMMAND picks the subcommand (default: preflight,
-# until `mrl train` lands); MRL_VENV the virtualenv (default: .venv in the submit directory).
+# is the first node of the allocation. MRL_COMMAND picks the subcommand (default: train;
+# e.g. MRL_COMMAND=preflight); MRL_VENV the virtualenv (default: .venv in the submit directory).
 # Command-line options override the #SBATCH lines below: on a cluster without GPUs (or to run a
 # CPU job such as jobs/quickstart_cpu.toml) add --gpus-per-node=0.
 #SBATCH --job-name=mrl
@@ -41,4 +41,4 @@ MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR
 export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-srun --kill-on-bad-exit=1 --ntasks-per-node "$RANKS" "$PY" -m mrl "${MRL_COMMAND:-preflight}" "$@"
+srun --kill-on-bad-exit=1 --ntasks-per-node "$RANKS" "$PY" -m mrl "${MRL_COMMAND:-train}" "$@"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Launch a job on this node: one rank per GPU (or CPU rank), sized from the job spec.
 #   launch/torchrun.sh JOB.toml [key=value ...]
-# MRL_COMMAND picks the mrl subcommand (default: preflight, until `mrl train` lands).
+# MRL_COMMAND picks the mrl subcommand (default: train; e.g. MRL_COMMAND=preflight).
 set -euo pipefail
 JOB=${1:?usage: launch/torchrun.sh JOB.toml [key=value ...]}
 cd "$(dirname "$0")/.."
@@ -15,4 +15,4 @@ if [ "$NODES" != 1 ]; then
        "sbatch --nodes $NODES --ntasks-per-node $RANKS launch/slurm.sh$(printf ' %q' "$@")" >&2
   exit 2
 fi
-exec "$VENV/bin/torchrun" --standalone --nnodes 1 --nproc_per_node "$RANKS" -m mrl "${MRL_COMMAND:-preflight}" "$@"
+exec "$VENV/bin/torchrun" --standalone --nnodes 1 --nproc_per_node "$RANKS" -m mrl "${MRL_COMMAND:-train}" "$@"

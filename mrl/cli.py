@@ -126,6 +126,18 @@ def cmd_preflight(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from mrl.config.loader import load
+    from mrl.train.loop import train
+
+    jobs, overrides = _split_args(args.items)
+    if len(jobs) != 1:
+        raise UserError(f"mrl train takes one job file, got {len(jobs)}: {' '.join(jobs)}")
+    spec, _ = load(jobs[0], overrides)
+    train(spec)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mrl", description="Megatron-centric RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "(run under torchrun or srun with the job's world size)")
     p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")
     p.set_defaults(func=cmd_preflight)
+    p = sub.add_parser("train", help="run a job (under torchrun or srun with the job's world size; a 1-rank job "
+                                     "also runs as a plain process); resumes from its latest checkpoint")
+    p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")
+    p.set_defaults(func=cmd_train)
     p = sub.add_parser("keys", help="list every job-spec key with its type, default and meaning")
     p.add_argument("prefix", nargs="?", default="", help="only keys starting with this (e.g. rollout.)")
     p.set_defaults(func=cmd_keys)

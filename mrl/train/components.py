@@ -1,0 +1,176 @@
+"""Everything a run needs on this rank, built from a resolved job spec.
+
+Models: the actor (trained, exported to the rollout engine every step), the reference (frozen,
+when a KL term needs it), the critic (GAE) and a reward model (when `reward.model_path` is set).
+Weights come from `model.path` (or the role's own path) through the weight-mapping layer; the
+builtin presets start from megatron's seeded init, the reference and critic copying the actor's.
+
+Rollout and rewards run once per model-parallel group, on its first rank (the group leader),
+and their results are broadcast to the group, so every TP/PP rank trains on the same responses.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from mrl.config.job import JobSpec
+from mrl.models.facts import builtin_preset
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Components:
+    spec: JobSpec
+    ctx: Any
+    hf: dict
+    tokenizer: Any
+    actor: Any                      # mrl.engine.Engine
+    exporter: Any                   # mrl.weights.Exporter over the actor
+    ref: Optional[Any] = None       # Engine without optimizer
+    critic: Optional[Any] = None    # Engine
+    rollout: Optional[Any] = None   # RolloutEngine on the group leader, None elsewhere
+    rewarder: Optional[Any] = None  # mrl.reward.compose.Rewarder on the group leader
+    dataset: Any = None
+    sampler: Any = None
+    total_steps: int = 0
+    mp_group: Any = None
+    mp_leader: int = 0              # global rank of this group's leader
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.ctx.rank == self.mp_leader
+
+
+def _has_weights(path: Optional[str]) -> bool:
+    return bool(path) and builtin_preset(path) is None and Path(path).is_dir() and (
+        (Path(path) / "model.safetensors").is_file() or (Path(path) / "model.safetensors.index.json").is_file())
+
+
+def _chunks(role: str, spec: JobSpec, hf: dict, device: str, recompute: str = "none") -> list:
+    from mrl.models.roles import build_role_model
+
+    vpp = spec.parallel.virtual_pipeline
+    return [build_role_model(role, hf, spec.parallel, dtype=spec.model.dtype, device=device, recompute=recompute,
+                             vp_stage=i if vpp else None) for i in range(vpp or 1)]
+
+
+def _load(chunks: list, path: Optional[str], hf: dict, role: str) -> bool:
+    from mrl.weights import load_hf_checkpoint
+
+    if not _has_weights(path):
+        return False
+    report = load_hf_checkpoint(chunks, path, hf, role=role)
+    log.info("%s: loaded %d tensors (%.1f MB) from %s", role, report.tensors_read, report.bytes_read / 1e6, path)
+    return True
+
+
+def _copy_from(dst: list, src: list) -> None:
+    """Same architecture and layout: copy the actor's weights (the LM head only where both have it)."""
+    from mrl.weights.layout import unwrap
+
+    with torch.no_grad():
+        for d, s in zip(dst, src):
+            src_params = dict(unwrap(s).named_parameters())
+            for name, p in unwrap(d).named_parameters():
+                if name in src_params and src_params[name].shape == p.shape:
+                    p.copy_(src_params[name])
+
+
+def steps_planned(spec: JobSpec, prompts: int) -> int:
+    t = spec.trainer
+    if t.total_steps:
+        return t.total_steps
+    return t.epochs * (prompts // spec.data.prompts_per_step)
+
+
+def _trainable(role: str, spec: JobSpec, hf: dict, device: str, section, total_optimizer_steps: int,
+               init_from: Optional[list] = None, path: Optional[str] = None):
+    from mrl.engine import Engine
+    from mrl.optim.build import build_optimizer, build_scheduler, wrap_ddp
+
+    chunks = _chunks(role, spec, hf, device, section.recompute)
+    if not _load(chunks, path, hf, role) and init_from is not None:
+        _copy_from(chunks, init_from)
+    ddp = wrap_ddp(chunks, distributed_optimizer=spec.parallel.distributed_optimizer)
+    optimizer = build_optimizer(ddp, section.optim, distributed_optimizer=spec.parallel.distributed_optimizer,
+                                section=role)
+    scheduler = build_scheduler(optimizer, section.optim, section.schedule, total_optimizer_steps)
+    return Engine(ddp, optimizer=optimizer, scheduler=scheduler, name=role, grad_clip=section.optim.grad_clip,
+                  nonfinite=section.optim.nonfinite)
+
+
+def optimizer_steps(spec: JobSpec, section, steps: int) -> int:
+    mini = spec.data.prompts_per_step // (section.mini_batch_prompts or spec.data.prompts_per_step)
+    return steps * section.epochs * mini
+
+
+def build(spec: JobSpec) -> Components:
+    """Bring the platform up and build every component of `spec` on this rank."""
+    import torch.distributed as dist
+
+    from mrl.data.sampler import PromptSampler
+    from mrl.data.source import load_prompts
+    from mrl.models.megatron import hf_config
+    from mrl.models.tokenizer import load_tokenizer
+    from mrl.platform import setup
+    from mrl.weights import Exporter
+
+    ctx = setup(spec.platform, spec.parallel, seed=spec.job.seed)
+    from megatron.core import parallel_state as ps
+
+    hf = hf_config(spec.model)
+    tokenizer = load_tokenizer(spec.model)
+    device = ctx.platform
+    dataset = load_prompts(spec.data, tokenizer, "train")
+    total = steps_planned(spec, len(dataset))
+    sampler = PromptSampler(len(dataset), spec.data.prompts_per_step, dp_rank=ctx.dp_rank, dp_size=ctx.dp,
+                            seed=spec.data.seed if spec.data.seed is not None else spec.job.seed,
+                            shuffle=spec.data.shuffle)
+
+    actor = _trainable("actor", spec, hf, device, spec.actor, optimizer_steps(spec, spec.actor, total),
+                       path=spec.model.path)
+    ref = None
+    if spec.ref.enable:
+        chunks = _chunks("ref", spec, hf, device)
+        if not _load(chunks, spec.ref.model_path or spec.model.path, hf, "ref"):
+            _copy_from(chunks, actor.chunks)
+        from mrl.engine import Engine
+
+        ref = Engine(chunks, name="ref")
+    critic = None
+    if spec.critic.enable:
+        critic = _trainable("critic", spec, hf, device, spec.critic, optimizer_steps(spec, spec.critic, total),
+                            init_from=actor.chunks, path=spec.critic.model_path or spec.model.path)
+
+    mp_group = ps.get_model_parallel_group()
+    leader = dist.get_process_group_ranks(mp_group)[0] if dist.is_initialized() else 0
+    comps = Components(spec=spec, ctx=ctx, hf=hf, tokenizer=tokenizer, actor=actor,
+                       exporter=Exporter(actor.chunks, hf, dtype=_dtype(spec.rollout.weight_sync.dtype or spec.rollout.dtype
+                                                                         or spec.model.dtype)),
+                       ref=ref, critic=critic, dataset=dataset, sampler=sampler, total_steps=total,
+                       mp_group=mp_group, mp_leader=leader)
+    if comps.is_leader:
+        from mrl.reward.compose import Rewarder
+        from mrl.rollout.factory import build_engine
+
+        comps.rollout = build_engine(spec.rollout, spec.model, seed=spec.job.seed + ctx.dp_rank, device=ctx.device,
+                                     max_model_len=spec.data.max_prompt_tokens + spec.rollout.max_response_tokens)
+        comps.rewarder = Rewarder.from_config(spec.reward)
+    return comps
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def close(c: Components) -> None:
+    if c.rewarder is not None:
+        c.rewarder.close()
+    if c.rollout is not None:
+        c.rollout.shutdown()

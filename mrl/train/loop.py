@@ -1,0 +1,138 @@
+"""`train(spec)`: run a job from its first step, or resume it from its latest checkpoint.
+
+Checkpoints live in `checkpoint.dir` (default `<output_dir>/<name>/checkpoints`): one
+`actor/` root (and `critic/`), each atomic with a `latest` pointer. The actor's `extra` holds
+the sampler position, the KL controller, the MLflow run id and the step, so a resumed run
+continues the same prompts, the same MLflow run and the same metrics. `checkpoint.resume`:
+"auto" resumes when a checkpoint exists, "never" starts fresh, "must" requires one.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mrl.config.job import JobSpec
+from mrl.errors import UserError
+from mrl.train.components import Components, build, close
+from mrl.train.step import train_step
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_root(spec: JobSpec) -> Path:
+    from mrl.tracking.tracker import run_dir_of
+
+    return Path(spec.checkpoint.dir) if spec.checkpoint.dir else run_dir_of(spec) / "checkpoints"
+
+
+def _kl_controller(spec: JobSpec):
+    from mrl.algos.kl import AdaptiveController, FixedController
+
+    k = spec.algorithm.kl_reward
+    if k.controller == "adaptive":
+        return AdaptiveController(k.coef, k.target, k.horizon)
+    return FixedController(k.coef)
+
+
+def _resume(c: Components) -> tuple[int, dict]:
+    """(last completed step, the actor checkpoint's extra) or (0, {}) for a fresh start."""
+    from mrl.checkpoint import state, store
+
+    ck = c.spec.checkpoint
+    root = Path(ck.load_from) if ck.load_from else checkpoint_root(c.spec) / "actor"
+    if ck.resume == "never" and not ck.load_from:
+        return 0, {}
+    found = state.resolve(root) if ck.load_from else store.latest(root)
+    if found is None:
+        if ck.resume == "must":
+            raise UserError(f"checkpoint.resume = 'must' but there is no checkpoint in {root}")
+        return 0, {}
+    loaded = state.load(found, chunks=c.actor.chunks, optimizer=c.actor.optimizer, scheduler=c.actor.scheduler)
+    if c.critic is not None:
+        critic_dir = found.parent.parent / "critic" / found.name
+        if not critic_dir.is_dir():
+            raise UserError(f"checkpoint: {found} has no critic checkpoint at {critic_dir}")
+        state.load(critic_dir, chunks=c.critic.chunks, optimizer=c.critic.optimizer, scheduler=c.critic.scheduler)
+    extra = loaded.extra
+    c.sampler.load_state_dict(extra["sampler"])
+    if "kl_coef" in extra and "kl_controller" in c.extras:
+        c.extras["kl_controller"].value = extra["kl_coef"]
+    c.actor.steps = extra.get("actor_updates", c.actor.steps)
+    if c.critic is not None:
+        c.critic.steps = extra.get("critic_updates", c.critic.steps)
+    return loaded.step, extra
+
+
+def _save(c: Components, step: int, tracker_run_id) -> None:
+    from mrl.checkpoint import state
+
+    root = checkpoint_root(c.spec)
+    extra = {"sampler": c.sampler.state_dict(), "mlflow_run_id": tracker_run_id, "actor_updates": c.actor.steps}
+    if "kl_controller" in c.extras:
+        extra["kl_coef"] = c.extras["kl_controller"].value
+    if c.critic is not None:
+        extra["critic_updates"] = c.critic.steps
+        state.save(root / "critic", step, chunks=c.critic.chunks, optimizer=c.critic.optimizer,
+                   scheduler=c.critic.scheduler, extra={}, keep_last=c.spec.checkpoint.keep_last)
+    state.save(root / "actor", step, chunks=c.actor.chunks,
+               optimizer=c.actor.optimizer if c.spec.checkpoint.save_optimizer else None,
+               scheduler=c.actor.scheduler, extra=extra, keep_last=c.spec.checkpoint.keep_last)
+
+
+def _reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """Means over data-parallel ranks (ranks of one model replica hold the same values)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return metrics
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, metrics)
+    keys = sorted(set().union(*everyone))
+    out = {}
+    for k in keys:
+        vals = [m[k] for m in everyone if k in m and not math.isnan(m[k])]
+        if vals:
+            out[k] = max(vals) if k.endswith("_max") else sum(vals) / len(vals)
+    return out
+
+
+def train(spec: JobSpec) -> dict[str, float]:
+    """Run `spec` to `trainer.total_steps` (or its epochs); returns the last step's metrics."""
+    from mrl.platform import teardown
+    from mrl.tracking.tracker import Tracker
+
+    c = build(spec)
+    tracker = None
+    status = "FAILED"
+    last: dict[str, float] = {}
+    try:
+        if spec.algorithm.kl_reward.enable:
+            c.extras["kl_controller"] = _kl_controller(spec)
+        start, extra = _resume(c)
+        tracker = Tracker.from_spec(spec, total_steps=c.total_steps, rank=c.ctx.rank,
+                                    resume_run_id=extra.get("mlflow_run_id"), start_step=start)
+        if start == 0:
+            tracker.log_spec(spec)
+            tracker.log_params({f"data/{k}": v for k, v in c.dataset.stats.items()})
+        elif start >= c.total_steps:
+            tracker.message(f"resumed at step {start}: the run is already complete ({c.total_steps} steps); "
+                            "raise trainer.total_steps to train further")
+        else:
+            tracker.message(f"resumed from step {start} of {c.total_steps}")
+        every = spec.checkpoint.every_steps
+        for step in range(start + 1, c.total_steps + 1):
+            metrics = _reduce_metrics(train_step(c, step, on_stage=tracker.stage))
+            metrics["train/epoch"] = float(c.sampler.epoch)
+            tracker.log_metrics(metrics, step)
+            last = metrics
+            if (every and step % every == 0) or step == c.total_steps:
+                _save(c, step, tracker.run_id)
+        status = "FINISHED"
+        return last
+    finally:
+        if tracker is not None:
+            tracker.finish(status)
+        close(c)
+        teardown()

@@ -1,0 +1,162 @@
+"""Rollout stage: weight sync, generation, rewards and DAPO dynamic sampling -> a `Batch`.
+
+Generation and scoring run on the model-parallel group's leader; the responses and scores are
+broadcast to the group so every TP/PP rank builds the identical batch.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mrl.batch import Batch
+from mrl.errors import UserError
+from mrl.rollout.types import Response, Sampling, sampling_from_config
+from mrl.train.components import Components
+
+
+def _to_group(c: Components, obj: Any) -> Any:
+    """`obj` from the group leader to every rank of the model-parallel group."""
+    if not dist.is_initialized() or dist.get_world_size(c.mp_group) == 1:
+        return obj
+    box = [obj if c.is_leader else None]
+    dist.broadcast_object_list(box, src=c.mp_leader, group=c.mp_group)
+    return box[0]
+
+
+def sync_weights(c: Components) -> int:
+    """Stream the actor's weights into the rollout engine; returns tensors sent (leader) or 0."""
+    stream = c.exporter.stream("all")
+    if c.rollout is not None:
+        return c.rollout.update_weights(stream)
+    for _ in stream:   # every rank takes part in the gathers
+        pass
+    return 0
+
+
+def generate(c: Components, prompt_ids: list[list[int]], sampling: Sampling) -> list[Response]:
+    out = c.rollout.generate(prompt_ids, sampling) if c.is_leader else None
+    return _to_group(c, out)
+
+
+def score(c: Components, items: list, responses: list[Response], n: int, step: int) -> dict:
+    """Rewards of `responses` (prompt-major, `n` per item) as plain lists, equal on the group."""
+    from mrl.reward.compose import RewardSample
+
+    result = None
+    if c.is_leader:
+        tok = c.tokenizer
+        samples = [RewardSample(sample_id=f"step {step} prompt {it.index} response {j}", prompt=it.prompt,
+                                response=tok.decode(r.token_ids, skip_special_tokens=True), ground_truth=it.answer,
+                                data_source=it.data_source, extra=dict(it.extra),
+                                token_ids=list(it.token_ids) + list(r.token_ids))
+                   for it_i, it in enumerate(items) for j, r in enumerate(responses[it_i * n:(it_i + 1) * n])]
+        res = c.rewarder.score(samples)
+        result = dict(scores=res.scores, valid=res.valid, stats=res.stats)
+    return _to_group(c, result)
+
+
+def _dp_all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if dist.is_initialized() and ps.get_data_parallel_world_size() > 1:
+        t = t.contiguous()
+        dist.all_reduce(t, op=op, group=ps.get_data_parallel_group())
+    return t
+
+
+def _round(c: Components, step: int, sampling: Sampling) -> dict:
+    """One generation round: this rank's next prompts, n responses each, scored."""
+    spec = c.spec
+    picked = c.sampler.next()
+    items = [c.dataset[i] for i in picked.indices]
+    responses = generate(c, [list(it.token_ids) for it in items], sampling)
+    scored = score(c, items, responses, sampling.n, step)
+    return dict(items=items, responses=responses, **scored)
+
+
+def _keep_mask(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    from mrl.algos.dapo import keep_groups
+
+    return keep_groups(scores, groups)
+
+
+def collect(c: Components, step: int) -> tuple[Batch, dict]:
+    """This rank's batch for `step`: prompts_per_step / DP prompts, `responses_per_prompt` each,
+    with `rewards` (after overlong shaping) and `rollout_logprobs`."""
+    spec = c.spec
+    alg = spec.algorithm
+    base = spec.rollout.seed if spec.rollout.seed is not None else spec.job.seed
+    n = spec.rollout.responses_per_prompt
+    per_rank = spec.data.prompts_per_step // c.ctx.dp
+    dyn = alg.dynamic_sampling
+    rounds, kept_items, kept_resp, kept_scores, kept_valid = 0, [], [], [], []
+    stats: dict[str, float] = {}
+    generated = 0
+    while True:
+        # A seed per (step, round, DP rank): generations do not depend on what ran before (resume).
+        sampling = sampling_from_config(spec.rollout, seed=hash((base, step, rounds, c.ctx.dp_rank)) % 2**31)
+        r = _round(c, step, sampling)
+        rounds += 1
+        generated += len(r["responses"])
+        for k, v in r["stats"].items():   # counts add up over rounds; means are the last round's
+            stats[k] = stats.get(k, 0.0) + float(v) if ("errors" in k or "replaced" in k) else float(v)
+        scores = torch.tensor(r["scores"], dtype=torch.float32)
+        groups = torch.arange(len(r["items"])).repeat_interleave(n)
+        keep = _keep_mask(scores, groups) if dyn.enable else torch.ones(len(scores), dtype=torch.bool)
+        if spec.reward.on_error == "drop":
+            valid = torch.tensor(r["valid"], dtype=torch.bool).view(-1, n).all(dim=1).repeat_interleave(n)
+            keep &= valid
+        for i, it in enumerate(r["items"]):
+            if keep[i * n] and len(kept_items) < per_rank:
+                kept_items.append(it)
+                kept_resp.extend(r["responses"][i * n:(i + 1) * n])
+                kept_scores.extend(r["scores"][i * n:(i + 1) * n])
+        have = _dp_all_reduce(torch.tensor([float(len(kept_items))]), op=dist.ReduceOp.MIN)
+        if not dyn.enable or int(have.item()) >= per_rank:
+            break
+        if dyn.max_generation_batches and rounds >= dyn.max_generation_batches:
+            if dyn.on_exhausted == "error":
+                raise UserError(f"step {step}: dynamic sampling kept {int(have.item())} of {per_rank} prompts per rank "
+                                f"after {rounds} generation rounds (algorithm.dynamic_sampling.max_generation_batches)")
+            break
+    if not kept_items:
+        raise UserError(f"step {step}: no prompt kept after {rounds} generation rounds")
+    # Ranks may end a round with different counts: every rank trains on the same number of prompts.
+    count = int(_dp_all_reduce(torch.tensor([float(len(kept_items))]), op=dist.ReduceOp.MIN).item())
+    kept_items, kept_resp, kept_scores = kept_items[:count], kept_resp[:count * n], kept_scores[:count * n]
+
+    batch = Batch.from_sequences([list(it.token_ids) for it in kept_items for _ in range(n)],
+                                 [r.token_ids for r in kept_resp],
+                                 group_index=[i for i in range(len(kept_items)) for _ in range(n)],
+                                 loss_masks=[r.loss_mask for r in kept_resp],
+                                 pad_id=c.tokenizer.pad_token_id or 0)
+    width = batch.response_width
+    rollout_lp = torch.zeros(len(kept_resp), width)
+    for i, r in enumerate(kept_resp):
+        rollout_lp[i, :len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
+    truncated = torch.tensor([r.finish_reason == "length" for r in kept_resp])
+    scores = torch.tensor(kept_scores, dtype=torch.float32)
+    raw_scores = scores.clone()
+    if alg.overlong.enable:
+        from mrl.algos.dapo import overlong_penalty
+
+        scores = scores + overlong_penalty(batch["response_lengths"], spec.rollout.max_response_tokens,
+                                           alg.overlong.buffer_tokens, alg.overlong.penalty_factor)
+    mask = batch["response_mask"]
+    if alg.overlong.enable and alg.overlong.mask_truncated:
+        mask = mask * (~truncated).long().unsqueeze(1)
+    batch = Batch({**batch.tensors, "response_mask": mask}, {"ground_truth": [it.answer for it in kept_items for _ in range(n)]})
+    batch = batch.add(rewards=scores, raw_scores=raw_scores, rollout_logprobs=rollout_lp, truncated=truncated.long())
+    metrics = {
+        "reward/mean": float(raw_scores.mean()),
+        "reward/shaped_mean": float(scores.mean()),
+        "response/length_mean": float(batch["response_lengths"].float().mean()),
+        "response/truncated_fraction": float(truncated.float().mean()),
+        "rollout/generation_rounds": float(rounds),
+        "rollout/responses_generated": float(generated),
+        **{k: v for k, v in stats.items() if not math.isnan(v)},
+    }
+    return batch, metrics

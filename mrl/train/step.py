@@ -1,0 +1,191 @@
+"""One training step: the data path of DESIGN.md, one line per stage.
+
+    weight sync -> rollout (+ rewards, dynamic sampling) -> old log-probs (+ audit) -> reference
+    log-probs -> critic values -> advantages (+ correction weights) -> critic update -> actor update
+
+Every stage is timed (`time/<stage>`); `time/rollout_share` is the rollout's share of the step.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mrl.batch import Batch
+from mrl.train.components import Components
+from mrl.train.rollout import _dp_all_reduce, collect, sync_weights
+from mrl.train.timer import StageTimer
+
+
+def train_step(c: Components, step: int, on_stage=None) -> dict[str, float]:
+    spec, alg = c.spec, c.spec.algorithm
+    t = StageTimer(on_stage)
+    metrics: dict[str, float] = {}
+    with t("weight_sync"):
+        sync_weights(c)
+    with t("rollout"):
+        batch, m = collect(c, step)
+        metrics.update(m)
+        if alg.advantage == "remax":
+            batch = batch.add(greedy_scores=greedy_baseline(c, batch, step))
+    with t("old_logprobs"):
+        batch = batch.add(trainer_logprobs=logprobs_of(c.actor, c, batch, spec.actor.logprob_micro_batch_tokens))
+        batch = batch.add(old_logprobs=batch["rollout_logprobs" if alg.correction.old_logprobs == "rollout"
+                                             else "trainer_logprobs"])
+        metrics.update(audit(batch))
+    if c.ref is not None:
+        with t("ref_logprobs"):
+            batch = batch.add(ref_logprobs=logprobs_of(c.ref, c, batch, spec.ref.micro_batch_tokens))
+    if c.critic is not None:
+        with t("values"):
+            batch = batch.add(values=values_of(c, batch))
+    with t("advantages"):
+        batch, m = advantages(c, batch)
+        metrics.update(m)
+    if c.critic is not None:
+        with t("critic_update"):
+            metrics.update(update(c.critic, batch, spec.critic, value_objective(c), step, "critic"))
+    if c.critic is None or step > spec.critic.warmup_steps:
+        with t("actor_update"):
+            metrics.update(update(c.actor, batch, spec.actor, policy_objective(c), step, "actor"))
+    metrics.update(t.metrics())
+    return metrics
+
+
+# ---------------------------------------------------------------------------- stages
+
+def logprobs_of(engine, c: Components, batch: Batch, budget: Optional[int]) -> torch.Tensor:
+    """Per response token log-probs `[B, R]` under `engine`'s model, at the rollout temperature."""
+    from mrl.engine.objectives import actor_outputs
+
+    out = engine.forward_only(batch, actor_outputs(c.spec.rollout.temperature),
+                              micro_batch_tokens=budget or c.spec.actor.micro_batch_tokens)
+    return out["logprobs"].cpu()
+
+
+def values_of(c: Components, batch: Batch) -> torch.Tensor:
+    from mrl.engine.objectives import values_output
+
+    return c.critic.forward_only(batch, values_output(), micro_batch_tokens=c.spec.critic.micro_batch_tokens)["values"].cpu()
+
+
+def audit(batch: Batch) -> dict[str, float]:
+    """Train/inference mismatch of the same tokens: the engine's log-probs vs the trainer's (equal
+    weights, so on step 1 this measures numerics alone)."""
+    from mrl.rollout.audit import logprob_audit
+
+    return logprob_audit(batch["rollout_logprobs"], batch["trainer_logprobs"], batch["response_mask"])
+
+
+def greedy_baseline(c: Components, batch: Batch, step: int) -> torch.Tensor:
+    """ReMax: the score of one greedy response per prompt, per response `[B]`."""
+    from dataclasses import replace
+
+    from mrl.rollout.types import sampling_from_config
+    from mrl.train.rollout import generate, score
+
+    n = c.spec.rollout.responses_per_prompt
+    first = list(range(0, len(batch), n))
+    prompts = [batch["prompt_ids"][i][batch["prompt_mask"][i] > 0].tolist() for i in first]
+    greedy = replace(sampling_from_config(c.spec.rollout), n=1, temperature=0.0)
+    responses = generate(c, prompts, greedy)
+    items = [_Item(p, batch.meta["ground_truth"][i]) for p, i in zip(prompts, first)]
+    scores = score(c, items, responses, 1, step)["scores"]
+    return torch.tensor(scores, dtype=torch.float32).repeat_interleave(n)
+
+
+class _Item:
+    """What `score` reads of a prompt when only its tokens and answer are at hand."""
+
+    def __init__(self, token_ids, answer):
+        self.token_ids, self.answer, self.index, self.data_source, self.extra = token_ids, answer, -1, "", {}
+        self.prompt = None
+
+
+def _dp_sum(t: torch.Tensor) -> torch.Tensor:
+    return _dp_all_reduce(t.clone())
+
+
+def advantages(c: Components, batch: Batch) -> tuple[Batch, dict]:
+    """Advantages (and returns for the critic) by `algorithm.advantage`, KL in the reward when
+    enabled, and rollout-correction weights. Whitening statistics span all DP ranks."""
+    from mrl.algos import advantages as adv
+    from mrl.algos import correction, kl
+
+    alg = c.spec.algorithm
+    mask = batch["response_mask"]
+    scores = batch["rewards"]
+    metrics: dict[str, float] = {}
+    kl_tokens, beta = None, 0.0
+    if alg.kl_reward.enable:
+        kl_tokens = kl.estimate(batch["old_logprobs"], batch["ref_logprobs"], alg.kl_reward.estimator)
+        beta = c.extras["kl_controller"].value
+        valid = mask > 0
+        current = float(_dp_sum(torch.stack([(kl_tokens * valid).sum(), valid.sum()]).double()).tolist()[0]) \
+            / max(float(_dp_sum(valid.sum().double().reshape(1))[0]), 1.0)
+        metrics.update({"kl/reward_kl": current, "kl/reward_coef": beta})
+        c.extras["kl_controller"].update(current, len(batch) * c.ctx.dp)
+    token_rewards = adv.token_rewards(scores, mask, kl_tokens, beta)
+    returns = None
+    if alg.advantage == "gae":
+        a, returns = adv.gae(token_rewards, batch["values"], mask, alg.gamma, alg.lam, all_reduce=_dp_sum)
+    elif alg.advantage == "grpo":
+        a = adv.grpo(scores, batch["group_index"], norm_by_std=alg.norm_by_std).unsqueeze(1) * mask
+    elif alg.advantage == "rloo":
+        a = adv.rloo(scores, batch["group_index"]).unsqueeze(1) * mask
+    elif alg.advantage == "reinforce_pp":
+        a = adv.reinforce_pp(token_rewards, mask, alg.gamma, all_reduce=_dp_sum)
+    elif alg.advantage == "reinforce_pp_baseline":
+        a = adv.reinforce_pp_baseline(scores, batch["group_index"], mask, all_reduce=_dp_sum)
+    elif alg.advantage == "remax":
+        a = adv.remax(token_rewards, batch["greedy_scores"], mask)
+    else:
+        raise ValueError(f"unknown advantage estimator {alg.advantage!r}")
+    fields = {"advantages": a.float()}
+    if returns is not None:
+        fields["returns"] = returns.float()
+    cor = alg.correction
+    if cor.level != "off":
+        threshold = (cor.mask_low, cor.mask_high) if cor.mode == "mask" else cor.threshold
+        fields["correction_weights"] = correction.weights(batch["trainer_logprobs"], batch["rollout_logprobs"], mask,
+                                                          cor.level, threshold, cor.mode, normalize=cor.normalize,
+                                                          all_reduce=_dp_sum)
+        metrics.update({f"correction/{k}": float(v) for k, v in correction.weight_metrics(
+            batch["trainer_logprobs"], batch["rollout_logprobs"], mask, cor.level, threshold, cor.mode).items()})
+    valid = mask > 0
+    metrics["advantage/mean"] = float((a * valid).sum() / valid.sum().clamp(min=1))
+    return batch.add(**fields), metrics
+
+
+def policy_objective(c: Components):
+    from mrl.engine.objectives import PolicyObjective
+
+    alg = c.spec.algorithm
+    return PolicyObjective(loss=alg.policy_loss, eps_low=alg.clip_low, eps_high=alg.clip_high,
+                           clip_c=alg.dual_clip or None, sapo_tau_pos=alg.sapo_tau_pos, sapo_tau_neg=alg.sapo_tau_neg,
+                           aggregation=alg.loss_aggregation, norm=alg.loss_norm, entropy_coef=alg.entropy_coef,
+                           kl_coef=alg.kl_loss.coef if alg.kl_loss.enable else 0.0, kl_estimator=alg.kl_loss.estimator,
+                           temperature=c.spec.rollout.temperature)
+
+
+def value_objective(c: Components):
+    from mrl.engine.objectives import ValueObjective
+
+    alg = c.spec.algorithm
+    return ValueObjective(clip_eps=alg.value_clip, aggregation=alg.loss_aggregation, norm=alg.loss_norm)
+
+
+def update(engine, batch: Batch, section, objective, step: int, name: str) -> dict[str, float]:
+    """`section.epochs` passes of `mini_batch_prompts`-sized optimizer updates; means of their metrics."""
+    prompts = int(batch["group_index"].max()) + 1 if len(batch) else 0
+    per_rank_prompts = max(section.mini_batch_prompts // engine.dp, 1)
+    mini = max(prompts // per_rank_prompts, 1)
+    records = engine.update(batch, objective, micro_batch_tokens=section.micro_batch_tokens, mini_batches=mini,
+                            epochs=section.epochs, shuffle=getattr(section, "shuffle", False), seed=0, step=step)
+    out: dict[str, float] = {}
+    for key in records[0]:
+        vals = [float(r[key]) for r in records if key in r]
+        out[f"{name}/{key}"] = sum(vals) / len(vals)
+    out[f"{name}/grad_norm_max"] = max(float(r["grad_norm"]) for r in records)
+    out[f"{name}/updates"] = float(len(records))
+    return out
