@@ -58,10 +58,16 @@ OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_o
                   "distrib_optim_fully_reshardable_mem_efficient": True}
 
 
+def _inner_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
 def _ensure_optimizer_state(optimizer) -> None:
-    """Give a fresh optimizer its state tensors (Adam moments, step) so a checkpoint can load into
-    them: one step on zero gradients with lr and weight decay 0, which leaves the weights alone."""
-    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+    """Give an optimizer that never stepped its state tensors (Adam moments, step), equal to a fresh
+    optimizer's: one step on zero gradients with lr and weight decay 0 (the weights stay, the
+    moments stay 0), then every per-parameter `step` back to 0, so the next real update is still
+    the first. megatron's distributed optimizer can neither save nor load without this state."""
+    for opt in _inner_optimizers(optimizer):
         inner = opt.optimizer
         if inner is None or len(inner.state) > 0:
             continue
@@ -75,6 +81,30 @@ def _ensure_optimizer_state(optimizer) -> None:
         inner.zero_grad()
         for g, (lr, wd) in zip(inner.param_groups, saved):
             g["lr"], g["weight_decay"] = lr, wd
+        for st in inner.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"].zero_()
+
+
+def _unshare_steps(optimizer) -> None:
+    """Give every parameter its own Adam `step` tensor.
+
+    megatron-core 0.16.1's distributed optimizer with torch's Adam (no Apex/TE) restores the step
+    from the param groups as *one* tensor assigned to every parameter's state; torch's Adam then
+    increments it in place once per parameter, so after the first resumed update the step is
+    `saved + number of parameters` instead of `saved + 1` and every parameter gets the wrong bias
+    correction."""
+    for opt in _inner_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        seen: set[int] = set()
+        for st in inner.state.values():
+            step = st.get("step")
+            if torch.is_tensor(step):
+                if id(step) in seen:
+                    st["step"] = step.clone()
+                seen.add(id(step))
 
 
 def _load_optimizer(optimizer, state: dict) -> None:
@@ -84,7 +114,7 @@ def _load_optimizer(optimizer, state: dict) -> None:
     the copy fails on 'step'. While loading, each main param's 'step' is set aside around that
     copy. With TE's FusedAdam there is no per-parameter step and this changes nothing."""
     patched = []
-    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+    for opt in _inner_optimizers(optimizer):
         if not hasattr(opt, "_set_main_param_and_optimizer_states"):
             continue
 
@@ -105,6 +135,7 @@ def _load_optimizer(optimizer, state: dict) -> None:
     finally:
         for opt in patched:
             del opt._set_main_param_and_optimizer_states
+    _unshare_steps(optimizer)
 
 
 def _sharded_state(chunks, optimizer, loading: bool) -> dict:
@@ -168,6 +199,8 @@ def save(root: str | Path, step: int, *, chunks: list, optimizer=None, scheduler
         store.remove_stale_tmp(root)
         (tmp / "rng").mkdir(parents=True)
     _barrier()
+    if optimizer is not None:
+        _ensure_optimizer_state(optimizer)  # a checkpoint before the first update
     state = _sharded_state(chunks, optimizer, loading=False)
     state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
     state["step"] = step
@@ -218,6 +251,7 @@ def load(path: str | Path, *, chunks: list, optimizer=None, scheduler=None, load
     if optimizer is not None:
         _load_optimizer(optimizer, loaded["optimizer"])
     if scheduler is not None and loaded.get("scheduler") is not None:
+        scheduler.num_steps = 0  # megatron's load *adds* the saved steps (it assumes a fresh scheduler)
         scheduler.load_state_dict(loaded["scheduler"])
     restored = False
     if load_rng:

@@ -218,5 +218,7 @@ def check(spec: JobSpec, report) -> None:
         err(key, message)
 
     # --- checkpoint / trainer
+    if spec.checkpoint.async_save:
+        err("checkpoint.async_save", "background saves are not implemented yet (saves are synchronous); set it to false")
     if spec.checkpoint.resume == "must" and spec.checkpoint.load_from is None and spec.checkpoint.dir is None:
         warn("checkpoint.resume", "'must' resumes from <job.output_dir>/<job.name>/checkpoints; the run fails if none is there")

@@ -186,17 +186,31 @@ class Engine:
         metrics.update(grad_norm=outcome.grad_norm, lr=outcome.lr, updated=float(outcome.updated))
         return metrics
 
-    def update(self, batch: Batch, loss_fn: LossFn, *, micro_batch_tokens: int, mini_batches: int,
-               epochs: int = 1, shuffle: bool = False, seed: int = 0, step: Optional[int] = None) -> list[dict]:
-        """PPO-style update over this rank's share of a step's batch: `epochs` passes, each split
-        into `mini_batches` optimizer updates of whole prompts (shuffled per epoch with
-        `shuffle`, seeded by `seed`, the step and the epoch)."""
-        out = []
+    @staticmethod
+    def mini_batch_plan(batch: Batch, *, mini_batches: int, epochs: int = 1, shuffle: bool = False, seed: int = 0,
+                        step: Optional[int] = None) -> list[tuple[int, Batch]]:
+        """`(epoch, mini-batch)` in the order `update` trains them: each epoch splits `batch` into
+        `mini_batches` mini-batches of whole prompts; with `shuffle` the prompts are permuted per
+        epoch by a generator seeded from (`seed`, `step`, epoch), so a resumed or repeated run
+        sees the same order and each epoch draws its own permutation."""
+        plan = []
         for epoch in range(epochs):
-            gen = torch.Generator().manual_seed(hash((seed, step or 0, epoch)) % 2**63)
-            for mb in batch.mini_batches(mini_batches, shuffle=shuffle, generator=gen):
-                m = self.train_mini_batch(mb, loss_fn, micro_batch_tokens=micro_batch_tokens, step=step)
-                out.append({**m, "epoch": float(epoch)})
+            gen = torch.Generator().manual_seed(((seed * 1_000_003 + (step or 0)) * 1_009 + epoch) % 2**63)
+            plan.extend((epoch, mb) for mb in batch.mini_batches(mini_batches, shuffle=shuffle, generator=gen))
+        return plan
+
+    def update(self, batch: Batch, loss_fn: LossFn, *, micro_batch_tokens: int, mini_batches: int,
+               epochs: int = 1, shuffle: bool = False, seed: int = 0, step: Optional[int] = None,
+               budget_name: str = "micro_batch_tokens") -> list[dict]:
+        """PPO-style update over this rank's share of a step's batch: `epochs` passes, each split
+        into `mini_batches` optimizer updates of whole prompts (`mini_batch_plan`). Returns the
+        metrics of every update, with its `epoch`."""
+        out = []
+        for epoch, mb in self.mini_batch_plan(batch, mini_batches=mini_batches, epochs=epochs, shuffle=shuffle,
+                                              seed=seed, step=step):
+            m = self.train_mini_batch(mb, loss_fn, micro_batch_tokens=micro_batch_tokens, budget_name=budget_name,
+                                      step=step)
+            out.append({**m, "epoch": float(epoch)})
         return out
 
     def _reduce(self, store: list) -> dict:

@@ -5,7 +5,7 @@ optimizer step, model forward/backward = the rest) and, on cuda, MFU (6 x params
 time / peak bf16 FLOP/s). Runs on one rank; start it directly or under torchrun.
 
     python tools/bench/train_step.py                     # tiny model on cpu
-    python tools/bench/train_step.py --big --device cuda  # ~300M-parameter Llama-shaped model
+    python tools/bench/train_step.py --big --device cuda  # ~370M-parameter Llama-shaped model
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def synthetic_batch(vocab, responses, prompt_len, response_len, seed=0):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--big", action="store_true", help="~300M parameters instead of the tiny default")
+    ap.add_argument("--big", action="store_true", help="~370M parameters instead of the tiny default")
     ap.add_argument("--responses", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--response-len", type=int, default=None)

@@ -1,0 +1,27 @@
+"""Run one job several times in this process, each with its own overrides (one `train()` each).
+
+    python run_jobs.py JOB OUT_DIR 'key=value key=value' ['key=value ...' ...]
+
+Prints one `RESULT <index> <json metrics of the last step>` line per run; every run writes under
+OUT_DIR/run<index>.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main() -> None:
+    from mrl.config.loader import load
+    from mrl.train.loop import train
+
+    job, out = sys.argv[1], sys.argv[2]
+    for i, overrides in enumerate(sys.argv[3:]):
+        extra = [f"job.output_dir={out}", f"job.name=run{i}"] + overrides.split()
+        spec, _ = load(job, extra)
+        metrics = train(spec)
+        print(f"RESULT {i} {json.dumps(metrics, sort_keys=True)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""`mrl train` end to end on CPU: every estimator and loss, learning, exact resume, isolation."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.dist_util import REPO, run_torchrun
+
+SCRIPT = REPO / "tests/train/scripts/run_jobs.py"
+ONE_RANK = "platform.ranks_per_node=1 parallel.tensor=1"
+
+
+def run_jobs(job: str, out: Path, *override_sets: str, timeout: float = 900) -> list[dict]:
+    proc = subprocess.run([sys.executable, str(SCRIPT), job, str(out), *override_sets], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout, env={"OMP_NUM_THREADS": "1",
+                                                                                 "PATH": "/usr/bin:/bin",
+                                                                                 "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    results = dict(re.findall(r"^RESULT (\d+) (.*)$", proc.stdout, re.M))
+    assert len(results) == len(override_sets), proc.stdout
+    return [json.loads(results[str(i)]) for i in range(len(override_sets))]
+
+
+def history(run_dir: Path) -> dict[str, dict[int, float]]:
+    """metric -> {step: value} from the run's MLflow store."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    out = {}
+    for key in runs[0].data.metrics:
+        out[key] = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, key)}
+    return out
+
+
+ESTIMATORS = {
+    "grpo": "", "rloo": "algorithm.advantage=rloo", "reinforce_pp": "algorithm.advantage=reinforce_pp",
+    "reinforce_pp_baseline": "algorithm.advantage=reinforce_pp_baseline", "remax": "algorithm.advantage=remax",
+    "gspo": "algorithm.policy_loss=gspo", "cispo": "algorithm.policy_loss=cispo", "sapo": "algorithm.policy_loss=sapo",
+    "kl_loss": "algorithm.kl_loss.enable=true", "correction": "algorithm.correction.level=token",
+}
+
+
+@pytest.mark.slow
+def test_every_estimator_and_policy_loss_runs_two_steps(tmp_path):
+    base = f"{ONE_RANK} trainer.total_steps=2 tracking.backends=[] checkpoint.every_steps=0"
+    results = run_jobs("jobs/quickstart_cpu.toml", tmp_path, *(f"{base} {o}" for o in ESTIMATORS.values()))
+    for name, m in zip(ESTIMATORS, results):
+        assert m["actor/updates"] == 2 and m["actor/updated"] == 1, name
+        assert all(v == v for v in m.values()), (name, m)   # no NaN
+        assert m["rollout/logprob_abs_diff_max"] < 1e-4, (name, m["rollout/logprob_abs_diff_max"])
+    assert results[list(ESTIMATORS).index("kl_loss")]["actor/kl_loss"] >= 0
+    assert (tmp_path / "run0/checkpoints/actor/latest").is_file()
+
+
+@pytest.mark.slow
+def test_ppo_with_critic_and_dapo_jobs_run_on_two_ranks(tmp_path):
+    for job in ("jobs/ppo_cpu.toml", "jobs/dapo_cpu.toml"):
+        out = tmp_path / Path(job).stem
+        run_torchrun("-m mrl train", job, "trainer.total_steps=3", f"job.output_dir={out}", "job.name=run",
+                     "tracking.backends=[\"mlflow\"]", timeout=600)
+        h = history(out / "run")
+        assert sorted(h["reward/mean"]) == [1, 2, 3], job
+        if "ppo" in job:
+            assert "critic/vf_loss" in h and "kl/reward_coef" in h
+        else:
+            assert max(h["rollout/generation_rounds"].values()) >= 1
+        assert (out / "run/checkpoints/actor/latest").is_file()
+
+
+@pytest.mark.slow
+def test_quickstart_reward_rises_within_five_minutes(tmp_path):
+    t0 = time.monotonic()
+    run_torchrun("-m mrl train", "jobs/quickstart_cpu.toml", f"job.output_dir={tmp_path}", timeout=600)
+    seconds = time.monotonic() - t0
+    rewards = history(tmp_path / "quickstart-cpu")["reward/mean"]
+    first, last = rewards[1], [rewards[s] for s in sorted(rewards)[-5:]]
+    print(f"quickstart: reward {first:.3f} -> {sum(last) / 5:.3f} in {seconds:.0f}s")
+    assert first <= 0.2 and sum(last) / 5 >= 0.8 and seconds <= 300
+
+
+@pytest.mark.slow
+def test_stopped_and_resumed_run_matches_uninterrupted_run_exactly(tmp_path):
+    base = f"{ONE_RANK} tracking.backends=[\"mlflow\"] checkpoint.every_steps=2"
+    run_jobs("jobs/ppo_cpu.toml", tmp_path / "whole", f"{base} trainer.total_steps=4")
+    resumed = tmp_path / "resumed"
+    run_jobs("jobs/ppo_cpu.toml", resumed, f"{base} trainer.total_steps=2")
+    run_jobs("jobs/ppo_cpu.toml", resumed, f"{base} trainer.total_steps=4")   # picks up at step 3
+    whole, again = history(tmp_path / "whole/run0"), history(resumed / "run0")
+    keys = [k for k in whole if not k.startswith("time/")]
+    assert keys and set(keys) <= set(again)
+    for k in keys:
+        assert sorted(again[k]) == [1, 2, 3, 4], k
+        assert again[k] == whole[k], (k, whole[k], again[k])
+    # Resuming a finished run says so and trains nothing.
+    [m] = run_jobs("jobs/ppo_cpu.toml", resumed, f"{base} trainer.total_steps=4")
+    assert m == {}
+
+
+@pytest.mark.slow
+def test_reward_errors_hangs_and_nans_are_counted_and_the_run_continues(tmp_path):
+    overrides = (f"{ONE_RANK} trainer.total_steps=2 tracking.backends=[] checkpoint.every_steps=0 "
+                 "reward.function=tests/train/flaky_reward.py:score reward.timeout_s=1 reward.workers=2")
+    t0 = time.monotonic()
+    [m] = run_jobs("jobs/quickstart_cpu.toml", tmp_path, overrides)
+    errors = {k: v for k, v in m.items() if "/errors/" in k}
+    assert errors.get("reward/score/errors/exception", 0) > 0, m
+    assert errors.get("reward/score/errors/timeout", 0) > 0, m
+    assert errors.get("reward/score/errors/non_finite", 0) > 0, m
+    assert m["actor/updates"] == 2 and time.monotonic() - t0 < 300
