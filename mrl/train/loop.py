@@ -70,14 +70,20 @@ def _resume(c: Components) -> tuple[int, dict]:
 def _save(c: Components, step: int, tracker_run_id) -> None:
     from mrl.checkpoint import state
 
+    from mrl.config.dump import to_toml
+
     root = checkpoint_root(c.spec)
-    extra = {"sampler": c.sampler.state_dict(), "mlflow_run_id": tracker_run_id, "actor_updates": c.actor.steps}
+    # What `mrl merge` needs to rebuild the model without the job file.
+    model = {"hf_config": c.hf, "model_path": c.spec.model.path, "tokenizer": c.spec.model.tokenizer,
+             "dtype": c.spec.model.dtype, "spec_toml": to_toml(c.spec)}
+    extra = {"sampler": c.sampler.state_dict(), "mlflow_run_id": tracker_run_id, "actor_updates": c.actor.steps,
+             **model, "role": "actor"}
     if "kl_controller" in c.extras:
         extra["kl_coef"] = c.extras["kl_controller"].value
     if c.critic is not None:
         extra["critic_updates"] = c.critic.steps
         state.save(root / "critic", step, chunks=c.critic.chunks, optimizer=c.critic.optimizer,
-                   scheduler=c.critic.scheduler, extra={}, keep_last=c.spec.checkpoint.keep_last)
+                   scheduler=c.critic.scheduler, extra={**model, "role": "critic"}, keep_last=c.spec.checkpoint.keep_last)
     state.save(root / "actor", step, chunks=c.actor.chunks,
                optimizer=c.actor.optimizer if c.spec.checkpoint.save_optimizer else None,
                scheduler=c.actor.scheduler, extra=extra, keep_last=c.spec.checkpoint.keep_last)
