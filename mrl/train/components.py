@@ -35,6 +35,8 @@ class Components:
     critic: Optional[Any] = None    # Engine
     rollout: Optional[Any] = None   # RolloutEngine on the group leader, None elsewhere
     rewarder: Optional[Any] = None  # mrl.reward.compose.Rewarder on the group leader
+    reward_model: Optional[Any] = None  # Engine over a value-head model, on every rank
+    rm_scores: Any = None               # PrecomputedScores handed to the rewarder
     dataset: Any = None
     sampler: Any = None
     total_steps: int = 0
@@ -148,21 +150,63 @@ def build(spec: JobSpec) -> Components:
         critic = _trainable("critic", spec, hf, device, spec.critic, optimizer_steps(spec, spec.critic, total),
                             init_from=actor.chunks, path=spec.critic.model_path or spec.model.path)
 
+    reward_model = _reward_model(spec, hf, device)
+
     mp_group = ps.get_model_parallel_group()
     leader = dist.get_process_group_ranks(mp_group)[0] if dist.is_initialized() else 0
     comps = Components(spec=spec, ctx=ctx, hf=hf, tokenizer=tokenizer, actor=actor,
                        exporter=Exporter(actor.chunks, hf, dtype=_dtype(spec.rollout.weight_sync.dtype or spec.rollout.dtype
                                                                          or spec.model.dtype)),
                        ref=ref, critic=critic, dataset=dataset, sampler=sampler, total_steps=total,
-                       mp_group=mp_group, mp_leader=leader)
+                       mp_group=mp_group, mp_leader=leader, reward_model=reward_model)
     if comps.is_leader:
         from mrl.reward.compose import Rewarder
         from mrl.rollout.factory import build_engine
 
         comps.rollout = build_engine(spec.rollout, spec.model, seed=spec.job.seed + ctx.dp_rank, device=ctx.device,
                                      max_model_len=spec.data.max_prompt_tokens + spec.rollout.max_response_tokens)
-        comps.rewarder = Rewarder.from_config(spec.reward)
+        if reward_model is not None:
+            comps.rm_scores = PrecomputedScores()
+        comps.rewarder = Rewarder.from_config(spec.reward, model_scorer=comps.rm_scores)
     return comps
+
+
+class PrecomputedScores:
+    """The rewarder's model scorer: the reward model runs on every rank of the model-parallel
+    group (its collectives need them all) before the rewarder scores on the leader, which then
+    reads the scores set here for the same sequences, in order."""
+
+    def __init__(self):
+        self.scores: Optional[list[float]] = None
+
+    def __call__(self, token_ids: list[list[int]]) -> list[float]:
+        if self.scores is None or len(self.scores) != len(token_ids):
+            raise RuntimeError("reward-model scores were not computed for this batch")
+        out, self.scores = self.scores, None
+        return out
+
+
+def _reward_model(spec: JobSpec, hf: dict, device: str):
+    """A frozen reward-model engine when a reward source is a model, else None."""
+    from mrl.errors import UserError
+    from mrl.reward.sources import reward_sources
+
+    paths = [s.ref for s in reward_sources(spec.reward, check_files=False) if s.kind == "model"]
+    if not paths:
+        return None
+    if len(paths) > 1:
+        raise UserError(f"reward: {len(paths)} reward models configured; one is supported")
+    from mrl.engine import Engine
+    from mrl.models.megatron import complete_hf_config
+    from mrl.models.facts import find_hf_config
+
+    found = find_hf_config(paths[0])
+    if found is None or not _has_weights(paths[0]):
+        raise UserError(f"reward.model_path: {paths[0]!r} is not a Hugging Face directory with safetensors weights")
+    rm_hf = complete_hf_config(found[0])
+    chunks = _chunks("reward", spec, rm_hf, device)
+    _load(chunks, paths[0], rm_hf, "reward")
+    return Engine(chunks, name="reward")
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -27,7 +27,12 @@ def _to_group(c: Components, obj: Any) -> Any:
 
 
 def sync_weights(c: Components) -> int:
-    """Stream the actor's weights into the rollout engine; returns tensors sent (leader) or 0."""
+    """Stream the actor's weights into the rollout engine (skipped when it already holds this
+    version of them); returns tensors sent (leader) or 0."""
+    version = (c.actor.steps, id(c.actor))
+    if c.extras.get("synced_version") == version:
+        return 0
+    c.extras["synced_version"] = version
     stream = c.exporter.stream("all")
     if c.rollout is not None:
         return c.rollout.update_weights(stream)
@@ -46,7 +51,10 @@ def score(c: Components, items: list, responses: list[Response], n: int, step: i
     from mrl.reward.compose import RewardSample
 
     result = None
+    model_scores = reward_model_scores(c, items, responses, n) if c.reward_model is not None else None
     if c.is_leader:
+        if model_scores is not None:
+            c.rm_scores.scores = model_scores
         tok = c.tokenizer
         samples = [RewardSample(sample_id=f"step {step} prompt {it.index} response {j}", prompt=it.prompt,
                                 response=tok.decode(r.token_ids, skip_special_tokens=True), ground_truth=it.answer,
@@ -56,6 +64,22 @@ def score(c: Components, items: list, responses: list[Response], n: int, step: i
         res = c.rewarder.score(samples)
         result = dict(scores=res.scores, valid=res.valid, stats=res.stats)
     return _to_group(c, result)
+
+
+def reward_model_scores(c: Components, items: list, responses: list[Response], n: int) -> list[float]:
+    """The reward model's value at each sequence's last token (prompt + response), on every rank.
+
+    One padding token is appended to each response: the value read "before" it is the model's
+    output at the last real token.
+    """
+    from mrl.engine.objectives import values_output
+
+    pad = c.tokenizer.pad_token_id or 0
+    prompts = [list(it.token_ids) for it in items for _ in range(n)]
+    batch = Batch.from_sequences(prompts, [list(r.token_ids) + [pad] for r in responses], pad_id=pad)
+    budget = c.spec.reward.micro_batch_tokens or c.spec.actor.micro_batch_tokens
+    values = c.reward_model.forward_only(batch, values_output(), micro_batch_tokens=budget)["values"].cpu()
+    return [float(values[i, len(r.token_ids)]) for i, r in enumerate(responses)]
 
 
 def _dp_all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:

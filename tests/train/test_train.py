@@ -115,3 +115,26 @@ def test_reward_errors_hangs_and_nans_are_counted_and_the_run_continues(tmp_path
     assert errors.get("reward/score/errors/timeout", 0) > 0, m
     assert errors.get("reward/score/errors/non_finite", 0) > 0, m
     assert m["actor/updates"] == 2 and time.monotonic() - t0 < 300
+
+
+@pytest.mark.slow
+def test_learned_reward_model_scores_the_rollouts(tmp_path):
+    """`reward.model_path`: a Megatron reward model (value head at the last token) scores every
+    response; its scores are what the loop logs as the model source's reward."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from mrl.models.facts import BUILTIN_PRESETS
+
+    cfg = AutoConfig.for_model(**BUILTIN_PRESETS["tiny-qwen2"], num_labels=1, pad_token_id=256)
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(tmp_path / "rm")
+    job = (REPO / "jobs/quickstart_cpu.toml").read_text()
+    job = re.sub(r"\[reward\][^\[]*", f'[reward]\nmodel_path = "{tmp_path / "rm"}"\n\n', job)
+    (tmp_path / "rm_job.toml").write_text(job)
+    [m] = run_jobs(str(tmp_path / "rm_job.toml"), tmp_path / "out",
+                   f"{ONE_RANK} trainer.total_steps=2 tracking.backends=[] checkpoint.every_steps=0 "
+                   f"data.generator={REPO}/jobs/tasks/digits.py:prompts")
+    assert m["actor/updates"] == 2
+    assert m["reward/model/mean"] == m["reward/mean"] and m["reward/mean"] != 0.0
+    assert m.get("reward/errors", 0) == 0
