@@ -197,7 +197,7 @@ def save(root: str | Path, step: int, *, chunks: list, optimizer=None, scheduler
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         store.remove_stale_tmp(root)
-        (tmp / "rng").mkdir(parents=True)
+        tmp.mkdir(parents=True)  # empty: dist_checkpointing warns about a non-empty target
     _barrier()
     if optimizer is not None:
         _ensure_optimizer_state(optimizer)  # a checkpoint before the first update
@@ -208,6 +208,7 @@ def save(root: str | Path, step: int, *, chunks: list, optimizer=None, scheduler
     state["layout"] = _layout(with_ranks=False)
     dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategies(tmp, loading=False),
                             content_metadata=OPTIM_METADATA)
+    (tmp / "rng").mkdir(exist_ok=True)
     rng_file = tmp / "rng" / f"rank_{rank:05d}.pt"
     torch.save({"layout": _layout(), "rng": _rng_state()}, rng_file)
     with open(rng_file, "rb+") as f:

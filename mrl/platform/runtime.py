@@ -54,6 +54,24 @@ class Context:
         teardown()
 
 
+# Warnings megatron-core and torch print on every run without Transformer Engine / Apex (CPU, or a
+# GPU box without them): expected, not actionable, and they bury the one-line user errors.
+KNOWN_WARNINGS = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"full scope is deprecated",
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+)
+
+
+def quiet_known_warnings() -> None:
+    import warnings
+
+    for message in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+
+
 _CURRENT: Optional[Context] = None
 _COMPAT_ACTIVATED_BY_SETUP = False
 
@@ -75,6 +93,8 @@ def setup(platform: PlatformConfig, parallel: ParallelConfig, seed: int, *,
     """
     global _CURRENT, _COMPAT_ACTIVATED_BY_SETUP
     from mrl.platform import parallel as _parallel
+
+    quiet_known_warnings()
 
     if _CURRENT is not None:
         raise RuntimeError("mrl.platform.setup() was already called; call teardown() first")

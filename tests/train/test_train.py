@@ -138,3 +138,42 @@ def test_learned_reward_model_scores_the_rollouts(tmp_path):
     assert m["actor/updates"] == 2
     assert m["reward/model/mean"] == m["reward/mean"] and m["reward/mean"] != 0.0
     assert m.get("reward/errors", 0) == 0
+
+
+def _parquet_with_bad_rows(path: Path) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    questions = [f"Pick a number between {i} and {i + 9}:" for i in range(16)] + ["", None]
+    answers = [str(i + 3) for i in range(16)] + ["1", "2"]
+    answers[5] = None   # a missing answer
+    pq.write_table(pa.table({"question": questions, "solution": answers}), path)
+    return path
+
+
+@pytest.mark.slow
+def test_bad_data_rows_are_counted_or_stop_the_run_with_one_line(tmp_path):
+    data = _parquet_with_bad_rows(tmp_path / "train.parquet")
+    job = re.sub(r"\[data\][^\[]*", f'[data]\ntrain_files = ["{data}"]\nprompt_key = "question"\n'
+                 'answer_key = "solution"\nprompts_per_step = 8\nmax_prompt_tokens = 64\nchat_template = false\n\n',
+                 (REPO / "jobs/quickstart_cpu.toml").read_text())
+    (tmp_path / "job.toml").write_text(job)
+    common = ["platform.ranks_per_node=1", "parallel.tensor=1", "trainer.total_steps=1", f"job.output_dir={tmp_path}",
+              "job.name=bad", "checkpoint.every_steps=0"]
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "mrl", "train", str(tmp_path / "job.toml"), *common,
+                           "data.bad_rows=error"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "train.parquet" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "mrl", "train", str(tmp_path / "job.toml"), *common],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'bad' / 'mlflow.db'}")
+    [run] = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    params = run.data.params
+    assert params["data/rows_read"] == "18" and params["data/rows_bad_prompt"] == "2"
+    assert params["data/rows_missing_answer"] == "1" and params["data/prompts"] == "15"
