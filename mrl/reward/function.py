@@ -40,8 +40,9 @@ def _accepts(fn: ast.FunctionDef | ast.AsyncFunctionDef, n: int) -> bool:
     return a.vararg is not None or required <= n <= positional
 
 
-def static_problem(ref: str, n_args: int = 4, signature: str = SIGNATURE) -> str | None:
-    """Why `ref` cannot be the named function, or None if it looks right."""
+def static_problem(ref: str, n_args: int | None = 4, signature: str = SIGNATURE) -> str | None:
+    """Why `ref` cannot be the named function, or None if it looks right (`n_args=None`: any
+    arity, for functions called with keyword arguments such as tools)."""
     parts = split_ref(ref)
     if parts is None:
         return f"{ref!r} is not 'path/to/file.py:function' or 'module:function'"
@@ -64,7 +65,7 @@ def static_problem(ref: str, n_args: int = 4, signature: str = SIGNATURE) -> str
             return None  # defined dynamically; checked when loaded
         close = difflib.get_close_matches(func, list(defs), n=1)
         return f"{target} has no function {func!r}" + (f"; did you mean {close[0]!r}?" if close else "")
-    if not _accepts(defs[func], n_args):
+    if n_args is not None and not _accepts(defs[func], n_args):
         return f"{target}:{defs[func].lineno}: {func} must accept {n_args} positional arguments: {signature}"
     return None
 

@@ -34,6 +34,7 @@ class Components:
     ref: Optional[Any] = None       # Engine without optimizer
     critic: Optional[Any] = None    # Engine
     rollout: Optional[Any] = None   # RolloutEngine on the group leader, None elsewhere
+    generator: Optional[Any] = None  # what generates: the engine, or a multi-turn tool loop over it
     rewarder: Optional[Any] = None  # mrl.reward.compose.Rewarder on the group leader
     reward_model: Optional[Any] = None  # Engine over a value-head model, on every rank
     rm_scores: Any = None               # PrecomputedScores handed to the rewarder
@@ -165,6 +166,11 @@ def build(spec: JobSpec) -> Components:
 
         comps.rollout = build_engine(spec.rollout, spec.model, seed=spec.job.seed + ctx.dp_rank, device=ctx.device,
                                      max_model_len=spec.data.max_prompt_tokens + spec.rollout.max_response_tokens)
+        comps.generator = comps.rollout
+        if spec.rollout.multi_turn.enable:
+            from mrl.rollout.multi_turn import MultiTurnRollout
+
+            comps.generator = MultiTurnRollout.from_config(comps.rollout, tokenizer, spec.rollout.multi_turn)
         if reward_model is not None:
             comps.rm_scores = PrecomputedScores()
         comps.rewarder = Rewarder.from_config(spec.reward, model_scorer=comps.rm_scores)

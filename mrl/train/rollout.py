@@ -42,7 +42,7 @@ def sync_weights(c: Components) -> int:
 
 
 def generate(c: Components, prompt_ids: list[list[int]], sampling: Sampling) -> list[Response]:
-    out = c.rollout.generate(prompt_ids, sampling) if c.is_leader else None
+    out = c.generator.generate(prompt_ids, sampling) if c.is_leader else None
     return _to_group(c, out)
 
 

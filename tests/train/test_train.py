@@ -45,6 +45,8 @@ ESTIMATORS = {
     "reinforce_pp_baseline": "algorithm.advantage=reinforce_pp_baseline", "remax": "algorithm.advantage=remax",
     "gspo": "algorithm.policy_loss=gspo", "cispo": "algorithm.policy_loss=cispo", "sapo": "algorithm.policy_loss=sapo",
     "kl_loss": "algorithm.kl_loss.enable=true", "correction": "algorithm.correction.level=token",
+    "multi_turn": "rollout.multi_turn.enable=true rollout.multi_turn.tools=[\"jobs/tools/calculator.py:calculator\"] "
+                  "rollout.multi_turn.max_assistant_turns=2",
 }
 
 
