@@ -138,6 +138,62 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_merge(args) -> int:
+    import logging
+
+    from mrl.merge import merge
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    report = merge(args.checkpoint, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype,
+                   verify=args.verify, model=args.model)
+    print(report.summary())
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from mrl.compare import compare
+
+    compare(args.runs, tracking_uris=args.tracking_uri or (), metrics=args.metrics, out=args.out)
+    return 0
+
+
+LAUNCHABLE = ("train", "preflight", "validate")  # subcommands that run on every rank
+
+
+def cmd_launch(args) -> int:
+    """One machine: check the job, then exec `torchrun --standalone --nproc_per_node N -m mrl CMD JOB ...`."""
+    import os
+    import shlex
+    from pathlib import Path
+
+    from mrl.config.loader import load
+
+    run = args.run or os.environ.get("MRL_COMMAND") or "train"
+    if run not in LAUNCHABLE:
+        source = "--run" if args.run else "MRL_COMMAND"
+        raise UserError(f"{source} {run}: mrl launch runs one of {', '.join(LAUNCHABLE)}")
+    jobs, overrides = _split_args(args.items)
+    if len(jobs) != 1:
+        raise UserError(f"mrl launch takes one job file, got {len(jobs)}: {' '.join(jobs)}")
+    spec, _ = load(jobs[0], overrides)  # a bad spec fails here, before any rank starts
+    nodes, ranks = spec.platform.nodes, spec.platform.ranks_per_node
+    if nodes != 1:
+        raise UserError(f"{jobs[0]}: platform.nodes = {nodes}; mrl launch runs one machine; launch multi-node jobs "
+                        f"with: sbatch --nodes {nodes} --ntasks-per-node {ranks} launch/slurm.sh "
+                        f"{shlex.join(args.items)}")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    prefix = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    argv = [*prefix, "--standalone", "--nnodes", "1", "--nproc_per_node", str(ranks),
+            "-m", "mrl", run, *args.items]
+    if args.dry_run:
+        print(shlex.join(argv))
+        return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv)
+    return 0  # not reached
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mrl", description="Megatron-centric RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -156,9 +212,40 @@ def build_parser() -> argparse.ArgumentParser:
                                      "also runs as a plain process); resumes from its latest checkpoint")
     p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("compare", help="MLflow runs side by side: spec differences, final/best metrics, PNG plots")
+    p.add_argument("runs", nargs="+", metavar="RUN",
+                   help="a run directory (<job.output_dir>/<job.name>, its mlflow.db) or .db file, or a run id, "
+                        "run name or experiment name")
+    p.add_argument("--tracking-uri", action="append", metavar="URI",
+                   help="where to look up ids and names: an MLflow URI, a run directory or a .db file (repeatable; "
+                        "default: $MLFLOW_TRACKING_URI, else every runs/*/mlflow.db)")
+    p.add_argument("--metrics", metavar="LIST",
+                   help="comma-separated groups (reward, kl, entropy, length, mismatch, time; default: all) "
+                        "and/or metric keys or globs (actor/grad_norm, reward/score/*)")
+    p.add_argument("--out", metavar="DIR", default="compare", help="directory for the PNG plots (default: compare)")
+    p.set_defaults(func=cmd_compare)
+    p = sub.add_parser("launch", help="run a one-machine job under torchrun with the job's platform.ranks_per_node "
+                                      "(multi-node jobs: launch/slurm.sh)")
+    p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")
+    p.add_argument("--run", metavar="CMD", help="the mrl subcommand each rank runs: train, preflight or validate "
+                                                "(default: $MRL_COMMAND, else train)")
+    p.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
+    p.set_defaults(func=cmd_launch)
     p = sub.add_parser("keys", help="list every job-spec key with its type, default and meaning")
     p.add_argument("prefix", nargs="?", default="", help="only keys starting with this (e.g. rollout.)")
     p.set_defaults(func=cmd_keys)
+    p = sub.add_parser("merge", help="convert a training checkpoint (any TP/PP/EP) into a Hugging Face directory")
+    p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint root (e.g. RUN/checkpoints/actor) or a step_* directory")
+    p.add_argument("out", metavar="OUT", help="output directory (must not exist, or be empty)")
+    p.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard, e.g. 2GB, 500MB (default 2GB)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="dtype of the written weights (default: the checkpoint's)")
+    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+                   help="reload the output with transformers and compare logits with the checkpoint's model "
+                        "(default: on below 2B parameters)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="the job's model.path, for checkpoints that do not record their model config")
+    p.set_defaults(func=cmd_merge)
     return parser
 
 

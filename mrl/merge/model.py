@@ -1,0 +1,71 @@
+"""Rebuild a checkpoint's model in this one process (TP = PP = EP = 1 on cpu) and load its weights.
+
+`dist_checkpointing` reshards on load, so a checkpoint saved at any TP/PP/EP layout loads into
+the single-rank model; only the model's tensors are read (no optimizer state, no RNG).
+The vocabulary is padded exactly as in the checkpoint (the saving TP size decided the padding).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from mrl.errors import UserError
+from mrl.merge.source import CheckpointInfo
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@contextmanager
+def single_process_platform() -> Iterator[None]:
+    """megatron's parallel state for one cpu rank, whatever launcher variables the shell has."""
+    from mrl import platform
+    from mrl.platform.config import ParallelConfig, PlatformConfig
+
+    platform.setup(PlatformConfig(device="cpu", ranks_per_node=1), ParallelConfig(distributed_optimizer=False),
+                   seed=0, env={})
+    try:
+        yield
+    finally:
+        platform.teardown()
+
+
+def load_model(info: CheckpointInfo, dtype: torch.dtype) -> torch.nn.Module:
+    """The checkpoint's model with its weights, parameters in `dtype` (needs the platform up)."""
+    from mrl.checkpoint import state
+    from mrl.models.roles import build_role_model
+    from mrl.platform.config import ParallelConfig
+
+    role = "critic" if info.valued else "actor"
+    model = build_role_model(role, info.hf_config, ParallelConfig(distributed_optimizer=False),
+                             dtype=_DTYPE_NAMES[dtype], device="cpu", vocab_multiple=info.padded_vocab)
+    try:
+        state.load(info.path, chunks=[model], load_rng=False)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - megatron's shape/key errors: the config does not fit
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(f"merge: checkpoint {info.path} does not match its model config "
+                        f"({type(e).__name__}: {first[:300]})") from None
+    return model.eval()
+
+
+def forward(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits `[B, S, V_pad]` (or values `[B, S, 1]` for a value head) of the single-rank model."""
+    from mrl.models.megatron import causal_attention_mask, position_ids
+
+    b, s = tokens.shape
+    with torch.no_grad():
+        return model(tokens, position_ids(b, s), causal_attention_mask(b, s))
+
+
+def stored_dtypes(model: torch.nn.Module, info: CheckpointInfo) -> dict[str, torch.dtype]:
+    """Megatron parameter name -> the dtype the checkpoint stores it in (through the model's own
+    sharded state dict, which names each parameter's checkpoint key)."""
+    out = {}
+    for name, entry in model.sharded_state_dict().items():
+        key = getattr(entry, "key", None)
+        if key in info.tensor_dtypes:
+            out[name] = info.tensor_dtypes[key]
+    return out

@@ -1,0 +1,149 @@
+"""Find and describe the checkpoint to merge, without building a model.
+
+A checkpoint is given as a root (`<run>/checkpoints/actor`, resolved through its `latest`
+pointer) or as one `step_XXXXXXXX` directory. Everything `mrl merge` needs to rebuild the model
+comes from the checkpoint's common state (`extra`, written by the training loop) and from the
+torch_dist tensor metadata (global shapes and dtypes), so a malformed or partial checkpoint is
+reported in one line before any model is built.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from mrl.checkpoint import store
+from mrl.errors import UserError
+
+# Files every complete torch_dist checkpoint written by `mrl.checkpoint.state.save` has.
+REQUIRED_FILES = ("metadata.json", "common.pt", ".metadata")
+EMBEDDING_KEY = "embedding.word_embeddings.weight"
+VALUED_ROLES = ("critic", "reward")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """What a merge needs to know about one checkpoint directory."""
+
+    path: Path
+    step: int
+    role: str                      # actor | critic | ref | reward
+    hf_config: dict[str, Any]      # complete HF config (transformers' defaults filled in)
+    model_path: Optional[str]      # the job's model.path (tokenizer/generation config source)
+    tokenizer: Optional[str]       # the job's model.tokenizer
+    stored_dtype: torch.dtype      # dtype of the saved model tensors
+    padded_vocab: int              # embedding rows as saved (vocabulary padded for TP)
+    num_params: int                # model parameters as saved (padding included)
+    layout: dict[str, Any]         # the parallel layout that saved it
+    tensor_dtypes: dict[str, torch.dtype] = dataclasses.field(default_factory=dict, repr=False)
+    # ^ ShardedTensor key -> stored dtype (norms may be float32 in a bf16 model)
+
+    @property
+    def valued(self) -> bool:
+        """True for models whose head is a value head (`score.weight`) instead of an LM head."""
+        return self.role in VALUED_ROLES
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The step directory to merge; a one-line `UserError` for anything that is not a complete
+    checkpoint (missing path, unfinished `.tmp.*` save, a root with nothing committed, missing files)."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"merge: {path} does not exist")
+    if not path.is_dir():
+        raise UserError(f"merge: {path} is not a checkpoint directory (it is a file)")
+    if path.name.startswith(".tmp."):
+        raise UserError(f"merge: {path} is an unfinished save (a .tmp.* directory); "
+                        "pass the checkpoint root or a complete step_* directory")
+    if store.step_of(path) is None and not (path / "metadata.json").is_file():
+        pointer = path / store.LATEST
+        if pointer.is_file():
+            target = path / pointer.read_text().strip()
+            if store.step_of(target) is None or not target.is_dir():
+                raise UserError(f"merge: {pointer} names {pointer.read_text().strip()!r}, which is not a "
+                                "checkpoint directory here")
+            path = target
+        else:
+            found = store.latest(path)
+            if found is None:
+                partial = sorted(p.name for p in path.iterdir() if p.name.startswith(".tmp.step_"))
+                if partial:
+                    raise UserError(f"merge: {path} has no complete checkpoint (no `latest`, only the "
+                                    f"unfinished save {partial[-1]})")
+                raise UserError(f"merge: {path} is not a checkpoint (no `latest`, no step_* directory, "
+                                "no metadata.json)")
+            path = found
+    missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+    if missing:
+        raise UserError(f"merge: checkpoint {path} is incomplete: {missing[0]} is missing")
+    try:
+        config = json.loads((path / "metadata.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"merge: checkpoint {path}: metadata.json is unreadable ({e})") from None
+    if config.get("sharded_backend") != "torch_dist":
+        raise UserError(f"merge: checkpoint {path} uses backend {config.get('sharded_backend')!r}; "
+                        "only torch_dist checkpoints (what mrl saves) are supported")
+    return path
+
+
+def _load_common(path: Path) -> dict:
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load_common_state_dict(str(path))
+    except Exception as e:  # noqa: BLE001 - any unreadable common.pt is the same user-facing problem
+        raise UserError(f"merge: checkpoint {path}: common.pt is unreadable ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _model_tensors(path: Path) -> dict:
+    """ShardedTensor key -> unsharded metadata (global shape, dtype) of the model's tensors."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        meta = dist_checkpointing.load_tensors_metadata(str(path))
+    except Exception as e:  # noqa: BLE001
+        raise UserError(f"merge: checkpoint {path}: tensor metadata is unreadable ({type(e).__name__})") from None
+    return {k: v for k, v in meta.items() if not k.startswith("optimizer.")}
+
+
+def inspect(path: str | Path, *, model: Optional[str] = None) -> CheckpointInfo:
+    """Describe the checkpoint at `path` (a root or a step directory).
+
+    `model` (an HF directory, a cached Hub id or `builtin:<preset>`) supplies the architecture for
+    checkpoints that do not record it; it overrides the recorded one when given.
+    """
+    from mrl.models.megatron import complete_hf_config, hf_config as model_hf_config
+    from mrl.models.config import ModelConfig
+
+    step_dir = resolve_checkpoint(path)
+    common = _load_common(step_dir)
+    extra = dict(common.get("extra") or {})
+    if model is not None:
+        hf = model_hf_config(ModelConfig(path=model))
+        model_path = model
+    elif extra.get("hf_config"):
+        hf = complete_hf_config(dict(extra["hf_config"]))
+        model_path = extra.get("model_path")
+    else:
+        raise UserError(f"merge: checkpoint {step_dir} does not record its model (no hf_config in its state); "
+                        "pass --model with the job's model.path")
+    tensors = _model_tensors(step_dir)
+    if EMBEDDING_KEY not in tensors:
+        raise UserError(f"merge: checkpoint {step_dir} holds no model weights ({EMBEDDING_KEY} is missing)")
+    emb = tensors[EMBEDDING_KEY]
+    role = extra.get("role") or ("critic" if _has_value_head(tensors) else "actor")
+    return CheckpointInfo(
+        path=step_dir, step=int(common.get("step", store.step_of(step_dir) or 0)), role=role, hf_config=hf,
+        model_path=model_path, tokenizer=extra.get("tokenizer"), stored_dtype=emb.dtype,
+        padded_vocab=int(emb.global_shape[0]),
+        num_params=sum(int(torch.Size(t.global_shape).numel()) for t in tensors.values()),
+        layout=dict(common.get("layout") or {}), tensor_dtypes={k: t.dtype for k, t in tensors.items()})
+
+
+def _has_value_head(tensors: dict) -> bool:
+    head = tensors.get("output_layer.weight")
+    return head is not None and int(head.global_shape[0]) == 1

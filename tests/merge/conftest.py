@@ -1,0 +1,45 @@
+"""Fixtures: tiny HF sources and the Megatron checkpoints saved from them at TP2 / EP2 (slow)."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.dist_util import run_torchrun
+from tests.weights.archs import make_hf_model
+
+SCRIPT = "tests/merge/scripts/save_checkpoints.py"
+
+
+def _with_tokenizer(d):
+    from mrl.models.tokenizer import byte_tokenizer
+
+    byte_tokenizer().save_pretrained(str(d))
+    return d
+
+
+@pytest.fixture(scope="session")
+def saved(tmp_path_factory):
+    """name -> (checkpoint root, HF source dir or preset, expected HF tensors), saved by one torchrun."""
+    base = tmp_path_factory.mktemp("merge_src")
+    q2 = base / "qwen2"
+    make_hf_model("qwen2", q2)
+    _with_tokenizer(q2)
+    critic = base / "qwen2_critic"
+    shutil.copytree(q2, critic)
+    weights = load_file(str(critic / "model.safetensors"))
+    weights["score.weight"] = torch.randn(1, 64, generator=torch.Generator().manual_seed(9))
+    save_file(weights, str(critic / "model.safetensors"), metadata={"format": "pt"})
+    moe = base / "qwen3_moe"
+    make_hf_model("qwen3_moe", moe)
+    cases = {"q2_tp2": (q2, "actor", "tp2", "float32"),
+             "q2_critic_tp2": (critic, "critic", "tp2", "float32"),
+             "moe_ep2": (moe, "actor", "ep2", "float32"),
+             "preset_bf16_tp2": ("builtin:tiny-qwen2", "actor", "tp2", "bfloat16")}
+    out = base / "ckpts"
+    out.mkdir()
+    run_torchrun(SCRIPT, "--out", str(out), *[f"{n}:{s}:{r}:{l}:{d}" for n, (s, r, l, d) in cases.items()],
+                 timeout=600)
+    return {n: (out / n, s, load_file(str(out / f"{n}.expected.safetensors"))) for n, (s, *_) in cases.items()}
