@@ -62,6 +62,8 @@ KNOWN_WARNINGS = (
     r"full scope is deprecated",
     r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
     r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+    r"`load_state_dict` is deprecated and will be removed",
+    r"Please use DTensor instead and we are deprecating ShardedTensor",
 )
 
 

@@ -74,6 +74,10 @@ def _save(c: Components, step: int, tracker_run_id) -> None:
     from mrl.config.dump import to_toml
 
     root = checkpoint_root(c.spec)
+    if dist.is_initialized() and dist.get_world_size() > 1:   # rank 0 owns the MLflow run: every rank stores its id
+        box = [tracker_run_id]
+        dist.broadcast_object_list(box, src=0)
+        tracker_run_id = box[0]
     # What `mrl merge` needs to rebuild the model without the job file.
     model = {"hf_config": c.hf, "model_path": c.spec.model.path, "tokenizer": c.spec.model.tokenizer,
              "dtype": c.spec.model.dtype, "spec_toml": to_toml(c.spec)}
