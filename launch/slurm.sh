@@ -7,6 +7,11 @@
 # e.g. MRL_COMMAND=preflight); MRL_VENV the virtualenv (default: .venv in the submit directory).
 # Command-line options override the #SBATCH lines below: on a cluster without GPUs (or to run a
 # CPU job such as jobs/quickstart_cpu.toml) add --gpus-per-node=0.
+# Logs: Slurm writes everything to slurm-mrl-<jobid>.out in the submit directory (or --output);
+# once the job is checked, the same lines from then on (the validation result, then every rank's
+# output) also go to <job.output_dir>/<job.name>/slurm-<jobid>.out, next to the run's
+# checkpoints and mlflow.db. A job refused before launch (bad spec, wrong allocation) has only the
+# first. See launch/README.md.
 #SBATCH --job-name=mrl
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
@@ -19,9 +24,12 @@ cd "${SLURM_SUBMIT_DIR:-$(pwd)}"
 VENV=${MRL_VENV:-.venv}
 PY="$VENV/bin/python"
 
-"$PY" -m mrl validate "$@"
-NODES=$("$PY" -m mrl show "$@" --get platform.nodes)
-RANKS=$("$PY" -m mrl show "$@" --get platform.ranks_per_node)
+VALID=$("$PY" -m mrl validate "$@" 2>&1) || { rc=$?; printf '%s\n' "$VALID" >&2; exit "$rc"; }
+# One `mrl show` for the four values the script needs (each run of mrl costs seconds of imports).
+SPEC=$("$PY" -m mrl show "$@" | "$PY" -c 'import sys, tomllib
+t = tomllib.loads(sys.stdin.read())
+print(t["platform"]["nodes"], t["platform"]["ranks_per_node"], t["job"]["output_dir"], t["job"]["name"], sep="\n")')
+{ read -r NODES; read -r RANKS; IFS= read -r OUTPUT_DIR; IFS= read -r NAME; } <<<"$SPEC"
 HAVE_NODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
 HAVE_TASKS=${SLURM_NTASKS:-0}
 if [ "$HAVE_NODES" != "$NODES" ] || [ "$HAVE_TASKS" != $((NODES * RANKS)) ]; then
@@ -41,4 +49,12 @@ MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR
 export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-srun --kill-on-bad-exit=1 --ntasks-per-node "$RANKS" "$PY" -m mrl "${MRL_COMMAND:-train}" "$@"
+RUN_DIR="$OUTPUT_DIR/$NAME"
+mkdir -p "$RUN_DIR"
+LOG="$RUN_DIR/slurm-$SLURM_JOB_ID.out"
+{ printf '%s\n' "$VALID"
+  echo "mrl: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST: $((NODES * RANKS)) rank(s), rendezvous $MASTER_ADDR:$MASTER_PORT," \
+       "run directory $RUN_DIR, log $LOG"
+} | tee -a "$LOG"
+# pipefail (set above): the script exits with srun's status, not tee's.
+srun --kill-on-bad-exit=1 --ntasks-per-node "$RANKS" "$PY" -m mrl "${MRL_COMMAND:-train}" "$@" 2>&1 | tee -a "$LOG"

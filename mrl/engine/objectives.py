@@ -29,21 +29,30 @@ def _tp_group():
 
 
 def response_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float = 1.0,
-                      entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(logp [N], entropy [N])` of the response tokens of `mb` from logits `[1, T, V/tp]`."""
+                      entropy: bool = True, vocab_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(logp [N], entropy [N])` of the response tokens of `mb` from logits `[1, T, V/tp]`.
+
+    `vocab_size`: the tokenizer's vocabulary; Megatron's padding columns beyond it are masked
+    out so they take no probability mass (None: no padding to mask).
+    """
     import mrl_kernels
 
     rows = mb.take(logits)  # [N, V/tp]
-    logp, ent = mrl_kernels.logprob_entropy(rows, mb.response_labels, temperature, group=_tp_group())
+    group = _tp_group()
+    if vocab_size is not None:
+        from mrl.models.roles import mask_padded_vocab
+
+        rows = mask_padded_vocab(rows, vocab_size, tp_rank=torch.distributed.get_rank(group) if group else 0)
+    logp, ent = mrl_kernels.logprob_entropy(rows, mb.response_labels, temperature, group=group)
     return logp, ent
 
 
-def actor_outputs(temperature: float = 1.0, entropy: bool = False):
+def actor_outputs(temperature: float = 1.0, entropy: bool = False, vocab_size: Optional[int] = None):
     """An `OutputFn` giving `logprobs` (and `entropy`) per response token (old-policy and
     reference passes)."""
 
     def fn(logits: torch.Tensor, mb: MicroBatch) -> dict[str, torch.Tensor]:
-        logp, ent = response_logprobs(logits, mb, temperature)
+        logp, ent = response_logprobs(logits, mb, temperature, vocab_size=vocab_size)
         return {"logprobs": logp, "entropy": ent} if entropy else {"logprobs": logp}
 
     return fn
@@ -66,11 +75,12 @@ class PolicyObjective:
     kl_coef: float = 0.0                  # > 0: KL loss to the reference (GRPO style)
     kl_estimator: str = "k3"
     temperature: float = 1.0
+    vocab_size: Optional[int] = None      # mask Megatron's vocabulary padding beyond it
 
     def __call__(self, logits: torch.Tensor, mb: MicroBatch, totals: Totals):
         from mrl.algos import kl, losses
 
-        logp_flat, ent_flat = response_logprobs(logits, mb, self.temperature)
+        logp_flat, ent_flat = response_logprobs(logits, mb, self.temperature, vocab_size=self.vocab_size)
         logp, ent = mb.to_padded(logp_flat), mb.to_padded(ent_flat)
         b = mb.batch
         mask = b["response_mask"]

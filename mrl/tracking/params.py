@@ -9,18 +9,23 @@ from mrl.config.dump import to_dict
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 
 
-def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
-    """{"a": {"b": 1}, "c": [1, 2]} -> {"a.b": "1", "c": "[1, 2]"}; lists (and tables inside them) as JSON."""
+def flatten(tree: dict, prefix: str = "", limit: int | None = MAX_PARAM_CHARS) -> dict[str, str]:
+    """{"a": {"b": 1}, "c": [1, 2]} -> {"a.b": "1", "c": "[1, 2]"}; lists (and tables inside them) as JSON.
+
+    Values longer than `limit` (MLflow's param length) are cut with "..."; `limit=None` keeps them whole.
+    """
     out: dict[str, str] = {}
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict) and value:
-            out.update(flatten(value, dotted + "."))
+            out.update(flatten(value, dotted + ".", limit=None))
         elif isinstance(value, (list, tuple, dict)):
             out[dotted] = json.dumps(value, default=str)
         else:
             out[dotted] = str(value).lower() if isinstance(value, bool) else str(value)
-    return {k: v if len(v) <= MAX_PARAM_CHARS else v[:MAX_PARAM_CHARS - 3] + "..." for k, v in out.items()}
+    if limit is None:
+        return out
+    return {k: v if len(v) <= limit else v[:limit - 3] + "..." for k, v in out.items()}
 
 
 def spec_params(spec: Any) -> dict[str, str]:

@@ -58,7 +58,7 @@ def logprobs_of(engine, c: Components, batch: Batch, budget: Optional[int]) -> t
     """Per response token log-probs `[B, R]` under `engine`'s model, at the rollout temperature."""
     from mrl.engine.objectives import actor_outputs
 
-    out = engine.forward_only(batch, actor_outputs(c.spec.rollout.temperature),
+    out = engine.forward_only(batch, actor_outputs(c.spec.rollout.temperature, vocab_size=c.hf["vocab_size"]),
                               micro_batch_tokens=budget or c.spec.actor.micro_batch_tokens)
     return out["logprobs"].cpu()
 
@@ -165,7 +165,7 @@ def policy_objective(c: Components):
                            clip_c=alg.dual_clip or None, sapo_tau_pos=alg.sapo_tau_pos, sapo_tau_neg=alg.sapo_tau_neg,
                            aggregation=alg.loss_aggregation, norm=alg.loss_norm, entropy_coef=alg.entropy_coef,
                            kl_coef=alg.kl_loss.coef if alg.kl_loss.enable else 0.0, kl_estimator=alg.kl_loss.estimator,
-                           temperature=c.spec.rollout.temperature)
+                           temperature=c.spec.rollout.temperature, vocab_size=c.hf["vocab_size"])
 
 
 def value_objective(c: Components):

@@ -35,9 +35,12 @@ def find_venv() -> Path:
     return venv
 
 
-def launch_env(venv: Path, command: str, **extra: str) -> dict[str, str]:
-    """os.environ without any launcher's or enclosing allocation's variables, plus MRL_*."""
+def launch_env(venv: Path, command: str | None, **extra: str) -> dict[str, str]:
+    """os.environ without any launcher's or enclosing allocation's variables, plus MRL_VENV and
+    MRL_COMMAND (left unset when `command` is None: the launcher's default, train)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCH_VARS and not k.startswith(("SLURM_", "PET_", "TORCHELASTIC_"))}
-    env.update(MRL_VENV=str(venv), MRL_COMMAND=command, OMP_NUM_THREADS="1", **extra)
+           if k not in _LAUNCH_VARS and not k.startswith(("SLURM_", "PET_", "TORCHELASTIC_", "MLFLOW_"))}
+    env.update(MRL_VENV=str(venv), OMP_NUM_THREADS="1", **extra)
+    if command is not None:
+        env["MRL_COMMAND"] = command
     return env

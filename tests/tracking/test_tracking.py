@@ -39,14 +39,14 @@ def test_mlflow_run_in_the_run_directory_and_resume(spec):
     run = client.get_run(run_id)
     assert run.info.status == "KILLED" and run.info.run_name == "quickstart-cpu"
     p = run.data.params
-    assert p["reward.function"] == "jobs/rewards/arithmetic.py:score" and p["parallel.tensor"] == "2"
-    assert p["data.prompts_per_step"] == "4" and p["tracking.backends"] == '["console", "mlflow"]'
+    assert p["reward.function"] == "jobs/tasks/digits.py:score" and p["parallel.tensor"] == "2"
+    assert p["data.prompts_per_step"] == "8" and p["tracking.backends"] == '["console", "mlflow"]'
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "reward/mean")] == [(1, 0.25), (2, 0.5)]
     assert math.isnan(client.get_metric_history(run_id, "actor/kl")[-1].value)
     assert len(run.data.tags["mlflow.source.git.commit"]) == 40 and run.data.tags["mrl.host"]
     assert [a.path for a in client.list_artifacts(run_id)] == ["spec.toml"]
     local = client.download_artifacts(run_id, "spec.toml", str(run_dir / "dl"))
-    assert 'function = "jobs/rewards/arithmetic.py:score"' in open(local).read()
+    assert 'function = "jobs/tasks/digits.py:score"' in open(local).read()
     assert (run_dir / "mlartifacts").is_dir()  # artifacts next to the store, not in the working directory
 
     # resume: the same run continues; params already logged are not duplicated
