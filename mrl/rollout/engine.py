@@ -65,15 +65,6 @@ def engine_group(ranks_per_engine: int):
 
 def buckets(weights: WeightStream, bucket_mb: float) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group a weight stream into lists of at most `bucket_mb` MiB (a larger tensor is a bucket alone)."""
-    limit = bucket_mb * 2**20
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in weights:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+    from mrl.weights.hf_export import hf_buckets
+
+    return hf_buckets(weights, int(bucket_mb * 2**20))
