@@ -14,7 +14,10 @@ from typing import IO, Mapping
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-HEADLINE = {"reward": "reward/mean", "kl": "actor/kl"}  # label -> metric key shown on each step
+# label -> metric keys shown on each step (the first one the step logged): the reward, and the KL
+# the run optimises against (KL loss, KL in the reward), else the policy's approximate KL to the
+# behaviour policy.
+HEADLINE = {"reward": ("reward/mean",), "kl": ("actor/kl_loss", "kl/reward_kl", "actor/pg_approx_kl")}
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -34,7 +37,7 @@ class ConsoleProgress:
     """Progress for `total_steps` steps starting after `start_step` (non-zero when resuming)."""
 
     def __init__(self, total_steps: int, *, start_step: int = 0, file: IO[str] | None = None,
-                 force_terminal: bool | None = None, headline: Mapping[str, str] = HEADLINE):
+                 force_terminal: bool | None = None, headline: Mapping[str, tuple[str, ...]] = HEADLINE):
         self.total_steps, self.start_step = total_steps, start_step
         self.file = file if file is not None else sys.stdout
         self.headline = dict(headline)
@@ -66,8 +69,8 @@ class ConsoleProgress:
 
     def step_done(self, step: int, metrics: Mapping[str, float]) -> str:
         """Record that `step` (1-based count of finished steps) ended with `metrics`; returns the line shown."""
-        shown = "  ".join(f"{label} {_fmt_value(float(metrics[key]))}" for label, key in self.headline.items()
-                          if key in metrics)
+        picked = {label: next((k for k in keys if k in metrics), None) for label, keys in self.headline.items()}
+        shown = "  ".join(f"{label} {_fmt_value(float(metrics[key]))}" for label, key in picked.items() if key)
         eta = _fmt_duration(self.eta_seconds(step))
         ran = step - self.start_step
         pace = (time.monotonic() - self._t0) / ran if ran > 0 else math.nan

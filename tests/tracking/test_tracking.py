@@ -74,7 +74,7 @@ def test_console_plain_lines_when_not_a_tty():
     progress = ConsoleProgress(10, start_step=4, file=stream)
     assert not progress.live
     progress.stage("rollout")
-    line = progress.step_done(5, {"reward/mean": 0.125, "actor/kl": 0.0031, "other": 3})
+    line = progress.step_done(5, {"reward/mean": 0.125, "actor/kl_loss": 0.0031, "actor/pg_approx_kl": 0.5, "other": 3})
     progress.message("checkpoint saved")
     progress.close()
     text = stream.getvalue()
