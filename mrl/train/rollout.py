@@ -172,7 +172,7 @@ def collect(c: Components, step: int) -> tuple[Batch, dict]:
     mask = batch["response_mask"]
     if alg.overlong.enable and alg.overlong.mask_truncated:
         mask = mask * (~truncated).long().unsqueeze(1)
-    batch = Batch({**batch.tensors, "response_mask": mask}, {"ground_truth": [it.answer for it in kept_items for _ in range(n)]})
+    batch = Batch({**batch.tensors, "response_mask": mask}, {"prompt_item": [it for it in kept_items for _ in range(n)]})
     batch = batch.add(rewards=scores, raw_scores=raw_scores, rollout_logprobs=rollout_lp, truncated=truncated.long())
     metrics = {
         "reward/mean": float(raw_scores.mean()),

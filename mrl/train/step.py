@@ -85,21 +85,11 @@ def greedy_baseline(c: Components, batch: Batch, step: int) -> torch.Tensor:
     from mrl.train.rollout import generate, score
 
     n = c.spec.rollout.responses_per_prompt
-    first = list(range(0, len(batch), n))
-    prompts = [batch["prompt_ids"][i][batch["prompt_mask"][i] > 0].tolist() for i in first]
+    items = batch.meta["prompt_item"][::n]
     greedy = replace(sampling_from_config(c.spec.rollout), n=1, temperature=0.0)
-    responses = generate(c, prompts, greedy)
-    items = [_Item(p, batch.meta["ground_truth"][i]) for p, i in zip(prompts, first)]
+    responses = generate(c, [list(it.token_ids) for it in items], greedy)
     scores = score(c, items, responses, 1, step)["scores"]
     return torch.tensor(scores, dtype=torch.float32).repeat_interleave(n)
-
-
-class _Item:
-    """What `score` reads of a prompt when only its tokens and answer are at hand."""
-
-    def __init__(self, token_ids, answer):
-        self.token_ids, self.answer, self.index, self.data_source, self.extra = token_ids, answer, -1, "", {}
-        self.prompt = None
 
 
 def _dp_sum(t: torch.Tensor) -> torch.Tensor:
@@ -121,8 +111,8 @@ def advantages(c: Components, batch: Batch) -> tuple[Batch, dict]:
         kl_tokens = kl.estimate(batch["old_logprobs"], batch["ref_logprobs"], alg.kl_reward.estimator)
         beta = c.extras["kl_controller"].value
         valid = mask > 0
-        current = float(_dp_sum(torch.stack([(kl_tokens * valid).sum(), valid.sum()]).double()).tolist()[0]) \
-            / max(float(_dp_sum(valid.sum().double().reshape(1))[0]), 1.0)
+        total, tokens = _dp_sum(torch.stack([(kl_tokens * valid).sum(), valid.sum()]).double()).tolist()
+        current = total / max(tokens, 1.0)
         metrics.update({"kl/reward_kl": current, "kl/reward_coef": beta})
         c.extras["kl_controller"].update(current, len(batch) * c.ctx.dp)
     token_rewards = adv.token_rewards(scores, mask, kl_tokens, beta)
