@@ -250,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mrl.platform.quiet import quiet_known_warnings
+
+    quiet_known_warnings()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -13,6 +13,7 @@ from mrl.platform import dist as _dist
 from mrl.platform.config import ParallelConfig, PlatformConfig
 from mrl.platform.dist import detect_launch, stage
 from mrl.platform.parallel import ParallelLayout
+from mrl.platform.quiet import quiet_known_warnings
 
 log = logging.getLogger(__name__)
 
@@ -52,26 +53,6 @@ class Context:
 
     def __exit__(self, *exc) -> None:
         teardown()
-
-
-# Warnings megatron-core and torch print on every run without Transformer Engine / Apex (CPU, or a
-# GPU box without them): expected, not actionable, and they bury the one-line user errors.
-KNOWN_WARNINGS = (
-    r"Transformer Engine and Apex are not installed",
-    r"Apex is not installed",
-    r"full scope is deprecated",
-    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
-    r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
-    r"`load_state_dict` is deprecated and will be removed",
-    r"Please use DTensor instead and we are deprecating ShardedTensor",
-)
-
-
-def quiet_known_warnings() -> None:
-    import warnings
-
-    for message in KNOWN_WARNINGS:
-        warnings.filterwarnings("ignore", message=message)
 
 
 _CURRENT: Optional[Context] = None

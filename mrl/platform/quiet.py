@@ -1,0 +1,22 @@
+"""Known, harmless third-party warnings silenced in one place (no heavy imports here: the CLI
+calls it before anything else)."""
+from __future__ import annotations
+
+# Warnings megatron-core and torch print on every run without Transformer Engine / Apex (CPU, or a
+# GPU box without them): expected, not actionable, and they bury the one-line user errors.
+KNOWN_WARNINGS = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"full scope is deprecated",
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+    r"`load_state_dict` is deprecated and will be removed",
+    r"Please use DTensor instead and we are deprecating ShardedTensor",
+)
+
+
+def quiet_known_warnings() -> None:
+    import warnings
+
+    for message in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
