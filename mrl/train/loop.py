@@ -18,6 +18,7 @@ import torch.distributed as dist
 from mrl.config.job import JobSpec
 from mrl.errors import UserError
 from mrl.train.components import Components, build, close
+from mrl.train.rollout import release_engine, sync_weights
 from mrl.train.step import train_step
 from mrl.train.validate import validate
 
@@ -135,18 +136,16 @@ def train(spec: JobSpec) -> dict[str, float]:
         every = spec.checkpoint.every_steps
         val_every = spec.trainer.val_every_steps
         if spec.trainer.val_before_train and start == 0:
-            from mrl.train.rollout import sync_weights
-
             sync_weights(c)
             tracker.log_metrics(validate(c, 0), 0)
+            release_engine(c)
         for step in range(start + 1, c.total_steps + 1):
             metrics = _reduce_metrics(train_step(c, step, on_stage=tracker.stage))
             if val_every and (step % val_every == 0 or step == c.total_steps):
                 tracker.stage("validation")
-                from mrl.train.rollout import sync_weights
-
                 sync_weights(c)   # the update just changed the policy
                 metrics.update(validate(c, step))
+                release_engine(c)
             metrics["train/epoch"] = float(c.sampler.epoch)
             tracker.log_metrics(metrics, step)
             last = metrics

@@ -31,14 +31,25 @@ def sync_weights(c: Components) -> int:
     version of them); returns tensors sent (leader) or 0."""
     version = (c.actor.steps, id(c.actor))
     if c.extras.get("synced_version") == version:
+        if c.rollout is not None:
+            c.rollout.wake()
         return 0
     c.extras["synced_version"] = version
     stream = c.exporter.stream("all")
-    if c.rollout is not None:
-        return c.rollout.update_weights(stream)
-    for _ in stream:   # every rank takes part in the gathers
-        pass
-    return 0
+    if c.rollout is None:
+        for _ in stream:   # every rank takes part in the gathers
+            pass
+        return 0
+    c.rollout.wake(tags=["weights"])   # weights first: the KV cache is not needed to load them
+    sent = c.rollout.update_weights(stream)
+    c.rollout.wake(tags=["kv_cache"])
+    return sent
+
+
+def release_engine(c: Components) -> None:
+    """Put the rollout engine to sleep for the training stages (`rollout.sleep_level`, 0 = never)."""
+    if c.rollout is not None and c.spec.rollout.sleep_level > 0:
+        c.rollout.sleep(c.spec.rollout.sleep_level)
 
 
 def generate(c: Components, prompt_ids: list[list[int]], sampling: Sampling) -> list[Response]:

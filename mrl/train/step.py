@@ -13,7 +13,7 @@ import torch
 
 from mrl.batch import Batch
 from mrl.train.components import Components
-from mrl.train.rollout import _dp_all_reduce, collect, sync_weights
+from mrl.train.rollout import _dp_all_reduce, collect, release_engine, sync_weights
 from mrl.train.timer import StageTimer
 
 
@@ -28,6 +28,7 @@ def train_step(c: Components, step: int, on_stage=None) -> dict[str, float]:
         metrics.update(m)
         if alg.advantage == "remax":
             batch = batch.add(greedy_scores=greedy_baseline(c, batch, step))
+        release_engine(c)
     with t("old_logprobs"):
         batch = batch.add(trainer_logprobs=logprobs_of(c.actor, c, batch, spec.actor.logprob_micro_batch_tokens))
         batch = batch.add(old_logprobs=batch["rollout_logprobs" if alg.correction.old_logprobs == "rollout"
