@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mrl.algos.dapo import keep_groups
 from mrl.batch import Batch
 from mrl.errors import UserError
 from mrl.rollout.types import Response, Sampling, sampling_from_config
@@ -104,18 +105,11 @@ def _dp_all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 def _round(c: Components, step: int, sampling: Sampling) -> dict:
     """One generation round: this rank's next prompts, n responses each, scored."""
-    spec = c.spec
     picked = c.sampler.next()
     items = [c.dataset[i] for i in picked.indices]
     responses = generate(c, [list(it.token_ids) for it in items], sampling)
     scored = score(c, items, responses, sampling.n, step)
     return dict(items=items, responses=responses, **scored)
-
-
-def _keep_mask(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    from mrl.algos.dapo import keep_groups
-
-    return keep_groups(scores, groups)
 
 
 def collect(c: Components, step: int) -> tuple[Batch, dict]:
@@ -127,12 +121,13 @@ def collect(c: Components, step: int) -> tuple[Batch, dict]:
     n = spec.rollout.responses_per_prompt
     per_rank = spec.data.prompts_per_step // c.ctx.dp
     dyn = alg.dynamic_sampling
-    rounds, kept_items, kept_resp, kept_scores, kept_valid = 0, [], [], [], []
+    rounds, kept_items, kept_resp, kept_scores = 0, [], [], []
     stats: dict[str, float] = {}
     generated = 0
     while True:
         # A seed per (step, round, DP rank): generations do not depend on what ran before (resume).
-        sampling = sampling_from_config(spec.rollout, seed=hash((base, step, rounds, c.ctx.dp_rank)) % 2**31)
+        seed = (((base * 1_000_003 + step) * 1_009 + rounds) * 131 + c.ctx.dp_rank) % 2**31
+        sampling = sampling_from_config(spec.rollout, seed=seed)
         r = _round(c, step, sampling)
         rounds += 1
         generated += len(r["responses"])
@@ -140,7 +135,7 @@ def collect(c: Components, step: int) -> tuple[Batch, dict]:
             stats[k] = stats.get(k, 0.0) + float(v) if ("errors" in k or "replaced" in k) else float(v)
         scores = torch.tensor(r["scores"], dtype=torch.float32)
         groups = torch.arange(len(r["items"])).repeat_interleave(n)
-        keep = _keep_mask(scores, groups) if dyn.enable else torch.ones(len(scores), dtype=torch.bool)
+        keep = keep_groups(scores, groups) if dyn.enable else torch.ones(len(scores), dtype=torch.bool)
         if spec.reward.on_error == "drop":
             valid = torch.tensor(r["valid"], dtype=torch.bool).view(-1, n).all(dim=1).repeat_interleave(n)
             keep &= valid

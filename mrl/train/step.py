@@ -170,7 +170,11 @@ def update(engine, batch: Batch, section, objective, step: int, name: str) -> di
     """`section.epochs` passes of `mini_batch_prompts`-sized optimizer updates; means of their metrics."""
     prompts = int(batch["group_index"].max()) + 1 if len(batch) else 0
     per_rank_prompts = max(section.mini_batch_prompts // engine.dp, 1)
+    # Mini-batches of whole prompts; fewer prompts than planned (dynamic sampling that ran out of
+    # rounds) still split evenly.
     mini = max(prompts // per_rank_prompts, 1)
+    while prompts % mini:
+        mini -= 1
     records = engine.update(batch, objective, micro_batch_tokens=section.micro_batch_tokens, mini_batches=mini,
                             epochs=section.epochs, shuffle=getattr(section, "shuffle", False), seed=0, step=step)
     out: dict[str, float] = {}
