@@ -114,27 +114,27 @@ def cmd_keys(args) -> int:
     return 0
 
 
-def cmd_preflight(args) -> int:
-    from mrl import preflight
+def _one_job(args, command: str):
+    """The resolved spec of the one job file (plus overrides) a command takes."""
     from mrl.config.loader import load
 
     jobs, overrides = _split_args(args.items)
     if len(jobs) != 1:
-        raise UserError(f"mrl preflight takes one job file, got {len(jobs)}: {' '.join(jobs)}")
-    spec, _ = load(jobs[0], overrides)
-    preflight.run(spec)
+        raise UserError(f"mrl {command} takes one job file, got {len(jobs)}: {' '.join(jobs)}")
+    return load(jobs[0], overrides)[0]
+
+
+def cmd_preflight(args) -> int:
+    from mrl import preflight
+
+    preflight.run(_one_job(args, "preflight"))
     return 0
 
 
 def cmd_train(args) -> int:
-    from mrl.config.loader import load
     from mrl.train.loop import train
 
-    jobs, overrides = _split_args(args.items)
-    if len(jobs) != 1:
-        raise UserError(f"mrl train takes one job file, got {len(jobs)}: {' '.join(jobs)}")
-    spec, _ = load(jobs[0], overrides)
-    train(spec)
+    train(_one_job(args, "train"))
     return 0
 
 

@@ -38,19 +38,24 @@ def synthetic_batch(prompts: int = 4, per_prompt: int = 2, seed: int = 7) -> Bat
     return b.add(advantages=torch.randn(len(b), generator=g))
 
 
-def naive_logprobs(model, batch: Batch) -> torch.Tensor:
-    """[B, R] log-probs, one unpacked forward per response with positions from 0."""
+def naive_per_token(model, batch: Batch, read) -> torch.Tensor:
+    """[B, R] of `read(output[0], positions, labels)`: one unpacked forward per response with
+    positions from 0, read at the state before each response token."""
     out = torch.zeros(len(batch), batch.response_width)
     p_w = batch["prompt_ids"].shape[1]
     for i in range(len(batch)):
         p, r = int(batch.prompt_lengths[i]), int(batch["response_lengths"][i])
         seq = torch.cat([batch["prompt_ids"][i, p_w - p:], batch["response_ids"][i, :r]]).unsqueeze(0)
         s = seq.shape[1]
-        logits = model(seq, tm.position_ids(1, s), tm.causal_attention_mask(1, s))
-        lp = torch.log_softmax(logits[0].float(), -1)
-        out = out.index_put((torch.full((r,), i), torch.arange(r)),
-                            lp[torch.arange(p - 1, p - 1 + r), batch["response_ids"][i, :r]])
+        output = model(seq, tm.position_ids(1, s), tm.causal_attention_mask(1, s))
+        values = read(output[0], torch.arange(p - 1, p - 1 + r), batch["response_ids"][i, :r])
+        out = out.index_put((torch.full((r,), i), torch.arange(r)), values)
     return out
+
+
+def naive_logprobs(model, batch: Batch) -> torch.Tensor:
+    """[B, R] log-probs of the response tokens."""
+    return naive_per_token(model, batch, lambda logits, pos, labels: torch.log_softmax(logits.float(), -1)[pos, labels])
 
 
 def with_old_logprobs(model, batch: Batch, seed: int = 9) -> Batch:

@@ -15,7 +15,7 @@ from mrl.batch import Batch
 from mrl.engine import Engine
 from mrl.engine.objectives import ValueObjective, values_output
 from mrl.models.facts import BUILTIN_PRESETS
-from mrl.models.megatron import causal_attention_mask, complete_hf_config, parallel_from_state, position_ids
+from mrl.models.megatron import complete_hf_config, parallel_from_state
 from mrl.models.roles import build_role_model
 
 HF = complete_hf_config(dict(BUILTIN_PRESETS["tiny-qwen2"]))  # QKV bias, tied embeddings (the critic unties)
@@ -54,17 +54,12 @@ def critic_engine(params_full) -> Engine:
 
 
 def naive_values(model, batch: Batch) -> torch.Tensor:
-    """[B, R] values, one unpacked forward per response, read at the state before each response token."""
-    out = torch.zeros(len(batch), batch.response_width)
-    p_w = batch["prompt_ids"].shape[1]
-    for i in range(len(batch)):
-        p, r = int(batch.prompt_lengths[i]), int(batch["response_lengths"][i])
-        seq = torch.cat([batch["prompt_ids"][i, p_w - p:], batch["response_ids"][i, :r]]).unsqueeze(0)
-        s = seq.shape[1]
-        v = model(seq, position_ids(1, s), causal_attention_mask(1, s))  # [1, s, 1]
-        assert v.shape == (1, s, 1), v.shape
-        out = out.index_put((torch.full((r,), i), torch.arange(r)), v[0, p - 1:p - 1 + r, 0].float())
-    return out
+    """[B, R] values from the `[s, 1]` value head output."""
+    def read(v, pos, labels):
+        assert v.dim() == 2 and v.shape[1] == 1, v.shape
+        return v[pos, 0].float()
+
+    return E.naive_per_token(model, batch, read)
 
 
 def grads_of(engine):
