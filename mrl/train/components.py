@@ -124,6 +124,13 @@ def build(spec: JobSpec) -> Components:
     from mrl.platform import setup
     from mrl.weights import Exporter
 
+    if spec.rollout.engine == "vllm" and (spec.rollout.tensor_parallel > 1 or spec.rollout.pipeline_parallel > 1):
+        from mrl.errors import UserError
+
+        # The engine itself spans ranks (tested standalone); handing each engine group its share
+        # of the prompts inside the loop is not built yet.
+        raise UserError("rollout.tensor_parallel / rollout.pipeline_parallel > 1: mrl train runs one vllm engine per "
+                        "model-parallel group leader so far; use 1 (the trainer's own TP/PP are unaffected)")
     ctx = setup(spec.platform, spec.parallel, seed=spec.job.seed)
     from megatron.core import parallel_state as ps
 
