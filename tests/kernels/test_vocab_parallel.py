@@ -1,12 +1,12 @@
 """Vocab-parallel log-prob/entropy and fused linear path over 2 gloo ranks vs. one rank."""
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, home of dist_util
-from dist_util import run_torchrun  # noqa: E402
+# Never put tests/ itself on sys.path: tests/platform would shadow the stdlib `platform` in every
+# process spawned afterwards (reward and tool workers).
+from tests.dist_util import run_torchrun
 
 WORKER = Path(__file__).with_name("vp_worker.py")
 
