@@ -66,6 +66,14 @@ def with_old_logprobs(model, batch: Batch, seed: int = 9) -> Batch:
     return batch.add(old_logprobs=lp + 0.3 * torch.randn(lp.shape, generator=g))
 
 
+def reference_setup(**batch_kw):
+    """The seeded, perturbed reference model, its full parameters and a batch with old log-probs."""
+    torch.manual_seed(42)
+    ref = tm.build_tiny_gpt(SPEC)
+    C.perturb_(ref, seed=43)
+    return ref, C.full_params(ref), with_old_logprobs(ref, synthetic_batch(**batch_kw))
+
+
 def naive_loss_and_grads(model, batch: Batch, eps=(0.2, 0.28), clip_c=3.0):
     """One call over the whole mini-batch: PPO per token, token-mean; returns (loss, {name: grad})."""
     from mrl.algos import losses

@@ -25,11 +25,7 @@ def grads_of(engine):
 
 def main():
     ctx = C.up(tensor=1)  # DP = 2
-    torch.manual_seed(42)
-    ref = tm.build_tiny_gpt(SPEC)
-    C.perturb_(ref, seed=43)
-    params0 = C.full_params(ref)
-    batch = E.with_old_logprobs(ref, E.synthetic_batch())
+    ref, params0, batch = E.reference_setup()
     want_loss, want = E.naive_loss_and_grads(ref, batch)
     want_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in want.values())))
     halves = [batch.dp_shard(r, 2) for r in range(2)]

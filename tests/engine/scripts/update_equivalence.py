@@ -8,7 +8,7 @@ and `update` must equal training the planned mini-batches one by one with `train
 import torch
 
 import _engine_common as E
-from _engine_common import C, SPEC, tm
+from _engine_common import C
 
 from mrl.engine import Engine
 from mrl.engine.objectives import PolicyObjective
@@ -23,11 +23,7 @@ def order(plan) -> list[tuple[int, list[int]]]:
 
 def main():
     ctx = C.up(tensor=1)  # DP = 2
-    torch.manual_seed(42)
-    ref = tm.build_tiny_gpt(SPEC)
-    C.perturb_(ref, seed=43)
-    params0 = C.full_params(ref)
-    batch = E.with_old_logprobs(ref, E.synthetic_batch(prompts=16, per_prompt=2))
+    ref, params0, batch = E.reference_setup(prompts=16, per_prompt=2)
     mine = batch.dp_shard(ctx.dp_rank, ctx.dp)  # 8 prompts per rank
     kw = dict(mini_batches=2, epochs=2, shuffle=True, seed=3, step=5)
 
