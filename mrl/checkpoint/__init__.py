@@ -1,5 +1,5 @@
 """mrl.checkpoint: atomic, resumable megatron distributed checkpoints (`save`, `load`) and their
 directory bookkeeping (`store`)."""
-from mrl.checkpoint.state import Loaded, load, resolve, save
+from mrl.checkpoint.state import Loaded, find_resumable, load, resolve, save, verify
 
-__all__ = ["save", "load", "resolve", "Loaded"]
+__all__ = ["save", "load", "resolve", "verify", "find_resumable", "Loaded"]

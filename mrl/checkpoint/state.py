@@ -7,28 +7,34 @@ states (python, numpy, torch, cuda, megatron's tracker). RNG streams are tied to
 in the layout, so they are restored only when the layout is the one that saved them.
 
 Atomicity and retention are `mrl.checkpoint.store`'s: ranks write into a temporary directory,
-rank 0 fsyncs, renames and moves `latest`, then prunes to `keep_last`. Collective: every rank
+rank 0 fsyncs, renames and moves `latest`, then prunes to `keep_last`. Integrity is
+`mrl.checkpoint.manifest`'s: the last file of a save lists every other file with its size and
+SHA-256; `verify` checks it before a load, and `find_resumable` skips a damaged newest
+checkpoint for the newest intact one, saying in one line what was wrong. Nothing is unpickled
+into arbitrary objects: RNG states are tensors and numbers, read with `weights_only=True`. Collective: every rank
 calls `save`/`load` (torch_dist saving starts a helper process: scripts need a `__main__` guard,
 and `psutil` must be installed or the save hangs).
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from mrl.checkpoint import store
+from mrl.checkpoint import manifest, store
 from mrl.errors import UserError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save", "load", "Loaded", "resolve"]
+__all__ = ["save", "load", "Loaded", "resolve", "verify", "find_resumable"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +43,7 @@ class Loaded:
     step: int
     extra: dict
     rng_restored: bool
+    optimizer_restored: bool = True   # False: the checkpoint had no optimizer state (fresh optimizer)
 
 
 def _model_key(i: int, n: int) -> str:
@@ -158,10 +165,18 @@ def _strategies(path: Path, loading: bool):
 
 
 def _rng_state() -> dict:
+    """This rank's RNG streams as tensors and plain numbers only (no pickled objects), so a
+    checkpoint's RNG file loads with `torch.load(weights_only=True)` and cannot run code."""
     from megatron.core import tensor_parallel
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    version, words, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": {"version": int(version), "state": torch.tensor(words, dtype=torch.int64),
+                        "gauss": None if gauss is None else float(gauss)},
+             "numpy": {"keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+             "torch": torch.get_rng_state(),
+             "tracker": {str(k): v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -170,30 +185,109 @@ def _rng_state() -> dict:
 def _set_rng_state(state: dict) -> None:
     from megatron.core import tensor_parallel
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(w) for w in py["state"].tolist()), py["gauss"]))
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _read_rng_file(path: Path, ckpt: Path) -> dict:
+    """An RNG file, read as plain tensors and numbers (`weights_only=True`): a file holding any
+    other pickled object is refused, never executed."""
+    import pickle
+
+    try:
+        saved = torch.load(path, weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"checkpoint {ckpt}: {path.relative_to(ckpt)} is not plain tensor data and was not loaded "
+                        f"(only tensors and numbers are read from checkpoints): {first[:200]}") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("rng"), dict) or not isinstance(saved.get("layout"), dict):
+        raise UserError(f"checkpoint {ckpt}: {path.relative_to(ckpt)} is not an mrl RNG state file")
+    return saved
+
+
 def _barrier() -> None:
     torch.distributed.barrier()
+
+
+def _world() -> tuple[int, int]:
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def _gather(obj) -> list:
+    """`obj` from every rank, in rank order (all ranks)."""
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def _from_rank0(obj):
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _no_space(e: BaseException) -> bool:
+    """Whether `e` (or anything in its chain, or its message: megatron re-raises writer errors
+    as text) is 'No space left on device'."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _write_manifest(tmp: Path, step: int, has_optimizer: bool) -> None:
+    """Hash every file of the finished save (each rank a share) and write the manifest on rank 0."""
+    rank, world = _world()
+    names = _from_rank0(manifest.listed_files(tmp) if rank == 0 else None)
+    mine = {rel: manifest.file_entry(tmp / rel) for rel in names[rank::world]}
+    everyone = _gather(mine)
+    if rank == 0:
+        files = {k: v for part in everyone for k, v in part.items()}
+        manifest.write(tmp, files, step=step, optimizer=has_optimizer)
 
 
 def save(root: str | Path, step: int, *, chunks: list, optimizer=None, scheduler=None,
          extra: Optional[dict] = None, keep_last: int = 3) -> Path:
     """Write the checkpoint of `step` under `root` atomically; returns its directory (all ranks).
 
-    `chunks` are the model's chunks on this rank (DDP-wrapped or bare); `extra` must be
-    picklable and is stored once (rank 0's copy).
+    `chunks` are the model's chunks on this rank (DDP-wrapped or bare); `extra` holds plain
+    values (numbers, strings, lists, dicts: it is read back with `weights_only=True`) and is
+    stored once (rank 0's copy). A full disk is a `UserError` saying so, in one line; the partial
+    save is removed. Collective, inside the stage "checkpoint save".
     """
-    from megatron.core import dist_checkpointing
+    from mrl.platform.dist import stage
 
     root = Path(root)
-    rank = torch.distributed.get_rank()
     tmp = store.tmp_path(root, step)
+    with stage("checkpoint save"):
+        try:
+            return _save(root, tmp, step, chunks=chunks, optimizer=optimizer, scheduler=scheduler, extra=extra,
+                         keep_last=keep_last)
+        except Exception as e:
+            if not _no_space(e):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                free = shutil.disk_usage(root).free / 2**30
+            except OSError:
+                free = float("nan")
+            raise UserError(f"checkpoint save of step {step} to {root}: No space left on device ({free:.2f} GiB free; "
+                            "the partial save was removed; free space, or lower checkpoint.keep_last)") from None
+
+
+def _save(root: Path, tmp: Path, step: int, *, chunks, optimizer, scheduler, extra, keep_last) -> Path:
+    from megatron.core import dist_checkpointing
+
+    rank = torch.distributed.get_rank()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         store.remove_stale_tmp(root)
@@ -214,12 +308,31 @@ def save(root: str | Path, step: int, *, chunks: list, optimizer=None, scheduler
     with open(rng_file, "rb+") as f:
         os.fsync(f.fileno())
     _barrier()
+    _write_manifest(tmp, step, optimizer is not None)   # last: a directory without it is incomplete
+    _barrier()
     if rank == 0:
         final = store.commit(root, tmp, step)
         removed = store.prune(root, keep_last)
         log.info("checkpoint saved: %s (removed %s)", final, [p.name for p in removed])
     _barrier()
     return root / store.step_name(step)
+
+
+def verify(ckpt: str | Path) -> Optional[str]:
+    """What is wrong with the checkpoint directory `ckpt` (its manifest missing or unreadable, a
+    file missing, truncated or changed), or None when it is intact. Collective: each rank hashes
+    a share of the files; every rank gets the same answer."""
+    ckpt = Path(ckpt)
+    rank, world = _world()
+    try:
+        files = manifest.read(ckpt)["files"]
+        problem = None
+    except (manifest.ManifestError, OSError) as e:
+        files, problem = {}, str(e)
+    names = sorted(files)
+    mine = None if problem else manifest.problem_in(ckpt, {k: files[k] for k in names[rank::world]})
+    found = [p for p in _gather(problem or mine) if p]
+    return found[0] if found else None
 
 
 def resolve(path: str | Path) -> Path:
@@ -233,35 +346,109 @@ def resolve(path: str | Path) -> Path:
     return found
 
 
-def load(path: str | Path, *, chunks: list, optimizer=None, scheduler=None, load_rng: bool = True) -> Loaded:
+def _problem_with(ckpt: Path, companions) -> Optional[str]:
+    problem = verify(ckpt)
+    for other in (companions(ckpt) if companions is not None and problem is None else []):
+        problem = verify(other) if Path(other).is_dir() else f"{other} is missing"
+        if problem:
+            return f"{Path(other).parent.name}/{Path(other).name}: {problem}"
+    return problem
+
+
+def find_resumable(root: str | Path, *, must: bool = False, warn=None, companions=None) -> Optional[Path]:
+    """The newest intact checkpoint under `root` (its `latest` first, then the others newest
+    first), or None when there is none at all. A damaged newer one is skipped with one line
+    naming what was wrong (via `warn`, rank 0) and renamed `<name>.damaged`, so retention and
+    later resumes ignore it while it stays on disk for inspection. With `must`, a damaged latest
+    checkpoint is an error instead. `root` may also be one checkpoint directory: then it is used
+    only if intact. `companions(ckpt)` lists directories that must be intact with it (the
+    critic's checkpoint of the same step). Collective, inside the stage "checkpoint load"."""
+    from mrl.platform.dist import stage
+
+    root = Path(root)
+    warn = warn or log.warning
+    with stage("checkpoint load"):
+        if store.step_of(root) is not None and root.is_dir():
+            problem = _problem_with(root, companions)
+            if problem:
+                raise UserError(f"checkpoint {root} is damaged: {problem}")
+            return root
+        first = store.latest(root)
+        candidates = ([first] if first else []) + [p for p in reversed(store.checkpoints(root)) if p != first]
+        skipped = []
+        for ckpt in candidates:
+            problem = _problem_with(ckpt, companions)
+            if problem is None:
+                if skipped and torch.distributed.get_rank() == 0:
+                    for bad, why in skipped:
+                        warn(f"checkpoint {bad.name} is damaged ({why}); resuming from {ckpt.name} instead "
+                             f"(the damaged one is kept as {bad.name}.damaged)")
+                        aside = bad.with_name(bad.name + ".damaged")
+                        shutil.rmtree(aside, ignore_errors=True)   # an older damaged copy of the same step
+                        os.replace(bad, aside)
+                    store.write_latest(root, ckpt.name)
+                _barrier()
+                return ckpt
+            if must:
+                raise UserError(f"checkpoint.resume = 'must': the latest checkpoint {ckpt} is damaged: {problem}")
+            skipped.append((ckpt, problem))
+        if skipped:
+            listing = "; ".join(f"{p.name}: {why}" for p, why in skipped)
+            raise UserError(f"checkpoint: no intact checkpoint in {root} ({listing}); set checkpoint.resume = 'never' "
+                            "to start over")
+        return None
+
+
+_SAID_NO_OPTIMIZER: set[str] = set()
+
+
+def load(path: str | Path, *, chunks: list, optimizer=None, scheduler=None, load_rng: bool = True,
+         verified: bool = False) -> Loaded:
     """Load a checkpoint (a root's latest, or a step directory) into this rank's shards, at any
-    TP/PP/DP layout. Collective."""
+    TP/PP/DP layout. The checkpoint is checked against its manifest first (unless `verified`:
+    the caller just did). A checkpoint saved without optimizer state (`checkpoint.save_optimizer
+    = false`) leaves `optimizer` fresh, said once. Collective, inside the stage "checkpoint load"."""
     from megatron.core import dist_checkpointing
 
+    from mrl.platform.dist import stage
+
     ckpt = resolve(path)
-    if optimizer is not None:
-        _ensure_optimizer_state(optimizer)
-    state = _sharded_state(chunks, optimizer, loading=True)  # common entries come back from the file
-    loaded = dist_checkpointing.load(state, str(ckpt), sharded_strategy=_strategies(ckpt, loading=True))
-    for i, c in enumerate(chunks):
-        module = getattr(c, "module", c)
-        missing, unexpected = module.load_state_dict(loaded[_model_key(i, len(chunks))], strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise UserError(f"checkpoint {ckpt}: model does not match (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    if optimizer is not None:
-        _load_optimizer(optimizer, loaded["optimizer"])
-    if scheduler is not None and loaded.get("scheduler") is not None:
-        scheduler.num_steps = 0  # megatron's load *adds* the saved steps (it assumes a fresh scheduler)
-        scheduler.load_state_dict(loaded["scheduler"])
-    restored = False
-    if load_rng:
-        rng_file = ckpt / "rng" / f"rank_{torch.distributed.get_rank():05d}.pt"
-        if rng_file.is_file():
-            saved = torch.load(rng_file, weights_only=False)
-            if saved["layout"] == _layout():
-                _set_rng_state(saved["rng"])
-                restored = True
-        if not restored:
-            log.info("checkpoint %s: parallel layout differs from the saving one; RNG states not restored", ckpt)
-    return Loaded(path=ckpt, step=int(loaded["step"]), extra=dict(loaded.get("extra") or {}), rng_restored=restored)
+    with stage("checkpoint load"):
+        if not verified:
+            problem = verify(ckpt)
+            if problem:
+                raise UserError(f"checkpoint {ckpt} is damaged: {problem}")
+        has_optimizer = bool(manifest.read(ckpt).get("optimizer", True))
+        if optimizer is not None and not has_optimizer:
+            if torch.distributed.get_rank() == 0 and str(ckpt) not in _SAID_NO_OPTIMIZER:
+                _SAID_NO_OPTIMIZER.add(str(ckpt))
+                log.warning("checkpoint %s holds no optimizer state (saved with checkpoint.save_optimizer = false): "
+                            "the optimizer starts fresh", ckpt)
+            optimizer = None
+        if optimizer is not None:
+            _ensure_optimizer_state(optimizer)
+        state = _sharded_state(chunks, optimizer, loading=True)  # common entries come back from the file
+        loaded = dist_checkpointing.load(state, str(ckpt), sharded_strategy=_strategies(ckpt, loading=True))
+        for i, c in enumerate(chunks):
+            module = getattr(c, "module", c)
+            missing, unexpected = module.load_state_dict(loaded[_model_key(i, len(chunks))], strict=False)
+            missing = [k for k in missing if not k.endswith("_extra_state")]
+            if missing or unexpected:
+                raise UserError(f"checkpoint {ckpt}: model does not match (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        if optimizer is not None:
+            _load_optimizer(optimizer, loaded["optimizer"])
+        if scheduler is not None and loaded.get("scheduler") is not None:
+            scheduler.num_steps = 0  # megatron's load *adds* the saved steps (it assumes a fresh scheduler)
+            scheduler.load_state_dict(loaded["scheduler"])
+        restored = False
+        if load_rng:
+            rng_file = ckpt / "rng" / f"rank_{torch.distributed.get_rank():05d}.pt"
+            if rng_file.is_file():
+                saved = _read_rng_file(rng_file, ckpt)
+                if saved["layout"] == _layout():
+                    _set_rng_state(saved["rng"])
+                    restored = True
+            if not restored:
+                log.info("checkpoint %s: parallel layout differs from the saving one; RNG states not restored", ckpt)
+    return Loaded(path=ckpt, step=int(loaded["step"]), extra=dict(loaded.get("extra") or {}), rng_restored=restored,
+                  optimizer_restored=optimizer is not None)

@@ -42,23 +42,28 @@ def _kl_controller(spec: JobSpec):
 
 def _resume(c: Components) -> tuple[int, dict]:
     """(last completed step, the actor checkpoint's extra) or (0, {}) for a fresh start."""
-    from mrl.checkpoint import state, store
+    from mrl.checkpoint import state
 
     ck = c.spec.checkpoint
     root = Path(ck.load_from) if ck.load_from else checkpoint_root(c.spec) / "actor"
     if ck.resume == "never" and not ck.load_from:
         return 0, {}
-    found = state.resolve(root) if ck.load_from else store.latest(root)
+    # the newest intact checkpoint (a damaged newer one is skipped, said in one line)
+    critic_of = (lambda ckpt: [ckpt.parent.parent / "critic" / ckpt.name]) if c.critic is not None else None
+    found = state.find_resumable(root, must=ck.resume == "must", companions=critic_of)
     if found is None:
-        if ck.resume == "must":
-            raise UserError(f"checkpoint.resume = 'must' but there is no checkpoint in {root}")
+        if ck.resume == "must" or ck.load_from:
+            raise UserError(f"checkpoint{'.load_from' if ck.load_from else '.resume'}: no checkpoint in {root}"
+                            + (" (checkpoint.resume = 'must')" if not ck.load_from else ""))
         return 0, {}
-    loaded = state.load(found, chunks=c.actor.chunks, optimizer=c.actor.optimizer, scheduler=c.actor.scheduler)
+    loaded = state.load(found, chunks=c.actor.chunks, optimizer=c.actor.optimizer, scheduler=c.actor.scheduler,
+                        verified=True)
     if c.critic is not None:
         critic_dir = found.parent.parent / "critic" / found.name
         if not critic_dir.is_dir():
             raise UserError(f"checkpoint: {found} has no critic checkpoint at {critic_dir}")
-        state.load(critic_dir, chunks=c.critic.chunks, optimizer=c.critic.optimizer, scheduler=c.critic.scheduler)
+        state.load(critic_dir, chunks=c.critic.chunks, optimizer=c.critic.optimizer, scheduler=c.critic.scheduler,
+                   verified=True)
     extra = loaded.extra
     c.sampler.load_state_dict(extra["sampler"])
     if "kl_coef" in extra and "kl_controller" in c.extras:

@@ -1,0 +1,101 @@
+"""`manifest.json`: what a complete checkpoint holds, so a damaged one is found before it is loaded.
+
+The manifest is written last into a checkpoint's temporary directory (after every shard, the
+common state and the RNG files) and lists each file with its size and SHA-256, plus what the
+checkpoint contains (step, whether the optimizer state is in it)::
+
+    {"format": 1, "step": 20, "optimizer": true,
+     "files": {"__0_0.distcp": {"bytes": 123, "sha256": "..."}, "common.pt": {...}, ...}}
+
+`problem_in(dir, files)` names the first thing wrong with some of those files (missing,
+truncated, resized, changed bytes) or returns None. Checking is split across ranks by the
+caller (`mrl.checkpoint.state.verify`), so each rank hashes a share of the files. These
+functions touch only the filesystem.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["MANIFEST", "FORMAT", "file_entry", "listed_files", "write", "read", "problem_in"]
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+_CHUNK = 8 << 20
+
+
+class ManifestError(ValueError):
+    """The manifest itself is missing or unreadable; the message says which."""
+
+
+def file_entry(path: Path) -> dict:
+    """{"bytes": size, "sha256": hex digest} of one file."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": h.hexdigest()}
+
+
+def listed_files(directory: Path) -> list[str]:
+    """Every file under `directory` (relative POSIX paths, sorted), the manifest excepted."""
+    directory = Path(directory)
+    out = []
+    for dirpath, _, files in os.walk(directory):
+        for name in files:
+            rel = (Path(dirpath) / name).relative_to(directory).as_posix()
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
+def write(directory: Path, files: dict[str, dict], *, step: int, optimizer: bool) -> Path:
+    """Write (and fsync) the manifest of `directory`."""
+    path = Path(directory) / MANIFEST
+    body = {"format": FORMAT, "step": int(step), "optimizer": bool(optimizer), "files": dict(sorted(files.items()))}
+    with open(path, "w") as f:
+        json.dump(body, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+def read(directory: Path) -> dict:
+    """The manifest of `directory`; raises `ManifestError` naming what is wrong with it."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        entries = sorted(p.name for p in Path(directory).iterdir()) if Path(directory).is_dir() else []
+        what = "the directory is empty" if not entries else f"it holds {', '.join(entries[:4])}" + (" ..." if len(entries) > 4 else "")
+        raise ManifestError(f"no {MANIFEST} ({what}; an incomplete save, or one by an older mrl)")
+    try:
+        body = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{MANIFEST} is not valid JSON ({e})") from None
+    files = body.get("files") if isinstance(body, dict) else None
+    if body.get("format") != FORMAT or not isinstance(files, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
+            for v in files.values()):
+        raise ManifestError(f"{MANIFEST} is not an mrl checkpoint manifest (format {FORMAT})")
+    return body
+
+
+def problem_in(directory: Path, files: dict[str, dict]) -> Optional[str]:
+    """The first of `files` (manifest entries) that is missing or differs from its entry, as a
+    short sentence, or None when all match."""
+    directory = Path(directory)
+    for rel, want in sorted(files.items()):
+        path = directory / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            what = "empty" if size == 0 else ("truncated" if size < want["bytes"] else "longer than saved")
+            return f"{rel} is {what}: {size} bytes, the manifest says {want['bytes']}"
+        if file_entry(path)["sha256"] != want["sha256"]:
+            return f"{rel} does not match its checksum (its bytes changed after the save)"
+    return None
