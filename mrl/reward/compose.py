@@ -2,9 +2,11 @@
 
 `Rewarder.score(samples)` runs rule sources (builtins and user functions) in the `RewardPool`
 and the reward model (if any) through its `RewardModelScorer`, then sums `weight x score` per
-response. A failed call (exception, timeout, crash, NaN, non-number) is logged with its sample id,
-counted in `stats`, and handled by `reward.on_error`: "zero" scores it 0, "drop" marks the sample
-invalid (`valid[i] = False`; the trainer leaves it out), "fail" raises a `UserError` for the step.
+response. A failed call (exception, timeout, crash, out of memory, NaN, infinity, a number beyond
+float32, a non-number) is logged with its sample id, counted by kind in `stats`, and handled by
+`reward.on_error`: "zero" scores it 0, "drop" marks the sample invalid (`valid[i] = False`; the
+trainer leaves it out), "fail" raises a `UserError` for the step. Counts in `stats` (see
+`is_count`) add up over batches and data-parallel ranks; the other entries are means.
 
 Functions receive `extra` = the row's extra columns plus "data_source".
 """
@@ -29,6 +31,12 @@ OnError = Literal["zero", "drop", "fail"]
 LOGGED_ERRORS_PER_BATCH = 10  # individual warnings per batch; the rest are summarized
 
 
+def is_count(key: str) -> bool:
+    """Whether a reward metric counts things (sum it over batches and ranks) rather than averages them."""
+    return key.startswith("reward/") and (key == "reward/errors" or "/errors/" in key
+                                          or key.endswith(("_responses", "_calls", "workers_replaced")))
+
+
 @dataclass(frozen=True)
 class RewardSample:
     """One response to score."""
@@ -46,7 +54,7 @@ class RewardSample:
 class ScoreError:
     sample_id: Any
     source: str
-    kind: str  # exception, timeout, crash, unpicklable, non_finite, not_a_number, missing_score_key
+    kind: str  # exception, timeout, crash, memory, unpicklable, non_finite, out_of_range, not_a_number, missing_score_key
     message: str
 
 
@@ -72,19 +80,26 @@ class Rewarder:
 
     def __init__(self, sources: Sequence[RewardSource], *, on_error: OnError = "zero", workers: int = 4,
                  timeout_s: float = 30.0, model_scorer: RewardModelScorer | None = None,
-                 start_method: str = "spawn"):
+                 start_method: str = "spawn", memory_mb: int = 0, max_output_bytes: int | None = None):
         self.sources = tuple(sources)
         self.on_error = on_error
         self.model_scorer = model_scorer
         if any(s.kind == "model" for s in self.sources) and model_scorer is None:
             raise ValueError("a model reward source needs a RewardModelScorer")
         refs = [s.ref for s in self.sources if s.kind != "model"]
-        self.pool = RewardPool(refs, workers=workers, timeout_s=timeout_s, start_method=start_method) if refs else None
+        self.pool = RewardPool(refs, workers=workers, timeout_s=timeout_s, start_method=start_method,
+                               memory_mb=memory_mb, max_output_bytes=max_output_bytes) if refs else None
+        self._replaced = self._truncated = 0
+
+    def scoring_budget_s(self, responses: int) -> float:
+        """The longest `score` of `responses` responses takes (every call up to its timeout)."""
+        rule = sum(s.kind != "model" for s in self.sources)
+        return self.pool.batch_budget_s(responses * rule) if self.pool is not None else 0.0
 
     @classmethod
     def from_config(cls, cfg: RewardConfig, model_scorer: RewardModelScorer | None = None, **kw) -> "Rewarder":
         return cls(reward_sources(cfg), on_error=cfg.on_error, workers=cfg.workers, timeout_s=cfg.timeout_s,
-                   model_scorer=model_scorer, **kw)
+                   model_scorer=model_scorer, memory_mb=cfg.memory_mb, max_output_bytes=cfg.max_output_bytes, **kw)
 
     def __enter__(self) -> "Rewarder":
         return self
@@ -107,9 +122,10 @@ class Rewarder:
     def score(self, samples: Sequence[RewardSample]) -> RewardResult:
         """Score every sample with every source; see the module docstring for errors."""
         n = len(samples)
-        replaced_before = self.pool.replacements if self.pool is not None else 0
+        before = (self.pool.replacements, self.pool.truncated_calls) if self.pool is not None else (0, 0)
         outcomes = self._rule_outcomes(samples)
-        self._replaced = (self.pool.replacements if self.pool is not None else 0) - replaced_before
+        after = (self.pool.replacements, self.pool.truncated_calls) if self.pool is not None else (0, 0)
+        self._replaced, self._truncated = after[0] - before[0], after[1] - before[1]
         source_scores: dict[str, list[float]] = {}
         metrics: dict[str, list[float]] = {}
         errors: list[ScoreError] = []
@@ -119,9 +135,10 @@ class Rewarder:
                 if any(s.token_ids is None for s in samples):
                     raise ValueError("the reward model needs RewardSample.token_ids")
                 for i, v in enumerate(self.model_scorer([s.token_ids for s in samples])):
-                    if math.isnan(v):
-                        errors.append(ScoreError(samples[i].sample_id, src.name, "non_finite", "reward model returned a non-finite score"))
-                    scores[i] = v
+                    try:
+                        scores[i], _ = read_score(v)
+                    except BadScore as e:
+                        errors.append(ScoreError(samples[i].sample_id, src.name, e.kind, f"reward model {e}"))
             else:
                 for i, out in enumerate(outcomes[src.name]):
                     if out.error is not None:
@@ -143,6 +160,9 @@ class Rewarder:
             log.warning("reward %s failed on sample %s: %s: %s", e.source, e.sample_id, e.kind, e.message)
         if len(errors) > LOGGED_ERRORS_PER_BATCH:
             log.warning("... and %d more reward errors in this batch", len(errors) - LOGGED_ERRORS_PER_BATCH)
+        if self._truncated:
+            log.warning("%d reward calls printed more than reward.max_output_bytes = %d bytes; the rest was dropped",
+                        self._truncated, self.pool.max_output_bytes)
         if errors and self.on_error == "fail":
             e = errors[0]
             raise UserError(f"reward {e.source} failed on sample {e.sample_id}: {e.kind}: {e.message} "
@@ -155,6 +175,7 @@ class Rewarder:
         counts = Counter((e.source, e.kind) for e in errors)
         stats: dict[str, float] = {"reward/mean": _mean([t for t, ok in zip(totals, valid) if ok]),
                                    "reward/errors": float(len(errors)),
+                                   "reward/failed_responses": float(len(failed)),
                                    "reward/dropped_responses": float(valid.count(False))}
         for name, values in source_scores.items():
             stats[f"reward/{name}/mean"] = _mean(values)
@@ -163,5 +184,6 @@ class Rewarder:
         for key, values in metrics.items():
             stats[f"reward/{key}"] = _mean(values)
         stats["reward/workers_replaced"] = float(self._replaced)
+        stats["reward/output_truncated_calls"] = float(self._truncated)
         return RewardResult(scores=totals, valid=valid, source_scores=source_scores, metrics=metrics,
                             errors=errors, stats=stats)

@@ -8,15 +8,32 @@ subprocesses the user's code started die too) and replaced; a worker that dies m
 replaced as well. Either way the call gets an error outcome and the batch goes on.
 
 Workers import every function they will run before they report ready, so the timeout measures the
-call alone, not imports. Workers are started with "spawn" by default: a forked copy of a trainer
-process (CUDA, gloo threads) is not safe.
+call alone, not imports; a worker that cannot import them (an exception, `sys.exit`, `os._exit`, a
+crash, or no ready signal within `ready_timeout_s`) is a one-line `UserError`. Workers are started
+with "spawn" by default: a forked copy of a trainer process (CUDA, gloo threads) is not safe.
+
+Limits per worker: `memory_mb` of address space (RLIMIT_AS; a call that exceeds it fails as
+"memory", or "crash" when the allocation happens outside Python) and `max_output_bytes` of
+stdout/stderr per call (the user's prints and their subprocesses'; the rest is dropped and
+counted in `truncated_calls`). Workers die with the process that started them (PR_SET_PDEATHSIG),
+so a trainer killed outright leaves no reward processes behind.
+
+`run(calls)` also bounds the whole batch: `batch_budget_s(len(calls))` is the time it can take
+when every call runs up to its timeout; calls still unfinished past it get "timeout" outcomes.
+So a peer rank waiting for this batch can wait in a stage whose timeout covers that budget.
 """
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import logging
+import math
 import multiprocessing as mp
 import os
 import signal
+import sys
+import termios
+import threading
 import time
 import traceback
 from collections import deque
@@ -29,6 +46,7 @@ from mrl.errors import UserError
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 120.0  # a worker that cannot import its functions in this long is a broken set-up
+_THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")  # one call, one thread
 
 
 @dataclass(frozen=True)
@@ -44,25 +62,117 @@ class Call:
 class Outcome:
     """What a call produced: `value` when `error` is None, else the error kind and a message.
 
-    Kinds: "exception" (the function raised), "timeout" (killed after `timeout_s`), "crash" (the
-    worker died, e.g. a segfault or `os._exit`), "unpicklable" (the value could not be sent back).
+    Kinds: "exception" (the function raised), "timeout" (killed after `timeout_s`, or the batch's
+    budget ran out), "crash" (the worker died, e.g. a segfault or `os._exit`), "memory" (the call
+    ran out of `memory_mb`), "unpicklable" (the value could not be sent back). `output_dropped`:
+    bytes of the call's output beyond `max_output_bytes`.
     """
 
     value: Any = None
     error: str | None = None
     message: str = ""
     seconds: float = 0.0
+    output_dropped: int = 0
 
 
-def _worker_main(conn, refs: tuple[str, ...]) -> None:
-    """Worker process: import the functions, report ready, then serve calls until the pipe closes."""
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the process that started it dies (however it dies)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the parent died before the call above
+        os._exit(0)
+
+
+class _OutputCap:
+    """fd 1 and 2 of this worker go through a pipe; a thread passes at most `limit` bytes per call
+    on to the real stdout/stderr and counts the rest."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.out = os.dup(1)
+        self.read_fd, w = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(w, 1)
+        os.dup2(w, 2)
+        os.close(w)
+        self.lock = threading.Lock()
+        self.passed = self.dropped = 0
+        self.busy = False
+        threading.Thread(target=self._pump, name="mrl-reward-output", daemon=True).start()
+
+    def _pump(self) -> None:
+        while True:
+            chunk = os.read(self.read_fd, 65536)
+            if not chunk:
+                return
+            with self.lock:
+                self.busy = True
+                room = max(self.limit - self.passed, 0)
+                keep = chunk[:room]
+                self.passed += len(keep)
+                self.dropped += len(chunk) - len(keep)
+            try:
+                if keep:
+                    os.write(self.out, keep)
+            except OSError:
+                pass
+            with self.lock:
+                self.busy = False
+
+    def start_call(self) -> None:
+        self.drain()
+        with self.lock:
+            self.passed = self.dropped = 0
+
+    def drain(self) -> int:
+        """Flush Python's buffers, wait (briefly) until the pipe is empty; bytes dropped so far."""
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except (OSError, ValueError):
+                pass
+        buf = bytearray(4)
+        deadline, quiet = time.monotonic() + 0.5, 0
+        while time.monotonic() < deadline and quiet < 2:   # empty and idle twice in a row
+            fcntl.ioctl(self.read_fd, termios.FIONREAD, buf)
+            with self.lock:
+                quiet = quiet + 1 if int.from_bytes(buf, sys.byteorder) == 0 and not self.busy else 0
+            time.sleep(0.001)
+        with self.lock:
+            return self.dropped
+
+
+def _worker_main(conn, refs: tuple[str, ...], memory_mb: int = 0, max_output_bytes: int | None = None) -> None:
+    """Worker process: apply the limits, import the functions, report ready, then serve calls
+    until the pipe closes."""
     os.setpgrp()  # own process group: a kill on timeout also reaches the user's subprocesses
+    _die_with_parent()
+    for key in _THREAD_ENV:
+        os.environ.setdefault(key, "1")
+    if memory_mb:
+        import resource
+
+        limit = memory_mb << 20
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+    cap = _OutputCap(max_output_bytes) if max_output_bytes is not None else None
     from mrl.reward.function import load_function
 
     try:
         functions = {ref: load_function(ref) for ref in refs}
+    except MemoryError:
+        conn.send(("setup_error", f"importing them needs more than reward.memory_mb = {memory_mb} MiB"))
+        return
     except BaseException as e:  # noqa: BLE001 - reported to the parent as a set-up error
-        conn.send(("setup_error", f"{type(e).__name__}: {e}"))
+        where = ""
+        tb = traceback.extract_tb(e.__traceback__)
+        if tb:
+            where = f" ({os.path.basename(tb[-1].filename)}:{tb[-1].lineno})"
+        conn.send(("setup_error", f"{type(e).__name__}: {e}{where}"))
         return
     conn.send(("ready", None))
     while True:
@@ -70,25 +180,33 @@ def _worker_main(conn, refs: tuple[str, ...]) -> None:
             task_id, ref, args, kwargs = conn.recv()
         except (EOFError, OSError):
             return
+        if cap is not None:
+            cap.start_call()
         try:
             value = functions[ref](*args, **kwargs)
-            reply = (task_id, None, value)
+            reply = [task_id, None, value, 0]
+        except MemoryError:
+            reply = [task_id, "memory", f"MemoryError: the call needed more than reward.memory_mb = {memory_mb} MiB", 0]
         except Exception as e:  # noqa: BLE001 - any user error becomes an outcome
             tb = traceback.extract_tb(e.__traceback__)[-1]
-            reply = (task_id, "exception", f"{type(e).__name__}: {e} ({os.path.basename(tb.filename)}:{tb.lineno})")
+            reply = [task_id, "exception", f"{type(e).__name__}: {e} ({os.path.basename(tb.filename)}:{tb.lineno})", 0]
+        if cap is not None:
+            reply[3] = cap.drain()
         try:
-            conn.send(reply)
+            conn.send(tuple(reply))
         except Exception as e:  # noqa: BLE001 - e.g. the value cannot be pickled
-            conn.send((task_id, "unpicklable", f"returned a {type(reply[2]).__name__} that cannot be sent back: {e}"))
+            conn.send((task_id, "unpicklable", f"returned a {type(reply[2]).__name__} that cannot be sent back: {e}",
+                       reply[3]))
 
 
 class _Worker:
-    def __init__(self, ctx, refs: tuple[str, ...]):
+    def __init__(self, ctx, refs: tuple[str, ...], limits: tuple):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_worker_main, args=(child, refs), daemon=True, name="mrl-reward")
+        self.process = ctx.Process(target=_worker_main, args=(child, refs, *limits), daemon=True, name="mrl-reward")
         self.process.start()
         child.close()
         self.ready = False
+        self.born = time.monotonic()
         self.task: int | None = None
         self.started = 0.0
 
@@ -105,17 +223,36 @@ class RewardPool:
     """`workers` processes running reward calls with a `timeout_s` limit per call.
 
     Use as a context manager or call `close()`. `run(calls)` returns one `Outcome` per call, in
-    order; it never raises for a user function's failure. `replacements` counts killed or dead
-    workers that were replaced (for logging).
+    order; it never raises for a user function's failure (a function that cannot even be imported
+    is a `UserError`). `replacements` counts killed or dead workers that were replaced, and
+    `truncated_calls` calls whose output went past `max_output_bytes` (for logging).
     """
 
     def __init__(self, refs: list[str] | tuple[str, ...], *, workers: int = 4, timeout_s: float = 30.0,
-                 start_method: str = "spawn"):
+                 start_method: str = "spawn", memory_mb: int = 0, max_output_bytes: int | None = None,
+                 ready_timeout_s: float = READY_TIMEOUT_S):
         self.refs = tuple(dict.fromkeys(refs))
         self.timeout_s = timeout_s
+        self.ready_timeout_s = ready_timeout_s
         self.replacements = 0
+        self.truncated_calls = 0
+        self.memory_mb, self.max_output_bytes = memory_mb, max_output_bytes
+        self._limits = (memory_mb, max_output_bytes)
         self._ctx = mp.get_context(start_method)
-        self._workers = [_Worker(self._ctx, self.refs) for _ in range(workers)]
+        self._workers = [_Worker(self._ctx, self.refs, self._limits) for _ in range(workers)]
+
+    @property
+    def workers(self) -> int:
+        return len(self._workers)
+
+    def batch_budget_s(self, calls: int) -> float:
+        """The longest `run` of `calls` calls takes: workers starting up, then every wave of calls
+        running up to its timeout (a replaced worker's start-up included)."""
+        waves = math.ceil(calls / max(self.workers, 1))
+        return self.ready_timeout_s + waves * (self.timeout_s + 1.0)
+
+    def _what(self) -> str:
+        return f"reward function{'s' if len(self.refs) > 1 else ''} {', '.join(self.refs)}"
 
     def __enter__(self) -> "RewardPool":
         return self
@@ -131,7 +268,7 @@ class RewardPool:
     def _replace(self, w: _Worker) -> _Worker:
         w.kill()
         self.replacements += 1
-        fresh = _Worker(self._ctx, self.refs)
+        fresh = _Worker(self._ctx, self.refs, self._limits)
         self._workers[self._workers.index(w)] = fresh
         return fresh
 
@@ -140,14 +277,15 @@ class RewardPool:
             kind, detail = message
             if kind == "setup_error":
                 self.close()
-                raise UserError(f"reward functions {', '.join(self.refs)} cannot be loaded: {detail}")
+                raise UserError(f"{self._what()} cannot be loaded: {detail}")
             w.ready = True
             return
-        task_id, error, payload = message
+        task_id, error, payload, dropped = message
         if task_id == w.task:
             seconds = now - w.started
-            results[task_id] = (Outcome(value=payload, seconds=seconds) if error is None
-                                else Outcome(error=error, message=payload, seconds=seconds))
+            self.truncated_calls += dropped > 0
+            results[task_id] = (Outcome(value=payload, seconds=seconds, output_dropped=dropped) if error is None
+                                else Outcome(error=error, message=payload, seconds=seconds, output_dropped=dropped))
             w.task = None
 
     def run(self, calls: list[Call]) -> list[Outcome]:
@@ -156,9 +294,12 @@ class RewardPool:
             raise RuntimeError("RewardPool is closed")
         results: list[Outcome | None] = [None] * len(calls)
         pending = deque(range(len(calls)))
-        set_up_since = time.monotonic()
+        budget_end = time.monotonic() + self.batch_budget_s(len(calls))
         while pending or any(w.task is not None for w in self._workers):
             now = time.monotonic()
+            if now > budget_end:
+                self._out_of_budget(pending, results, now)
+                break
             for w in self._workers:
                 if pending and w.ready and w.task is None:
                     task_id = pending.popleft()
@@ -167,10 +308,15 @@ class RewardPool:
                     w.conn.send((task_id, call.ref, call.args, call.kwargs))
             busy = [w for w in self._workers if w.task is not None]
             waiting = [w for w in self._workers if not w.ready]
-            if not busy and waiting and now - set_up_since > READY_TIMEOUT_S:
+            slow = [w for w in waiting if now - w.born > self.ready_timeout_s]
+            if slow and all(not w.ready for w in self._workers):
                 self.close()
-                raise RuntimeError(f"reward workers did not start within {READY_TIMEOUT_S:.0f}s")
-            deadline = min((w.started + self.timeout_s for w in busy), default=now + 1.0)
+                raise UserError(f"{self._what()}: the reward workers did not finish importing them within "
+                                f"{self.ready_timeout_s:g} s (a slow or hanging import)")
+            for w in slow:   # others are serving: replace the stuck one
+                self._replace(w)
+            deadline = min([w.started + self.timeout_s for w in busy] + [w.born + self.ready_timeout_s for w in waiting]
+                           + [budget_end], default=now + 1.0)
             watched = {w.conn: w for w in busy + waiting}
             watched.update({w.process.sentinel: w for w in busy + waiting})
             ready = wait(list(watched), timeout=max(0.0, deadline - time.monotonic()))
@@ -187,13 +333,16 @@ class RewardPool:
                 except (EOFError, OSError):
                     pass
                 if not w.process.is_alive() or obj is w.process.sentinel:
+                    w.process.join(timeout=5)   # reaped: its exit code is known
                     if w.task is not None:
                         results[w.task] = Outcome(error="crash", message=f"worker died (exit code {w.process.exitcode})",
                                                   seconds=now - w.started)
                         w.task = None
                     elif not w.ready:
+                        code = w.process.exitcode
                         self.close()
-                        raise RuntimeError(f"reward worker exited during start-up (exit code {w.process.exitcode})")
+                        raise UserError(f"{self._what()}: the reward worker exited with code {code} while importing "
+                                        "them (os._exit, sys.exit or a crash at import time)")
                     self._replace(w)
             for w in list(self._workers):
                 if w.task is not None and now - w.started >= self.timeout_s:
@@ -202,3 +351,14 @@ class RewardPool:
                     w.task = None
                     self._replace(w)
         return results  # type: ignore[return-value]
+
+    def _out_of_budget(self, pending: deque, results: list, now: float) -> None:
+        """The batch ran past `batch_budget_s`: unfinished calls time out, busy workers are replaced."""
+        message = f"the batch ran past its {self.batch_budget_s(len(results)):g} s budget (workers slow to start?)"
+        for w in list(self._workers):
+            if w.task is not None:
+                results[w.task] = Outcome(error="timeout", message=message, seconds=now - w.started)
+                w.task = None
+                self._replace(w)
+        while pending:
+            results[pending.popleft()] = Outcome(error="timeout", message=message)

@@ -40,3 +40,23 @@ def picky(prompt, response, ground_truth, extra):
 
 def sees_extra(prompt, response, ground_truth, extra):
     return float(extra["data_source"] == "src" and extra["level"] == 3)
+
+
+def huge(prompt, response, ground_truth, extra):
+    return 10**400
+
+
+def beyond_float32(prompt, response, ground_truth, extra):
+    return 1e39
+
+
+def allocates(prompt, response, ground_truth, extra):
+    block = bytearray(int(1.5 * 2**30))   # 1.5 GiB
+    return float(len(block) > 0)
+
+
+def chatty(prompt, response, ground_truth, extra):
+    print("x" * 99 + "\n" * 1, end="")
+    for _ in range(1000):
+        print("y" * 99)
+    return 1.0
