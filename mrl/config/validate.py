@@ -116,8 +116,6 @@ def check(spec: JobSpec, report) -> None:
             err("parallel.sequence_parallel", f"megatron trains MoE models with parallel.tensor {par.tensor} > 1 only with "
                                               "sequence_parallel = true" + (" (not available on cpu: use tensor = 1 there)"
                                                                             if plat.device == "cpu" else ""))
-        if facts.num_attention_heads % roll.tensor_parallel:
-            err("rollout.tensor_parallel", f"{roll.tensor_parallel} does not divide the {facts.num_attention_heads} attention heads ({src})")
 
     # --- batch arithmetic: prompts -> responses -> tokens
     n = roll.responses_per_prompt
@@ -144,10 +142,10 @@ def check(spec: JobSpec, report) -> None:
                      f"{data.max_prompt_tokens} + rollout.max_response_tokens {roll.max_response_tokens} = {seq_tokens} tokens")
 
     # --- rollout engine layout and lengths
-    engine_split = roll.tensor_parallel * roll.pipeline_parallel
-    if world % engine_split:
-        err("rollout.tensor_parallel", f"engine tensor {roll.tensor_parallel} x pipeline {roll.pipeline_parallel} = {engine_split} "
-                                       f"does not divide the {world_txt}")
+    from mrl.rollout.layout import rollout_layout_problems   # the rule mrl train applies
+
+    for key, message in rollout_layout_problems(roll, world, facts):
+        err(key, message)
     if roll.max_model_len < seq_tokens:
         err("rollout.max_model_len", f"{roll.max_model_len} is shorter than data.max_prompt_tokens {data.max_prompt_tokens} + "
                                      f"rollout.max_response_tokens {roll.max_response_tokens} = {seq_tokens}")

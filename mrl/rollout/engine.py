@@ -20,12 +20,24 @@ class RolloutEngine(abc.ABC):
     """One generation engine (one per group of `rollout.tensor_parallel` ranks for vllm)."""
 
     @abc.abstractmethod
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling) -> list[Response]:
-        """`sampling.n` responses per prompt, prompt-major: response `i * n + j` is sample j of prompt i."""
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling,
+                 prompt_seeds: Optional[Sequence[int]] = None) -> list[Response]:
+        """`sampling.n` responses per prompt, prompt-major: response `i * n + j` is sample j of prompt i.
+
+        Prompt i samples from seed `prompt_seeds[i]` when given, else from
+        `prompt_seed(sampling.seed, i)` (`mrl.rollout.types.resolve_prompt_seeds`)."""
 
     @abc.abstractmethod
-    def update_weights(self, weights: WeightStream) -> int:
-        """Load HF-named full tensors from the stream into the engine; returns how many were loaded."""
+    def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Teacher-forced log-probabilities of fixed sequences under the engine's current weights:
+        `out[b][t-1] = log p(token_ids[b][t] | token_ids[b][:t])` from the raw logits (temperature 1),
+        for t >= 1. What a weight sync is checked with: the trainer computes the same numbers."""
+
+    @abc.abstractmethod
+    def update_weights(self, weights: WeightStream, *, partial: bool = False) -> int:
+        """Load HF-named full tensors from the stream into the engine; returns how many were loaded.
+        Raises when a parameter of the engine's model received nothing, unless `partial` (a
+        deliberate update of some tensors only)."""
 
     @abc.abstractmethod
     def sleep(self, level: Optional[int] = None) -> None:

@@ -16,7 +16,7 @@ import torch
 from mrl.errors import UserError
 from mrl.rollout.engine import RolloutEngine, WeightStream
 from mrl.rollout.logprobs import process_logits, reported_logprobs
-from mrl.rollout.types import Response, Sampling, prompt_seed
+from mrl.rollout.types import Response, Sampling, prompt_seed, resolve_prompt_seeds
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -67,11 +67,13 @@ class HFEngine(RolloutEngine):
         return cls(model.to(device), **kw)
 
     # --- generation ----------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling) -> list[Response]:
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling,
+                 prompt_seeds: Optional[Sequence[int]] = None) -> list[Response]:
         if self._asleep:
             raise RuntimeError("hf engine: generate() while asleep; call wake() first")
+        per_prompt = resolve_prompt_seeds(sampling, len(prompt_token_ids), prompt_seeds)
         rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(sampling.n)]
-        seeds = [self._row_seed(sampling, i, j) for i, j in rows]
+        seeds = [self._row_seed(per_prompt[i], j) for i, j in rows]
         out: list[Response] = []
         for lo in range(0, len(rows), self.max_num_seqs):
             chunk = rows[lo:lo + self.max_num_seqs]
@@ -79,9 +81,9 @@ class HFEngine(RolloutEngine):
                                         seeds[lo:lo + self.max_num_seqs], sampling)
         return out
 
-    def _row_seed(self, sampling: Sampling, prompt_index: int, sample_index: int) -> int:
-        if sampling.seed is not None:
-            return prompt_seed(prompt_seed(sampling.seed, prompt_index), sample_index)
+    def _row_seed(self, seed: Optional[int], sample_index: int) -> int:
+        if seed is not None:
+            return prompt_seed(seed, sample_index)
         return int(torch.randint(0, 2**62, (1,), generator=self._seeds))
 
     @torch.no_grad()
@@ -150,10 +152,19 @@ class HFEngine(RolloutEngine):
                                       finish_reason="stop" if bool(stopped[r]) else "length"))
         return responses
 
+    @torch.no_grad()
+    def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        out = []
+        for seq in token_ids:   # one row at a time: no padding in the numbers
+            ids = torch.tensor([list(seq)], device=self.device)
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1, :self.vocab_size].float()
+            out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist())
+        return out
+
     # --- weights and memory --------------------------------------------------------------------
     @torch.no_grad()
-    def update_weights(self, weights: WeightStream) -> int:
-        loaded = 0
+    def update_weights(self, weights: WeightStream, *, partial: bool = False) -> int:
+        loaded, filled = 0, set()
         for name, tensor in weights:
             target = self._targets.get(name)
             if target is None:
@@ -162,7 +173,13 @@ class HFEngine(RolloutEngine):
                 raise ValueError(f"hf engine: {name} has shape {tuple(tensor.shape)} in the stream, "
                                  f"{tuple(target.shape)} in the model")
             target.data.copy_(tensor)  # casts dtype and moves device in place
+            filled.add(id(target))
             loaded += 1
+        missing = [n for n, p in self.model.named_parameters() if id(p) not in filled]  # tied: one name
+        if missing and not partial:
+            shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            raise RuntimeError(f"hf engine: the weight sync ({loaded} tensors) loaded nothing into {len(missing)} "
+                               f"parameter(s): {shown}")
         return loaded
 
     def sleep(self, level: Optional[int] = None) -> None:

@@ -22,7 +22,7 @@ from typing import Optional, Protocol, Sequence
 from mrl.errors import UserError
 from mrl.rollout.engine import RolloutEngine
 from mrl.rollout.tools import ToolCall, ToolResult, ToolRunner
-from mrl.rollout.types import Response, Sampling, prompt_seed
+from mrl.rollout.types import Response, Sampling, prompt_seed, resolve_prompt_seeds
 
 
 class Tokenizer(Protocol):
@@ -109,6 +109,7 @@ class MultiTurnRollout:
         # With an engine of several ranks (vllm TP), tools run on `group_src` only and the results
         # are broadcast, so every rank of the engine feeds it identical contexts.
         self.group, self.group_src = group, group_src
+        self._prompt_seeds: Optional[list[int]] = None   # of the running generate call
 
     @classmethod
     def from_config(cls, engine: RolloutEngine, tokenizer: Tokenizer, cfg, *, group=None,
@@ -128,10 +129,16 @@ class MultiTurnRollout:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling) -> list[Response]:
-        """`sampling.n` conversations per prompt, prompt-major, as `RolloutEngine.generate`."""
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling,
+                 prompt_seeds: Optional[Sequence[int]] = None) -> list[Response]:
+        """`sampling.n` conversations per prompt, prompt-major, as `RolloutEngine.generate`.
+
+        With `prompt_seeds`, each turn of conversation j of prompt i samples from a seed derived
+        from `prompt_seeds[i]`, the turn and j: independent of the other prompts of the call."""
         convs = [_Conversation(i, i * sampling.n + j, list(p))
                  for i, p in enumerate(prompt_token_ids) for j in range(sampling.n)]
+        self._prompt_seeds = (None if prompt_seeds is None
+                              else resolve_prompt_seeds(sampling, len(prompt_token_ids), prompt_seeds))
         turn = 0
         while True:
             active = [c for c in convs if not c.done]
@@ -153,9 +160,16 @@ class MultiTurnRollout:
         for c in active:
             by_budget.setdefault(sampling.max_tokens - len(c.tokens), []).append(c)
         for budget, group in by_budget.items():
-            seed = None if sampling.seed is None else prompt_seed(sampling.seed, turn * 1_000_003 + group[0].row)
-            s = replace(sampling, n=1, max_tokens=budget, seed=seed)
-            outs = self.engine.generate([c.prompt + c.tokens for c in group], s)
+            if self._prompt_seeds is not None:
+                n = sampling.n
+                seeds = [prompt_seed(self._prompt_seeds[c.prompt_index], turn * 1_000_003 + c.row - c.prompt_index * n)
+                         for c in group]
+                outs = self.engine.generate([c.prompt + c.tokens for c in group],
+                                            replace(sampling, n=1, max_tokens=budget), prompt_seeds=seeds)
+            else:
+                seed = None if sampling.seed is None else prompt_seed(sampling.seed, turn * 1_000_003 + group[0].row)
+                s = replace(sampling, n=1, max_tokens=budget, seed=seed)
+                outs = self.engine.generate([c.prompt + c.tokens for c in group], s)
             for c, out in zip(group, outs):
                 c.add(out.token_ids, out.logprobs, 1)
                 c.assistant_turns += 1

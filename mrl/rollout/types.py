@@ -57,6 +57,19 @@ def prompt_seed(seed: int, prompt_index: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + prompt_index * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
 
 
+def resolve_prompt_seeds(sampling: Sampling, prompts: int, prompt_seeds=None) -> list[Optional[int]]:
+    """Each prompt's seed for one `generate` call: `prompt_seeds` when the caller gives them (prompts
+    gathered from several callers keep the seeds their own calls would have used), else
+    `prompt_seed(sampling.seed, i)`, else None (the engine's own generator)."""
+    if prompt_seeds is not None:
+        if len(prompt_seeds) != prompts:
+            raise ValueError(f"{len(prompt_seeds)} prompt seeds for {prompts} prompts")
+        return [int(s) for s in prompt_seeds]
+    if sampling.seed is None:
+        return [None] * prompts
+    return [prompt_seed(sampling.seed, i) for i in range(prompts)]
+
+
 @dataclass
 class Response:
     """One sampled response.

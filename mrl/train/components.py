@@ -33,7 +33,8 @@ class Components:
     exporter: Any                   # mrl.weights.Exporter over the actor
     ref: Optional[Any] = None       # Engine without optimizer
     critic: Optional[Any] = None    # Engine
-    rollout: Optional[Any] = None   # RolloutEngine on the group leader, None elsewhere
+    rollout: Optional[Any] = None   # RolloutEngine: hf on the group leader (None elsewhere), vllm on every rank
+    engine_groups: Optional[Any] = None  # mrl.rollout.plan.EngineGroups for vllm (None: hf on the leader)
     generator: Optional[Any] = None  # what generates: the engine, or a multi-turn tool loop over it
     rewarder: Optional[Any] = None  # mrl.reward.compose.Rewarder on the group leader
     reward_model: Optional[Any] = None  # Engine over a value-head model, on every rank
@@ -124,13 +125,13 @@ def build(spec: JobSpec) -> Components:
     from mrl.platform import setup
     from mrl.weights import Exporter
 
-    if spec.rollout.engine == "vllm" and (spec.rollout.tensor_parallel > 1 or spec.rollout.pipeline_parallel > 1):
-        from mrl.errors import UserError
+    from mrl.errors import UserError
+    from mrl.models.facts import model_facts
+    from mrl.rollout.layout import first_problem
 
-        # The engine itself spans ranks (tested standalone); handing each engine group its share
-        # of the prompts inside the loop is not built yet.
-        raise UserError("rollout.tensor_parallel / rollout.pipeline_parallel > 1: mrl train runs one vllm engine per "
-                        "model-parallel group leader so far; use 1 (the trainer's own TP/PP are unaffected)")
+    problem = first_problem(spec.rollout, spec.platform.world_size, model_facts(spec.model.path))
+    if problem:   # mrl validate reports the same (mrl.config.validate)
+        raise UserError(problem)
     ctx = setup(spec.platform, spec.parallel, seed=spec.job.seed)
     from megatron.core import parallel_state as ps
 
@@ -167,17 +168,12 @@ def build(spec: JobSpec) -> Components:
                                                                          or spec.model.dtype)),
                        ref=ref, critic=critic, dataset=dataset, sampler=sampler, total_steps=total,
                        mp_group=mp_group, mp_leader=leader, reward_model=reward_model)
+    from mrl.train.engines import build_rollout
+
+    comps.rollout, comps.generator, comps.engine_groups = build_rollout(spec, ctx, tokenizer, is_leader=comps.is_leader)
     if comps.is_leader:
         from mrl.reward.compose import Rewarder
-        from mrl.rollout.factory import build_engine
 
-        comps.rollout = build_engine(spec.rollout, spec.model, seed=spec.job.seed + ctx.dp_rank, device=ctx.device,
-                                     max_model_len=spec.data.max_prompt_tokens + spec.rollout.max_response_tokens)
-        comps.generator = comps.rollout
-        if spec.rollout.multi_turn.enable:
-            from mrl.rollout.multi_turn import MultiTurnRollout
-
-            comps.generator = MultiTurnRollout.from_config(comps.rollout, tokenizer, spec.rollout.multi_turn)
         if reward_model is not None:
             comps.rm_scores = PrecomputedScores()
         comps.rewarder = Rewarder.from_config(spec.reward, model_scorer=comps.rm_scores)

@@ -54,6 +54,11 @@ def release_engine(c: Components) -> None:
 
 
 def generate(c: Components, prompt_ids: list[list[int]], sampling: Sampling) -> list[Response]:
+    """This DP rank's responses, equal on its model-parallel group. vllm: collective over the world."""
+    if c.engine_groups is not None:
+        from mrl.train.engines import generate_on_groups
+
+        return generate_on_groups(c.generator, c.engine_groups, c.ctx.dp_rank, c.ctx.dp, prompt_ids, sampling)
     out = c.generator.generate(prompt_ids, sampling) if c.is_leader else None
     return _to_group(c, out)
 

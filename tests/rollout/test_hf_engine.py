@@ -56,7 +56,7 @@ def test_stop_tokens_and_lengths(engine):
 def test_update_weights_zero_lm_head_gives_uniform_logprobs(tiny_model_dir):
     eng = HFEngine.from_pretrained(tiny_model_dir, seed=0)
     head = eng.model.lm_head.weight
-    assert eng.update_weights([("lm_head.weight", torch.zeros_like(head))]) == 1
+    assert eng.update_weights([("lm_head.weight", torch.zeros_like(head))], partial=True) == 1
     assert head.abs().sum() == 0  # copied into the existing parameter
     for s in (Sampling(n=2, temperature=1.0, max_tokens=5, seed=0),
               Sampling(n=1, temperature=0.7, max_tokens=5, logprobs_mode="raw_logprobs", seed=0)):
@@ -78,6 +78,41 @@ def test_update_weights_from_a_full_stream_reproduces_the_source(tiny_model_dir,
     assert _fingerprint(a) == _fingerprint(b)
     with pytest.raises(KeyError, match="no_such"):
         dst.update_weights([("model.no_such.weight", torch.zeros(1))])
+
+
+def test_a_sync_that_loads_nothing_or_misses_a_tensor_fails(tiny_model_dir):
+    eng = HFEngine.from_pretrained(tiny_model_dir, seed=0)
+    with pytest.raises(RuntimeError, match=r"loaded nothing into \d+ parameter"):
+        eng.update_weights([])
+    state = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
+    del state["model.layers.1.mlp.down_proj.weight"]
+    with pytest.raises(RuntimeError, match="model.layers.1.mlp.down_proj.weight"):
+        eng.update_weights(state.items())
+
+
+def test_tied_embeddings_are_complete_from_the_embedding_alone(tmp_path):
+    from .conftest import TINY_LLAMA, save_tiny_model
+
+    eng = HFEngine.from_pretrained(save_tiny_model(tmp_path / "tied", {**TINY_LLAMA, "tie_word_embeddings": True}))
+    embed = eng.model.model.embed_tokens.weight
+    assert eng.update_weights([(k, v.detach().clone()) for k, v in eng.model.state_dict().items()
+                               if k != "lm_head.weight"]) == len(eng.model.state_dict()) - 1
+    assert eng.model.lm_head.weight is embed
+
+
+def test_prompt_seeds_make_a_prompt_independent_of_its_batch(engine):
+    from mrl.rollout.types import prompt_seed
+
+    s = Sampling(n=2, temperature=1.0, max_tokens=8, seed=21)
+    whole = engine.generate(PROMPTS, s)
+    # the last prompt alone, with the seed it had in the whole call, samples the same responses
+    last = len(PROMPTS) - 1
+    alone = engine.generate(PROMPTS[last:], s, prompt_seeds=[prompt_seed(21, last)])
+    assert [r.token_ids for r in alone] == [r.token_ids for r in whole[2 * last:]]
+    for a, w in zip(alone, whole[2 * last:]):   # the batch's padding changes the float sums only
+        assert a.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+    with pytest.raises(ValueError, match="prompt seeds"):
+        engine.generate(PROMPTS, s, prompt_seeds=[1])
 
 
 @pytest.mark.parametrize("sampling", [
@@ -102,7 +137,7 @@ def test_builds_from_a_config_dict_and_sleeps():
     with pytest.raises(RuntimeError, match="asleep"):
         eng.generate([[1, 2]], Sampling())
     eng.wake(["weights"])
-    eng.update_weights([("model.norm.weight", torch.ones(TINY_LLAMA["hidden_size"]))])
+    eng.update_weights([("model.norm.weight", torch.ones(TINY_LLAMA["hidden_size"]))], partial=True)
     eng.wake(["kv_cache"])
     assert len(eng.generate([[1, 2]], Sampling(max_tokens=3))[0].token_ids) <= 3
 
@@ -119,3 +154,13 @@ def test_build_engine_from_job_sections(tiny_model_dir):
                        seed=0, device="cpu", max_model_len=64)
     ref = HFEngine.from_pretrained(tiny_model_dir)
     assert torch.equal(eng.model.lm_head.weight, ref.model.lm_head.weight)  # loaded from disk
+
+
+def test_sequence_logprobs_are_the_teacher_forced_forward(engine):
+    seqs = [[1, 5, 6, 7, 8], [1, 9, 4]]
+    got = engine.sequence_logprobs(seqs)
+    for seq, lps in zip(seqs, got):
+        ids = torch.tensor([seq])
+        logits = engine.model(input_ids=ids).logits[0, :-1].float()
+        want = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        assert lps == pytest.approx(want.tolist(), abs=1e-6)

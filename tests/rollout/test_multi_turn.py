@@ -55,7 +55,10 @@ class ScriptedEngine(RolloutEngine):
             out.append(Response(i, cut, [-0.5] * len(cut), "length" if len(cut) < len(ids) else "stop"))
         return out
 
-    def update_weights(self, weights):
+    def sequence_logprobs(self, token_ids):
+        return [[-0.5] * (len(t) - 1) for t in token_ids]
+
+    def update_weights(self, weights, *, partial=False):
         return 0
 
     def sleep(self, level=None):

@@ -53,7 +53,7 @@ def main(model_dir: str, tp: int) -> None:
 
     # 3. weight updates: zero lm_head -> uniform; then a full stream of another model
     V = hf.config.vocab_size
-    assert eng.update_weights([("lm_head.weight", torch.zeros(V, hf.config.hidden_size))]) == 1
+    assert eng.update_weights([("lm_head.weight", torch.zeros(V, hf.config.hidden_size))], partial=True) == 1
     for r in eng.generate(prompts, Sampling(n=1, temperature=1.0, max_tokens=6, seed=0)):
         assert max(abs(lp + math.log(V)) for lp in r.logprobs) <= 1e-5, r.logprobs
     torch.manual_seed(1)

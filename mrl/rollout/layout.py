@@ -1,0 +1,48 @@
+"""The rollout layout rules, shared by `mrl validate` (mrl.config.validate) and `mrl train`
+(mrl.train.components): one function, so a layout that validates is a layout that starts.
+
+Pure: reads the `[rollout]` section, the world size and the model's facts (None when its config
+cannot be read here); returns `(dotted key, message)` per problem.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+
+def rollout_layout_problems(rollout, world_size: int, facts=None) -> list[tuple[str, str]]:
+    """Every reason the job's rollout engines cannot be laid out on `world_size` ranks."""
+    out: list[tuple[str, str]] = []
+    tp, pp = rollout.tensor_parallel, rollout.pipeline_parallel
+    if rollout.engine == "hf":
+        # The hf engine is one transformers model per trainer replica: a split would do nothing.
+        for key, value, default in (("tensor_parallel", tp, 1), ("pipeline_parallel", pp, 1),
+                                    ("expert_parallel", rollout.expert_parallel, False)):
+            if value != default:
+                out.append((f"rollout.{key}", f"is {value} but the 'hf' engine does not shard (one model per trainer "
+                                              f"replica); set it to {default} or use rollout.engine = 'vllm'"))
+        return out
+    split = tp * pp
+    if world_size % split:
+        out.append(("rollout.tensor_parallel", f"engine tensor {tp} x pipeline {pp} = {split} does not "
+                                               f"divide the world size {world_size}"))
+    if pp > 1:
+        # vLLM's torchrun (external_launcher) pipeline needs its V1 runner's output broadcast; the
+        # engine-group path is built for it but not exercised anywhere yet.
+        out.append(("rollout.pipeline_parallel", f"is {pp}; colocated vllm engines split by tensor parallelism only "
+                                                 "so far (set 1 and raise rollout.tensor_parallel)"))
+    if facts is not None:
+        heads, kv = facts.num_attention_heads, facts.num_query_groups
+        if heads % tp:
+            out.append(("rollout.tensor_parallel", f"{tp} does not divide the {heads} attention heads ({facts.source})"))
+        elif kv % tp and tp % kv:
+            out.append(("rollout.tensor_parallel", f"{tp} and the {kv} KV heads do not divide one another "
+                                                   f"({facts.source}); vllm shards or replicates KV heads evenly"))
+        if rollout.expert_parallel and not facts.num_experts:
+            out.append(("rollout.expert_parallel", f"is true but the model has no experts ({facts.source})"))
+    return out
+
+
+def first_problem(rollout, world_size: int, facts=None) -> Optional[str]:
+    """The first problem as one line (`key: message`), or None."""
+    problems = rollout_layout_problems(rollout, world_size, facts)
+    return f"{problems[0][0]}: {problems[0][1]}" if problems else None
