@@ -15,6 +15,13 @@ with async error handling) enforce per collective. `stage(name)` marks a region 
 (e.g. "weight sync"); a backend timeout raised inside it becomes a `CollectiveTimeout` naming the
 stage, and a watchdog thread ends a process whose stage outlives its deadline without the
 backend noticing (a collective stuck in C++ cannot be interrupted from Python any other way).
+
+Waiting on a peer's local work: when one rank does bounded work alone (the group leader generates
+or scores rewards) the others would wait inside a collective that times out at
+`collective_timeout_s`, however correct the slow work is. `create_wait_group(timeout_s)` makes a
+gloo group over all ranks whose timeout covers that work's own bound, and `wait_for_peers(name)`
+is a barrier on it: every rank arrives there, and only then do the (short) collectives that
+exchange the results run.
 """
 from __future__ import annotations
 
@@ -269,6 +276,35 @@ def destroy_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _STATE.default_timeout_s = None
+    _STATE.wait_group, _STATE.wait_timeout_s = None, None
+
+
+def create_wait_group(timeout_s: float) -> None:
+    """A gloo group over every rank with timeout `timeout_s`, for `wait_for_peers`. Collective:
+    every rank calls it at the same point (before any rank starts long local work)."""
+    _STATE.wait_timeout_s = float(timeout_s)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        with stage("wait-group init"):
+            _STATE.wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def wait_timeout_s() -> float:
+    """The wait group's timeout (the job's collective timeout when there is none)."""
+    if _STATE.wait_timeout_s is not None:
+        return _STATE.wait_timeout_s
+    return _STATE.default_timeout_s if _STATE.default_timeout_s is not None else 1800.0
+
+
+def wait_for_peers(name: str) -> None:
+    """Barrier over every rank on the wait group (see the module docstring), as the stage `name`
+    with the wait group's timeout. A no-op on one rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    if _STATE.wait_group is None:
+        raise RuntimeError("wait_for_peers before create_wait_group")
+    timeout = wait_timeout_s()
+    with stage(name, timeout, backend_timeout_s=timeout):
+        dist.barrier(group=_STATE.wait_group)
 
 
 # --------------------------------------------------------------------------- stages and watchdog
@@ -281,6 +317,8 @@ class _State:
         self.generation: int = 0
         self.base_store: Optional[dist.Store] = None
         self.base_store_key: Optional[tuple] = None
+        self.wait_group = None
+        self.wait_timeout_s: Optional[float] = None
         self.local = threading.local()
 
 
@@ -400,7 +438,7 @@ def _grace(timeout_s: float) -> float:
 
 @contextlib.contextmanager
 def stage(name: str, timeout_s: Optional[float] = None, *, watchdog: bool = True,
-          grace_s: Optional[float] = None) -> Iterator[None]:
+          grace_s: Optional[float] = None, backend_timeout_s: Optional[float] = None) -> Iterator[None]:
     """Mark a region whose collectives must finish within `timeout_s` (default: the job's
     `collective_timeout_s`, which is also the process group's timeout: a longer `timeout_s`
     cannot extend what the backend enforces, a shorter one arms the watchdog earlier).
@@ -409,7 +447,9 @@ def stage(name: str, timeout_s: Optional[float] = None, *, watchdog: bool = True
     finish within T s ...")`; other distributed errors get a note naming the stage. With
     `watchdog`, a stage still running `timeout_s` + `grace_s` (default max(5 s, 10 %)) after it
     started ends the process (see `_Watchdog`). Stages nest; the innermost name is reported.
-    A stage is per thread; the watchdog watches all threads' stages.
+    A stage is per thread; the watchdog watches all threads' stages. `backend_timeout_s`: the
+    timeout of the group the stage's collectives use, when it is not the default group's
+    (`wait_for_peers`).
     """
     if timeout_s is None:
         timeout_s = _STATE.default_timeout_s if _STATE.default_timeout_s is not None else 1800.0
@@ -424,7 +464,8 @@ def stage(name: str, timeout_s: Optional[float] = None, *, watchdog: bool = True
         yield
     except BaseException as e:
         elapsed = time.monotonic() - start
-        limit = min(timeout_s, _STATE.default_timeout_s or timeout_s)  # the backend fires at its own timeout
+        backend = backend_timeout_s or _STATE.default_timeout_s or timeout_s
+        limit = min(timeout_s, backend)  # the backend fires at its own timeout
         if _is_timeout(e) and elapsed >= 0.9 * limit:
             raise CollectiveTimeout(
                 f"collective in stage '{name}' did not finish within {limit:g} s "

@@ -22,7 +22,7 @@ from mrl.errors import UserError
 from mrl.reward.config import RewardConfig
 from mrl.reward.model import RewardModelScorer
 from mrl.reward.outcome import BadScore, read_score
-from mrl.reward.pool import Call, RewardPool
+from mrl.reward.pool import Call, RewardPool, batch_budget_s
 from mrl.reward.sources import RewardSource, reward_sources
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,14 @@ def is_count(key: str) -> bool:
     """Whether a reward metric counts things (sum it over batches and ranks) rather than averages them."""
     return key.startswith("reward/") and (key == "reward/errors" or "/errors/" in key
                                           or key.endswith(("_responses", "_calls", "workers_replaced")))
+
+
+def scoring_budget_s(cfg: RewardConfig, responses: int) -> float:
+    """The longest `Rewarder.score` of `responses` responses can take under `cfg` when every call
+    runs up to `reward.timeout_s` (the pool enforces it); 0 without rule sources. Ranks waiting
+    for a leader that scores wait this long plus the collective timeout."""
+    rule = sum(s.kind != "model" for s in reward_sources(cfg, check_files=False))
+    return batch_budget_s(responses * rule, cfg.workers, cfg.timeout_s) if rule else 0.0
 
 
 @dataclass(frozen=True)

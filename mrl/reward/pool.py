@@ -199,6 +199,14 @@ def _worker_main(conn, refs: tuple[str, ...], memory_mb: int = 0, max_output_byt
                        reply[3]))
 
 
+def batch_budget_s(calls: int, workers: int, timeout_s: float, ready_timeout_s: float = READY_TIMEOUT_S) -> float:
+    """The longest a batch of `calls` calls on `workers` workers takes: the workers starting up,
+    then every wave of calls running up to `timeout_s` (plus a second per wave for replacing a
+    killed worker and passing results)."""
+    waves = math.ceil(calls / max(workers, 1))
+    return ready_timeout_s + waves * (timeout_s + 1.0)
+
+
 class _Worker:
     def __init__(self, ctx, refs: tuple[str, ...], limits: tuple):
         self.conn, child = ctx.Pipe(duplex=True)
@@ -246,10 +254,8 @@ class RewardPool:
         return len(self._workers)
 
     def batch_budget_s(self, calls: int) -> float:
-        """The longest `run` of `calls` calls takes: workers starting up, then every wave of calls
-        running up to its timeout (a replaced worker's start-up included)."""
-        waves = math.ceil(calls / max(self.workers, 1))
-        return self.ready_timeout_s + waves * (self.timeout_s + 1.0)
+        """The longest `run` of `calls` calls takes (`batch_budget_s`)."""
+        return batch_budget_s(calls, self.workers, self.timeout_s, self.ready_timeout_s)
 
     def _what(self) -> str:
         return f"reward function{'s' if len(self.refs) > 1 else ''} {', '.join(self.refs)}"

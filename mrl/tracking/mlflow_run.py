@@ -6,6 +6,7 @@ directory, which is MLflow's default for new experiments.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -28,6 +29,16 @@ def default_tracking_uri(run_dir: str | os.PathLike) -> str:
     path = Path(run_dir).resolve()
     path.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{path / 'mlflow.db'}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _sqlite_dir(uri: str) -> Path | None:
@@ -77,8 +88,60 @@ class MlflowRun:
             run = self.client.create_run(exp_id, run_name=run_name)
             self._logged_params = {}
         self.run_id = run.info.run_id
-        if tags:
-            self.set_tags(tags)
+        self.experiment_id = run.info.experiment_id
+        self.run_name = run.info.run_name
+        # who writes to the run now: lets a later start tell a dead run from a live one
+        self.set_tags({**(tags or {}), "mrl.host": socket.gethostname(), "mrl.pid": str(os.getpid())})
+
+    def end_stale_runs(self) -> list[str]:
+        """Mark KILLED the other runs of this experiment and run name still RUNNING whose process is
+        gone (a job killed outright, before it could say so: SIGKILL, an out-of-memory kill, a lost
+        node). A run whose process still lives on this host is left alone. Returns their ids."""
+        name = self.run_name.replace("'", "\\'")
+        runs = self.client.search_runs([self.experiment_id], f"attributes.run_name = '{name}' and "
+                                                             "attributes.status = 'RUNNING'")
+        ended = []
+        for r in runs:
+            if r.info.run_id == self.run_id:
+                continue
+            host, pid = r.data.tags.get("mrl.host"), r.data.tags.get("mrl.pid", "")
+            if host == socket.gethostname() and pid.isdigit() and _alive(int(pid)):
+                continue
+            self.client.set_tag(r.info.run_id, "mrl.ended_by", "still RUNNING when the job started again: its process had died")
+            self.client.set_terminated(r.info.run_id, status="KILLED")
+            ended.append(r.info.run_id)
+        if ended:
+            log.warning("MLflow: marked %d run(s) of a killed earlier attempt KILLED: %s", len(ended), ", ".join(ended))
+        return ended
+
+    def forget_steps_after(self, step: int) -> int:
+        """Remove this run's metric rows of steps after `step`: a resumed run logs those steps again
+        (its previous process logged them, then died before the next checkpoint), and each step
+        must have one row. MLflow has no API to delete metric rows, so this edits a local sqlite
+        store directly; with any other store the steps are named in the tag
+        `mrl.rerun_after_step` (mrl's readers keep the latest row of a step). Returns rows removed."""
+        import sqlite3
+
+        self.set_tags({"mrl.rerun_after_step": str(step)})
+        store_dir = _sqlite_dir(self.tracking_uri)
+        if store_dir is None:
+            return 0
+        with contextlib.closing(sqlite3.connect(self.tracking_uri[len("sqlite:///"):], timeout=60)) as db, db:
+            removed = db.execute("DELETE FROM metrics WHERE run_uuid = ? AND step > ?", (self.run_id, step)).rowcount
+            if removed:   # latest_metrics: the newest remaining row of each key (MLflow's order)
+                latest: dict[str, tuple] = {}
+                for row in db.execute("SELECT key, value, timestamp, step, is_nan FROM metrics WHERE run_uuid = ?",
+                                      (self.run_id,)):
+                    if row[0] not in latest or (row[3], row[2], row[1]) > (latest[row[0]][3], latest[row[0]][2],
+                                                                           latest[row[0]][1]):
+                        latest[row[0]] = row
+                db.execute("DELETE FROM latest_metrics WHERE run_uuid = ?", (self.run_id,))
+                db.executemany("INSERT INTO latest_metrics (key, value, timestamp, step, is_nan, run_uuid) "
+                               "VALUES (?, ?, ?, ?, ?, ?)", [(*r, self.run_id) for r in latest.values()])
+        if removed:
+            log.warning("MLflow: removed %d metric rows of steps after %d (logged before the resumed checkpoint's "
+                        "run died; they are logged again)", removed, step)
+        return removed
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         from mlflow.entities import RunTag

@@ -50,6 +50,8 @@ class Tracker:
             self._run_id = self.mlflow.run_id
             if resume_run_id is not None:
                 self.mlflow.set_tags({"mrl.resumed_at_step": str(start_step)})
+                self.mlflow.forget_steps_after(start_step)   # steps logged after the checkpoint are re-run
+            self.mlflow.end_stale_runs()
         if "console" in cfg.backends:
             self.console = ConsoleProgress(total_steps, start_step=start_step, file=stream,
                                            force_terminal=force_terminal)

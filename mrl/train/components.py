@@ -109,6 +109,19 @@ def _trainable(role: str, spec: JobSpec, hf: dict, device: str, section, total_o
                   nonfinite=section.optim.nonfinite)
 
 
+def leader_work_s(spec: JobSpec, dp: int) -> float:
+    """The longest a model-parallel group leader works alone in one rollout round while its group
+    and the other groups wait: generating (bounded by `rollout.generate_timeout_s` where the
+    rollout section has it) or scoring a round's responses (every reward call up to
+    `reward.timeout_s`, a bound the reward pool enforces). Derived here, once, so a job whose
+    rewards are slow but within their timeout never trips a waiting rank's collective timeout."""
+    from mrl.reward.compose import scoring_budget_s
+
+    responses = spec.data.prompts_per_step // dp * spec.rollout.responses_per_prompt
+    generation = getattr(spec.rollout, "generate_timeout_s", None) or 0.0
+    return max(float(generation), scoring_budget_s(spec.reward, responses))
+
+
 def optimizer_steps(spec: JobSpec, section, steps: int) -> int:
     mini = spec.data.prompts_per_step // (section.mini_batch_prompts or spec.data.prompts_per_step)
     return steps * section.epochs * mini
@@ -134,6 +147,10 @@ def build(spec: JobSpec) -> Components:
         raise UserError(problem)
     ctx = setup(spec.platform, spec.parallel, seed=spec.job.seed)
     from megatron.core import parallel_state as ps
+
+    from mrl.platform.dist import create_wait_group
+
+    create_wait_group(spec.platform.collective_timeout_s + leader_work_s(spec, ctx.dp))
 
     hf = hf_config(spec.model)
     tokenizer = load_tokenizer(spec.model)

@@ -81,8 +81,11 @@ def _save(c: Components, step: int, tracker_run_id) -> None:
 
     root = checkpoint_root(c.spec)
     if dist.is_initialized() and dist.get_world_size() > 1:   # rank 0 owns the MLflow run: every rank stores its id
+        from mrl.platform.dist import stage
+
         box = [tracker_run_id]
-        dist.broadcast_object_list(box, src=0)
+        with stage("checkpoint save"):
+            dist.broadcast_object_list(box, src=0)
         tracker_run_id = box[0]
     # What `mrl merge` needs to rebuild the model without the job file.
     model = {"hf_config": c.hf, "model_path": c.spec.model.path, "tokenizer": c.spec.model.tokenizer,
@@ -104,12 +107,22 @@ def _reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """Means over data-parallel ranks (ranks of one model replica hold the same values)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return metrics
+    from megatron.core import parallel_state as ps
+
+    from mrl.platform.dist import stage
+    from mrl.reward.compose import is_count
+
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, metrics)
+    with stage("metrics all-gather"):
+        dist.all_gather_object(everyone, metrics)
+    dp = ps.get_data_parallel_world_size()
     keys = sorted(set().union(*everyone))
     out = {}
     for k in keys:
         vals = [m[k] for m in everyone if k in m and not math.isnan(m[k])]
+        if vals and is_count(k):   # events counted on each data-parallel replica: their sum
+            out[k] = sum(vals) / len(vals) * dp
+            continue
         if vals:
             out[k] = max(vals) if k.endswith("_max") else sum(vals) / len(vals)
     return out

@@ -14,16 +14,25 @@ import torch.distributed as dist
 from mrl.algos.dapo import keep_groups
 from mrl.batch import Batch
 from mrl.errors import UserError
+from mrl.reward.compose import is_count
 from mrl.rollout.types import Response, Sampling, sampling_from_config
 from mrl.train.components import Components
 
 
-def _to_group(c: Components, obj: Any) -> Any:
-    """`obj` from the group leader to every rank of the model-parallel group."""
+def _to_group(c: Components, obj: Any, work: str = "leader work") -> Any:
+    """`obj` from the group leader to every rank of the model-parallel group.
+
+    First every rank waits until all leaders finished `work` (generation, reward scoring), in the
+    stage `work` whose timeout covers that work's own bound (`mrl.platform.dist.wait_for_peers`):
+    a slow but correct leader never trips the collective timeout of a rank waiting for it."""
+    from mrl.platform.dist import stage, wait_for_peers
+
+    wait_for_peers(work)
     if not dist.is_initialized() or dist.get_world_size(c.mp_group) == 1:
         return obj
-    box = [obj if c.is_leader else None]
-    dist.broadcast_object_list(box, src=c.mp_leader, group=c.mp_group)
+    with stage(f"{work} results"):
+        box = [obj if c.is_leader else None]
+        dist.broadcast_object_list(box, src=c.mp_leader, group=c.mp_group)
     return box[0]
 
 
@@ -60,7 +69,7 @@ def generate(c: Components, prompt_ids: list[list[int]], sampling: Sampling) -> 
 
         return generate_on_groups(c.generator, c.engine_groups, c.ctx.dp_rank, c.ctx.dp, prompt_ids, sampling)
     out = c.generator.generate(prompt_ids, sampling) if c.is_leader else None
-    return _to_group(c, out)
+    return _to_group(c, out, "rollout generation")
 
 
 def score(c: Components, items: list, responses: list[Response], n: int, step: int) -> dict:
@@ -80,7 +89,7 @@ def score(c: Components, items: list, responses: list[Response], n: int, step: i
                    for it_i, it in enumerate(items) for j, r in enumerate(responses[it_i * n:(it_i + 1) * n])]
         res = c.rewarder.score(samples)
         result = dict(scores=res.scores, valid=res.valid, stats=res.stats)
-    return _to_group(c, result)
+    return _to_group(c, result, "reward scoring")
 
 
 def reward_model_scores(c: Components, items: list, responses: list[Response], n: int) -> list[float]:
@@ -129,6 +138,7 @@ def collect(c: Components, step: int) -> tuple[Batch, dict]:
     rounds, kept_items, kept_resp, kept_scores = 0, [], [], []
     stats: dict[str, float] = {}
     generated = 0
+    dropped = 0   # responses left out for reward errors (reward.on_error = "drop"): whole groups
     while True:
         # A seed per (step, round, DP rank): generations do not depend on what ran before (resume).
         seed = (((base * 1_000_003 + step) * 1_009 + rounds) * 131 + c.ctx.dp_rank) % 2**31
@@ -137,13 +147,14 @@ def collect(c: Components, step: int) -> tuple[Batch, dict]:
         rounds += 1
         generated += len(r["responses"])
         for k, v in r["stats"].items():   # counts add up over rounds; means are the last round's
-            stats[k] = stats.get(k, 0.0) + float(v) if ("errors" in k or "replaced" in k) else float(v)
+            stats[k] = stats.get(k, 0.0) + float(v) if is_count(k) else float(v)
         scores = torch.tensor(r["scores"], dtype=torch.float32)
         groups = torch.arange(len(r["items"])).repeat_interleave(n)
         keep = keep_groups(scores, groups) if dyn.enable else torch.ones(len(scores), dtype=torch.bool)
         if spec.reward.on_error == "drop":
             valid = torch.tensor(r["valid"], dtype=torch.bool).view(-1, n).all(dim=1).repeat_interleave(n)
             keep &= valid
+            dropped += int((~valid).sum())
         for i, it in enumerate(r["items"]):
             if keep[i * n] and len(kept_items) < per_rank:
                 kept_items.append(it)
@@ -157,6 +168,8 @@ def collect(c: Components, step: int) -> tuple[Batch, dict]:
                 raise UserError(f"step {step}: dynamic sampling kept {int(have.item())} of {per_rank} prompts per rank "
                                 f"after {rounds} generation rounds (algorithm.dynamic_sampling.max_generation_batches)")
             break
+    if spec.reward.on_error == "drop":
+        stats["reward/dropped_responses"] = float(dropped)
     if not kept_items:
         raise UserError(f"step {step}: no prompt kept after {rounds} generation rounds")
     # Ranks may end a round with different counts: every rank trains on the same number of prompts.

@@ -1,4 +1,8 @@
-"""Wall-clock time per stage of a step, reported as `time/<stage>` and shares of the step."""
+"""Wall-clock time per stage of a step, reported as `time/<stage>` and shares of the step.
+
+Each timed stage is also a named `mrl.platform.dist.stage` (naming only, no watchdog of its own:
+the collectives inside carry their own timeouts), so a collective that times out anywhere in a
+step names the step stage it was in."""
 from __future__ import annotations
 
 import contextlib
@@ -13,11 +17,14 @@ class StageTimer:
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        from mrl.platform.dist import stage
+
         if self._on_stage is not None:
             self._on_stage(name)
         t0 = time.perf_counter()
         try:
-            yield
+            with stage(name, watchdog=False):
+                yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 

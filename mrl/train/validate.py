@@ -26,8 +26,9 @@ def validate(c: Components, step: int) -> dict[str, float]:
     items = [dataset[i] for i in range(c.ctx.dp_rank, len(dataset), c.ctx.dp)]
     sampling = sampling_from_config(c.spec.rollout, validation=True, seed=c.spec.job.seed)
     # vllm engine groups generate collectively: every rank takes part, with or without prompts
-    responses = generate(c, [list(it.token_ids) for it in items], sampling) if items or c.engine_groups else []
-    scores = score(c, items, responses, sampling.n, step)["scores"] if items else []
+    # every rank takes part, with or without prompts: ranks wait for all group leaders together
+    responses = generate(c, [list(it.token_ids) for it in items], sampling)
+    scores = score(c, items, responses, sampling.n, step)["scores"]
     lengths = [len(r.token_ids) for r in responses]
     totals = _dp_all_reduce(torch.tensor([sum(scores), float(len(scores)), float(sum(lengths))], dtype=torch.float64))
     count = max(float(totals[1]), 1.0)
