@@ -18,6 +18,5 @@ class ActorConfig:
     epochs: int = option(1, ge=1, help="passes over each step's data (verl: ppo_epochs)")
     shuffle: bool = option(False, help="shuffle responses between epochs")
     recompute: Literal["none", "selective", "full"] = option("none", help="activation recomputation")
-    offload_params: bool = option(False, help="keep parameters on the host while the engine generates")
     optim: OptimConfig = option(factory=OptimConfig, help="optimizer")
     schedule: ScheduleConfig = option(factory=ScheduleConfig, help="learning-rate schedule")

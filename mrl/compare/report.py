@@ -36,6 +36,26 @@ def _console() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=200)
 
 
+# Keys that differ between any two runs without saying how they differ as experiments.
+_IDENTITY_KEYS = ("job.name", "job.description", "job.output_dir", "tracking.run_name", "tracking.tracking_uri",
+                  "checkpoint.dir", "checkpoint.load_from")
+MAX_LABEL_KEYS = 3
+
+
+def curve_labels(runs: Sequence[RunRef], diff: Sequence[tuple[str, list[Optional[str]]]]) -> dict[str, str]:
+    """Run label -> plot legend: the run's label and its values of the (first three) spec keys that
+    differ between the runs, e.g. "b: actor.optim.lr=0.001" (unset keys are left out)."""
+    keys = [(i, k) for i, (k, _) in enumerate(diff) if k not in _IDENTITY_KEYS and not k.startswith("data/")]
+    shown = keys[:MAX_LABEL_KEYS]
+    out = {}
+    for j, r in enumerate(runs):
+        parts = [f"{k}={diff[i][1][j]}" for i, k in shown if diff[i][1][j] is not None]
+        if len(keys) > MAX_LABEL_KEYS:
+            parts.append("...")
+        out[r.label] = f"{r.label}: {', '.join(parts)}" if parts else r.label
+    return out
+
+
 def _show_value(value: Optional[str]) -> str:
     return "(unset)" if value is None else value
 
@@ -67,7 +87,9 @@ def compare(selectors: Sequence[str], *, tracking_uris: Sequence[str] = (), metr
     if not_logged:
         console.print(f"not logged by any run: {', '.join(not_logged)}", style="dim", highlight=False)
     if out is not None and keys:
-        result.plots = write_plots(out, result.histories)
+        legend = curve_labels(runs, diff)
+        result.plots = write_plots(out, {key: {legend[label]: pts for label, pts in per_run.items()}
+                                         for key, per_run in result.histories.items()})
         console.print(f"wrote {len(result.plots)} plot(s) to {out}: "
                       + ", ".join(p.name for p in result.plots), highlight=False, soft_wrap=True)
     return result

@@ -1,12 +1,15 @@
 """Which runs `mrl compare` means: arguments resolved to MLflow runs in one or more stores.
 
 An argument is
-- a run directory (`<job.output_dir>/<job.name>`, holding `mlflow.db`) or a `.db` file: every run
-  in that store (usually one: a resumed job continues its run);
+- an output directory (`job.output_dir`, holding the shared `mlflow.db` of its runs) or a `.db`
+  file: every run in that store;
+- a run directory (`<job.output_dir>/<job.name>`): the runs of that name in the output
+  directory's store (usually one: a resumed job continues its run); a run directory holding its
+  own `mlflow.db` (older layout) means every run in it;
 - otherwise a run id, a run name or an experiment name (all its runs), looked up in the stores
-  given with `--tracking-uri` (URIs, run directories or `.db` files), else in
-  `$MLFLOW_TRACKING_URI`, else in every `runs/*/mlflow.db` under the working directory (the
-  default `job.output_dir`).
+  given with `--tracking-uri` (URIs, output or run directories, `.db` files), else in
+  `$MLFLOW_TRACKING_URI`, else in `runs/mlflow.db` and every `runs/*/mlflow.db` under the working
+  directory (the default `job.output_dir`).
 """
 from __future__ import annotations
 
@@ -45,11 +48,23 @@ def store_of_path(arg: str | os.PathLike) -> str | None:
     return None
 
 
+def run_dir_store(arg: str | os.PathLike) -> tuple[str, str] | None:
+    """(the output directory's store, the run name) for a run directory `<job.output_dir>/<job.name>`
+    whose runs live in the shared store one level up; None otherwise."""
+    p = Path(arg)
+    if p.is_dir() and not (p / STORE_FILE).is_file() and (p.resolve().parent / STORE_FILE).is_file():
+        return f"sqlite:///{(p.resolve().parent / STORE_FILE)}", p.resolve().name
+    return None
+
+
 def tracking_uri_of(value: str) -> str:
     """A `--tracking-uri` value as an MLflow URI: run directories and `.db` files are discovered."""
     found = store_of_path(value)
     if found is not None:
         return found
+    shared = run_dir_store(value)
+    if shared is not None:
+        return shared[0]
     if value.startswith("sqlite:///"):
         if not Path(value[len("sqlite:///"):]).is_file():
             raise UserError(f"--tracking-uri {value}: no such sqlite file")
@@ -58,16 +73,18 @@ def tracking_uri_of(value: str) -> str:
         return value
     if Path(value).is_dir():
         raise UserError(f"--tracking-uri {value}: no {STORE_FILE} in this directory "
-                        f"(a run's store is <job.output_dir>/<job.name>/{STORE_FILE})")
+                        f"(a run's store is <job.output_dir>/{STORE_FILE})")
     raise UserError(f"--tracking-uri {value}: not a tracking URI, a run directory or a .db file")
 
 
 def default_stores(cwd: str | os.PathLike = ".") -> list[str]:
-    """`$MLFLOW_TRACKING_URI` if set, else every `runs/*/mlflow.db` under `cwd`."""
+    """`$MLFLOW_TRACKING_URI` if set, else `runs/mlflow.db` and every `runs/*/mlflow.db` under `cwd`."""
     env = os.environ.get("MLFLOW_TRACKING_URI")
     if env:
         return [tracking_uri_of(env)]
-    return [f"sqlite:///{db.resolve()}" for db in sorted(Path(cwd, DEFAULT_OUTPUT_DIR).glob(f"*/{STORE_FILE}"))]
+    out = Path(cwd, DEFAULT_OUTPUT_DIR)
+    dbs = [out / STORE_FILE] if (out / STORE_FILE).is_file() else []
+    return [f"sqlite:///{db.resolve()}" for db in dbs + sorted(out.glob(f"*/{STORE_FILE}"))]
 
 
 class Stores:
@@ -142,17 +159,22 @@ def select_runs(args: Iterable[str], tracking_uris: Sequence[str] = (), *, store
     found: list[RunRef] = []
     for arg in args:
         uri = store_of_path(arg)
+        shared = run_dir_store(arg) if uri is None else None
         if uri is not None:
             runs = stores.all_runs(uri)
             if not runs:
                 raise UserError(f"{arg}: its {STORE_FILE} holds no runs")
+        elif shared is not None:
+            runs = stores.find(*shared)
+            if not runs:
+                raise UserError(f"{arg}: no run named {shared[1]!r} in {shared[0]}")
         else:
             if search is None:
                 search = default_stores(cwd)
                 if not search:
                     raise UserError(f"{arg}: not a run directory, and no store to look it up in "
                                     f"(no --tracking-uri, no $MLFLOW_TRACKING_URI, no "
-                                    f"{DEFAULT_OUTPUT_DIR}/*/{STORE_FILE} here)")
+                                    f"{DEFAULT_OUTPUT_DIR}/{STORE_FILE} here)")
             runs = [r for u in search for r in stores.find(u, arg)]
             if not runs:
                 where = ", ".join(search) if len(search) <= 3 else f"{len(search)} stores ({search[0]}, ...)"

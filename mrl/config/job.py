@@ -23,7 +23,7 @@ class JobConfig:
     name: str = option("", help="run name (default: the job file's stem)")
     seed: int = option(1, ge=0, help="global seed")
     output_dir: str = option("runs", help="runs go under <output_dir>/<name>")
-    description: str = option("", help="free text, shown in mrl compare")
+    description: str = option("", help="free text: the MLflow run's description")
 
 
 @section

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mrl.config import schema
-from mrl.config.suggest import suggest
+from mrl.config.suggest import explain_unknown
 from mrl.errors import SpecError
 
 COMMAND_LINE = "command line"
@@ -133,7 +133,11 @@ def read_spec_file(path: Path, report: Report, chain: tuple[Path, ...] = ()) -> 
         report.error("extends", f"extends cycle: {cycle}", Origin(_display(chain[-1])))
         return None
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        report.problems.append(f"{shown}: not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); "
+                               "save the job file as UTF-8")
+        return None
     except FileNotFoundError:
         report.problems.append(f"{shown}: job file not found")
         return None
@@ -206,7 +210,7 @@ def _parse_override_value(text: str, tp: Any) -> Any:
         value = {"true": True, "yes": True, "on": True, "1": True,
                  "false": False, "no": False, "off": False, "0": False}.get(stripped.lower(), text)
     elif value is None:
-        if is_tuple and "," in stripped:
+        if is_tuple:   # a,b,c or a single bare element
             elem = typing.get_args(tp)[0]
             return [_parse_override_value(p, elem) for p in stripped.split(",")]
         return text
@@ -229,8 +233,7 @@ def apply_overrides(raw: dict, overrides: list[str], root, report: Report) -> No
         if found is None:
             parent, _, _ = key.rpartition(".")
             siblings = [k.rsplit(".", 1)[-1] for k in valid if k.rpartition(".")[0] == parent]
-            hint = suggest(key, siblings, valid)
-            report.error(key, "unknown key" + (f"; did you mean `{hint}`?" if hint else ""), origin)
+            report.error(key, explain_unknown(key, siblings, valid), origin)
             continue
         f, free = found
         if not free and schema.section_of(f.type) is not None:
@@ -256,6 +259,79 @@ def _parse_free(text: str) -> Any:
         return text
 
 
+# ---- paths: relative to the file that sets them -------------------------------------------------
+
+# Keys holding paths, by kind. "file": a path (or list of paths). "ref": 'path/file.py:function'
+# (a 'module:function' or 'reasoning_gym:task' is left alone). "model": a local directory, or a
+# Hugging Face Hub id / builtin preset, left alone: a relative value is a path when it exists next
+# to the file, starts with ./ or ../, or has more than one '/' (a Hub id is 'org/name').
+PATH_KEYS: dict[str, str] = {
+    "job.output_dir": "file",
+    "data.train_files": "file",
+    "data.val_files": "file",
+    "data.generator": "ref",
+    "reward.function": "ref",
+    "rollout.multi_turn.tools": "ref",
+    "model.path": "model",
+    "model.tokenizer": "model",
+    "critic.model_path": "model",
+    "ref.model_path": "model",
+    "reward.model_path": "model",
+    "checkpoint.dir": "file",
+    "checkpoint.load_from": "file",
+}
+SOURCE_PATH_KEYS = {"function": "ref", "model_path": "model"}  # inside each [[reward.sources]] table
+PATHS_HELP = ("paths in a job file are relative to that file; paths in command-line overrides to the working "
+              "directory")
+
+
+def _base_dir(origin: Origin) -> Path:
+    return Path.cwd() if origin.file == COMMAND_LINE else Path(origin.file).resolve().parent
+
+
+def _resolve_path(value: Any, kind: str, base: Path) -> Any:
+    if not isinstance(value, str) or not value:
+        return value
+    if kind == "ref":
+        target, sep, func = value.rpartition(":")
+        if not sep or not target.endswith(".py") or os.path.isabs(target):
+            return value
+        return f"{(base / target).resolve()}:{func}"
+    if os.path.isabs(value) or value.startswith("builtin:"):
+        return value
+    if kind == "model":
+        here = base / value
+        if not (here.exists() or value.startswith(("./", "../")) or value.count("/") > 1):
+            return value
+    return str((base / value).resolve())
+
+
+def resolve_paths(raw: dict, report: Report) -> None:
+    """Rewrite the path-valued keys of `raw` to absolute paths, each against the directory of the
+    file that set it (or the working directory for a command-line override)."""
+    for key, kind in PATH_KEYS.items():
+        *parents, leaf = key.split(".")
+        node = raw
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        base = _base_dir(report.where(key))
+        value = node[leaf]
+        if isinstance(value, list):
+            node[leaf] = [_resolve_path(v, kind, base) for v in value]
+        else:
+            node[leaf] = _resolve_path(value, kind, base)
+    sources = raw.get("reward", {}).get("sources") if isinstance(raw.get("reward"), dict) else None
+    if isinstance(sources, list):
+        base = _base_dir(report.where("reward.sources"))
+        for table in sources:
+            if isinstance(table, dict):
+                for k, kind in SOURCE_PATH_KEYS.items():
+                    if k in table:
+                        table[k] = _resolve_path(table[k], kind, base)
+
+
 # ---- typed build --------------------------------------------------------------------------------
 
 def build_section(cls, raw: Any, prefix: str, report: Report, valid: list[str]):
@@ -274,8 +350,7 @@ def build_section(cls, raw: Any, prefix: str, report: Report, valid: list[str]):
     for key in raw:
         if key not in fields:
             dotted = prefix + key
-            hint = suggest(dotted, list(fields), valid)
-            report.error(dotted, "unknown key" + (f"; did you mean `{hint}`?" if hint else ""))
+            report.error(dotted, explain_unknown(dotted, list(fields), valid))
     values = {}
     buildable = True
     for fname, f in fields.items():
@@ -321,6 +396,7 @@ def load(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), r
     if raw is None:
         raise SpecError(report.problems[0], problems=report.problems)
     apply_overrides(raw, list(overrides), root, report)
+    resolve_paths(raw, report)
     spec = build_section(root, raw, "", report, schema.all_keys(root))
     if spec is not None:
         # Cross-section checks run even after field errors (bad values fell back to defaults),

@@ -46,10 +46,8 @@ VERL_TO_MRL: dict[str, str] = {
     "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size": "parallel.expert_tensor",
     "actor_rollout_ref.actor.megatron.sequence_parallel": "parallel.sequence_parallel",
     "actor_rollout_ref.actor.megatron.use_distributed_optimizer": "parallel.distributed_optimizer",
-    "actor_rollout_ref.actor.megatron.param_offload": "actor.offload_params",
     "actor_rollout_ref.actor.megatron.optimizer_offload": "actor.optim.offload",
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "ref.micro_batch_tokens",
-    "actor_rollout_ref.ref.megatron.param_offload": "ref.offload_params",
     "actor_rollout_ref.rollout.name": "rollout.engine",
     "actor_rollout_ref.rollout.n": "rollout.responses_per_prompt",
     "actor_rollout_ref.rollout.temperature": "rollout.temperature",
@@ -57,7 +55,6 @@ VERL_TO_MRL: dict[str, str] = {
     "actor_rollout_ref.rollout.top_p": "rollout.top_p",
     "actor_rollout_ref.rollout.do_sample": "rollout.do_sample",
     "actor_rollout_ref.rollout.repetition_penalty": "rollout.repetition_penalty",
-    "actor_rollout_ref.rollout.over_sample_rate": "rollout.over_sample_rate",
     "actor_rollout_ref.rollout.prompt_length": "data.max_prompt_tokens",
     "actor_rollout_ref.rollout.response_length": "rollout.max_response_tokens",
     "actor_rollout_ref.rollout.dtype": "rollout.dtype",
@@ -78,7 +75,6 @@ VERL_TO_MRL: dict[str, str] = {
     "actor_rollout_ref.rollout.load_format": "rollout.load_format",
     "actor_rollout_ref.rollout.quantization": "rollout.quantization",
     "actor_rollout_ref.rollout.disable_log_stats": "rollout.disable_log_stats",
-    "actor_rollout_ref.rollout.skip_tokenizer_init": "rollout.skip_tokenizer_init",
     "actor_rollout_ref.rollout.cudagraph_capture_sizes": "rollout.cudagraph_capture_sizes",
     "actor_rollout_ref.rollout.engine_kwargs": "rollout.engine_kwargs",
     "actor_rollout_ref.rollout.val_kwargs.n": "rollout.validation.responses_per_prompt",
@@ -137,7 +133,6 @@ VERL_TO_MRL: dict[str, str] = {
     "trainer.resume_mode": "checkpoint.resume",
     "trainer.max_actor_ckpt_to_keep": "checkpoint.keep_last",
     "trainer.critic_warmup": "critic.warmup_steps",
-    "trainer.balance_batch": "trainer.balance_batch",
     "trainer.project_name": "tracking.experiment",
     "trainer.experiment_name": "tracking.run_name",
     "trainer.logger": "tracking.backends",
@@ -152,6 +147,14 @@ VERL_TO_MRL: dict[str, str] = {
     "reward_model.reward_fn.path": "reward.function",
     "reward_model.reward_fn.name": "reward.function",
 }
+
+_PARAM_OFFLOAD = ("parameter offload is not implemented: trainer parameters stay on the device (the rollout engine "
+                  "frees its own memory with rollout.sleep_level; actor.optim.offload moves optimizer state to the host)")
+_OVER_SAMPLE = ("mrl generates synchronously and keeps every response; long-tail requests are bounded by "
+                "rollout.max_response_tokens and rollout.generate_timeout_s")
+_SKIP_TOKENIZER = "always on: mrl's vLLM engine works on token ids and the trainer detokenizes"
+_BALANCE = ("ranks are not re-balanced: each rank packs its own responses into token-budget micro-batches "
+            "(actor.micro_batch_tokens)")
 
 # verl keys with no mrl counterpart, and why (CONTRIBUTING.md lists them).
 VERL_NOT_APPLICABLE: dict[str, str] = {
@@ -168,7 +171,34 @@ VERL_NOT_APPLICABLE: dict[str, str] = {
     "actor_rollout_ref.actor.peft": "LoRA is not supported yet",
     "actor_rollout_ref.rollout.calculate_log_probs": "always on: the engine's per-token log-probs are always recorded",
     "trainer.prometheus": "metrics go to MLflow and the console",
+    "actor_rollout_ref.actor.megatron.param_offload": _PARAM_OFFLOAD,
+    "actor_rollout_ref.ref.megatron.param_offload": _PARAM_OFFLOAD,
+    "critic.megatron.param_offload": _PARAM_OFFLOAD,
+    "actor_rollout_ref.rollout.over_sample_rate": _OVER_SAMPLE,
+    "actor_rollout_ref.rollout.skip_tokenizer_init": _SKIP_TOKENIZER,
+    "trainer.balance_batch": _BALANCE,
 }
+
+# mrl keys that existed once and were removed because mrl did not act on them: a job that still
+# sets one gets this reason instead of "unknown key".
+REMOVED_KEYS: dict[str, str] = {
+    "actor.offload_params": _PARAM_OFFLOAD,
+    "critic.offload_params": _PARAM_OFFLOAD,
+    "ref.offload_params": _PARAM_OFFLOAD,
+    "rollout.over_sample_rate": _OVER_SAMPLE,
+    "rollout.skip_tokenizer_init": _SKIP_TOKENIZER,
+    "trainer.balance_batch": _BALANCE,
+}
+
+
+def explain_unknown(unknown: str, siblings: list[str], valid_keys: list[str]) -> str:
+    """The message for an unknown key: why a removed or inapplicable key has no mrl setting, or
+    "unknown key; did you mean `x`?"."""
+    reason = REMOVED_KEYS.get(unknown) or VERL_NOT_APPLICABLE.get(unknown)
+    if reason is not None:
+        return f"not an mrl key: {reason}; remove it"
+    hint = suggest(unknown, siblings, valid_keys)
+    return "unknown key" + (f"; did you mean `{hint}`?" if hint else "")
 
 # Leaf names that are too generic to map on their own ("enable", "path", ...).
 _AMBIGUOUS_LEAVES = {"enable", "path", "name", "type", "lr", "len"}

@@ -25,22 +25,43 @@ def _replace(obj, **changes):
 def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
     """Replace derived (`None`) fields by their values. Idempotent."""
     job = _replace(spec.job, **({"name": default_name} if not spec.job.name else {}))
+    if not os.path.isabs(job.output_dir):   # the default, "runs": under the working directory
+        job = _replace(job, output_dir=os.path.abspath(job.output_dir))
     par = _replace(spec.parallel, **({"expert_tensor": spec.parallel.tensor} if spec.parallel.expert_tensor is None else {}))
     alg = spec.algorithm
     if alg.loss_aggregation is None:
         forced = "seq-mean-token-mean" if alg.policy_loss in _SEQ_MEAN_LOSSES else "token-mean"
         alg = _replace(alg, loss_aggregation=forced)
+    if alg.loss_aggregation == "seq-mean-token-sum-norm" and alg.loss_norm is None:
+        # a constant divisor: the padded width of a batch changes from step to step and rank to rank
+        alg = _replace(alg, loss_norm=float(spec.rollout.max_response_tokens))
+    if alg.dynamic_sampling.generation_batch_prompts is None:
+        alg = _replace(alg, dynamic_sampling=_replace(alg.dynamic_sampling,
+                                                      generation_batch_prompts=spec.data.prompts_per_step))
     kl_on = alg.kl_loss.enable or alg.kl_reward.enable
     actor = spec.actor
     if actor.mini_batch_prompts is None:
         actor = _replace(actor, mini_batch_prompts=spec.data.prompts_per_step)
+    if actor.logprob_micro_batch_tokens is None:
+        actor = _replace(actor, logprob_micro_batch_tokens=actor.micro_batch_tokens)
     critic = spec.critic
     if critic.enable is None:
         critic = _replace(critic, enable=alg.advantage == "gae")
     if critic.mini_batch_prompts is None:
         critic = _replace(critic, mini_batch_prompts=actor.mini_batch_prompts)
+    if critic.enable and critic.model_path is None:
+        critic = _replace(critic, model_path=spec.model.path)
     ref = spec.ref if spec.ref.enable is not None else _replace(spec.ref, enable=kl_on)
+    if ref.enable and ref.model_path is None:
+        ref = _replace(ref, model_path=spec.model.path)
+    if ref.enable and ref.micro_batch_tokens is None:
+        ref = _replace(ref, micro_batch_tokens=actor.micro_batch_tokens)
+    reward = spec.reward
+    has_model = reward.model_path is not None or any("model_path" in s for s in reward.sources)
+    if has_model and reward.micro_batch_tokens is None:
+        reward = _replace(reward, micro_batch_tokens=actor.micro_batch_tokens)
     data = spec.data if spec.data.seed is not None else _replace(spec.data, seed=job.seed)
+    model = spec.model if spec.model.tokenizer is not None else _replace(spec.model, tokenizer=spec.model.path)
     rollout = spec.rollout
     if rollout.dtype is None:
         rollout = _replace(rollout, dtype=spec.model.dtype)
@@ -51,8 +72,24 @@ def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
     if rollout.weight_sync.dtype is None:
         rollout = _replace(rollout, weight_sync=_replace(rollout.weight_sync, dtype=rollout.dtype))
     tracking = spec.tracking if spec.tracking.run_name else _replace(spec.tracking, run_name=job.name)
-    return dataclasses.replace(spec, job=job, parallel=par, algorithm=alg, actor=actor, critic=critic,
-                               ref=ref, data=data, rollout=rollout, tracking=tracking)
+    if tracking.tracking_uri is None:
+        # one store per output directory: `mlflow ui` on it shows (and compares) every run of the project
+        store = os.path.join(os.path.abspath(job.output_dir), "mlflow.db")
+        tracking = _replace(tracking, tracking_uri=f"sqlite:///{store}")
+    checkpoint = spec.checkpoint
+    if checkpoint.dir is None:
+        checkpoint = _replace(checkpoint, dir=os.path.join(job.output_dir, job.name, "checkpoints"))
+    return dataclasses.replace(spec, job=job, model=model, parallel=par, algorithm=alg, actor=actor, critic=critic,
+                               ref=ref, reward=reward, data=data, rollout=rollout, tracking=tracking,
+                               checkpoint=checkpoint)
+
+
+def _reward_source_names(rw) -> list[str]:
+    from mrl.reward.sources import reward_problems, reward_sources
+
+    if reward_problems(rw, check_files=False):
+        return []
+    return [s.name for s in reward_sources(rw, check_files=False)]
 
 
 def check(spec: JobSpec, report) -> None:
@@ -67,6 +104,13 @@ def check(spec: JobSpec, report) -> None:
         err("platform.backend", "nccl needs GPUs; use 'gloo' or 'auto' with platform.device = 'cpu'")
     if plat.device == "cpu" and par.sequence_parallel:
         err("parallel.sequence_parallel", "needs Transformer Engine or apex norms, which the cpu platform does not have")
+    from mrl.errors import UserError
+    from mrl.models.attention import resolve_backend  # the rule the model builder applies
+
+    try:
+        resolve_backend(spec.model.attention, plat.device)
+    except UserError as e:
+        err("model.attention", str(e).removeprefix("model.attention: "))
 
     # --- parallel layout
     model_split = par.tensor * par.pipeline * par.context
@@ -163,6 +207,8 @@ def check(spec: JobSpec, report) -> None:
         problem = generator_problem(data.generator)
         if problem:
             err("data.generator", problem)
+    if data.train_files and data.generator is not None:
+        err("data.generator", "set either data.generator or data.train_files, not both")
     if not data.train_files and data.generator is None:
         err("data.train_files", "no prompts: set data.train_files or data.generator")
     for f in data.train_files:
@@ -195,9 +241,19 @@ def check(spec: JobSpec, report) -> None:
         if n < 2:
             err("algorithm.dynamic_sampling.enable", f"drops groups whose scores are all equal; needs >= 2 responses per prompt, got {n}")
         gen = ds.generation_batch_prompts
-        if gen is not None and gen < prompts:
+        if gen < prompts:
             err("algorithm.dynamic_sampling.generation_batch_prompts",
                 f"{gen} is smaller than data.prompts_per_step {prompts}")
+        if dp and gen % dp:
+            err("algorithm.dynamic_sampling.generation_batch_prompts",
+                f"{gen} prompts per generation round do not split evenly over data-parallel size {dp}")
+        names = _reward_source_names(spec.reward)
+        if names and "/" in ds.metric and ds.metric.partition("/")[0] not in names:
+            err("algorithm.dynamic_sampling.metric", f"{ds.metric!r} names no reward source (sources: {', '.join(names)})")
+    elif ds.generation_batch_prompts != prompts:
+        err("algorithm.dynamic_sampling.generation_batch_prompts",
+            f"{ds.generation_batch_prompts} differs from data.prompts_per_step {prompts}, but only dynamic sampling "
+            "generates more prompts than a step trains on; set algorithm.dynamic_sampling.enable = true or remove it")
     ol = alg.overlong
     if ol.enable and ol.buffer_tokens >= roll.max_response_tokens:
         err("algorithm.overlong.buffer_tokens", f"{ol.buffer_tokens} must be smaller than rollout.max_response_tokens "
@@ -218,5 +274,5 @@ def check(spec: JobSpec, report) -> None:
     # --- checkpoint / trainer
     if spec.checkpoint.async_save:
         err("checkpoint.async_save", "background saves are not implemented yet (saves are synchronous); set it to false")
-    if spec.checkpoint.resume == "must" and spec.checkpoint.load_from is None and spec.checkpoint.dir is None:
-        warn("checkpoint.resume", "'must' resumes from <job.output_dir>/<job.name>/checkpoints; the run fails if none is there")
+    if spec.checkpoint.resume == "must" and spec.checkpoint.load_from is None:
+        warn("checkpoint.resume", f"'must' resumes from {spec.checkpoint.dir}; the run fails if no checkpoint is there")

@@ -22,6 +22,5 @@ class CriticConfig:
     epochs: int = option(1, ge=1, help="passes over each step's data")
     warmup_steps: int = option(0, ge=0, help="train only the critic for this many steps first")
     recompute: Literal["none", "selective", "full"] = option("none", help="activation recomputation")
-    offload_params: bool = option(False, help="keep parameters on the host between uses")
     optim: OptimConfig = option(factory=_critic_optim, help="optimizer")
     schedule: ScheduleConfig = option(factory=ScheduleConfig, help="learning-rate schedule")

@@ -13,4 +13,3 @@ class RefConfig:
     enable: Optional[bool] = option(None, help="default: on exactly when algorithm.kl_loss or algorithm.kl_reward is on")
     model_path: Optional[str] = option(None, help="checkpoint (default: model.path)")
     micro_batch_tokens: Optional[int] = option(None, ge=1, help="token budget per forward (default: actor.micro_batch_tokens)")
-    offload_params: bool = option(True, help="keep parameters on the host between uses")

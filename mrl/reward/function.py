@@ -50,11 +50,13 @@ def static_problem(ref: str, n_args: int | None = 4, signature: str = SIGNATURE)
     path = source_file(target)
     if path is None:
         what = "file" if target.endswith(".py") else "module"
-        return f"{what} {target!r} not found" + (" (paths are relative to the working directory)" if what == "file" else "")
+        return f"{what} {target!r} not found"
     if not path.is_file():
-        return f"file {target!r} not found (paths are relative to the working directory)"
+        return f"file {target!r} not found"
     try:
-        tree = ast.parse(path.read_text(), filename=str(path))
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except UnicodeDecodeError as e:
+        return f"{target} is not UTF-8 text (byte {e.start})"
     except SyntaxError as e:
         return f"{target} does not parse: line {e.lineno}: {e.msg}"
     defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}

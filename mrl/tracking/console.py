@@ -14,10 +14,15 @@ from typing import IO, Mapping
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-# label -> metric keys shown on each step (the first one the step logged): the reward, and the KL
-# the run optimises against (KL loss, KL in the reward), else the policy's approximate KL to the
-# behaviour policy.
-HEADLINE = {"reward": ("reward/mean",), "kl": ("actor/kl_loss", "kl/reward_kl", "actor/pg_approx_kl")}
+# Headline slots shown on each step: for each slot, (label, metric key) pairs, and the first key the
+# step logged is shown under its own label, so a number is always called what it is: the training
+# reward, the validation reward (on steps that validate), and the KL the run optimises against (the
+# KL loss, the KL in the reward), else the policy's approximate KL to the behaviour policy.
+HEADLINE: tuple[tuple[tuple[str, str], ...], ...] = (
+    (("reward", "reward/mean"),),
+    (("val_reward", "val/reward_mean"),),
+    (("kl_loss", "actor/kl_loss"), ("reward_kl", "kl/reward_kl"), ("approx_kl", "actor/pg_approx_kl")),
+)
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -37,10 +42,11 @@ class ConsoleProgress:
     """Progress for `total_steps` steps starting after `start_step` (non-zero when resuming)."""
 
     def __init__(self, total_steps: int, *, start_step: int = 0, file: IO[str] | None = None,
-                 force_terminal: bool | None = None, headline: Mapping[str, tuple[str, ...]] = HEADLINE):
+                 force_terminal: bool | None = None, headline=HEADLINE, every_steps: int = 1):
         self.total_steps, self.start_step = total_steps, start_step
+        self.every_steps = every_steps  # plain output: a line every N steps and at the last one
         self.file = file if file is not None else sys.stdout
-        self.headline = dict(headline)
+        self.headline = tuple(headline)
         self.console = Console(file=self.file, force_terminal=force_terminal)
         self.live = self.console.is_terminal
         self._t0 = time.monotonic()
@@ -69,15 +75,15 @@ class ConsoleProgress:
 
     def step_done(self, step: int, metrics: Mapping[str, float]) -> str:
         """Record that `step` (1-based count of finished steps) ended with `metrics`; returns the line shown."""
-        picked = {label: next((k for k in keys if k in metrics), None) for label, keys in self.headline.items()}
-        shown = "  ".join(f"{label} {_fmt_value(float(metrics[key]))}" for label, key in picked.items() if key)
+        picked = [next(((label, key) for label, key in slot if key in metrics), None) for slot in self.headline]
+        shown = "  ".join(f"{label} {_fmt_value(float(metrics[key]))}" for label, key in filter(None, picked))
         eta = _fmt_duration(self.eta_seconds(step))
         ran = step - self.start_step
         pace = (time.monotonic() - self._t0) / ran if ran > 0 else math.nan
         line = f"step {step}/{self.total_steps}  {shown}  {pace:.2f}s/step  eta {eta}".replace("    ", "  ")
         if self._progress is not None:
             self._progress.update(self._task, completed=step, eta=eta, headline=shown)
-        else:
+        elif step % self.every_steps == 0 or step >= self.total_steps:
             print(line, file=self.file, flush=True)
         return line
 

@@ -31,6 +31,13 @@ def default_tracking_uri(run_dir: str | os.PathLike) -> str:
     return f"sqlite:///{path / 'mlflow.db'}"
 
 
+def ensure_store_dir(uri: str) -> None:
+    """Create the directory of a local sqlite store (MLflow creates the file, not its directory)."""
+    store_dir = _sqlite_dir(uri)
+    if store_dir is not None:
+        store_dir.mkdir(parents=True, exist_ok=True)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

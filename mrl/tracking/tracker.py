@@ -19,7 +19,7 @@ from typing import IO, Any, Mapping
 from mrl.config.dump import to_toml
 from mrl.tracking.config import TrackingConfig
 from mrl.tracking.console import ConsoleProgress
-from mrl.tracking.mlflow_run import MlflowRun, default_tracking_uri, source_tags
+from mrl.tracking.mlflow_run import MlflowRun, default_tracking_uri, ensure_store_dir, source_tags
 from mrl.tracking.params import spec_params
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class Tracker:
 
     def __init__(self, cfg: TrackingConfig, *, run_dir: str | os.PathLike, total_steps: int, rank: int | None = None,
                  resume_run_id: str | None = None, start_step: int = 0, stream: IO[str] | None = None,
-                 force_terminal: bool | None = None):
+                 force_terminal: bool | None = None, log_every_steps: int = 1):
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self.console: ConsoleProgress | None = None
         self.mlflow: MlflowRun | None = None
@@ -44,6 +44,7 @@ class Tracker:
             return
         if "mlflow" in cfg.backends:
             uri = cfg.tracking_uri or default_tracking_uri(run_dir)
+            ensure_store_dir(uri)
             tags = {**source_tags(), **cfg.tags} if resume_run_id is None else dict(cfg.tags)
             self.mlflow = MlflowRun(uri, cfg.experiment, cfg.run_name or Path(run_dir).name, run_id=resume_run_id,
                                     tags=tags)
@@ -54,12 +55,16 @@ class Tracker:
             self.mlflow.end_stale_runs()
         if "console" in cfg.backends:
             self.console = ConsoleProgress(total_steps, start_step=start_step, file=stream,
-                                           force_terminal=force_terminal)
+                                           force_terminal=force_terminal, every_steps=log_every_steps)
 
     @classmethod
     def from_spec(cls, spec: Any, *, total_steps: int, **kw) -> "Tracker":
         """A tracker for a resolved job spec, with the run directory `<job.output_dir>/<job.name>`."""
-        return cls(spec.tracking, run_dir=run_dir_of(spec), total_steps=total_steps, **kw)
+        tracker = cls(spec.tracking, run_dir=run_dir_of(spec), total_steps=total_steps,
+                      log_every_steps=spec.trainer.log_every_steps, **kw)
+        if tracker.mlflow is not None and spec.job.description:
+            tracker.mlflow.set_tags({"mlflow.note.content": spec.job.description})   # the UI's run description
+        return tracker
 
     @property
     def run_id(self) -> str | None:

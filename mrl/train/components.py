@@ -157,16 +157,16 @@ def build(spec: JobSpec) -> Components:
     device = ctx.platform
     dataset = load_prompts(spec.data, tokenizer, "train")
     total = steps_planned(spec, len(dataset))
-    sampler = PromptSampler(len(dataset), spec.data.prompts_per_step, dp_rank=ctx.dp_rank, dp_size=ctx.dp,
-                            seed=spec.data.seed if spec.data.seed is not None else spec.job.seed,
-                            shuffle=spec.data.shuffle)
+    # One sampler batch is one generation round (dynamic sampling runs several rounds per step).
+    sampler = PromptSampler(len(dataset), spec.algorithm.dynamic_sampling.generation_batch_prompts,
+                            dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=spec.data.seed, shuffle=spec.data.shuffle)
 
     actor = _trainable("actor", spec, hf, device, spec.actor, optimizer_steps(spec, spec.actor, total),
                        path=spec.model.path)
     ref = None
     if spec.ref.enable:
         chunks = _chunks("ref", spec, hf, device)
-        if not _load(chunks, spec.ref.model_path or spec.model.path, hf, "ref"):
+        if not _load(chunks, spec.ref.model_path, hf, "ref"):
             _copy_from(chunks, actor.chunks)
         from mrl.engine import Engine
 
@@ -174,15 +174,14 @@ def build(spec: JobSpec) -> Components:
     critic = None
     if spec.critic.enable:
         critic = _trainable("critic", spec, hf, device, spec.critic, optimizer_steps(spec, spec.critic, total),
-                            init_from=actor.chunks, path=spec.critic.model_path or spec.model.path)
+                            init_from=actor.chunks, path=spec.critic.model_path)
 
     reward_model = _reward_model(spec, hf, device)
 
     mp_group = ps.get_model_parallel_group()
     leader = dist.get_process_group_ranks(mp_group)[0] if dist.is_initialized() else 0
     comps = Components(spec=spec, ctx=ctx, hf=hf, tokenizer=tokenizer, actor=actor,
-                       exporter=Exporter(actor.chunks, hf, dtype=_dtype(spec.rollout.weight_sync.dtype or spec.rollout.dtype
-                                                                         or spec.model.dtype)),
+                       exporter=Exporter(actor.chunks, hf, dtype=_dtype(spec.rollout.weight_sync.dtype)),
                        ref=ref, critic=critic, dataset=dataset, sampler=sampler, total_steps=total,
                        mp_group=mp_group, mp_leader=leader, reward_model=reward_model)
     from mrl.train.engines import build_rollout

@@ -26,9 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def checkpoint_root(spec: JobSpec) -> Path:
-    from mrl.tracking.tracker import run_dir_of
-
-    return Path(spec.checkpoint.dir) if spec.checkpoint.dir else run_dir_of(spec) / "checkpoints"
+    return Path(spec.checkpoint.dir)   # resolved: <job.output_dir>/<job.name>/checkpoints unless set
 
 
 def _kl_controller(spec: JobSpec):
@@ -104,7 +102,8 @@ def _save(c: Components, step: int, tracker_run_id) -> None:
 
 
 def _reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """Means over data-parallel ranks (ranks of one model replica hold the same values)."""
+    """Means over data-parallel ranks (ranks of one model replica hold the same values); `*_max`
+    and `time/*` keys are maxima over all ranks."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return metrics
     from megatron.core import parallel_state as ps
@@ -124,14 +123,16 @@ def _reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
             out[k] = sum(vals) / len(vals) * dp
             continue
         if vals:
-            out[k] = max(vals) if k.endswith("_max") else sum(vals) / len(vals)
+            # a stage takes as long as its slowest rank: timings are maxima, not means
+            out[k] = max(vals) if k.endswith("_max") or k.startswith("time/") else sum(vals) / len(vals)
     return out
 
 
 def train(spec: JobSpec) -> dict[str, float]:
     """Run `spec` to `trainer.total_steps` (or its epochs); returns the last step's metrics."""
     from mrl.platform import teardown
-    from mrl.tracking.tracker import Tracker
+    from mrl.tracking.profile import profile_step
+    from mrl.tracking.tracker import Tracker, run_dir_of
 
     c = build(spec)
     tracker = None
@@ -158,7 +159,9 @@ def train(spec: JobSpec) -> dict[str, float]:
             tracker.log_metrics(validate(c, 0), 0)
             release_engine(c)
         for step in range(start + 1, c.total_steps + 1):
-            metrics = _reduce_metrics(train_step(c, step, on_stage=tracker.stage))
+            with profile_step(spec.trainer.profile_steps, step, run_dir_of(spec), c.ctx.rank):
+                step_metrics = train_step(c, step, on_stage=tracker.stage)
+            metrics = _reduce_metrics(step_metrics)
             if val_every and (step % val_every == 0 or step == c.total_steps):
                 tracker.stage("validation")
                 sync_weights(c)   # the update just changed the policy
@@ -176,3 +179,7 @@ def train(spec: JobSpec) -> dict[str, float]:
             tracker.finish(status)
         close(c)
         teardown()
+        if status == "FINISHED" and spec.checkpoint.save_hf_at_end:
+            from mrl.train.export import export_hf
+
+            export_hf(spec, checkpoint_root(spec), c.total_steps, rank=c.ctx.rank)

@@ -67,13 +67,68 @@ def generate(c: Components, prompt_ids: list[list[int]], sampling: Sampling) -> 
     if c.engine_groups is not None:
         from mrl.train.engines import generate_on_groups
 
-        return generate_on_groups(c.generator, c.engine_groups, c.ctx.dp_rank, c.ctx.dp, prompt_ids, sampling)
-    out = c.generator.generate(prompt_ids, sampling) if c.is_leader else None
+        return generate_within(lambda: generate_on_groups(c.generator, c.engine_groups, c.ctx.dp_rank, c.ctx.dp,
+                                                          prompt_ids, sampling),
+                               c.spec.rollout.generate_timeout_s, len(prompt_ids), sampling.n)
+    out = (generate_within(lambda: c.generator.generate(prompt_ids, sampling), c.spec.rollout.generate_timeout_s,
+                           len(prompt_ids), sampling.n) if c.is_leader else None)
     return _to_group(c, out, "rollout generation")
 
 
-def score(c: Components, items: list, responses: list[Response], n: int, step: int) -> dict:
-    """Rewards of `responses` (prompt-major, `n` per item) as plain lists, equal on the group."""
+def generate_within(call, timeout_s: float, prompts: int, n: int):
+    """`call()` (a generate call), or a `UserError` once it has run `timeout_s` seconds
+    (`rollout.generate_timeout_s`). It runs in a daemon thread carrying this thread's grad mode and
+    CUDA device, so a generation that never returns cannot hold the process past the error."""
+    import threading
+
+    box: dict[str, Any] = {}
+    grad = torch.is_grad_enabled()
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def run():
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            with torch.set_grad_enabled(grad):
+                box["out"] = call()
+        except BaseException as e:   # re-raised in the caller's thread
+            box["error"] = e
+
+    worker = threading.Thread(target=run, name="mrl-generate", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise UserError(f"rollout: generating {prompts} prompts x {n} responses ran longer than "
+                        f"rollout.generate_timeout_s = {timeout_s:g} s; raise it or lower rollout.max_response_tokens")
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
+def filter_values(result, metric: str) -> list[float]:
+    """Per-response values of `algorithm.dynamic_sampling.metric`: "score" (the reward), a reward
+    source's name (its own score), or a number the rewards return in their dicts, as "<source>/<key>"
+    or a bare "<key>" one source returns. A failed reward counts as 0, like its score. Raises
+    `UserError` naming what the rewards did return when none matches."""
+    if metric == "score":
+        values = result.scores
+    elif metric in result.source_scores:
+        values = result.source_scores[metric]
+    elif metric in result.metrics:
+        values = result.metrics[metric]
+    else:
+        found = [k for k in result.metrics if k.rpartition("/")[2] == metric]
+        if len(found) != 1:
+            returned = ", ".join(["score", *result.source_scores, *result.metrics])
+            why = f"several sources return it ({', '.join(found)}): name one" if found else f"the rewards return: {returned}"
+            raise UserError(f"algorithm.dynamic_sampling.metric = {metric!r}: no such reward output; {why}")
+        values = result.metrics[found[0]]
+    return [0.0 if math.isnan(v) else float(v) for v in values]
+
+
+def score(c: Components, items: list, responses: list[Response], n: int, step: int, metric: str | None = None) -> dict:
+    """Rewards of `responses` (prompt-major, `n` per item) as plain lists, equal on the group;
+    with `metric`, also the dynamic-sampling values (`filter_values`) of each response."""
     from mrl.reward.compose import RewardSample
 
     result = None
@@ -89,7 +144,15 @@ def score(c: Components, items: list, responses: list[Response], n: int, step: i
                    for it_i, it in enumerate(items) for j, r in enumerate(responses[it_i * n:(it_i + 1) * n])]
         res = c.rewarder.score(samples)
         result = dict(scores=res.scores, valid=res.valid, stats=res.stats)
-    return _to_group(c, result, "reward scoring")
+        if metric is not None:
+            try:
+                result["filter_values"] = filter_values(res, metric)
+            except UserError as e:   # raised on every rank of the group, after the broadcast
+                result["filter_error"] = str(e)
+    result = _to_group(c, result, "reward scoring")
+    if "filter_error" in result:
+        raise UserError(result["filter_error"])
+    return result
 
 
 def reward_model_scores(c: Components, items: list, responses: list[Response], n: int) -> list[float]:
@@ -103,7 +166,7 @@ def reward_model_scores(c: Components, items: list, responses: list[Response], n
     pad = c.tokenizer.pad_token_id or 0
     prompts = [list(it.token_ids) for it in items for _ in range(n)]
     batch = Batch.from_sequences(prompts, [list(r.token_ids) + [pad] for r in responses], pad_id=pad)
-    budget = c.spec.reward.micro_batch_tokens or c.spec.actor.micro_batch_tokens
+    budget = c.spec.reward.micro_batch_tokens   # resolved: actor.micro_batch_tokens unless set
     values = c.reward_model.forward_only(batch, values_output(), micro_batch_tokens=budget)["values"].cpu()
     return [float(values[i, len(r.token_ids)]) for i, r in enumerate(responses)]
 
@@ -122,7 +185,8 @@ def _round(c: Components, step: int, sampling: Sampling) -> dict:
     picked = c.sampler.next()
     items = [c.dataset[i] for i in picked.indices]
     responses = generate(c, [list(it.token_ids) for it in items], sampling)
-    scored = score(c, items, responses, sampling.n, step)
+    dyn = c.spec.algorithm.dynamic_sampling
+    scored = score(c, items, responses, sampling.n, step, metric=dyn.metric if dyn.enable else None)
     return dict(items=items, responses=responses, **scored)
 
 
@@ -131,7 +195,7 @@ def collect(c: Components, step: int) -> tuple[Batch, dict]:
     with `rewards` (after overlong shaping) and `rollout_logprobs`."""
     spec = c.spec
     alg = spec.algorithm
-    base = spec.rollout.seed if spec.rollout.seed is not None else spec.job.seed
+    base = spec.rollout.seed
     n = spec.rollout.responses_per_prompt
     per_rank = spec.data.prompts_per_step // c.ctx.dp
     dyn = alg.dynamic_sampling
@@ -150,7 +214,10 @@ def collect(c: Components, step: int) -> tuple[Batch, dict]:
             stats[k] = stats.get(k, 0.0) + float(v) if is_count(k) else float(v)
         scores = torch.tensor(r["scores"], dtype=torch.float32)
         groups = torch.arange(len(r["items"])).repeat_interleave(n)
-        keep = keep_groups(scores, groups) if dyn.enable else torch.ones(len(scores), dtype=torch.bool)
+        if dyn.enable:   # groups whose dynamic_sampling.metric is equal for every response carry no signal
+            keep = keep_groups(torch.tensor(r["filter_values"], dtype=torch.float64), groups)
+        else:
+            keep = torch.ones(len(scores), dtype=torch.bool)
         if spec.reward.on_error == "drop":
             valid = torch.tensor(r["valid"], dtype=torch.bool).view(-1, n).all(dim=1).repeat_interleave(n)
             keep &= valid

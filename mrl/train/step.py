@@ -60,7 +60,7 @@ def logprobs_of(engine, c: Components, batch: Batch, budget: Optional[int]) -> t
     from mrl.engine.objectives import actor_outputs
 
     out = engine.forward_only(batch, actor_outputs(c.spec.rollout.temperature, vocab_size=c.hf["vocab_size"]),
-                              micro_batch_tokens=budget or c.spec.actor.micro_batch_tokens)
+                              micro_batch_tokens=budget)
     return out["logprobs"].cpu()
 
 

@@ -14,6 +14,5 @@ class TrainerConfig:
     total_steps: Optional[int] = option(None, ge=1, help="stop after this many steps")
     val_every_steps: int = option(0, ge=0, help="validate every N steps; 0 = never")
     val_before_train: bool = option(False, help="validate once before the first step")
-    balance_batch: bool = option(True, help="balance tokens across DP ranks")
-    log_every_steps: int = option(1, ge=1, help="console/metrics cadence")
+    log_every_steps: int = option(1, ge=1, help="the console prints a progress line every N steps (and the last); MLflow records every step")
     profile_steps: tuple[int, ...] = option((), ge=1, help="steps to profile with torch.profiler")

@@ -179,3 +179,23 @@ def test_two_short_trainings_with_different_lr(tmp_path):
     for name in ("reward_mean.png", "actor_entropy.png", "response_length_mean.png",
                  "rollout_logprob_abs_diff_mean.png", "time_step.png", "overview.png"):
         assert (out / name).is_file(), f"{name} missing: {sorted(p.name for p in out.iterdir())}"
+
+
+def test_curves_are_labelled_by_the_keys_that_differ(two_runs):
+    from mrl.compare.report import curve_labels
+
+    root, a, b = two_runs
+    runs = select_runs([str(root / "a"), str(root / "b")])
+    diff = [("actor.optim.lr", ["0.003", "0.001"]), ("job.name", ["a", "b"]), ("data.rows_read", [None, "256"])]
+    assert curve_labels(runs, diff) == {"a": "a: actor.optim.lr=0.003",
+                                        "b": "b: actor.optim.lr=0.001, data.rows_read=256"}
+
+
+def test_a_run_directory_finds_its_runs_in_the_shared_store_of_its_output_directory(tmp_path):
+    out = tmp_path / "runs"
+    first = make_run(out, "exp-a", {"actor.optim.lr": "1"}, {"reward/mean": [0.1]})
+    make_run(out, "exp-b", {"actor.optim.lr": "2"}, {"reward/mean": [0.2]})
+    (out / "exp-a").mkdir()   # the run directory (checkpoints); its metrics are in runs/mlflow.db
+    assert [r.run_id for r in select_runs([str(out / "exp-a")])] == [first]
+    assert len(select_runs([str(out)])) == 2   # the output directory: every run of the project
+    assert [r.run_id for r in select_runs(["exp-a"], cwd=tmp_path)] == [first]   # runs/mlflow.db by default

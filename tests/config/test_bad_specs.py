@@ -1,7 +1,10 @@
 """The bad-spec battery: every mistake exits 2 with a one-line message naming the dotted key."""
 import pytest
+from pathlib import Path
 
 from tests.config.conftest import DELETE
+
+REPO = Path(__file__).resolve().parents[2]
 
 # (case id, patch over the valid base job, the dotted key the message must name, a fragment it must contain)
 CASES = [
@@ -108,7 +111,7 @@ CASES = [
     ("two-reward-sources", {"reward": {"function": "mrl.data.generators:arithmetic"}}, "reward", "got reward.function, reward.builtin"),
     ("reward-file-missing", {"reward": {"builtin": DELETE, "function": "nowhere/rw.py:score"}}, "reward.function", "not found"),
     ("reward-bad-format", {"reward": {"builtin": DELETE, "function": "rw.py"}}, "reward.function", "is not 'path/to/file.py:function'"),
-    ("reward-function-misspelt", {"reward": {"builtin": DELETE, "function": "jobs/rewards/arithmetic.py:scor"}},
+    ("reward-function-misspelt", {"reward": {"builtin": DELETE, "function": f"{REPO}/jobs/rewards/arithmetic.py:scor"}},
      "reward.function", "has no function 'scor'; did you mean 'score'?"),
     ("reward-function-signature", {"reward": {"builtin": DELETE, "function": "mrl.data.generators:arithmetic"}},
      "reward.function", "must accept 4 positional arguments"),

@@ -76,14 +76,14 @@ def test_extends_relative_to_the_file(tmp_path, write_job, monkeypatch):
 def test_overrides_are_typed_from_the_schema(write_job):
     spec, report = load(write_job(), [
         "actor.optim.lr=2e-6", "rollout.temperature=1", "rollout.do_sample=false", "rollout.stop_token_ids=1,2",
-        "data.train_files=[\"a.parquet\"]", "job.name=run 7", "algorithm.kl_loss.estimator=k3+",
+        "data.train_files=[\"a.parquet\"]", "data.generator=none", "job.name=run 7", "algorithm.kl_loss.estimator=k3+",
         "rollout.max_model_len=none", "rollout.engine_kwargs.swap_space=4", "algorithm.kl_loss.enable=yes",
     ])
     assert spec.actor.optim.lr == 2e-6
     assert spec.rollout.temperature == 1.0 and isinstance(spec.rollout.temperature, float)
     assert spec.rollout.do_sample is False
     assert spec.rollout.stop_token_ids == (1, 2)
-    assert spec.data.train_files == ("a.parquet",)
+    assert spec.data.train_files == (str(Path.cwd() / "a.parquet"),)   # an override: against the working directory
     assert spec.job.name == "run 7"
     assert spec.algorithm.kl_loss.estimator == "k3+" and spec.algorithm.kl_loss.enable
     assert spec.rollout.max_model_len == 64 + 32  # none -> derived again

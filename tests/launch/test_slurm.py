@@ -209,10 +209,10 @@ def test_training_job_checkpoints_and_logs_metrics(venv, tmp_path):
     assert latest.is_file(), f"no {latest}\n{job}"
     assert latest.read_text().strip() == "step_00000002"
     assert (latest.parent / "step_00000002" / "metadata.json").is_file()
-    # Metrics: one MLflow run in the run directory's sqlite store, reward/mean at steps 1 and 2.
+    # Metrics: one MLflow run in the output directory's shared sqlite store, reward/mean at steps 1 and 2.
     from mlflow.tracking import MlflowClient
 
-    db = run_dir / "mlflow.db"
+    db = run_dir.parent / "mlflow.db"
     assert db.is_file(), f"no {db}\n{job}"
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])

@@ -1,6 +1,7 @@
 """Tracking: MLflow params/metrics/artifact/tags in a sqlite store, resume, rank 0 only, plain console."""
 import io
 import math
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -10,6 +11,8 @@ from mrl.tracking.config import TrackingConfig
 from mrl.tracking.console import ConsoleProgress
 from mrl.tracking.params import flatten
 from mrl.tracking.tracker import Tracker, run_dir_of
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -28,26 +31,28 @@ def test_mlflow_run_in_the_run_directory_and_resume(spec):
     stream = io.StringIO()
     tracker = Tracker.from_spec(spec, total_steps=3, rank=0, stream=stream)
     run_dir = run_dir_of(spec)
-    assert tracker.mlflow.tracking_uri == f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
+    store = run_dir.resolve().parent / "mlflow.db"   # one store per output directory, shared by its runs
+    assert tracker.mlflow.tracking_uri == spec.tracking.tracking_uri == f"sqlite:///{store}"
     tracker.log_spec(spec)
     tracker.log_metrics({"reward/mean": 0.25, "actor/kl": 0.01, "data/prompts": 256}, step=1)
     tracker.log_metrics({"reward/mean": 0.5, "actor/kl": float("nan")}, step=2)
     run_id = tracker.run_id
     tracker.finish("KILLED")
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=f"sqlite:///{store}")
     run = client.get_run(run_id)
     assert run.info.status == "KILLED" and run.info.run_name == "quickstart-cpu"
     p = run.data.params
-    assert p["reward.function"] == "jobs/tasks/digits.py:score" and p["parallel.tensor"] == "2"
+    digits = f"{REPO / 'jobs/tasks/digits.py'}:score"   # resolved against the job file
+    assert p["reward.function"] == digits and p["parallel.tensor"] == "2"
     assert p["data.prompts_per_step"] == "8" and p["tracking.backends"] == '["console", "mlflow"]'
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "reward/mean")] == [(1, 0.25), (2, 0.5)]
     assert math.isnan(client.get_metric_history(run_id, "actor/kl")[-1].value)
     assert len(run.data.tags["mlflow.source.git.commit"]) == 40 and run.data.tags["mrl.host"]
     assert [a.path for a in client.list_artifacts(run_id)] == ["spec.toml"]
     local = client.download_artifacts(run_id, "spec.toml", str(run_dir / "dl"))
-    assert 'function = "jobs/tasks/digits.py:score"' in open(local).read()
-    assert (run_dir / "mlartifacts").is_dir()  # artifacts next to the store, not in the working directory
+    assert f'function = "{digits}"' in open(local).read()
+    assert (run_dir.parent / "mlartifacts").is_dir()  # artifacts next to the store, not in the working directory
 
     # resume: the same run continues; params already logged are not duplicated
     resumed = Tracker.from_spec(spec, total_steps=3, rank=0, stream=stream, resume_run_id=run_id, start_step=2)
@@ -80,7 +85,7 @@ def test_console_plain_lines_when_not_a_tty():
     text = stream.getvalue()
     assert "\x1b[" not in text  # no escape codes in logs
     first, second = text.splitlines()
-    assert first == line and first.startswith("step 5/10  reward 0.125  kl 0.0031  ") and " eta 0:" in first
+    assert first == line and first.startswith("step 5/10  reward 0.125  kl_loss 0.0031  ") and " eta 0:" in first
     assert second == "checkpoint saved"
     assert math.isinf(ConsoleProgress(10, start_step=4, file=io.StringIO()).eta_seconds(4))
 
@@ -101,3 +106,37 @@ def test_console_only_backend_makes_no_store(tmp_path):
     t.log_metrics({"reward/mean": 1.0}, step=1)
     t.finish()
     assert t.run_id is None and not (tmp_path / "r").exists()
+
+
+def test_console_labels_say_which_kl_and_show_validation_reward():
+    stream = io.StringIO()
+    progress = ConsoleProgress(4, file=stream)
+    approx = progress.step_done(1, {"reward/mean": 0.5, "actor/pg_approx_kl": 0.02})
+    reward_kl = progress.step_done(2, {"reward/mean": 0.5, "kl/reward_kl": 0.03, "actor/pg_approx_kl": 0.02,
+                                       "val/reward_mean": 0.75})
+    assert "approx_kl 0.02" in approx and " kl " not in approx and "val_reward" not in approx
+    assert "reward_kl 0.03" in reward_kl and "approx_kl" not in reward_kl and "val_reward 0.75" in reward_kl
+
+
+def test_log_every_steps_sets_the_console_cadence(tmp_path):
+    spec, _ = load(REPO / "jobs/quickstart_cpu.toml", [f"job.output_dir={tmp_path}", "trainer.log_every_steps=2",
+                                                       "tracking.backends=console"])
+    stream = io.StringIO()
+    tracker = Tracker.from_spec(spec, total_steps=5, rank=0, stream=stream)
+    for step in range(1, 6):
+        tracker.log_metrics({"reward/mean": step / 10}, step)
+    tracker.finish()
+    steps = [line.split()[1] for line in stream.getvalue().splitlines() if line.startswith("step ")]
+    assert steps == ["2/5", "4/5", "5/5"]   # every 2nd step, and the last
+
+
+def test_profile_steps_write_a_trace_only_for_listed_steps(tmp_path):
+    import torch
+
+    from mrl.tracking.profile import profile_step, trace_path
+
+    for step in (1, 2, 3):
+        with profile_step((2,), step, tmp_path, rank=1):
+            torch.ones(8, 8) @ torch.ones(8, 8)
+    assert trace_path(tmp_path, 2, 1).is_file() and '"traceEvents"' in trace_path(tmp_path, 2, 1).read_text()
+    assert not trace_path(tmp_path, 1, 1).exists() and not trace_path(tmp_path, 3, 1).exists()

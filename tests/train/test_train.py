@@ -28,11 +28,12 @@ def run_jobs(job: str, out: Path, *override_sets: str, timeout: float = 900) -> 
 
 
 def history(run_dir: Path) -> dict[str, dict[int, float]]:
-    """metric -> {step: value} from the run's MLflow store."""
+    """metric -> {step: value} of the run `run_dir` (<output_dir>/<name>) in its output directory's MLflow store."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
-    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir.resolve().parent / 'mlflow.db'}")
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])
+            if r.info.run_name == run_dir.name]
     assert len(runs) == 1, [r.info.run_id for r in runs]
     out = {}
     for key in runs[0].data.metrics:
@@ -158,7 +159,7 @@ def test_bad_data_rows_are_counted_or_stop_the_run_with_one_line(tmp_path):
     data = _parquet_with_bad_rows(tmp_path / "train.parquet")
     job = re.sub(r"\[data\][^\[]*", f'[data]\ntrain_files = ["{data}"]\nprompt_key = "question"\n'
                  'answer_key = "solution"\nprompts_per_step = 8\nmax_prompt_tokens = 64\nchat_template = false\n\n',
-                 (REPO / "jobs/quickstart_cpu.toml").read_text())
+                 (REPO / "jobs/quickstart_cpu.toml").read_text().replace('"tasks/', f'"{REPO}/jobs/tasks/'))
     (tmp_path / "job.toml").write_text(job)
     common = ["platform.ranks_per_node=1", "parallel.tensor=1", "trainer.total_steps=1", f"job.output_dir={tmp_path}",
               "job.name=bad", "checkpoint.every_steps=0"]
@@ -174,7 +175,7 @@ def test_bad_data_rows_are_counted_or_stop_the_run_with_one_line(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'bad' / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     [run] = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
     params = run.data.params
     assert params["data/rows_read"] == "18" and params["data/rows_bad_prompt"] == "2"
