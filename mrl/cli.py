@@ -80,16 +80,19 @@ def cmd_show(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    """Every key with its type, default and help, optionally under a prefix."""
+    """Every key with its type, default and help, optionally under a prefix: a table sized to the
+    terminal (wide when piped), or `--json` for scripts."""
     import dataclasses
+    import json
 
     from rich.console import Console
     from rich.table import Table
 
     from mrl.config import schema
     from mrl.config.job import JobSpec
+    from mrl.config.loader import PATHS_HELP
 
-    table = Table("key", "type", "default", "meaning", show_lines=False)
+    rows: list[dict] = []
 
     def walk(cls, prefix: str):
         for f in dataclasses.fields(cls):
@@ -102,15 +105,26 @@ def cmd_keys(args) -> int:
             if args.prefix and not dotted.startswith(args.prefix):
                 continue
             if info.required:
-                default = "(required)"
+                default = None
             elif f.default_factory is not dataclasses.MISSING:
-                default = repr(f.default_factory())
+                default = f.default_factory()
             else:
-                default = repr(f.default)
-            table.add_row(dotted, schema.describe(info.type), default, info.meta.get("help", ""))
+                default = f.default
+            rows.append({"key": dotted, "type": schema.describe(info.type), "required": info.required,
+                         "default": list(default) if isinstance(default, tuple) else default,
+                         "meaning": info.meta.get("help", "")})
 
     walk(JobSpec, "")
-    Console(width=200).print(table)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    table = Table("key", "type", "default", "meaning", show_lines=False, caption=PATHS_HELP.capitalize() + ".")
+    for r in rows:
+        default = "(required)" if r["required"] else repr(tuple(r["default"]) if isinstance(r["default"], list)
+                                                          else r["default"])
+        table.add_row(r["key"], r["type"], default, r["meaning"])
+    console = Console() if sys.stdout.isatty() else Console(width=200)   # the terminal's width; wide in pipes
+    console.print(table)
     return 0
 
 
@@ -161,7 +175,7 @@ LAUNCHABLE = ("train", "preflight", "validate")  # subcommands that run on every
 
 
 def cmd_launch(args) -> int:
-    """One machine: check the job, then exec `torchrun --standalone --nproc_per_node N -m mrl CMD JOB ...`."""
+    """One machine: check the job, then run `torchrun --standalone --nproc_per_node N -m mrl CMD JOB ...` (in this process)."""
     import os
     import shlex
     from pathlib import Path
@@ -188,14 +202,37 @@ def cmd_launch(args) -> int:
     if args.dry_run:
         print(shlex.join(argv))
         return 0
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(argv[0], argv)
-    return 0  # not reached
+    return _run_torchrun(argv[argv.index("--standalone"):])
+
+
+def _run_torchrun(torchrun_args: list[str]) -> int:
+    """torchrun in this process. A failed rank has printed its own error (a user error once, from
+    the lowest failing rank): exit with its code (2 for a user error) instead of torchrun's
+    ChildFailedError report."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)   # its failure report
+    try:
+        run(parse_args(torchrun_args))
+    except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values()]
+        if 2 in codes:
+            return 2
+        _, first = e.get_first_failure()
+        return first.exitcode if first.exitcode > 0 else 1
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mrl", description="Megatron-centric RL post-training for LLMs.")
+    from mrl import __version__
+    from mrl.config.loader import PATHS_HELP
+
+    parser = argparse.ArgumentParser(prog="mrl", description="Megatron-centric RL post-training for LLMs.",
+                                     epilog=f"Job specs: {PATHS_HELP}.")
+    parser.add_argument("--version", action="version", version=f"mrl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("validate", help="check job specs without running them; prints every error")
     p.add_argument("items", nargs="+", metavar="JOB|key=value", help="job files and dotted overrides")
@@ -233,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_launch)
     p = sub.add_parser("keys", help="list every job-spec key with its type, default and meaning")
     p.add_argument("prefix", nargs="?", default="", help="only keys starting with this (e.g. rollout.)")
+    p.add_argument("--json", action="store_true", help="a JSON list of {key, type, required, default, meaning}")
     p.set_defaults(func=cmd_keys)
     p = sub.add_parser("merge", help="convert a training checkpoint (any TP/PP/EP) into a Hugging Face directory")
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint root (e.g. RUN/checkpoints/actor) or a step_* directory")
@@ -249,6 +287,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+REPORT_GRACE_S = 3.0   # how long a failing rank waits to learn whether a lower rank failed too
+
+
+def _error_store():
+    """The launcher's key-value store, reachable without a working process group: the one mrl's
+    platform set up, else torchrun's agent store; None when neither is there."""
+    import datetime
+    import os
+
+    from mrl.platform import dist as mrl_dist
+
+    store = getattr(mrl_dist._STATE, "base_store", None)
+    if store is not None:
+        return store
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("MASTER_ADDR"):
+        import torch.distributed as dist
+
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=datetime.timedelta(seconds=REPORT_GRACE_S), multi_tenant=True)
+    return None
+
+
+def _first_to_report() -> bool:
+    """Whether this rank prints a user error: always in a one-rank run; under torchrun/srun only the
+    lowest failing rank does (each failing rank marks itself in the launcher's store, then stays
+    quiet if a lower rank is marked within REPORT_GRACE_S). Without a store every rank prints."""
+    import os
+    import time
+
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world <= 1:
+        return True
+    try:
+        store = _error_store()
+        if store is None:
+            return True
+        store.set(f"mrl/user_error/{rank}", "1")
+        lower = [f"mrl/user_error/{r}" for r in range(rank)]
+        deadline = time.monotonic() + REPORT_GRACE_S
+        while lower:
+            if any(store.check([k]) for k in lower):
+                return False
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        return True
+    except Exception:   # the store is gone (its host rank exited): better twice than never
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     from mrl.platform.quiet import quiet_known_warnings
 
@@ -257,8 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        for line in e.problems:
-            print(f"error: {line}", file=sys.stderr)
+        if _first_to_report():
+            for line in e.problems:
+                print(f"error: {line}", file=sys.stderr)
         return 2
     except CollectiveTimeout as e:  # a hang turned into an error: the message names the stage
         print(f"error: {e}", file=sys.stderr)

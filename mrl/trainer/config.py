@@ -15,4 +15,4 @@ class TrainerConfig:
     val_every_steps: int = option(0, ge=0, help="validate every N steps; 0 = never")
     val_before_train: bool = option(False, help="validate once before the first step")
     log_every_steps: int = option(1, ge=1, help="the console prints a progress line every N steps (and the last); MLflow records every step")
-    profile_steps: tuple[int, ...] = option((), ge=1, help="steps to profile with torch.profiler")
+    profile_steps: tuple[int, ...] = option((), ge=1, help="steps traced with torch.profiler: <job.output_dir>/<job.name>/profile/step_<N>/rank_<r>.json (Chrome trace)")

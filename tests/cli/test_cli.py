@@ -1,0 +1,76 @@
+"""The `mrl` command itself: version, keys, paths from any directory, errors once under torchrun."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+JOBS = sorted((REPO / "jobs").glob("*.toml"))
+ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+
+
+def mrl(*args, cwd, timeout=300):
+    return subprocess.run([sys.executable, "-m", "mrl", *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+def test_version_line():
+    proc = mrl("--version", cwd=REPO)
+    assert proc.returncode == 0 and proc.stdout.strip().startswith("mrl 0.")
+
+
+def test_keys_json_lists_every_leaf_with_its_default(cli):
+    rc, out, _ = cli("keys", "--json")
+    rows = json.loads(out)
+    by_key = {r["key"]: r for r in rows}
+    assert rc == 0 and by_key["rollout.responses_per_prompt"]["default"] == 1
+    assert by_key["model.path"]["required"] and by_key["tracking.backends"]["default"] == ["console", "mlflow"]
+    assert "job" not in by_key and len(rows) > 150 and set(rows[0]) == {"key", "type", "required", "default", "meaning"}
+
+
+def test_keys_table_says_how_paths_resolve(cli):
+    rc, out, _ = cli("keys", "data.")
+    assert rc == 0 and "data.train_files" in out and "relative to that file" in " ".join(out.split())
+
+
+def test_every_shipped_job_validates_from_any_directory(tmp_path):
+    proc = mrl("validate", *JOBS, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("ok: ") == len(JOBS) >= 8
+
+
+def test_paths_in_a_job_file_are_relative_to_it_and_overrides_to_the_cwd(tmp_path):
+    from mrl.config.loader import load
+
+    (tmp_path / "proj" / "tasks").mkdir(parents=True)
+    (tmp_path / "proj" / "tasks" / "gen.py").write_text("def rows(size, seed):\n    return []\n")
+    (tmp_path / "proj" / "job.toml").write_text(
+        f'extends = "{REPO / "jobs/quickstart_cpu.toml"}"\n[data]\ngenerator = "tasks/gen.py:rows"\n'
+        '[job]\noutput_dir = "out"\n')
+    spec, _ = load(tmp_path / "proj" / "job.toml")
+    assert spec.data.generator == f"{tmp_path / 'proj/tasks/gen.py'}:rows"
+    assert spec.job.output_dir == str(tmp_path / "proj" / "out")
+    assert spec.reward.function == f"{REPO / 'jobs/tasks/digits.py'}:score"   # from the base file, against it
+    proc = mrl("validate", tmp_path / "proj/job.toml", "data.generator=tasks/gen.py:rows", cwd=tmp_path)
+    assert proc.returncode == 2 and f"file '{tmp_path / 'tasks/gen.py'}' not found" in proc.stderr, proc.stderr
+
+
+def test_generator_and_train_files_together_are_an_error(tmp_path):
+    proc = mrl("validate", REPO / "jobs/quickstart_cpu.toml", 'data.train_files=["a.parquet"]', cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "data.generator: set either data.generator or data.train_files, not both" in proc.stderr
+
+
+@pytest.mark.slow
+def test_launch_prints_a_user_error_once_and_exits_2(tmp_path):
+    """Both ranks fail the same way; the lowest prints; no torchrun ChildFailedError report."""
+    proc = mrl("launch", REPO / "jobs/quickstart_cpu.toml", 'data.train_files=["/nope/x.parquet"]',
+               "data.generator=none", f"job.output_dir={tmp_path}", cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: /nope/x.parquet: parquet file not found (data.train_files / data.val_files)"], proc.stderr
+    assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
