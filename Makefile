@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 HASH   := $(shell cat constraints.txt pyproject.toml setup.py | sha1sum | cut -c1-12)
 STAMP  := $(VENV)/.mrl-installed-$(HASH)
 
-.PHONY: setup demo test test-fast test-vllm lint clean
+.PHONY: setup demo test test-fast test-vllm test-gpu lint clean
 
 $(STAMP): constraints.txt pyproject.toml setup.py
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "mrl needs Python >= 3.11")'
@@ -40,6 +40,14 @@ test-fast: setup
 test-vllm:
 	bash .ci/vllm-setup.sh
 	.venv-vllm/bin/python -m pytest -m vllm -q tests/rollout
+
+# The GPU tier, on a CUDA machine, in the Python environment that has mrl and its GPU stack
+# (CONTRIBUTING.md, "The GPU tier"): the engine in bf16 per attention backend, `mrl train` +
+# resume + merge on cuda, every benchmark, and the Triton kernels on CUDA tensors.
+GPU_PYTHON ?= $(PYTHON)
+test-gpu:
+	$(GPU_PYTHON) -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "test-gpu needs CUDA")'
+	$(GPU_PYTHON) -m pytest -q -m '' tests/gpu tests/kernels
 
 clean:
 	rm -rf $(VENV) .venv-vllm .pytest_cache .hypothesis build *.egg-info

@@ -16,7 +16,7 @@ import torch
 
 
 def _synthetic_batch(vocab: int, batch: int, seq: int, seed: int, device) -> dict:
-    from mrl.models.megatron import causal_attention_mask, position_ids
+    from mrl.models.megatron import position_ids
 
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
@@ -24,7 +24,7 @@ def _synthetic_batch(vocab: int, batch: int, seq: int, seed: int, device) -> dic
         "tokens": tokens[:, :-1].contiguous().to(device),
         "labels": tokens[:, 1:].contiguous().to(device),
         "position_ids": position_ids(batch, seq, device),
-        "attention_mask": causal_attention_mask(batch, seq, device),
+        "attention_mask": None,
     }
 
 

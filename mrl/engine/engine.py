@@ -56,7 +56,7 @@ class Engine:
     """
 
     def __init__(self, chunks: list, *, optimizer=None, scheduler=None, name: str = "actor",
-                 grad_clip: float = 0.0, nonfinite: str = "stop", thd: Optional[bool] = None):
+                 grad_clip: float = 0.0, nonfinite: str = "stop"):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
@@ -80,8 +80,6 @@ class Engine:
         self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
-        # Transformer Engine's thd layout when the model runs TE attention; a dense mask otherwise.
-        self.thd = thd if thd is not None else (self.device.type == "cuda" and _uses_te(self.chunks[0]))
         self.pad_multiple = self.tp if self.config.sequence_parallel else 1
         if self.pp > 1:
             # micro-batches are packed rows of different lengths: exchange shapes between stages
@@ -106,7 +104,7 @@ class Engine:
         want = min(int(count.max()), len(lengths))
         if want > len(plan):
             plan = packing.plan(lengths, budget, min_micro_batches=want, budget_name=budget_name)
-        return [packing.pack(batch, idx, pad_to_multiple=self.pad_multiple, thd=self.thd, device=self.device)
+        return [packing.pack(batch, idx, pad_to_multiple=self.pad_multiple, device=self.device)
                 for idx in plan]
 
     # ---------------------------------------------------------------- schedule
@@ -116,7 +114,7 @@ class Engine:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
+            output = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
             return output, step_fn(mb)
 
         multi = len(self.chunks) > 1
@@ -276,7 +274,3 @@ class Engine:
             c.train()
         return out
 
-
-def _uses_te(model) -> bool:
-    """Whether the model's attention runs Transformer Engine (which takes the thd layout)."""
-    return any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in model.modules())

@@ -3,14 +3,9 @@
 `plan` assigns sequences (prompt + response, padding removed) to as few micro-batches as a
 per-rank token budget allows, balancing their token counts (longest first onto the lightest
 micro-batch). `pack` lays one micro-batch out as a single row `[1, T]` of concatenated
-sequences with per-sequence position ids and either
-
-- a block-diagonal causal attention mask `[1, 1, T, T]` (True = masked; megatron's local layer
-  spec, CPU and CUDA without Transformer Engine). Megatron's RoPE is computed over the row, but
-  a rotary score depends only on the distance between two tokens of the same block, so the
-  result equals the unpacked one up to float rounding; or
-- `PackedSeqParams` in `thd` layout with `cu_seqlens` (Transformer Engine's fused attention on
-  CUDA; no mask tensor, RoPE restarts per sequence).
+sequences with per-sequence position ids and megatron's `PackedSeqParams` in the `thd` layout
+(`cu_seqlens`): every attention backend (`mrl.models.attention`) reads the sequence boundaries
+from them, RoPE restarts at each sequence, and no `[T, T]` mask is ever built.
 
 A `MicroBatch` knows where each response token sits in the row, so a role's output
 `[1, T, ...]` is cut to the response tokens (`take`) and laid back out as `[n, R]` (`to_padded`).
@@ -83,8 +78,7 @@ class MicroBatch:
     batch: Batch                         # those responses, padded [n, R] as in the mini-batch
     tokens: torch.Tensor                 # [1, T] concatenated sequences (+ padding at the end)
     position_ids: torch.Tensor           # [1, T] 0.. per sequence
-    attention_mask: Optional[torch.Tensor]  # [1, 1, T, T] bool, True = masked; None with thd
-    packed_seq_params: Any               # megatron PackedSeqParams (thd) or None
+    packed_seq_params: Any               # megatron PackedSeqParams (thd)
     response_positions: torch.Tensor     # [N] row positions whose next token is a response token
     response_labels: torch.Tensor        # [N] that next token (= response_ids)
     response_rows: torch.Tensor          # [N] where each lands in [n, R]
@@ -107,19 +101,19 @@ class MicroBatch:
         return out.index_put((self.response_rows, self.response_cols), flat)
 
 
-def pack(batch: Batch, index: Sequence[int], *, pad_to_multiple: int = 1, thd: bool = False,
+def pack(batch: Batch, index: Sequence[int], *, pad_to_multiple: int = 1,
          device: torch.device | str = "cpu") -> MicroBatch:
     """Pack the responses `index` of `batch` into one row (see the module docstring).
 
-    `pad_to_multiple` pads the row length (sequence parallelism needs a multiple of TP);
-    `thd` selects Transformer Engine's packed layout instead of a dense mask.
+    `pad_to_multiple` pads the row length (sequence parallelism needs a multiple of TP); the
+    padding is a sequence of its own that attends only to itself.
     """
     idx = torch.as_tensor(list(index), dtype=torch.long)
     sub = batch.select(idx)
     p_width = sub["prompt_ids"].shape[1]
     p_lens = sub.prompt_lengths.tolist()
     r_lens = sub["response_lengths"].tolist()
-    pieces, positions, segments = [], [], []
+    pieces, positions = [], []
     resp_pos, resp_rows, resp_cols = [], [], []
     offset = 0
     for i, (p, r) in enumerate(zip(p_lens, r_lens)):
@@ -128,7 +122,6 @@ def pack(batch: Batch, index: Sequence[int], *, pad_to_multiple: int = 1, thd: b
         seq = torch.cat([sub["prompt_ids"][i, p_width - p:], sub["response_ids"][i, :r]])
         pieces.append(seq)
         positions.append(torch.arange(p + r))
-        segments.append(torch.full((p + r,), i, dtype=torch.long))
         resp_pos.append(torch.arange(offset + p - 1, offset + p - 1 + r))
         resp_rows.append(torch.full((r,), i, dtype=torch.long))
         resp_cols.append(torch.arange(r))
@@ -138,30 +131,22 @@ def pack(batch: Batch, index: Sequence[int], *, pad_to_multiple: int = 1, thd: b
     if row > used:  # padding: its own block, attending to itself only
         pieces.append(torch.zeros(row - used, dtype=torch.long))
         positions.append(torch.arange(row - used))
-        segments.append(torch.full((row - used,), len(p_lens), dtype=torch.long))
     tokens = torch.cat(pieces).unsqueeze(0)
     pos = torch.cat(positions).unsqueeze(0)
-    seg = torch.cat(segments)
     flat_pos = torch.cat(resp_pos) if resp_pos else torch.zeros(0, dtype=torch.long)
     rows = torch.cat(resp_rows) if resp_rows else torch.zeros(0, dtype=torch.long)
     cols = torch.cat(resp_cols) if resp_cols else torch.zeros(0, dtype=torch.long)
     labels = sub["response_ids"][rows, cols]
-    mask = packed = None
-    if thd:
-        packed = _thd_params([p + r for p, r in zip(p_lens, r_lens)] + ([row - used] if row > used else []), device)
-    else:
-        ar = torch.arange(row)
-        mask = (seg.unsqueeze(0) != seg.unsqueeze(1)) | (ar.unsqueeze(0) > ar.unsqueeze(1))
-        mask = mask.view(1, 1, row, row).to(device)
+    packed = _thd_params([p + r for p, r in zip(p_lens, r_lens)] + ([row - used] if row > used else []), device)
     return MicroBatch(index=idx, batch=sub.to(device), tokens=tokens.to(device), position_ids=pos.to(device),
-                      attention_mask=mask, packed_seq_params=packed, response_positions=flat_pos.to(device),
+                      packed_seq_params=packed, response_positions=flat_pos.to(device),
                       response_labels=labels.to(device), response_rows=rows.to(device),
                       response_cols=cols.to(device), sequence_tokens=used,
                       loss_tokens=int((sub["response_mask"] > 0).sum()))
 
 
 def _thd_params(lengths: list[int], device):
-    """Transformer Engine's packed-sequence description (cumulative sequence starts)."""
+    """megatron's packed-sequence description (cumulative sequence starts, longest sequence)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)

@@ -53,11 +53,11 @@ def load_model(info: CheckpointInfo, dtype: torch.dtype) -> torch.nn.Module:
 
 def forward(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Logits `[B, S, V_pad]` (or values `[B, S, 1]` for a value head) of the single-rank model."""
-    from mrl.models.megatron import causal_attention_mask, position_ids
+    from mrl.models.megatron import position_ids
 
     b, s = tokens.shape
     with torch.no_grad():
-        return model(tokens, position_ids(b, s), causal_attention_mask(b, s))
+        return model(tokens, position_ids(b, s), None)
 
 
 def stored_dtypes(model: torch.nn.Module, info: CheckpointInfo) -> dict[str, torch.dtype]:

@@ -14,4 +14,10 @@ class ModelConfig:
     dtype: Literal["bfloat16", "float16", "float32"] = option("bfloat16", help="parameter/compute dtype")
     tokenizer: Optional[str] = option(None, help="tokenizer directory or id (default: model.path)")
     trust_remote_code: bool = option(False, help="allow custom modelling code from the checkpoint")
-    use_fused_kernels: bool = option(True, help="fused log-prob/entropy kernels (torch twins on cpu)")
+    use_fused_kernels: bool = option(True, help="Triton log-prob/entropy kernels and megatron's compiled SwiGLU "
+                                     "on cuda; false runs the torch twins (reference runs, debugging). "
+                                     "cpu always runs the twins")
+    attention: Literal["auto", "te", "varlen", "sdpa", "flex"] = option(
+        "auto", help="core attention on packed sequences: te (Transformer Engine), varlen (torch flash, cuda), "
+                     "sdpa (per-sequence scaled_dot_product_attention), flex (flex_attention, document mask); "
+                     "auto = te if installed on cuda, else varlen on cuda, sdpa on cpu")

@@ -10,7 +10,6 @@ layer's job.
 """
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
@@ -96,10 +95,6 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int, multiple: int = 128
     return -(-vocab_size // step) * step
 
 
-def _te_available() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
 def parallel_from_state() -> ParallelConfig:
     """The `ParallelConfig` megatron's parallel state was initialised with."""
     from mrl.platform.parallel import current_layout
@@ -110,13 +105,18 @@ def parallel_from_state() -> ParallelConfig:
 
 
 def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConfig, device: str,
-                       recompute: str = "none", **overrides):
+                       recompute: str = "none", attention: str = "auto", fused: bool = True, **overrides):
     """A megatron `TransformerConfig` for the HF config `hf` on the job's parallel layout.
 
     On cpu, weights are drawn whole on every rank and sliced (`use_cpu_initialization`), so one
-    seed gives the same model at any TP/EP size. `overrides` are TransformerConfig fields.
+    seed gives the same model at any TP/EP size. Transformer Engine's fusions (RoPE, weight-gradient
+    accumulation, grouped GEMM) are on when `attention` resolves to `te`; `fused` (the job's
+    `model.use_fused_kernels`) turns on megatron's compiled SwiGLU on cuda. `overrides` are
+    TransformerConfig fields.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mrl.models.attention import resolve_backend
 
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -125,7 +125,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
         raise UserError(f"model.path: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
     torch_dtype = _DTYPES[dtype]
     heads = hf["num_attention_heads"]
-    fused = device == "cuda" and _te_available()
+    te = resolve_backend(attention, device) == "te"
     kwargs: dict[str, Any] = dict(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
@@ -148,11 +148,11 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
         fp16=torch_dtype is torch.float16,
         pipeline_dtype=torch_dtype if parallel.pipeline > 1 else None,
         use_cpu_initialization=device == "cpu",
-        gradient_accumulation_fusion=fused,
-        bias_activation_fusion=False,
+        gradient_accumulation_fusion=te,
+        bias_activation_fusion=device == "cuda" and fused,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=fused,
+        apply_rope_fusion=te,
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
         tensor_model_parallel_size=parallel.tensor,
@@ -182,7 +182,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
             moe_token_dispatcher_type="alltoall",
             moe_router_load_balancing_type="aux_loss" if hf.get("router_aux_loss_coef") else "none",
             moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef") or 0.0),
-            moe_grouped_gemm=fused,
+            moe_grouped_gemm=te,
             moe_permute_fusion=False,
         )
     kwargs.update(overrides)
@@ -191,28 +191,21 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
 
 def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_multiple: int = 128,
               max_sequence_length: int | None = None, pre_process: bool | None = None,
-              post_process: bool | None = None):
+              post_process: bool | None = None, attention: str = "auto"):
     """This rank's GPTModel shard (one virtual-pipeline chunk) for `hf` with `config`.
 
     The vocabulary is padded to a multiple of `vocab_multiple x TP`; pre/post-processing (embedding,
-    output layer) default to this rank's place in the pipeline.
+    output layer) default to this rank's place in the pipeline. `attention` is a `model.attention`
+    value (`mrl.models.attention`), resolved for the config's device.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    experts = config.num_moe_experts
-    use_te = _te_available() and not config.use_cpu_initialization
-    if experts and isinstance(config.moe_layer_freq, list):
-        # Dense and MoE layers mixed: one spec per layer, this stage's slice.
-        layer_spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
-                                                      normalization="RMSNorm", vp_stage=vp_stage)
-    elif use_te:
-        layer_spec = specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=config.qk_layernorm)
-    else:
-        layer_spec = specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
-                                                    qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    from mrl.models import attention as attn
+
+    on_cuda = torch.cuda.is_available() and not config.use_cpu_initialization
+    backend = attn.resolve_backend(attention, "cuda" if on_cuda else "cpu")
+    layer_spec = attn.layer_specs(config, backend, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -229,27 +222,21 @@ def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_
     )
     if getattr(model, "rotary_pos_emb", None) is not None:
         model.rotary_pos_emb.inv_freq = hf_inv_freq(hf).to(model.rotary_pos_emb.inv_freq.device)
+    model.mrl_attention = backend
     return model
 
 
 def build_model_chunks(model: ModelConfig, parallel: ParallelConfig, *, device: str, recompute: str = "none"):
     """(hf config, [GPTModel per virtual-pipeline stage]) for this rank, moved to its device."""
     hf = hf_config(model)
-    config = transformer_config(hf, dtype=model.dtype, parallel=parallel, device=device, recompute=recompute)
+    config = transformer_config(hf, dtype=model.dtype, parallel=parallel, device=device, recompute=recompute,
+                                attention=model.attention, fused=model.use_fused_kernels)
     stages = parallel.virtual_pipeline or 1
-    chunks = [build_gpt(hf, config, vp_stage=i if parallel.virtual_pipeline else None) for i in range(stages)]
+    chunks = [build_gpt(hf, config, vp_stage=i if parallel.virtual_pipeline else None, attention=model.attention)
+              for i in range(stages)]
     if device == "cuda":
         chunks = [c.cuda(torch.cuda.current_device()) for c in chunks]
     return hf, chunks
-
-
-def causal_attention_mask(batch: int, seq: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Megatron's boolean attention mask, shape [batch, 1, seq, seq], True = masked (the future).
-
-    Passing it explicitly keeps megatron from building its default mask on `device="cuda"`.
-    """
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)
-    return mask.view(1, 1, seq, seq).expand(batch, 1, seq, seq).contiguous()
 
 
 def position_ids(batch: int, seq: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -46,18 +46,19 @@ class ValueHead(torch.nn.Module):
 
 def build_role_model(role: Role, hf: dict[str, Any], parallel: ParallelConfig, *, dtype: str, device: str,
                      recompute: str = "none", vp_stage: Optional[int] = None, vocab_multiple: int = 128,
-                     **config_overrides) -> torch.nn.Module:
+                     attention: str = "auto", fused: bool = True, **config_overrides) -> torch.nn.Module:
     """This rank's GPTModel shard for `role` (one virtual-pipeline chunk).
 
     Critic and reward models never tie the embedding to an output layer: their head is a value head.
+    `attention` and `fused` are the job's `model.attention` and `model.use_fused_kernels`.
     """
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}")
     valued = role in ("critic", "reward")
     cfg = dict(hf, tie_word_embeddings=False) if valued else hf
     config = transformer_config(cfg, dtype=dtype, parallel=parallel, device=device, recompute=recompute,
-                                **config_overrides)
-    model = build_gpt(cfg, config, vp_stage=vp_stage, vocab_multiple=vocab_multiple)
+                                attention=attention, fused=fused, **config_overrides)
+    model = build_gpt(cfg, config, vp_stage=vp_stage, vocab_multiple=vocab_multiple, attention=attention)
     if valued and model.post_process:
         model.output_layer = ValueHead(config)
     if role == "ref":

@@ -11,7 +11,6 @@ from typing import Any, Optional
 
 from mrl.models.megatron import (  # noqa: F401  (re-exported for the tests)
     build_gpt,
-    causal_attention_mask,
     gather_vocab_parallel_logits,
     parallel_from_state,
     position_ids,
@@ -56,8 +55,21 @@ def tiny_gpt_config(spec: TinyGPTSpec = TinyGPTSpec(), **overrides):
 
 def build_tiny_gpt(spec: TinyGPTSpec = TinyGPTSpec(), *, config=None, pre_process: Optional[bool] = None,
                    post_process: Optional[bool] = None, vp_stage: Optional[int] = None,
-                   share_embeddings: bool = False):
-    """This rank's TP/PP/EP shard of the tiny model (megatron's local, non-TE, layer spec)."""
+                   share_embeddings: bool = False, attention: str = "auto"):
+    """This rank's TP/PP/EP shard of the tiny model (megatron's local, non-TE, layer spec with mrl's
+    attention backend `attention`; "reference" keeps megatron's unfused attention, which takes a
+    dense mask: `block_causal_mask`)."""
     return build_gpt(spec.hf_config(share_embeddings), config or tiny_gpt_config(spec), vp_stage=vp_stage,
                      vocab_multiple=1, max_sequence_length=spec.seq_length, pre_process=pre_process,
-                     post_process=post_process)
+                     post_process=post_process, attention=attention)
+
+
+def block_causal_mask(lengths: list[int]):
+    """The dense `[1, 1, T, T]` block-diagonal causal mask (True = masked) of sequences of
+    `lengths` packed in one row: the input of the `reference` attention, for tests only."""
+    import torch
+
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.as_tensor(lengths))
+    ar = torch.arange(len(seg))
+    mask = (seg.unsqueeze(0) != seg.unsqueeze(1)) | (ar.unsqueeze(0) > ar.unsqueeze(1))
+    return mask.view(1, 1, len(seg), len(seg))

@@ -61,7 +61,8 @@ def _chunks(role: str, spec: JobSpec, hf: dict, device: str, recompute: str = "n
 
     vpp = spec.parallel.virtual_pipeline
     return [build_role_model(role, hf, spec.parallel, dtype=spec.model.dtype, device=device, recompute=recompute,
-                             vp_stage=i if vpp else None) for i in range(vpp or 1)]
+                             vp_stage=i if vpp else None, attention=spec.model.attention,
+                             fused=spec.model.use_fused_kernels) for i in range(vpp or 1)]
 
 
 def _load(chunks: list, path: Optional[str], hf: dict, role: str) -> bool:

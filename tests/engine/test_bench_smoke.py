@@ -21,7 +21,8 @@ def test_train_step_benchmark_runs_and_prints_its_breakdown():
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    head = re.search(r"^train_step: cpu, [\d.]+M params, 8 responses, (\d+) tokens/step, (\d+) micro-batch", out, re.M)
+    head = re.search(r"^train_step: cpu, tiny \([\d.]+M params, float32, attention sdpa, recompute none\), "
+                     r"8 responses, (\d+) tokens/step, (\d+) micro-batch", out, re.M)
     assert head, out
     assert int(head.group(2)) >= 2, out  # the budget forces several packed micro-batches
     assert re.search(r"^  step [\d.]+ ms  ->  [\d,]+ tokens/s$", out, re.M), out
@@ -29,3 +30,4 @@ def test_train_step_benchmark_runs_and_prints_its_breakdown():
                        r"optimizer step\s+([\d.]+)%\s+model forward/backward\s+([\d.]+)%", out)
     assert shares, out
     assert abs(sum(float(x) for x in shares.groups()) - 100.0) < 0.1, shares.groups()
+    assert re.search(r"^  peak memory [\d.]+ GiB \(host RSS\)$", out, re.M), out

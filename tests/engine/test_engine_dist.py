@@ -39,7 +39,7 @@ def test_gradients_do_not_depend_on_micro_batch_split_dp_tp_or_pp():
         "packed_vs_unpacked_logprobs": 1e-5, "pp2_eval_logprobs": 1e-5, "nan_policies": 0.0,
         **{f"dp2_mb{k}_{what}": g for k in (1, 2, 4) for what in ("grads", "loss", "grad_norm")},
         "dp2_distributed_optimizer_grad_norm": g, "tp2_grads": g, "tp2_loss": g, "tp2_grad_norm": g,
-        "pp2_loss": g, "pp2_grad_norm": g})
+        "pp2_grads": g, "pp2_loss": g, "pp2_grad_norm": g})
 
 
 def test_critic_value_head_gradients_match_naive_at_dp2_and_tp2():

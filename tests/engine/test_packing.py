@@ -28,7 +28,7 @@ def _batch():
     return Batch.from_sequences([[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10]], loss_masks=[[1, 1], [1, 0, 1]])
 
 
-def test_pack_concatenates_sequences_with_block_causal_mask_and_positions():
+def test_pack_concatenates_sequences_with_thd_boundaries_and_positions():
     b = _batch()
     mb = pack(b, [0, 1], pad_to_multiple=4)
     assert mb.tokens.tolist() == [[1, 2, 3, 6, 7, 4, 5, 8, 9, 10, 0, 0]]
@@ -36,8 +36,10 @@ def test_pack_concatenates_sequences_with_block_causal_mask_and_positions():
     # response token t of a sequence is predicted at the position before it
     assert mb.response_positions.tolist() == [2, 3, 6, 7, 8]
     assert mb.response_labels.tolist() == [6, 7, 8, 9, 10]
-    m = mb.attention_mask[0, 0]
-    assert not m[4, 0] and m[5, 4] and m[3, 4] and not m[9, 5] and m[10, 9]
+    # sequence boundaries for the attention backends; the row padding is a sequence of its own
+    psp = mb.packed_seq_params
+    assert psp.qkv_format == "thd" and psp.cu_seqlens_q.tolist() == [0, 5, 10, 12] and psp.max_seqlen_q == 5
+    assert not hasattr(mb, "attention_mask")  # no [T, T] mask exists on any path
     assert mb.sequence_tokens == 10 and mb.loss_tokens == 4
     flat = torch.arange(5, dtype=torch.float32) + 1
     assert mb.to_padded(flat).tolist() == [[1, 2, 0], [3, 4, 5]]

@@ -248,10 +248,10 @@ def test_single_process_cpu_platform_runs_megatron_and_needs_compat():
             platform.setup(PlatformConfig(device="cpu", ranks_per_node=1), ParallelConfig(), seed=3)
         model = tm.build_tiny_gpt(spec)
         ids = torch.randint(0, spec.vocab_size, (2, spec.seq_length))
-        args = (ids, tm.position_ids(2, spec.seq_length), tm.causal_attention_mask(2, spec.seq_length))
+        args = (ids, tm.position_ids(2, spec.seq_length), None)
         logits = model(*args)
         assert logits.shape == (2, spec.seq_length, spec.vocab_size)
-        # Without a mask megatron builds its default causal mask (on "cuda"): same logits.
+        # Unpacked rows are causal sequences of their own (mrl's attention takes no dense mask).
         assert torch.equal(model(ids, args[1], None), logits)
         logits.sum().backward()
         assert all(p.grad is not None for p in model.parameters())
@@ -272,7 +272,7 @@ def test_single_process_cpu_platform_runs_megatron_and_needs_compat():
         cpu_compat.deactivate()
         try:
             # A new sequence length misses RoPE's cache: get_emb calls torch.cuda.current_device().
-            short = (ids[:, :4], tm.position_ids(2, 4), tm.causal_attention_mask(2, 4))
+            short = (ids[:, :4], tm.position_ids(2, 4), None)
             with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
                 model(*short)
         finally:
@@ -312,7 +312,7 @@ def test_single_process_bf16_ddp_and_megatron_optimizer_step():
         assert [type(o).__name__ for o in opt.chained_optimizers] == ["Float16OptimizerWithFloat16Params"]
         ids = torch.randint(0, spec.vocab_size, (2, spec.seq_length))
         before = [p.detach().clone() for p in model.parameters()]
-        loss = ddp(ids, tm.position_ids(2, spec.seq_length), tm.causal_attention_mask(2, spec.seq_length), labels=ids)
+        loss = ddp(ids, tm.position_ids(2, spec.seq_length), None, labels=ids)
         loss.float().mean().backward()
         ddp.finish_grad_sync()
         ok, grad_norm, _ = opt.step()

@@ -1,16 +1,20 @@
 """Benchmark one actor update of the megatron training engine (random weights, synthetic rollouts).
 
 Prints tokens/s, the step-time breakdown (packing, loss callback incl. the log-prob kernel,
-optimizer step, model forward/backward = the rest) and, on cuda, MFU (6 x params x tokens /
-time / peak bf16 FLOP/s). Runs on one rank; start it directly or under torchrun.
+optimizer step, model forward/backward = the rest), peak memory (CUDA allocator peak; host peak
+RSS on cpu) and, on cuda, MFU (6 x params x tokens / time / peak bf16 FLOP/s; activation
+recompute is not credited). Runs on one rank; start it directly or under torchrun.
 
-    python tools/bench/train_step.py                     # tiny model on cpu
-    python tools/bench/train_step.py --big --device cuda  # ~370M-parameter Llama-shaped model
+    python tools/bench/train_step.py                                  # tiny model on cpu
+    python tools/bench/train_step.py --shape 370m --device cuda        # ~370M Llama-shaped model
+    python tools/bench/train_step.py --shape qwen2.5-1.5b --device cuda --micro-batch-tokens 8192
+    python tools/bench/train_step.py --shape qwen2.5-7b --device cuda --recompute selective
 """
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import time
 
 import torch
@@ -33,14 +37,28 @@ class Timed:
         return out
 
 
-def model_config(big: bool) -> dict:
-    if big:
-        return dict(model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=4096,
-                    num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=4,
-                    max_position_embeddings=4096, tie_word_embeddings=False)
-    return dict(model_type="llama", vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                tie_word_embeddings=False)
+# Random-weight shapes (Hugging Face config fields). The Qwen2.5 shapes are the published configs.
+SHAPES = {
+    "tiny": dict(model_type="llama", vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
+                 tie_word_embeddings=False),
+    "370m": dict(model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=4096,
+                 num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=4,
+                 max_position_embeddings=32768, tie_word_embeddings=False),
+    "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         max_position_embeddings=32768, tie_word_embeddings=False),
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       max_position_embeddings=32768, tie_word_embeddings=False),
+}
+
+
+def peak_memory_gib(cuda: bool) -> float:
+    """CUDA allocator peak, or this process's peak resident set on the host."""
+    if cuda:
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def synthetic_batch(vocab, responses, prompt_len, response_len, seed=0):
@@ -61,7 +79,12 @@ def synthetic_batch(vocab, responses, prompt_len, response_len, seed=0):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--big", action="store_true", help="~370M parameters instead of the tiny default")
+    ap.add_argument("--shape", choices=list(SHAPES), default="tiny")
+    ap.add_argument("--big", action="store_true", help="same as --shape 370m")
+    ap.add_argument("--attention", default="auto", help="model.attention backend (auto, te, varlen, sdpa, flex)")
+    ap.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                    help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--responses", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--response-len", type=int, default=None)
@@ -87,9 +110,11 @@ def main():
     budget = args.micro_batch_tokens or (16384 if cuda else 1024)
     parallel = ParallelConfig(distributed_optimizer=cuda)
     with platform.setup(PlatformConfig(device=args.device, nodes=1, ranks_per_node=1), parallel, seed=1) as ctx:
-        hf = model_config(args.big)
-        cfg = transformer_config(hf, dtype="bfloat16" if cuda else "float32", parallel=parallel, device=args.device)
-        model = build_gpt(hf, cfg)
+        hf = SHAPES["370m" if args.big else args.shape]
+        dtype = args.dtype or ("bfloat16" if cuda else "float32")
+        cfg = transformer_config(hf, dtype=dtype, parallel=parallel, device=args.device, recompute=args.recompute,
+                                 attention=args.attention)
+        model = build_gpt(hf, cfg, attention=args.attention)
         if cuda:
             model = model.cuda()
         params = sum(p.numel() for p in model.parameters())
@@ -123,13 +148,15 @@ def main():
         step_s = total / n
         pack_s, loss_s, opt_step = pack_t.seconds / n, loss_t.seconds / n, opt_s / n
         math_s = step_s - pack_s - loss_s - opt_step
-        print(f"train_step: {ctx.platform}, {params / 1e6:.1f}M params, {responses} responses, {tokens} tokens/step, "
-              f"{int(m['micro_batches'])} micro-batch(es) of <= {budget} tokens")
+        print(f"train_step: {ctx.platform}, {args.shape if not args.big else '370m'} ({params / 1e6:.1f}M params, "
+              f"{dtype}, attention {model.mrl_attention}, recompute {args.recompute}), {responses} responses, "
+              f"{tokens} tokens/step, {int(m['micro_batches'])} micro-batch(es) of <= {budget} tokens")
         print(f"  step {step_s * 1e3:.1f} ms  ->  {tokens / step_s:,.0f} tokens/s")
         print(f"  packing {pack_s / step_s:6.2%}   loss callback (incl. log-prob kernel) {loss_s / step_s:6.2%}   "
               f"optimizer step {opt_step / step_s:6.2%}   model forward/backward {math_s / step_s:6.2%}")
         print(f"  outside model math (packing + loss + optimizer bookkeeping): "
               f"{(pack_s + loss_s + opt_step) / step_s:.2%}")
+        print(f"  peak memory {peak_memory_gib(cuda):.2f} GiB ({'CUDA allocator' if cuda else 'host RSS'})")
         if cuda:
             name = torch.cuda.get_device_name()
             peak = next((v for k, v in PEAK_BF16.items() if k in name), None)

@@ -1,5 +1,9 @@
 """Shared pieces of the engine's multi-process test scripts: a tiny actor, a synthetic rollout
-batch, and a naive single-call reference (unpacked, one forward per sequence, torch log-softmax)."""
+batch, and a naive single-call reference (unpacked, one forward per sequence, torch log-softmax).
+
+The reference model runs megatron's own unfused attention with a dense causal mask
+(`attention="reference"`), so every engine comparison is also the packed attention backend
+(thd, `sdpa` on cpu) against the dense-mask path."""
 from __future__ import annotations
 
 import sys
@@ -47,7 +51,8 @@ def naive_per_token(model, batch: Batch, read) -> torch.Tensor:
         p, r = int(batch.prompt_lengths[i]), int(batch["response_lengths"][i])
         seq = torch.cat([batch["prompt_ids"][i, p_w - p:], batch["response_ids"][i, :r]]).unsqueeze(0)
         s = seq.shape[1]
-        output = model(seq, tm.position_ids(1, s), tm.causal_attention_mask(1, s))
+        dense = getattr(model, "mrl_attention", None) == "reference"
+        output = model(seq, tm.position_ids(1, s), tm.block_causal_mask([s]) if dense else None)
         values = read(output[0], torch.arange(p - 1, p - 1 + r), batch["response_ids"][i, :r])
         out = out.index_put((torch.full((r,), i), torch.arange(r)), values)
     return out
@@ -69,7 +74,7 @@ def with_old_logprobs(model, batch: Batch, seed: int = 9) -> Batch:
 def reference_setup(**batch_kw):
     """The seeded, perturbed reference model, its full parameters and a batch with old log-probs."""
     torch.manual_seed(42)
-    ref = tm.build_tiny_gpt(SPEC)
+    ref = tm.build_tiny_gpt(SPEC, attention="reference")
     C.perturb_(ref, seed=43)
     return ref, C.full_params(ref), with_old_logprobs(ref, synthetic_batch(**batch_kw))
 

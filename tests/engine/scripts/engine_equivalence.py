@@ -101,10 +101,14 @@ def main():
     from megatron.core import parallel_state as ps
 
     model = tm.build_tiny_gpt(SPEC)
-    E.load_full(model, params0, 1, 0, layer_offset=ps.get_pipeline_model_parallel_rank() * SPEC.num_layers // 2)
+    offset = ps.get_pipeline_model_parallel_rank() * SPEC.num_layers // 2
+    E.load_full(model, params0, 1, 0, layer_offset=offset)
     eng = E.actor_engine(None, chunks=[model])
     m = eng.forward_backward(batch, OBJ, micro_batch_tokens=E.budget_for(full_lengths, 3))
     assert m["micro_batches"] == 3, m
+    worst = max(C.check(f"grad {n} (pp2)", g, want[E._global_name(n, offset)], tol=TOL)
+                for n, g in grads_of(eng).items())
+    C.report("pp2_grads", worst)
     C.report("pp2_loss", abs(m["loss"] - want_loss))
     outcome = guarded_step(eng.optimizer, None, loss=m["loss"], clip=0.0, policy="stop", where="test")
     C.report("pp2_grad_norm", abs(outcome.grad_norm - want_norm) / want_norm)

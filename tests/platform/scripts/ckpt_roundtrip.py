@@ -21,7 +21,7 @@ def logits_of(model, gather):
     g = torch.Generator().manual_seed(51)
     ids = torch.randint(0, SPEC.vocab_size, (B, SPEC.seq_length), generator=g)
     with torch.no_grad():
-        out = model(ids, tm.position_ids(B, SPEC.seq_length), tm.causal_attention_mask(B, SPEC.seq_length))
+        out = model(ids, tm.position_ids(B, SPEC.seq_length), None)
         return gather(out) if gather else out
 
 

@@ -22,7 +22,7 @@ def batch(rank):
     g = torch.Generator().manual_seed(100 + rank)
     ids = torch.randint(0, SPEC.vocab_size, (B, SPEC.seq_length), generator=g)
     labels = torch.randint(0, SPEC.vocab_size, (B, SPEC.seq_length), generator=g)
-    return ids, tm.position_ids(B, SPEC.seq_length), tm.causal_attention_mask(B, SPEC.seq_length), labels
+    return ids, tm.position_ids(B, SPEC.seq_length), None, labels
 
 
 def run(model, rank):

@@ -50,7 +50,7 @@ def step(params_full, tp, dp_rank, dp, distributed=True):
     ids, labels = global_batch()
     per = GLOBAL_B // dp
     ids, labels = ids[dp_rank * per:(dp_rank + 1) * per], labels[dp_rank * per:(dp_rank + 1) * per]
-    loss = ddp(ids, tm.position_ids(per, SPEC.seq_length), tm.causal_attention_mask(per, SPEC.seq_length),
+    loss = ddp(ids, tm.position_ids(per, SPEC.seq_length), None,
                labels=labels)
     loss.mean().backward()
     ddp.finish_grad_sync()

@@ -18,7 +18,7 @@ def batch():
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, SPEC.vocab_size, (B, SPEC.seq_length), generator=g)
     labels = torch.randint(0, SPEC.vocab_size, (B, SPEC.seq_length), generator=g)
-    return ids, tm.position_ids(B, SPEC.seq_length), tm.causal_attention_mask(B, SPEC.seq_length), labels
+    return ids, tm.position_ids(B, SPEC.seq_length), None, labels
 
 
 def run(model, gather):
@@ -83,7 +83,8 @@ def recompute_matches(params1, tp_rank, no_dropout):
         extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
                      distribute_saved_activations=True) if recompute else {}
         cfg = tm.tiny_gpt_config(SPEC, hidden_dropout=0.2, attention_dropout=0.2, **extra)
-        model = tm.build_tiny_gpt(SPEC, config=cfg)
+        # megatron's own attention: mrl's packed backends refuse attention dropout (RL runs without it)
+        model = tm.build_tiny_gpt(SPEC, config=cfg, attention="reference")
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(C.shard(name, params1[name], 2, tp_rank, num_query_groups=SPEC.num_query_groups))

@@ -20,12 +20,12 @@ def forward_logits(chunks, tokens: torch.Tensor):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from mrl.models.megatron import causal_attention_mask, position_ids
+    from mrl.models.megatron import position_ids
 
     b, s = tokens.shape
 
     def step(data_iterator, model):
-        out = model(tokens, position_ids(b, s), causal_attention_mask(b, s))
+        out = model(tokens, position_ids(b, s), None)
         return out, lambda output, non_loss_data=False: output
 
     outs = get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=chunks,

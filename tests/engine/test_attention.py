@@ -1,0 +1,151 @@
+"""The attention seam (`mrl.models.attention`): backends against a dense reference, the rules of
+`model.attention`, norms in the model dtype, and memory linear in the packed row."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrl.errors import UserError
+from mrl.models import attention as attn
+from mrl.platform.config import ParallelConfig, PlatformConfig
+
+
+def _dense_reference(q, k, v, lengths, scale):
+    """Block-diagonal causal attention with an explicit [T, T] mask (fp64 math)."""
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.as_tensor(lengths))
+    ar = torch.arange(len(seg))
+    allowed = (seg.unsqueeze(0) == seg.unsqueeze(1)) & (ar.unsqueeze(1) >= ar.unsqueeze(0))  # [q, k]
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double())
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_sdpa_packed_equals_dense_block_causal_attention_and_its_gradients(kv_heads):
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 1, 9, 9, 3]  # equal lengths, a 1-token sequence
+    t = sum(lengths)
+    q = torch.randn(t, 4, 8, generator=g, requires_grad=True)
+    k = torch.randn(t, kv_heads, 8, generator=g, requires_grad=True)
+    v = torch.randn(t, kv_heads, 8, generator=g, requires_grad=True)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    w = torch.randn(t, 4, 8, generator=g)
+    got = attn.sdpa_packed(q, k, v, cu, 0.3)
+    (got * w).sum().backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    want = _dense_reference(q, k, v, lengths, 0.3)
+    (want * w).sum().backward()
+    assert (got.double() - want).abs().max() < 1e-5
+    for mine, ref in zip(grads, (q.grad, k.grad, v.grad)):
+        assert (mine - ref).abs().max() < 1e-5
+    # the check can fail: one sequence boundary moved changes the result
+    moved = attn.sdpa_packed(q, k, v, torch.tensor([0, 6, 6, 15, 24, 27], dtype=torch.int32), 0.3)
+    assert (moved.double() - want).abs().max() > 1e-2
+
+
+def test_backend_rules_are_one_place_and_name_the_key():
+    assert attn.resolve_backend("auto", "cpu") == "sdpa"
+    assert attn.resolve_backend("auto", "cuda") == ("te" if attn.te_available() else "varlen")
+    for backend in ("varlen", "flex"):
+        with pytest.raises(UserError, match=rf"model.attention: '{backend}' runs on CUDA only"):
+            attn.resolve_backend(backend, "cpu")
+    if not attn.te_available():
+        with pytest.raises(UserError, match="model.attention: 'te' needs .*Transformer Engine"):
+            attn.resolve_backend("te", "cuda")
+    with pytest.raises(UserError, match="unknown backend"):
+        attn.resolve_backend("dense", "cpu")
+
+
+def test_validate_refuses_a_backend_the_device_cannot_run():
+    from mrl.config.loader import load
+    from mrl.errors import SpecError
+
+    with pytest.raises(SpecError, match=r"model.attention: 'varlen' runs on CUDA only"):
+        load("jobs/quickstart_cpu.toml", ["model.attention=varlen"])
+
+
+@pytest.fixture
+def cpu_platform():
+    from mrl import platform
+
+    with platform.setup(PlatformConfig(device="cpu", ranks_per_node=1, cpu_threads=1), ParallelConfig(), seed=3):
+        yield
+
+
+def _tiny_hf(**kw):
+    return dict(model_type="qwen3", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32768,
+                tie_word_embeddings=False, **kw)
+
+
+def test_a_bf16_model_holds_no_fp32_parameter_and_its_norms_run_in_bf16(cpu_platform):
+    """megatron's torch norm is built in fp32 whatever the model dtype; mrl's norms (including
+    Qwen3's QK-norms) take the model dtype, so a bf16 model is bf16 throughout."""
+    from mrl.models.megatron import build_gpt, transformer_config
+
+    hf = _tiny_hf()
+    cfg = transformer_config(hf, dtype="bfloat16", parallel=ParallelConfig(), device="cpu")
+    model = build_gpt(hf, cfg)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert any("q_layernorm" in n for n in dtypes) and any("final_layernorm" in n for n in dtypes)
+    assert set(dtypes.values()) == {torch.bfloat16}, {n: d for n, d in dtypes.items() if d != torch.bfloat16}
+    assert model.mrl_attention == "sdpa"
+
+
+def _packed_forward_backward(model, lengths: list[int], vocab: int):
+    from mrl.engine.packing import _thd_params
+
+    tokens = torch.randint(0, vocab, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    out = model(tokens, pos, None, packed_seq_params=_thd_params(lengths, "cpu"))
+    out.float().square().mean().backward()
+    return out
+
+
+def test_packed_forward_matches_megatrons_dense_mask_path(cpu_platform):
+    """One packed row through the model: mrl's sdpa backend vs megatron's unfused attention with
+    the dense block-causal mask, logits and gradients (fp32)."""
+    from mrl.models.megatron import build_gpt, transformer_config
+    from mrl.platform.tiny_model import block_causal_mask
+
+    hf = _tiny_hf()
+    cfg = transformer_config(hf, dtype="float32", parallel=ParallelConfig(), device="cpu")
+    torch.manual_seed(0)
+    ref = build_gpt(hf, cfg, attention="reference")
+    packed = build_gpt(hf, cfg)
+    packed.load_state_dict(ref.state_dict())
+    lengths = [7, 3, 12, 1]
+    got = _packed_forward_backward(packed, lengths, hf["vocab_size"])
+    tokens = torch.randint(0, hf["vocab_size"], (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    want = ref(tokens, pos, block_causal_mask(lengths))
+    want.float().square().mean().backward()
+    assert (got - want).abs().max() < 1e-5
+    worst = max((p.grad - q.grad).abs().max().item() for p, q in zip(packed.parameters(), ref.parameters()))
+    assert worst < 1e-5, worst
+
+
+def test_memory_of_a_packed_micro_batch_is_linear_in_its_tokens(cpu_platform):
+    """A 16k-token micro-batch (8 sequences of 2048) forward + backward: the peak of tensors alive
+    at once grows 4x from 4k to 16k tokens (a [T, T] mask or score matrix would grow 16x; at 16k
+    tokens one fp32 [T, T] matrix alone is 1 GiB)."""
+    from mrl.models.megatron import build_gpt, transformer_config
+    from mrl_kernels.memtrack import PeakMemory
+
+    hf = _tiny_hf()
+    cfg = transformer_config(hf, dtype="float32", parallel=ParallelConfig(), device="cpu")
+    model = build_gpt(hf, cfg)
+    peaks = {}
+    for tokens in (4096, 16384):
+        model.zero_grad(set_to_none=True)
+        with PeakMemory("cpu") as pm:
+            _packed_forward_backward(model, [tokens // 8] * 8, hf["vocab_size"])
+        peaks[tokens] = pm.peak
+    ratio = peaks[16384] / peaks[4096]
+    print(f"peak {peaks[4096] / 2**20:.1f} MiB at 4k tokens, {peaks[16384] / 2**20:.1f} MiB at 16k ({ratio:.2f}x)")
+    assert ratio < 4.5, peaks
+    assert peaks[16384] < 16384 ** 2 * 4 / 4, peaks  # under a quarter of one fp32 [T, T] matrix
