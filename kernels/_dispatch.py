@@ -44,10 +44,13 @@ def triton_available() -> bool:
         return False
 
 
-def select_backend(tensor: torch.Tensor) -> str:
-    """Return "triton" or "torch" for an input tensor, honouring `MRL_KERNELS_BACKEND`."""
+def select_backend(tensor: torch.Tensor, requested: str | None = None) -> str:
+    """Return "triton" or "torch" for an input tensor. `requested` (a caller's choice, e.g. the
+    job's `model.use_fused_kernels = false` -> "torch") wins over `MRL_KERNELS_BACKEND`."""
     global _warned_no_triton
-    requested = requested_backend()
+    if requested is not None and requested not in BACKENDS:
+        raise ValueError(f"kernel backend {requested!r}: expected one of {', '.join(BACKENDS)}")
+    requested = requested or requested_backend()
     if requested == "torch" or tensor.dtype == torch.float64:
         if requested == "triton" and tensor.dtype == torch.float64:
             raise TypeError(f"{ENV_VAR}=triton: the Triton kernels take bf16/fp16/fp32, not float64 "

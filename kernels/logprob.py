@@ -280,7 +280,8 @@ def check_temperature(temperature: float) -> float:
 
 
 def logprob_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *,
-                    group=None, ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+                    group=None, ignore_index: int = IGNORE_INDEX,
+                    backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of `labels` and entropy of softmax(logits / temperature), both differentiable.
 
     logits: [..., V] bf16/fp16/fp32 (fp64: torch twin only). With `group` (a torch.distributed
@@ -290,7 +291,7 @@ def logprob_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
     Returns (logp, entropy), each [...] float32, identical on every rank of `group`.
 
     The Triton kernel runs for CUDA tensors, the torch twin otherwise (see `MRL_KERNELS_BACKEND`
-    in mrl_kernels._dispatch). The vocabulary is never gathered: ranks exchange three [N] fp32
+    in mrl_kernels._dispatch; `backend` = "auto" | "torch" | "triton" overrides both). The vocabulary is never gathered: ranks exchange three [N] fp32
     tensors (max, then sum-of-exp / sum-of-p*z / label logit) in the forward pass and nothing in
     the backward pass, which is local to each rank's slice.
     """
@@ -305,7 +306,7 @@ def logprob_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
     flat = logits.reshape(-1, v)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    backend = _dispatch.select_backend(flat)
+    backend = _dispatch.select_backend(flat, backend)
     flat_labels = labels.reshape(-1).long().contiguous()  # kernels index with int64, stride 1
     logp, entropy = _LogProbEntropy.apply(flat, flat_labels, inv_temp, int(ignore_index), group,
                                           backend)

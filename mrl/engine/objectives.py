@@ -29,11 +29,13 @@ def _tp_group():
 
 
 def response_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float = 1.0,
-                      entropy: bool = True, vocab_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      entropy: bool = True, vocab_size: Optional[int] = None,
+                      kernels: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """`(logp [N], entropy [N])` of the response tokens of `mb` from logits `[1, T, V/tp]`.
 
     `vocab_size`: the tokenizer's vocabulary; Megatron's padding columns beyond it are masked
-    out so they take no probability mass (None: no padding to mask).
+    out so they take no probability mass (None: no padding to mask). `kernels`: "auto" (Triton
+    on CUDA) or "torch" (the twins; `model.use_fused_kernels = false`).
     """
     import mrl_kernels
 
@@ -43,16 +45,17 @@ def response_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float =
         from mrl.models.roles import mask_padded_vocab
 
         rows = mask_padded_vocab(rows, vocab_size, tp_rank=torch.distributed.get_rank(group) if group else 0)
-    logp, ent = mrl_kernels.logprob_entropy(rows, mb.response_labels, temperature, group=group)
+    logp, ent = mrl_kernels.logprob_entropy(rows, mb.response_labels, temperature, group=group, backend=kernels)
     return logp, ent
 
 
-def actor_outputs(temperature: float = 1.0, entropy: bool = False, vocab_size: Optional[int] = None):
+def actor_outputs(temperature: float = 1.0, entropy: bool = False, vocab_size: Optional[int] = None,
+                  kernels: str = "auto"):
     """An `OutputFn` giving `logprobs` (and `entropy`) per response token (old-policy and
     reference passes)."""
 
     def fn(logits: torch.Tensor, mb: MicroBatch) -> dict[str, torch.Tensor]:
-        logp, ent = response_logprobs(logits, mb, temperature, vocab_size=vocab_size)
+        logp, ent = response_logprobs(logits, mb, temperature, vocab_size=vocab_size, kernels=kernels)
         return {"logprobs": logp, "entropy": ent} if entropy else {"logprobs": logp}
 
     return fn
@@ -76,11 +79,13 @@ class PolicyObjective:
     kl_estimator: str = "k3"
     temperature: float = 1.0
     vocab_size: Optional[int] = None      # mask Megatron's vocabulary padding beyond it
+    kernels: str = "auto"                 # "torch": the twins (model.use_fused_kernels = false)
 
     def __call__(self, logits: torch.Tensor, mb: MicroBatch, totals: Totals):
         from mrl.algos import kl, losses
 
-        logp_flat, ent_flat = response_logprobs(logits, mb, self.temperature, vocab_size=self.vocab_size)
+        logp_flat, ent_flat = response_logprobs(logits, mb, self.temperature, vocab_size=self.vocab_size,
+                                                kernels=self.kernels)
         logp, ent = mb.to_padded(logp_flat), mb.to_padded(ent_flat)
         b = mb.batch
         mask = b["response_mask"]

@@ -59,7 +59,8 @@ def logprobs_of(engine, c: Components, batch: Batch, budget: Optional[int]) -> t
     """Per response token log-probs `[B, R]` under `engine`'s model, at the rollout temperature."""
     from mrl.engine.objectives import actor_outputs
 
-    out = engine.forward_only(batch, actor_outputs(c.spec.rollout.temperature, vocab_size=c.hf["vocab_size"]),
+    out = engine.forward_only(batch, actor_outputs(c.spec.rollout.temperature, vocab_size=c.hf["vocab_size"],
+                                                   kernels=kernel_backend(c)),
                               micro_batch_tokens=budget)
     return out["logprobs"].cpu()
 
@@ -156,7 +157,13 @@ def policy_objective(c: Components):
                            clip_c=alg.dual_clip or None, sapo_tau_pos=alg.sapo_tau_pos, sapo_tau_neg=alg.sapo_tau_neg,
                            aggregation=alg.loss_aggregation, norm=alg.loss_norm, entropy_coef=alg.entropy_coef,
                            kl_coef=alg.kl_loss.coef if alg.kl_loss.enable else 0.0, kl_estimator=alg.kl_loss.estimator,
-                           temperature=c.spec.rollout.temperature, vocab_size=c.hf["vocab_size"])
+                           temperature=c.spec.rollout.temperature, vocab_size=c.hf["vocab_size"],
+                           kernels=kernel_backend(c))
+
+
+def kernel_backend(c: Components) -> str:
+    """The log-prob kernels the job asked for: Triton on CUDA ("auto") or the torch twins."""
+    return "auto" if c.spec.model.use_fused_kernels else "torch"
 
 
 def value_objective(c: Components):
