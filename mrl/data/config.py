@@ -16,7 +16,7 @@ class DataConfig:
     generator_size: int = option(10000, ge=1, help="prompts a generator yields per epoch")
     generator_kwargs: dict[str, Any] = option(factory=dict, help="task options passed to a reasoning_gym generator (e.g. min_terms, max_terms for chain_sum)")
     prompt_key: str = option("prompt", help="column holding the prompt (string or chat messages)")
-    answer_key: str = option("answer", help="column holding the ground truth passed to the reward")
+    answer_key: str = option("answer", help="column holding the ground truth passed to the reward; dotted reaches into a table column (verl: reward_model.ground_truth, used by default when the data has verl's reward_model column and no answer column)")
     source_key: str = option("data_source", help="column naming each row's data source (picks per-source rewards and metrics); optional in the files")
     bad_rows: Literal["warn", "error"] = option("warn", help="a row whose prompt or answer is missing or empty is dropped and counted (warn) or stops the run (error)")
     prompts_per_step: int = option(8, ge=1, help="prompts consumed per training step (verl: train_batch_size)")

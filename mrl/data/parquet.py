@@ -8,7 +8,7 @@ from typing import Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mrl.data.rows import Columns, PromptRow, rows_from_records
+from mrl.data.rows import Columns, PromptRow, rows_from_records, verl_answer_key
 from mrl.errors import UserError
 
 
@@ -34,9 +34,10 @@ def read_parquet_rows(
             table = pq.read_table(path)
         except (pa.ArrowInvalid, OSError) as e:
             raise UserError(f"{name}: not a readable parquet file: {e}") from None
-        needed = [(columns.prompt, "data.prompt_key")] + ([(columns.answer, "data.answer_key")] if require_answer else [])
+        answer = verl_answer_key(columns.answer, table.column_names)
+        needed = [(columns.prompt, "data.prompt_key")] + ([(answer, "data.answer_key")] if require_answer else [])
         for col, key in needed:
-            if col not in table.column_names:
+            if col not in table.column_names and col.split(".")[0] not in table.column_names:
                 raise UserError(f"{name}: no column {col!r} ({key}); columns: {', '.join(table.column_names)}")
         rows += rows_from_records(table.to_pylist(), columns=columns, default_source=path.stem, where=name,
                                   bad_rows=bad_rows, require_answer=require_answer, stats=stats)

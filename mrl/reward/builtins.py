@@ -12,6 +12,11 @@ text), and return a float in [0, 1] or a dict with "score" plus numbers worth lo
 | `format_boxed` | the response has a non-empty `\\boxed{...}` |
 | `format_answer_tags` | the response has exactly one non-empty `<answer>...</answer>` |
 | `format_think_answer` | the response is `<think>...</think>` then `<answer>...</answer>` and nothing else |
+| `auto` | by each row's data source, with verl's names: `gsm8k`, `math` or `reasoning_gym` (see `SOURCE_RULES`) |
+
+A ground truth a builtin cannot read (a table, a list, text with no number for `gsm8k`, nothing
+math-verify can parse for `math`) raises an error naming it: the reward pool counts it as a reward
+error instead of scoring the response 0 as if it were wrong.
 """
 from __future__ import annotations
 
@@ -52,8 +57,17 @@ def final_answer(response: str) -> str:
     return response.strip()
 
 
+def _truth_text(ground_truth: Any, name: str) -> str:
+    """The ground truth as text; a table or list (e.g. verl's whole `reward_model` column) is an error."""
+    if isinstance(ground_truth, bool) or not isinstance(ground_truth, (str, int, float)):
+        hint = ("; set data.answer_key to the field holding the answer (verl: reward_model.ground_truth)"
+                if isinstance(ground_truth, dict) else "")
+        raise ValueError(f"{name}: cannot read a ground truth of type {type(ground_truth).__name__}{hint}")
+    return str(ground_truth)
+
+
 def exact_match(prompt: Any, response: str, ground_truth: Any, extra: dict) -> float:
-    return float(final_answer(response) == str(ground_truth).strip())
+    return float(final_answer(response) == _truth_text(ground_truth, "exact_match").strip())
 
 
 def _gsm8k_number(text: str) -> str | None:
@@ -70,8 +84,10 @@ def _gsm8k_number(text: str) -> str | None:
 
 def gsm8k(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
     """GSM8K's strict format: the answer follows `#### ` (verl's `gsm8k` strict mode)."""
-    truth = str(ground_truth)
+    truth = _truth_text(ground_truth, "gsm8k")
     expected = _gsm8k_number(truth) if "####" in truth else _gsm8k_number("#### " + truth)
+    if expected is None:
+        raise ValueError(f"gsm8k: no number in the ground truth {truth[:80]!r}")
     got = _gsm8k_number(response)
     return {"score": float(got is not None and got == expected), "formatted": float(got is not None)}
 
@@ -80,10 +96,12 @@ def math(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
     """math-verify equivalence (1/2 = 0.5 = \\frac{1}{2}); the boxed answer wins over other candidates."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-    truth = str(ground_truth).strip()
+    truth = _truth_text(ground_truth, "math").strip()
     gold = parse(truth if "$" in truth or "\\boxed" in truth else f"${truth}$")
     if not gold:
         gold = parse(truth)
+    if not gold:
+        raise ValueError(f"math: math-verify cannot parse the ground truth {truth[:80]!r}")
     answer = parse(response, extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()])
     return {"score": float(bool(gold) and bool(answer) and verify(gold, answer)), "parsed": float(bool(answer))}
 
@@ -121,7 +139,40 @@ def format_think_answer(prompt: Any, response: str, ground_truth: Any, extra: di
     return float(m is not None and bool(m.group(1).strip()))
 
 
-BUILTINS = ("exact_match", "gsm8k", "math", "reasoning_gym", "format_boxed", "format_answer_tags", "format_think_answer")
+# data source -> builtin for `auto`: exact names, then prefixes (verl's data_source values).
+SOURCE_RULES: tuple[tuple[str, str], ...] = (
+    ("openai/gsm8k", "gsm8k"), ("gsm8k", "gsm8k"),
+    ("lighteval/MATH", "math"), ("DigitalLearningGmbH/MATH-lighteval", "math"), ("HuggingFaceH4/MATH-500", "math"),
+    ("math", "math"), ("math_dapo", "math"), ("aime", "math"), ("numina", "math"),
+    ("reasoning_gym/", "reasoning_gym"),
+)
+
+
+def builtin_for_source(source: str) -> str | None:
+    """The builtin `auto` uses for a data source: an exact rule, else the longest matching prefix
+    (case-insensitive: "aime2024", "math_dapo_17k"); None when no rule matches."""
+    low = source.lower()
+    for name, builtin in SOURCE_RULES:
+        if low == name.lower():
+            return builtin
+    prefixes = [(len(name), builtin) for name, builtin in SOURCE_RULES if low.startswith(name.lower())]
+    return max(prefixes)[1] if prefixes else None
+
+
+def auto(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
+    """The builtin for the row's data source (`builtin_for_source`); an unknown source is an error."""
+    source = str(extra.get("data_source", "")) if isinstance(extra, dict) else ""
+    name = builtin_for_source(source)
+    if name is None:
+        known = ", ".join(sorted({n for n, _ in SOURCE_RULES}))
+        raise ValueError(f"auto: no builtin reward for data source {source!r} (known: {known}); "
+                         "name one with reward.builtin or reward.function")
+    out = globals()[name](prompt, response, ground_truth, extra)
+    return out if isinstance(out, dict) else {"score": float(out)}
+
+
+BUILTINS = ("exact_match", "gsm8k", "math", "reasoning_gym", "format_boxed", "format_answer_tags", "format_think_answer",
+            "auto")
 
 
 def builtin_ref(name: str) -> str:

@@ -10,7 +10,7 @@ from typing import Any, Literal, Optional
 from mrl.config.schema import option, section
 
 Builtin = Literal["exact_match", "gsm8k", "math", "reasoning_gym", "format_boxed", "format_answer_tags",
-                  "format_think_answer"]
+                  "format_think_answer", "auto"]
 
 
 @section
@@ -18,7 +18,7 @@ class RewardConfig:
     """A user function `file.py:function`, a builtin rule verifier, a reward model, or a weighted mix."""
 
     function: Optional[str] = option(None, help="'path/to/file.py:function' or 'module:function'; score(prompt, response, ground_truth, extra) -> float | dict")
-    builtin: Optional[Builtin] = option(None, help="builtin rule verifier: exact_match, gsm8k (#### n), math (math-verify, boxed), reasoning_gym (the task's scorer), format_boxed, format_answer_tags, format_think_answer")
+    builtin: Optional[Builtin] = option(None, help="builtin rule verifier: exact_match, gsm8k (#### n), math (math-verify, boxed), reasoning_gym (the task's scorer), format_boxed, format_answer_tags, format_think_answer, auto (gsm8k / math / reasoning_gym by each row's data source, verl's names)")
     model_path: Optional[str] = option(None, help="reward model checkpoint (scalar head)")
     sources: tuple[dict[str, Any], ...] = option((), help="weighted mix instead of one source: [[reward.sources]] tables with name, one of function/builtin/model_path, weight (default 1), score_key, kwargs")
     score_key: str = option("score", help="key of the score when the function returns a dict")
