@@ -34,7 +34,7 @@ from mrl.errors import UserError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save", "load", "Loaded", "resolve", "verify", "find_resumable"]
+__all__ = ["save", "load", "Loaded", "resolve", "verify", "find_resumable", "estimated_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,8 +284,32 @@ def save(root: str | Path, step: int, *, chunks: list, optimizer=None, scheduler
                             "the partial save was removed; free space, or lower checkpoint.keep_last)") from None
 
 
+_WRITER_MANAGER = None
+
+
+def _writer_results_queue_dies_with_us() -> None:
+    """megatron's torch_dist writer keeps its results queue in a `multiprocessing` manager process
+    that it spawns at the first save and never ends; a trainer killed outright left it behind
+    (~270 MB, parent pid 1). Start that manager ourselves, made to die with this process."""
+    global _WRITER_MANAGER
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if _WRITER_MANAGER is not None or getattr(filesystem_async, "_results_queue", 0) is not None:
+        return
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from mrl.platform.lifetime import die_with_parent
+
+    _WRITER_MANAGER = SyncManager(ctx=mp.get_context("spawn"))
+    _WRITER_MANAGER.start(initializer=die_with_parent)
+    filesystem_async._results_queue = _WRITER_MANAGER.Queue()
+
+
 def _save(root: Path, tmp: Path, step: int, *, chunks, optimizer, scheduler, extra, keep_last) -> Path:
     from megatron.core import dist_checkpointing
+
+    _writer_results_queue_dies_with_us()
 
     rank = torch.distributed.get_rank()
     if rank == 0:
@@ -333,6 +357,20 @@ def verify(ckpt: str | Path) -> Optional[str]:
     mine = None if problem else manifest.problem_in(ckpt, {k: files[k] for k in names[rank::world]})
     found = [p for p in _gather(problem or mine) if p]
     return found[0] if found else None
+
+
+def estimated_bytes(chunks: list, *, with_optimizer: bool) -> int:
+    """About what one checkpoint of `chunks` takes on disk: the weights in their dtype on every
+    model-parallel rank (this rank's share x TP x PP), plus with the optimizer two fp32 Adam
+    moments per parameter and fp32 master weights for a lower-precision model."""
+    from megatron.core import parallel_state as ps
+
+    local = 0
+    for c in chunks:
+        for p in getattr(c, "module", c).parameters():
+            optim = (8 + (4 if p.dtype != torch.float32 else 0)) if with_optimizer else 0
+            local += p.numel() * (p.element_size() + optim)
+    return local * ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
 
 
 def resolve(path: str | Path) -> Path:

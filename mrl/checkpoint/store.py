@@ -18,11 +18,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 from pathlib import Path
 from typing import Optional
 
+from mrl.errors import UserError
+
 __all__ = ["step_name", "tmp_path", "fsync_tree", "commit", "write_latest", "latest", "checkpoints",
-           "prune", "remove_stale_tmp", "step_of"]
+           "prune", "remove_stale_tmp", "step_of", "check_writable"]
 
 LATEST = "latest"
 _STEP = re.compile(r"^step_(\d{8,})$")
@@ -135,3 +138,23 @@ def prune(root: Path, keep_last: int) -> list[Path]:
             shutil.rmtree(p)
             removed.append(p)
     return removed
+
+
+def check_writable(path: Path, need_bytes: int, key: str) -> None:
+    """Before any training: `path` can be created and written (a probe file is written, fsynced
+    and removed) and has `need_bytes` free. A one-line `UserError` naming `key` otherwise."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".mrl-write-test.{socket.gethostname()}.{os.getpid()}"
+        with open(probe, "wb") as f:
+            f.write(b"mrl")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"{key}: {path} is not writable ({e.strerror or e})") from None
+    free = shutil.disk_usage(path).free
+    if free < need_bytes:
+        raise UserError(f"{key}: {path} has {free / 2**30:.2f} GiB free; one checkpoint of this model needs about "
+                        f"{need_bytes / 2**30:.2f} GiB (No space left on device at the first save otherwise)")

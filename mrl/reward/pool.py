@@ -24,7 +24,6 @@ So a peer rank waiting for this batch can wait in a stage whose timeout covers t
 """
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import logging
 import math
@@ -42,6 +41,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from mrl.errors import UserError
+from mrl.platform.lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -73,17 +73,6 @@ class Outcome:
     message: str = ""
     seconds: float = 0.0
     output_dropped: int = 0
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the process that started it dies (however it dies)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() == 1:  # the parent died before the call above
-        os._exit(0)
 
 
 class _OutputCap:
@@ -150,7 +139,7 @@ def _worker_main(conn, refs: tuple[str, ...], memory_mb: int = 0, max_output_byt
     """Worker process: apply the limits, import the functions, report ready, then serve calls
     until the pipe closes."""
     os.setpgrp()  # own process group: a kill on timeout also reaches the user's subprocesses
-    _die_with_parent()
+    die_with_parent()
     for key in _THREAD_ENV:
         os.environ.setdefault(key, "1")
     if memory_mb:

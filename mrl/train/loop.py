@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -101,6 +103,32 @@ def _save(c: Components, step: int, tracker_run_id) -> None:
                scheduler=c.actor.scheduler, extra=extra, keep_last=c.spec.checkpoint.keep_last)
 
 
+def _terminate_by_exit():
+    """SIGTERM raises `SystemExit(143)` in the main thread, so the run unwinds: the MLflow run is
+    marked KILLED and reward workers and the rollout engine are closed. Returns the previous
+    handler (None off the main thread, where signals cannot be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def on_sigterm(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _check_disk(c: Components) -> None:
+    """Before the first step, on every rank: the run directory and the checkpoint directory are
+    writable, and the latter has room for one checkpoint (estimated from the model's size)."""
+    from mrl.checkpoint import state, store
+    from mrl.tracking.tracker import run_dir_of
+
+    store.check_writable(run_dir_of(c.spec), 0, "job.output_dir")
+    need = state.estimated_bytes(c.actor.chunks, with_optimizer=c.spec.checkpoint.save_optimizer)
+    if c.critic is not None:
+        need += state.estimated_bytes(c.critic.chunks, with_optimizer=True)
+    store.check_writable(checkpoint_root(c.spec), need, "checkpoint.dir")
+
+
 def _reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """Means over data-parallel ranks (ranks of one model replica hold the same values); `*_max`
     and `time/*` keys are maxima over all ranks."""
@@ -138,7 +166,9 @@ def train(spec: JobSpec) -> dict[str, float]:
     tracker = None
     status = "FAILED"
     last: dict[str, float] = {}
+    previous_sigterm = _terminate_by_exit()
     try:
+        _check_disk(c)
         if spec.algorithm.kl_reward.enable:
             c.extras["kl_controller"] = _kl_controller(spec)
         start, extra = _resume(c)
@@ -174,7 +204,12 @@ def train(spec: JobSpec) -> dict[str, float]:
                 _save(c, step, tracker.run_id)
         status = "FINISHED"
         return last
+    except (KeyboardInterrupt, SystemExit):   # Ctrl-C, or SIGTERM from torchrun, Slurm or kill
+        status = "KILLED"
+        raise
     finally:
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
         if tracker is not None:
             tracker.finish(status)
         close(c)
