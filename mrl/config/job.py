@@ -4,7 +4,7 @@ from __future__ import annotations
 from mrl.actor.config import ActorConfig
 from mrl.algos.config import AlgorithmConfig
 from mrl.checkpoint.config import CheckpointConfig
-from mrl.config.schema import option, section
+from mrl.config.schema import SEED_MAX, option, section
 from mrl.critic.config import CriticConfig
 from mrl.data.config import DataConfig
 from mrl.models.config import ModelConfig
@@ -20,8 +20,8 @@ from mrl.trainer.config import TrainerConfig
 class JobConfig:
     """Identity of the run."""
 
-    name: str = option("", help="run name (default: the job file's stem)")
-    seed: int = option(1, ge=0, help="global seed")
+    name: str = option("", help="run name (default: the job file's stem); a plain name: the run directory <output_dir>/<name>")
+    seed: int = option(1, ge=0, le=SEED_MAX, help="global seed")
     output_dir: str = option("runs", help="runs go under <output_dir>/<name>")
     description: str = option("", help="free text: the MLflow run's description")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import types
 import typing
 from typing import Any, Callable
@@ -131,6 +132,10 @@ def kind_of(value: Any) -> str:
     return type(value).__name__
 
 
+INT_MIN, INT_MAX = -2**31, 2**31 - 1   # the default range of an integer key
+SEED_MAX = 2**32 - 1                    # seeds: what numpy, torch and the engines accept
+
+
 class ValueProblem(Exception):
     """A value does not fit its field; the message completes '<key>: ...'."""
 
@@ -177,7 +182,13 @@ def convert(value: Any, tp: Any) -> Any:
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                out = float(value)
+            except OverflowError:
+                raise ValueProblem(f"must be a finite number, got {value}") from None
+            if not math.isfinite(out):
+                raise ValueProblem(f"must be a finite number, got {out}")
+            return out
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -202,6 +213,8 @@ def check_range(value: Any, meta: dict) -> None:
         raise ValueProblem(f"{value!r} is not one of {', '.join(map(repr, choices))}")
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return
+    if isinstance(value, int):   # counts, sizes, steps and seeds: bounded to 32 bits unless the field says
+        meta = {"ge": INT_MIN, "le": INT_MAX, **{k: v for k, v in meta.items() if v is not None}}
     for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
                             ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<")):
         b = meta.get(bound)

@@ -84,6 +84,17 @@ def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
                                checkpoint=checkpoint)
 
 
+TRACKING_SCHEMES = ("sqlite", "file", "http", "https", "databricks", "postgresql", "mysql", "mssql")
+
+
+def tracking_uri_scheme(uri) -> str | None:
+    """The scheme of an MLflow URI ("sqlite", "postgresql+psycopg2" -> "postgresql"), None for a path."""
+    if not uri or "://" not in uri and not uri.startswith(("databricks", "file:")):
+        return None
+    scheme = uri.split(":", 1)[0].lower()
+    return scheme.split("+", 1)[0]
+
+
 def _reward_source_names(rw) -> list[str]:
     from mrl.reward.sources import reward_problems, reward_sources
 
@@ -98,6 +109,16 @@ def check(spec: JobSpec, report) -> None:
     plat, par, data, roll, alg = spec.platform, spec.parallel, spec.data, spec.rollout, spec.algorithm
     world = plat.world_size
     world_txt = f"world size {world} (platform.nodes {plat.nodes} x platform.ranks_per_node {plat.ranks_per_node})"
+
+    # --- identity and tracking
+    name = spec.job.name
+    if name in (".", "..") or any(c in name for c in "/\\\0") or name != name.strip():
+        err("job.name", f"{name!r} is not a plain name: it names the run directory under job.output_dir "
+                        "(no '/', '\\', '..' or surrounding spaces)")
+    scheme = tracking_uri_scheme(spec.tracking.tracking_uri)
+    if scheme is not None and scheme not in TRACKING_SCHEMES:
+        err("tracking.tracking_uri", f"scheme {scheme!r} is not an MLflow store ({', '.join(TRACKING_SCHEMES)}, "
+                                     "or a local directory)")
 
     # --- platform
     if plat.device == "cpu" and plat.backend == "nccl":
@@ -143,6 +164,10 @@ def check(spec: JobSpec, report) -> None:
         warn("model.path", f"cannot read the config of {spec.model.path!r} here; head/layer/expert divisibility not checked")
     else:
         src = facts.source
+        beyond = [t for t in roll.stop_token_ids if t >= facts.vocab_size]
+        if beyond:
+            err("rollout.stop_token_ids", f"{', '.join(map(str, beyond))} outside the vocabulary of {facts.vocab_size} "
+                                          f"tokens ({src})")
         if facts.num_attention_heads % par.tensor:
             err("parallel.tensor", f"{par.tensor} does not divide the {facts.num_attention_heads} attention heads ({src})")
         if facts.num_query_groups % par.tensor:

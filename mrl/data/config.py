@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from mrl.config.schema import option, section
+from mrl.config.schema import SEED_MAX, option, section
 
 
 @section
@@ -25,5 +25,5 @@ class DataConfig:
     chat_template: bool = option(True, help="apply the tokenizer's chat template to prompts")
     system_prompt: Optional[str] = option(None, help="system message prepended to chat prompts")
     shuffle: bool = option(True, help="shuffle prompts every epoch (resumable)")
-    seed: Optional[int] = option(None, help="sampler seed (default: job.seed)")
+    seed: Optional[int] = option(None, ge=0, le=SEED_MAX, help="sampler seed (default: job.seed)")
     val_prompts: Optional[int] = option(None, ge=1, help="cap on validation prompts")

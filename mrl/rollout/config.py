@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from mrl.config.schema import option, section
+from mrl.config.schema import SEED_MAX, option, section
 
 
 @section
@@ -61,9 +61,9 @@ class RolloutConfig:
     min_p: float = option(0.0, ge=0, le=1, help="min-p sampling threshold")
     repetition_penalty: float = option(1.0, gt=0, help="repetition penalty (1 = off)")
     ignore_eos: bool = option(False, help="keep generating past EOS up to max_response_tokens")
-    stop_token_ids: tuple[int, ...] = option((), help="extra token ids that end a response")
+    stop_token_ids: tuple[int, ...] = option((), ge=0, help="extra token ids that end a response (within the model's vocabulary)")
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = option("processed_logprobs", help="reported log-probs: of the sampled distribution (after penalty, temperature, top-k/p, min-p) or of the raw model output (mrl/rollout/README.md)")
-    seed: Optional[int] = option(None, help="engine sampling seed (default: job.seed)")
+    seed: Optional[int] = option(None, ge=0, le=SEED_MAX, help="engine sampling seed (default: job.seed)")
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = option(None, help="engine dtype (default: model.dtype)")
     tensor_parallel: int = option(1, ge=1, help="engine tensor-parallel size")
     pipeline_parallel: int = option(1, ge=1, help="engine pipeline-parallel size")
