@@ -244,6 +244,21 @@ def _no_space(e: BaseException) -> bool:
     return False
 
 
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _disk_full(path: Path, need_bytes: int) -> bool:
+    """Whether the filesystem of `path` lacks room for a checkpoint of `need_bytes` (or is all but
+    full): megatron's writer processes may report a failed write without its cause, so after a
+    failed save the disk itself is asked."""
+    try:
+        usage = shutil.disk_usage(path if path.exists() else path.parent)
+    except OSError:
+        return False
+    return usage.free < need_bytes or usage.free < min(64 << 20, usage.total // 20)
+
+
 def _write_manifest(tmp: Path, step: int, has_optimizer: bool) -> None:
     """Hash every file of the finished save (each rank a share) and write the manifest on rank 0."""
     rank, world = _world()
@@ -272,16 +287,18 @@ def save(root: str | Path, step: int, *, chunks: list, optimizer=None, scheduler
         try:
             return _save(root, tmp, step, chunks=chunks, optimizer=optimizer, scheduler=scheduler, extra=extra,
                          keep_last=keep_last)
-        except Exception as e:
-            if not _no_space(e):
+        except BaseException as e:   # torch's CheckpointException is a BaseException
+            need = estimated_bytes(chunks, with_optimizer=optimizer is not None)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)) or not (_no_space(e) or _disk_full(tmp, need)):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
             try:
-                free = shutil.disk_usage(root).free / 2**30
+                room = _size(shutil.disk_usage(root).free)
             except OSError:
-                free = float("nan")
-            raise UserError(f"checkpoint save of step {step} to {root}: No space left on device ({free:.2f} GiB free; "
-                            "the partial save was removed; free space, or lower checkpoint.keep_last)") from None
+                room = "unknown"
+            raise UserError(f"checkpoint save of step {step} to {root}: No space left on device ({room} free, about "
+                            f"{_size(need)} needed; the partial save was removed; free space, or lower "
+                            "checkpoint.keep_last)") from None
 
 
 _WRITER_MANAGER = None

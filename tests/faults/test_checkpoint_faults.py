@@ -4,6 +4,7 @@ The script prints one `FAULT name handled|lost detail` line per case (figures fo
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -30,3 +31,19 @@ def test_damaged_checkpoints_fall_back_and_crafted_files_run_no_code(tmp_path):
     assert not lost, lost
     for name, (_, line) in sorted(got.items()):
         print(f"{name}: {line}")
+
+
+@pytest.mark.slow
+def test_disk_full_mid_save_is_one_line_and_leaves_no_partial_save(tmp_path):
+    full = tmp_path / "full"
+    full.mkdir()
+    # a 150 KiB filesystem: the probe fits, the checkpoint (about 250 KiB) does not
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=150k", "tmpfs", str(full)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        out = run_torchrun(SCRIPTS / "ckpt_enospc.py", str(full), nproc=2, timeout=300).stdout
+    finally:
+        subprocess.run(["umount", str(full)], check=False)
+    got = faults(out)
+    assert got["disk_full_mid_save"][0] == "handled", out
+    print(got["disk_full_mid_save"][1])
