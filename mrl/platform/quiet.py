@@ -15,8 +15,21 @@ KNOWN_WARNINGS = (
 )
 
 
+# Loggers whose INFO lines are routine set-up, not news: MLflow creating or migrating its sqlite
+# tables on a new store.
+QUIET_LOGGERS = ("mlflow.store.db.utils", "alembic")
+
+
 def quiet_known_warnings() -> None:
+    import logging
+    import os
     import warnings
 
     for message in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # What megatron-core asks for with tensor-parallel async gradient all-reduce (it warns once per
+    # rank otherwise): one CUDA work queue, so communication kernels run in launch order. No effect
+    # on CPU; set before any CUDA context exists (an explicit value in the environment wins).
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import IO, Any, Mapping
 
@@ -37,6 +38,7 @@ class Tracker:
                  resume_run_id: str | None = None, start_step: int = 0, stream: IO[str] | None = None,
                  force_terminal: bool | None = None, log_every_steps: int = 1):
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self._stream = stream
         self.console: ConsoleProgress | None = None
         self.mlflow: MlflowRun | None = None
         self._run_id: str | None = None
@@ -56,6 +58,8 @@ class Tracker:
         if "console" in cfg.backends:
             self.console = ConsoleProgress(total_steps, start_step=start_step, file=stream,
                                            force_terminal=force_terminal, every_steps=log_every_steps)
+        for line in self.start_lines(run_dir):
+            self.message(line)
 
     @classmethod
     def from_spec(cls, spec: Any, *, total_steps: int, **kw) -> "Tracker":
@@ -65,6 +69,15 @@ class Tracker:
         if tracker.mlflow is not None and spec.job.description:
             tracker.mlflow.set_tags({"mlflow.note.content": spec.job.description})   # the UI's run description
         return tracker
+
+    def start_lines(self, run_dir) -> list[str]:
+        """Where this run's files are, and the command that shows its metrics."""
+        lines = [f"run directory: {Path(run_dir).resolve()}"]
+        if self.mlflow is not None:
+            uri = self.mlflow.tracking_uri
+            lines.append(f"metrics: mlflow ui --backend-store-uri {uri}"
+                         + (f"   (run {self.mlflow.run_id})" if self.mlflow.run_id else ""))
+        return lines
 
     @property
     def run_id(self) -> str | None:
@@ -96,7 +109,7 @@ class Tracker:
         if self.console is not None:
             self.console.message(text)
         elif self.rank == 0:
-            log.info(text)
+            print(text, file=self._stream or sys.stdout, flush=True)
 
     def finish(self, status: str = "FINISHED") -> None:
         """End the run: "FINISHED", "FAILED" or "KILLED". Safe to call twice."""

@@ -140,3 +140,26 @@ def test_profile_steps_write_a_trace_only_for_listed_steps(tmp_path):
             torch.ones(8, 8) @ torch.ones(8, 8)
     assert trace_path(tmp_path, 2, 1).is_file() and '"traceEvents"' in trace_path(tmp_path, 2, 1).read_text()
     assert not trace_path(tmp_path, 1, 1).exists() and not trace_path(tmp_path, 3, 1).exists()
+
+
+def test_start_prints_the_run_directory_and_the_mlflow_ui_command(spec):
+    stream = io.StringIO()
+    tracker = Tracker.from_spec(spec, total_steps=1, rank=0, stream=stream)
+    tracker.finish()
+    first, second = stream.getvalue().splitlines()[:2]
+    assert first == f"run directory: {run_dir_of(spec).resolve()}"
+    assert second.startswith(f"metrics: mlflow ui --backend-store-uri {spec.tracking.tracking_uri}   (run ")
+
+
+def test_mlflow_store_creation_is_quiet(tmp_path, capfd):
+    import logging
+
+    from mrl.platform.quiet import quiet_known_warnings
+
+    quiet_known_warnings()
+    logging.basicConfig(level=logging.INFO)   # even with INFO on for everything else
+    t = Tracker(TrackingConfig(backends=("mlflow",)), run_dir=tmp_path / "r", total_steps=1, rank=0,
+                stream=io.StringIO())
+    t.finish()
+    out, err = capfd.readouterr()
+    assert "Creating initial MLflow database tables" not in out + err and "Updating database tables" not in out + err
