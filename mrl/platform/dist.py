@@ -193,6 +193,12 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:
 
 def check_world_size(launched: int, expected: int, launcher: str) -> None:
     """Raise `UserError` when the launch and the job disagree on the number of ranks."""
+    if launched != expected and launcher == "single":
+        raise UserError(
+            f"the job expects world size {expected} (platform.nodes x platform.ranks_per_node) but this is one "
+            f"plain process, not a torchrun or srun launch: start it with `mrl launch JOB` (one machine), "
+            f"`torchrun --nproc_per_node {expected} -m mrl train JOB` or launch/slurm.sh"
+        )
     if launched != expected:
         hint = {
             "torchrun": "torchrun --nnodes/--nproc_per_node",

@@ -285,7 +285,7 @@ def test_single_process_cpu_platform_runs_megatron_and_needs_compat():
 def test_setup_refuses_a_world_size_mismatch_before_any_collective():
     from mrl import platform
 
-    with pytest.raises(UserError, match="expects world size 8 .* single started 1 rank"):
+    with pytest.raises(UserError, match="expects world size 8 .* but this is one plain process, not a torchrun or srun launch: start it with `mrl launch JOB`"):
         platform.setup(PlatformConfig(device="cpu", ranks_per_node=8), ParallelConfig(), seed=0, env={})
     assert not dist.is_initialized()
 
