@@ -47,7 +47,10 @@ class Tracker:
         if "mlflow" in cfg.backends:
             uri = cfg.tracking_uri or default_tracking_uri(run_dir)
             ensure_store_dir(uri)
-            tags = {**source_tags(), **cfg.tags} if resume_run_id is None else dict(cfg.tags)
+            from mrl.tracking.environment import environment_tags, mrl_source_dir
+
+            # the environment of this start (a resumed run records the one it resumed on)
+            tags = {**source_tags(mrl_source_dir()), **environment_tags(), **cfg.tags}
             self.mlflow = MlflowRun(uri, cfg.experiment, cfg.run_name or Path(run_dir).name, run_id=resume_run_id,
                                     tags=tags)
             self._run_id = self.mlflow.run_id
@@ -98,12 +101,19 @@ class Tracker:
         if self.console is not None:
             self.console.stage(name)
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Every metric of `step` to MLflow, and the step line/bar to the console."""
+    def log_metrics(self, metrics: Mapping[str, float], step: int, *, console: bool = True) -> None:
+        """Every metric of `step` to MLflow, and the step line/bar to the console (`console=False`:
+        MLflow only, for what a step measures after its line, e.g. the checkpoint's time)."""
         if self.mlflow is not None:
             self.mlflow.log_metrics(metrics, step)
-        if self.console is not None:
+        if self.console is not None and console:
             self.console.step_done(step, metrics)
+
+    def log_samples(self, split: str, columns: Mapping[str, list]) -> None:
+        """Append sample generations (`mrl.tracking.samples.sample_rows`) to the run's
+        `samples/<split>.json` table."""
+        if self.mlflow is not None:
+            self.mlflow.client.log_table(self.mlflow.run_id, data=dict(columns), artifact_file=f"samples/{split}.json")
 
     def message(self, text: str) -> None:
         if self.console is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import signal
 import threading
 from pathlib import Path
@@ -129,6 +130,18 @@ def _check_disk(c: Components) -> None:
     store.check_writable(checkpoint_root(c.spec), need, "checkpoint.dir")
 
 
+def _max_over_ranks(seconds: float) -> float:
+    """The slowest rank's time for a stage every rank ran (validation, checkpoint)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return seconds
+    from mrl.platform.dist import stage
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    with stage("timing all-reduce"):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def _reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """Means over data-parallel ranks (ranks of one model replica hold the same values); `*_max`
     and `time/*` keys are maxima over all ranks."""
@@ -159,6 +172,7 @@ def _reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
 def train(spec: JobSpec) -> dict[str, float]:
     """Run `spec` to `trainer.total_steps` (or its epochs); returns the last step's metrics."""
     from mrl.platform import teardown
+    from mrl.tracking.perf import throughput
     from mrl.tracking.profile import profile_step
     from mrl.tracking.tracker import Tracker, run_dir_of
 
@@ -192,16 +206,27 @@ def train(spec: JobSpec) -> dict[str, float]:
             with profile_step(spec.trainer.profile_steps, step, run_dir_of(spec), c.ctx.rank):
                 step_metrics = train_step(c, step, on_stage=tracker.stage)
             metrics = _reduce_metrics(step_metrics)
+            metrics.update(throughput(metrics, c.ctx.dp))
             if val_every and (step % val_every == 0 or step == c.total_steps):
                 tracker.stage("validation")
+                started = time.perf_counter()
                 sync_weights(c)   # the update just changed the policy
                 metrics.update(validate(c, step))
                 release_engine(c)
+                metrics["time/validation"] = _max_over_ranks(time.perf_counter() - started)
             metrics["train/epoch"] = float(c.sampler.epoch)
             tracker.log_metrics(metrics, step)
+            for split in ("train", "validation"):
+                rows = c.extras.pop(f"samples/{split}", None)
+                if rows:
+                    tracker.log_samples(split, rows)
             last = metrics
             if (every and step % every == 0) or step == c.total_steps:
+                tracker.stage("checkpoint")
+                started = time.perf_counter()
                 _save(c, step, tracker.run_id)
+                tracker.log_metrics({"time/checkpoint": _max_over_ranks(time.perf_counter() - started)}, step,
+                                    console=False)
         status = "FINISHED"
         return last
     except (KeyboardInterrupt, SystemExit):   # Ctrl-C, or SIGTERM from torchrun, Slurm or kill

@@ -6,6 +6,7 @@ broadcast to the group so every TP/PP rank builds the identical batch.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from mrl.batch import Batch
 from mrl.errors import UserError
 from mrl.reward.compose import is_count
 from mrl.rollout.types import Response, Sampling, sampling_from_config
+from mrl.tracking.samples import sample_rows, wants_samples
 from mrl.train.components import Components
 
 
@@ -142,8 +144,10 @@ def score(c: Components, items: list, responses: list[Response], n: int, step: i
                                 data_source=it.data_source, extra=dict(it.extra),
                                 token_ids=list(it.token_ids) + list(r.token_ids))
                    for it_i, it in enumerate(items) for j, r in enumerate(responses[it_i * n:(it_i + 1) * n])]
+        started = time.perf_counter()
         res = c.rewarder.score(samples)
-        result = dict(scores=res.scores, valid=res.valid, stats=res.stats)
+        result = dict(scores=res.scores, valid=res.valid,
+                      stats={**res.stats, "time/reward_scoring": time.perf_counter() - started})
         if metric is not None:
             try:
                 result["filter_values"] = filter_values(res, metric)
@@ -202,6 +206,7 @@ def collect(c: Components, step: int) -> tuple[Batch, dict]:
     rounds, kept_items, kept_resp, kept_scores = 0, [], [], []
     stats: dict[str, float] = {}
     generated = 0
+    generated_tokens = 0
     dropped = 0   # responses left out for reward errors (reward.on_error = "drop"): whole groups
     while True:
         # A seed per (step, round, DP rank): generations do not depend on what ran before (resume).
@@ -210,8 +215,9 @@ def collect(c: Components, step: int) -> tuple[Batch, dict]:
         r = _round(c, step, sampling)
         rounds += 1
         generated += len(r["responses"])
-        for k, v in r["stats"].items():   # counts add up over rounds; means are the last round's
-            stats[k] = stats.get(k, 0.0) + float(v) if is_count(k) else float(v)
+        generated_tokens += sum(len(x.token_ids) for x in r["responses"])
+        for k, v in r["stats"].items():   # counts and times add up over rounds; means are the last round's
+            stats[k] = stats.get(k, 0.0) + float(v) if is_count(k) or k.startswith("time/") else float(v)
         scores = torch.tensor(r["scores"], dtype=torch.float32)
         groups = torch.arange(len(r["items"])).repeat_interleave(n)
         if dyn.enable:   # groups whose dynamic_sampling.metric is equal for every response carry no signal
@@ -272,6 +278,9 @@ def collect(c: Components, step: int) -> tuple[Batch, dict]:
         "response/truncated_fraction": float(truncated.float().mean()),
         "rollout/generation_rounds": float(rounds),
         "rollout/responses_generated": float(generated),
+        "tokens/rollout_response": float(generated_tokens),
         **{k: v for k, v in stats.items() if not math.isnan(v)},
     }
+    if c.ctx.rank == 0 and wants_samples(spec.trainer.log_samples_every, step, c.total_steps):
+        c.extras["samples/train"] = sample_rows(step, kept_items, kept_resp, raw_scores.tolist(), n, c.tokenizer)
     return batch, metrics

@@ -49,6 +49,7 @@ def train_step(c: Components, step: int, on_stage=None) -> dict[str, float]:
     if c.critic is None or step > spec.critic.warmup_steps:
         with t("actor_update"):
             metrics.update(update(c.actor, batch, spec.actor, policy_objective(c), step, "actor"))
+        metrics["tokens/actor_update"] = float(batch.sequence_lengths.sum()) * spec.actor.epochs
     metrics.update(t.metrics())
     return metrics
 

@@ -30,6 +30,10 @@ def validate(c: Components, step: int) -> dict[str, float]:
     responses = generate(c, [list(it.token_ids) for it in items], sampling)
     scores = score(c, items, responses, sampling.n, step)["scores"]
     lengths = [len(r.token_ids) for r in responses]
+    if c.ctx.rank == 0 and c.spec.trainer.log_samples_every > 0:
+        from mrl.tracking.samples import sample_rows
+
+        c.extras["samples/validation"] = sample_rows(step, items, responses, scores, sampling.n, c.tokenizer)
     totals = _dp_all_reduce(torch.tensor([sum(scores), float(len(scores)), float(sum(lengths))], dtype=torch.float64))
     count = max(float(totals[1]), 1.0)
     return {"val/reward_mean": float(totals[0]) / count, "val/response_length_mean": float(totals[2]) / count,

@@ -211,7 +211,7 @@ def test_dapo_generation_rounds_profile_and_hf_export_in_one_run(tmp_path):
     proc = _train(tmp_path, "trainer.total_steps=2", "checkpoint.every_steps=0", "tracking.backends=mlflow",
                   "algorithm.dynamic_sampling.enable=true", "algorithm.dynamic_sampling.metric=score",
                   "algorithm.dynamic_sampling.generation_batch_prompts=16", "trainer.profile_steps=2",
-                  "checkpoint.save_hf_at_end=true")
+                  "checkpoint.save_hf_at_end=true", "trainer.val_every_steps=2", "data.val_prompts=4")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("mrl").experiment_id])
@@ -224,6 +224,26 @@ def test_dapo_generation_rounds_profile_and_hf_export_in_one_run(tmp_path):
     hf = tmp_path / "run/hf/step_2"
     assert (hf / "config.json").is_file() and list(hf.glob("*.safetensors")), sorted(hf.iterdir())
     assert f"Hugging Face export: {hf}" in proc.stdout + proc.stderr
+
+    # what the run recorded: sample tables, throughput, stage timings, the environment
+    import json
+
+    import torch
+
+    run = client.get_run(run.info.run_id)
+    metrics = run.data.metrics
+    for key in ("throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s", "time/reward_scoring",
+                "time/validation", "time/checkpoint", "tokens/rollout_response", "tokens/actor_update"):
+        assert metrics.get(key, 0) > 0, (key, sorted(metrics))
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "samples")}
+    assert artifacts == {"samples/train.json", "samples/validation.json"}, artifacts
+    table = json.load(open(client.download_artifacts(run.info.run_id, "samples/train.json", str(tmp_path))))
+    rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert len(rows) == 16 and {r["step"] for r in rows} == {2} and all(0 <= r["score"] <= 1 for r in rows)
+    assert rows[0]["prompt"].startswith("Pick a number between") and rows[0]["response_tokens"] <= 8
+    tags = run.data.tags
+    assert tags["mrl.env.torch"] == torch.__version__ and tags["mrl.env.megatron_core"].startswith("0.")
+    assert tags["mrl.env.vllm"] and tags["mrl.env.host"] and len(tags["mlflow.source.git.commit"]) == 40
 
 
 @pytest.mark.slow

@@ -163,3 +163,12 @@ def test_mlflow_store_creation_is_quiet(tmp_path, capfd):
     t.finish()
     out, err = capfd.readouterr()
     assert "Creating initial MLflow database tables" not in out + err and "Updating database tables" not in out + err
+
+
+def test_throughput_is_the_whole_jobs_tokens_over_the_slowest_rank():
+    from mrl.tracking.perf import throughput
+
+    # means over 4 DP ranks of per-rank token counts; stage times already maxima over ranks
+    m = {"tokens/rollout_response": 1000.0, "time/rollout": 2.0, "tokens/actor_update": 3000.0, "time/actor_update": 0.5}
+    assert throughput(m, dp=4) == {"throughput/rollout_tokens_per_s": 2000.0, "throughput/train_tokens_per_s": 24000.0}
+    assert throughput({"tokens/rollout_response": 5.0}, dp=1) == {}
