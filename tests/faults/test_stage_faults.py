@@ -3,6 +3,9 @@ rank waits in a stage whose timeout covers the rewards' own bound); a hung colle
 stage."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from tests.dist_util import run_torchrun
@@ -17,3 +20,17 @@ def test_one_second_per_call_reward_trains_with_a_30s_collective_timeout(tmp_pat
                         "checkpoint.every_steps=0", "tracking.backends=[\"console\"]", f"job.output_dir={tmp_path}",
                         "job.name=slow", timeout=500)
     assert (tmp_path / "slow/checkpoints/actor/step_00000002/manifest.json").is_file(), proc.stdout[-3000:]
+
+
+STOPPED_CASES = ("checkpoint_save", "checkpoint_load", "metrics_all_gather", "rollout_generation", "reward_scoring")
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_by_stage_on_the_survivor(tmp_path):
+    proc = run_torchrun(Path(__file__).parent / "scripts" / "stage_faults.py", str(tmp_path), nproc=2, timeout=300)
+    got = {m.group(1): (m.group(2), m.group(3)) for m in
+           re.finditer(r"^FAULT stopped_rank_in_(\S+) (handled|lost) (.*)$", proc.stdout, re.M)}
+    assert set(got) == set(STOPPED_CASES), proc.stdout
+    assert all(v[0] == "handled" for v in got.values()), got
+    for name, (_, line) in got.items():
+        print(f"{name}: {line}")
