@@ -95,12 +95,22 @@ def tracking_uri_scheme(uri) -> str | None:
     return scheme.split("+", 1)[0]
 
 
-def _reward_source_names(rw) -> list[str]:
+def _builtin_metrics(rw) -> list[str] | None:
+    """What `algorithm.dynamic_sampling.metric` may name when every reward source is a builtin
+    ("score", each source's name, "<source>/<output>", and outputs only one source gives); None when
+    a user function or a reward model may return anything (checked when the rewards first run)."""
+    from mrl.reward.builtins import OUTPUTS
     from mrl.reward.sources import reward_problems, reward_sources
 
     if reward_problems(rw, check_files=False):
-        return []
-    return [s.name for s in reward_sources(rw, check_files=False)]
+        return None
+    sources = reward_sources(rw, check_files=False)
+    if any(s.kind != "builtin" for s in sources):
+        return None
+    builtin = {s.name: s.ref.rpartition(":")[2] for s in sources}
+    outputs = [(name, out) for name, fn in builtin.items() for out in OUTPUTS.get(fn, ())]
+    bare = [out for _, out in outputs]
+    return ["score", *builtin, *(f"{n}/{o}" for n, o in outputs), *sorted({o for o in bare if bare.count(o) == 1})]
 
 
 def check(spec: JobSpec, report) -> None:
@@ -272,9 +282,10 @@ def check(spec: JobSpec, report) -> None:
         if dp and gen % dp:
             err("algorithm.dynamic_sampling.generation_batch_prompts",
                 f"{gen} prompts per generation round do not split evenly over data-parallel size {dp}")
-        names = _reward_source_names(spec.reward)
-        if names and "/" in ds.metric and ds.metric.partition("/")[0] not in names:
-            err("algorithm.dynamic_sampling.metric", f"{ds.metric!r} names no reward source (sources: {', '.join(names)})")
+        known = _builtin_metrics(spec.reward)
+        if known is not None and ds.metric not in known:
+            err("algorithm.dynamic_sampling.metric", f"{ds.metric!r} is not an output of the job's rewards "
+                                                     f"(they give: {', '.join(known)})")
     elif ds.generation_batch_prompts != prompts:
         err("algorithm.dynamic_sampling.generation_batch_prompts",
             f"{ds.generation_batch_prompts} differs from data.prompts_per_step {prompts}, but only dynamic sampling "

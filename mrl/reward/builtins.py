@@ -89,7 +89,8 @@ def gsm8k(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
     if expected is None:
         raise ValueError(f"gsm8k: no number in the ground truth {truth[:80]!r}")
     got = _gsm8k_number(response)
-    return {"score": float(got is not None and got == expected), "formatted": float(got is not None)}
+    correct = float(got is not None and got == expected)
+    return {"score": correct, "acc": correct, "formatted": float(got is not None)}
 
 
 def math(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
@@ -103,7 +104,8 @@ def math(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
     if not gold:
         raise ValueError(f"math: math-verify cannot parse the ground truth {truth[:80]!r}")
     answer = parse(response, extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()])
-    return {"score": float(bool(gold) and bool(answer) and verify(gold, answer)), "parsed": float(bool(answer))}
+    correct = float(bool(gold) and bool(answer) and verify(gold, answer))
+    return {"score": correct, "acc": correct, "parsed": float(bool(answer))}
 
 
 def reasoning_gym(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
@@ -121,7 +123,8 @@ def reasoning_gym(prompt: Any, response: str, ground_truth: Any, extra: dict) ->
                              "or give it the data source 'reasoning_gym/<task>'")
         task, entry = source.split("/", 1)[1], {"question": prompt, "answer": ground_truth, "metadata": {}}
     answer = gym.extract_answer(response)
-    return {"score": float(gym.scorer(task)(answer, entry)), "tagged": float(answer is not None)}
+    score = float(gym.scorer(task)(answer, entry))
+    return {"score": score, "acc": float(score == 1.0), "tagged": float(answer is not None)}
 
 
 def format_boxed(prompt: Any, response: str, ground_truth: Any, extra: dict) -> float:
@@ -138,6 +141,14 @@ def format_think_answer(prompt: Any, response: str, ground_truth: Any, extra: di
     m = _THINK_ANSWER.match(response)
     return float(m is not None and bool(m.group(1).strip()))
 
+
+# The numbers each builtin returns besides its score (`algorithm.dynamic_sampling.metric` may name
+# one; "acc" is 1 for a fully correct response, DAPO's filter metric).
+OUTPUTS: dict[str, tuple[str, ...]] = {
+    "exact_match": (), "gsm8k": ("acc", "formatted"), "math": ("acc", "parsed"), "reasoning_gym": ("acc", "tagged"),
+    "format_boxed": (), "format_answer_tags": (), "format_think_answer": (),
+    "auto": ("acc", "formatted", "parsed", "tagged"),
+}
 
 # data source -> builtin for `auto`: exact names, then prefixes (verl's data_source values).
 SOURCE_RULES: tuple[tuple[str, str], ...] = (

@@ -255,3 +255,15 @@ def test_dynamic_sampling_metric_decides_what_is_kept(tmp_path):
                   "algorithm.dynamic_sampling.on_exhausted=proceed")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "error: step 1: no prompt kept after 1 generation rounds" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_dynamic_sampling_metric_is_checked_against_builtin_outputs():
+    dapo = REPO / "jobs/dapo_32b.toml"
+    spec, _ = load(dapo)
+    assert spec.algorithm.dynamic_sampling.metric == "acc"   # the published configuration: math's correctness
+    with pytest.raises(SpecError, match=r"metric: 'accuracy' is not an output of the job's rewards \(they give: "
+                                        r"score, math, math/acc, math/parsed, acc, parsed\)"):
+        load(dapo, ["algorithm.dynamic_sampling.metric=accuracy"])
+    from mrl.reward import builtins as b
+
+    assert b.math("", "\\boxed{2}", "2", {})["acc"] == 1.0 and b.gsm8k("", "#### 3", "2", {})["acc"] == 0.0

@@ -46,9 +46,9 @@ def test_reasoning_gym_scorer_on_generated_and_file_rows():
     rec = gym_records("chain_sum", 1, seed=4)[0]
     extra = {"reasoning_gym": rec["reasoning_gym"]}
     right, wrong = rec["answer"], str(int(rec["answer"]) + 1)
-    assert b.reasoning_gym(rec["prompt"], f"<answer>{right}</answer>", right, extra) == {"score": 1.0, "tagged": 1.0}
+    assert b.reasoning_gym(rec["prompt"], f"<answer>{right}</answer>", right, extra) == {"score": 1.0, "acc": 1.0, "tagged": 1.0}
     assert b.reasoning_gym(rec["prompt"], f"<answer>{wrong}</answer>", right, extra)["score"] == 0.0
-    assert b.reasoning_gym(rec["prompt"], right, right, extra) == {"score": 0.0, "tagged": 0.0}  # needs the tags
+    assert b.reasoning_gym(rec["prompt"], right, right, extra) == {"score": 0.0, "acc": 0.0, "tagged": 0.0}  # needs the tags
     # a parquet row names its task through the data source
     assert b.reasoning_gym("1 + 2 =", "<answer>3</answer>", "3", {"data_source": "reasoning_gym/chain_sum"})["score"] == 1.0
     with pytest.raises(ValueError, match="no reasoning-gym task"):
