@@ -143,8 +143,8 @@ def _max_over_ranks(seconds: float) -> float:
 
 
 def _reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """Means over data-parallel ranks (ranks of one model replica hold the same values); `*_max`
-    and `time/*` keys are maxima over all ranks."""
+    """Means over data-parallel ranks (ranks of one model replica hold the same values); `*_max`,
+    `time/*` and `memory/*` keys are maxima over all ranks."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return metrics
     from megatron.core import parallel_state as ps
@@ -165,7 +165,7 @@ def _reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
             continue
         if vals:
             # a stage takes as long as its slowest rank: timings are maxima, not means
-            out[k] = max(vals) if k.endswith("_max") or k.startswith("time/") else sum(vals) / len(vals)
+            out[k] = max(vals) if k.endswith("_max") or k.startswith(("time/", "memory/")) else sum(vals) / len(vals)
     return out
 
 

@@ -172,3 +172,26 @@ def test_throughput_is_the_whole_jobs_tokens_over_the_slowest_rank():
     m = {"tokens/rollout_response": 1000.0, "time/rollout": 2.0, "tokens/actor_update": 3000.0, "time/actor_update": 0.5}
     assert throughput(m, dp=4) == {"throughput/rollout_tokens_per_s": 2000.0, "throughput/train_tokens_per_s": 24000.0}
     assert throughput({"tokens/rollout_response": 5.0}, dp=1) == {}
+
+
+def test_stage_timer_reports_peak_cuda_memory_per_stage(monkeypatch):
+    """On CUDA each stage reports the allocator's peak during it (faked here: no GPU in this tier)."""
+    from mrl.train import timer
+
+    class FakeCuda:
+        peak = 0
+
+        def reset_peak_memory_stats(self):
+            FakeCuda.peak = 0
+
+        def max_memory_allocated(self):
+            return FakeCuda.peak
+
+    monkeypatch.setattr(timer, "_cuda", lambda: FakeCuda())
+    t = timer.StageTimer()
+    with t("rollout"):
+        FakeCuda.peak = 3 * 2**30
+    with t("actor_update"):
+        FakeCuda.peak = 2**29
+    m = t.metrics()
+    assert m["memory/rollout_peak_gib"] == 3.0 and m["memory/actor_update_peak_gib"] == 0.5
