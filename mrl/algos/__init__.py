@@ -1,6 +1,6 @@
 """mrl.algos: the algorithm core, pure torch functions with no dependency on the rest of mrl.
 
-Semantics reference: ALGORITHMS.md. Modules:
+Semantics reference: docs/algorithms.md. Modules:
 - `advantages`: gae, grpo (Dr.GRPO via norm_by_std=False), rloo, reinforce_pp,
   reinforce_pp_baseline, remax, token_rewards;
 - `losses`: ppo (dual-clip), gspo, cispo, sapo per-token losses, `aggregate` (loss_agg_mode,

@@ -113,7 +113,7 @@ def reinforce_pp(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float,
     """REINFORCE++ advantage [B,T]: discounted return, whitened over the mask.
 
     `G_t = r_t + gamma * G_next` on valid tokens; a token with m = 0 passes G through unchanged
-    (no reward, no discount), as ALGORITHMS.md specifies for multi-turn observations. (verl's
+    (no reward, no discount), as docs/algorithms.md specifies for multi-turn observations. (verl's
     `compute_reinforce_plus_plus_outcome_advantage` instead *resets* G to 0 at a masked token,
     which cuts the return of earlier turns; the two agree when masks are a prefix of ones.)
     Then batch whitening `(G - mean) * rsqrt(var + 1e-8)`, unbiased var over valid tokens.

@@ -1,6 +1,6 @@
 """The `algorithm` section: advantage estimator, policy loss, KL, rollout correction, DAPO.
 
-Semantics of every option are in ALGORITHMS.md; the functions in this package implement them and
+Semantics of every option are in docs/algorithms.md; the functions in this package implement them and
 do not read this config (they are pure). The trainer passes these values in.
 """
 from __future__ import annotations

@@ -74,7 +74,7 @@ def weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tens
 
     `lr = lp_old - lp_roll`. `level="token"`: `w_t = exp(clamp(lr_t, -20, 20))`;
     `level="sequence"`: `w = exp(clamp(sum_t m*lr_t, -20, 20))` on every token of the sequence.
-    `mode="truncate"` (TIS, `threshold` = C > 0, ALGORITHMS.md's default 2): `w = min(w, C)`.
+    `mode="truncate"` (TIS, `threshold` = C > 0, docs/algorithms.md's default 2): `w = min(w, C)`.
     `mode="mask"` (IcePop style, `threshold` = (lo, hi)): `w = 0` outside `[lo, hi]` (bounds
     inclusive), unchanged inside.
     `normalize=True` divides by the batch mean weight after truncation/masking, so the mean is 1:

@@ -33,7 +33,7 @@ __all__ = ["AGG_MODES", "FORCED_AGG_MODE", "ppo", "gspo", "cispo", "sapo", "aggr
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 FORCED_AGG_MODE = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean"}
-"""Losses whose definition fixes the aggregation (ALGORITHMS.md; verl ignores loss_agg_mode for
+"""Losses whose definition fixes the aggregation (docs/algorithms.md; verl ignores loss_agg_mode for
 these). A trainer aggregates `gspo`/`sapo` per-token losses with this mode, whatever is configured."""
 
 Count = Union[int, float, torch.Tensor]

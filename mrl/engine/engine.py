@@ -12,7 +12,7 @@ Role-agnostic: a role supplies callbacks on the model output of one packed micro
 
 Scaling. megatron's schedule divides each micro-batch loss by the number of micro-batches and
 DDP averages gradients over DP; the engine backpropagates `loss * micro_batches * dp` to cancel
-both, so gradients are those of the mini-batch loss whatever the split (ALGORITHMS.md,
+both, so gradients are those of the mini-batch loss whatever the split (docs/algorithms.md,
 token-mean). `calculate_per_token_loss` stays off (it would only serve token-mean).
 """
 from __future__ import annotations

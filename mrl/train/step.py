@@ -1,4 +1,4 @@
-"""One training step: the data path of DESIGN.md, one line per stage.
+"""One training step: the data path of docs/design.md, one line per stage.
 
     weight sync -> rollout (+ rewards, dynamic sampling) -> old log-probs (+ audit) -> reference
     log-probs -> critic values -> advantages (+ correction weights) -> critic update -> actor update

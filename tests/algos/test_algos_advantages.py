@@ -48,7 +48,7 @@ def test_gae_gamma_one_lam_one_is_reward_to_go_minus_value():
 
 
 def _gae_reference(rewards, values, mask, gamma, lam):
-    """Plain transcription of the recurrence in ALGORITHMS.md with float masks (verl's form)."""
+    """Plain transcription of the recurrence in docs/algorithms.md with float masks (verl's form)."""
     b, n = rewards.shape
     next_v = torch.zeros(b, dtype=F64)
     last = torch.zeros(b, dtype=F64)
