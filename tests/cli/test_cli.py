@@ -74,3 +74,14 @@ def test_launch_prints_a_user_error_once_and_exits_2(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == ["error: /nope/x.parquet: parquet file not found (data.train_files / data.val_files)"], proc.stderr
     assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_docs_exist_and_every_cited_doc_is_in_the_repository():
+    import re
+
+    assert (REPO / "docs/design.md").is_file() and (REPO / "docs/algorithms.md").is_file()
+    texts = {p: p.read_text() for p in [*(REPO / "mrl").rglob("*.py"), REPO / "CONTRIBUTING.md", REPO / "README.md"]}
+    cited = {(p, m) for p, t in texts.items() for m in re.findall(r"\b(docs/[\w-]+\.md|[A-Z][A-Z_]+\.md)\b", t)}
+    missing = sorted(f"{p.relative_to(REPO)} cites {m}" for p, m in cited
+                     if not (REPO / m).is_file() and m not in ("README.md", "CONTRIBUTING.md"))
+    assert not missing, missing
