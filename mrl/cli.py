@@ -24,6 +24,10 @@ def _split_args(items: list[str]) -> tuple[list[str], list[str]]:
 
 def summary(spec) -> str:
     """One line with the layout and batch arithmetic a user wants to eyeball."""
+    if hasattr(spec, "sft"):
+        from mrl.sft.config import summary as sft_summary
+
+        return sft_summary(spec)
     p, par, d, r = spec.platform, spec.parallel, spec.data, spec.rollout
     world = p.world_size
     dp = par.data_parallel(world)
@@ -148,7 +152,20 @@ def cmd_preflight(args) -> int:
 def cmd_train(args) -> int:
     from mrl.train.loop import train
 
-    train(_one_job(args, "train"))
+    spec = _one_job(args, "train")
+    if hasattr(spec, "sft"):
+        raise UserError(f"{_split_args(args.items)[0][0]}: an SFT job (it has an [sft] section): run it with `mrl sft`")
+    train(spec)
+    return 0
+
+
+def cmd_sft(args) -> int:
+    from mrl.sft.loop import sft
+
+    spec = _one_job(args, "sft")
+    if not hasattr(spec, "sft"):
+        raise UserError(f"{_split_args(args.items)[0][0]}: not an SFT job (no [sft] section): RL jobs run with `mrl train`")
+    sft(spec)
     return 0
 
 
@@ -171,7 +188,7 @@ def cmd_compare(args) -> int:
     return 0
 
 
-LAUNCHABLE = ("train", "preflight", "validate")  # subcommands that run on every rank
+LAUNCHABLE = ("train", "sft", "preflight", "validate")  # subcommands that run on every rank
 
 
 def cmd_launch(args) -> int:
@@ -190,6 +207,8 @@ def cmd_launch(args) -> int:
     if len(jobs) != 1:
         raise UserError(f"mrl launch takes one job file, got {len(jobs)}: {' '.join(jobs)}")
     spec, _ = load(jobs[0], overrides)  # a bad spec fails here, before any rank starts
+    if run == "train" and hasattr(spec, "sft") and not (args.run or os.environ.get("MRL_COMMAND")):
+        run = "sft"   # an SFT job's default command
     nodes, ranks = spec.platform.nodes, spec.platform.ranks_per_node
     if nodes != 1:
         raise UserError(f"{jobs[0]}: platform.nodes = {nodes}; mrl launch runs one machine; launch multi-node jobs "
@@ -249,6 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      "also runs as a plain process); resumes from its latest checkpoint")
     p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("sft", help="supervised fine-tuning of a job with an [sft] section (under torchrun or srun; "
+                                   "a 1-rank job also runs as a plain process); resumes from its latest checkpoint")
+    p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")
+    p.set_defaults(func=cmd_sft)
     p = sub.add_parser("compare", help="MLflow runs side by side: spec differences, final/best metrics, PNG plots")
     p.add_argument("runs", nargs="+", metavar="RUN",
                    help="a run directory (<job.output_dir>/<job.name>, its mlflow.db) or .db file, or a run id, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Literal, Optional
 
 from mrl.config.schema import option, section
+from mrl.models.lora import LoraConfig
 from mrl.optim.config import OptimConfig, ScheduleConfig
 
 
@@ -20,3 +21,5 @@ class ActorConfig:
     recompute: Literal["none", "selective", "full"] = option("none", help="activation recomputation")
     optim: OptimConfig = option(factory=OptimConfig, help="optimizer")
     schedule: ScheduleConfig = option(factory=ScheduleConfig, help="learning-rate schedule")
+    lora: LoraConfig = option(factory=LoraConfig, help="LoRA adapters (rank 0 = full fine-tuning); with adapters "
+                              "the reference model is the base with adapters off")

@@ -389,21 +389,25 @@ def load(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), r
     from mrl.config import validate
     from mrl.config.job import JobSpec
 
-    root = root or JobSpec
     path = Path(path)
     report = Report(main_file=_display(path.resolve()))
     raw = read_spec_file(path, report)
     if raw is None:
         raise SpecError(report.problems[0], problems=report.problems)
+    from mrl.sft import config as sft_config   # a job with an [sft] table is an SFT job (`mrl sft`)
+
+    if root is None:
+        root = sft_config.SFTJobSpec if sft_config.is_sft_table(raw) else JobSpec
+    rules = sft_config if root is sft_config.SFTJobSpec else validate
     apply_overrides(raw, list(overrides), root, report)
     resolve_paths(raw, report)
     spec = build_section(root, raw, "", report, schema.all_keys(root))
     if spec is not None:
         # Cross-section checks run even after field errors (bad values fell back to defaults),
         # but a check about a key whose value was rejected would only repeat that error.
-        spec = validate.resolve(spec, default_name=path.stem)
+        spec = rules.resolve(spec, default_name=path.stem)
         checks = Report(main_file=report.main_file, origins=report.origins)
-        validate.check(spec, checks)
+        rules.check(spec, checks)
         report.problems += [p for p in checks.problems if not _about(p, report.bad_keys)]
         report.warnings += checks.warnings
     if report.problems:

@@ -299,6 +299,15 @@ def check(spec: JobSpec, report) -> None:
         err("actor.schedule.warmup_ratio", f"set either warmup_ratio ({sched.warmup_ratio}) or warmup_steps ({sched.warmup_steps})")
     if spec.actor.optim.min_lr > spec.actor.optim.lr:
         err("actor.optim.min_lr", f"{spec.actor.optim.min_lr} is above actor.optim.lr {spec.actor.optim.lr}")
+    from mrl.models.lora import lora_problems
+
+    lora = spec.actor.lora
+    for key, message in lora_problems(lora, "actor.lora", sequence_parallel=par.sequence_parallel,
+                                      num_experts=facts.num_experts if facts is not None else None):
+        err(key, message)
+    if lora.rank and spec.ref.enable and spec.ref.model_path != spec.model.path:
+        err("ref.model_path", f"with actor.lora the reference is the actor's base ({spec.model.path}) with adapters "
+                              f"off; a separate reference {spec.ref.model_path!r} is not supported")
 
     # --- reward
     rw = spec.reward

@@ -22,6 +22,8 @@ HEADLINE: tuple[tuple[tuple[str, str], ...], ...] = (
     (("reward", "reward/mean"),),
     (("val_reward", "val/reward_mean"),),
     (("kl_loss", "actor/kl_loss"), ("reward_kl", "kl/reward_kl"), ("approx_kl", "actor/pg_approx_kl")),
+    (("loss", "train/loss"),),          # mrl sft
+    (("val_loss", "val/loss"),),
 )
 
 

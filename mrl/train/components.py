@@ -102,6 +102,11 @@ def _trainable(role: str, spec: JobSpec, hf: dict, device: str, section, total_o
     chunks = _chunks(role, spec, hf, device, section.recompute)
     if not _load(chunks, path, hf, role) and init_from is not None:
         _copy_from(chunks, init_from)
+    lora = getattr(section, "lora", None)
+    if lora is not None and lora.rank:   # frozen base + adapters; checkpoints hold the adapters
+        from mrl.models.lora import adapters_only_checkpoints, apply_lora
+
+        chunks = [adapters_only_checkpoints(apply_lora(c, lora, seed=spec.job.seed)) for c in chunks]
     ddp = wrap_ddp(chunks, distributed_optimizer=spec.parallel.distributed_optimizer)
     optimizer = build_optimizer(ddp, section.optim, distributed_optimizer=spec.parallel.distributed_optimizer,
                                 section=role)
@@ -165,7 +170,11 @@ def build(spec: JobSpec) -> Components:
     actor = _trainable("actor", spec, hf, device, spec.actor, optimizer_steps(spec, spec.actor, total),
                        path=spec.model.path)
     ref = None
-    if spec.ref.enable:
+    if spec.ref.enable and spec.actor.lora.rank:
+        from mrl.models.lora import reference_engine
+
+        ref = reference_engine(actor)   # the actor's frozen base, adapters off: no second copy
+    elif spec.ref.enable:
         chunks = _chunks("ref", spec, hf, device)
         if not _load(chunks, spec.ref.model_path, hf, "ref"):
             _copy_from(chunks, actor.chunks)

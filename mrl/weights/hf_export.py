@@ -9,6 +9,14 @@ the tensor being gathered.
 `targets="all"`: every rank receives every tensor (colocated rollout engines, which shard
 again by themselves). `targets=0`: only global rank 0 materialises full tensors (checkpoint
 merge); the others only send their pieces, and replicas other than the first do nothing.
+
+LoRA actors (`mrl.models.lora`) export merged weights, `W + (alpha / r) B A`, computed per TP
+shard as each tensor is streamed: the rollout engine gets a plain model through the same names
+and transforms as full fine-tuning. Chosen over vLLM's LoRA adapter loading because it works the
+same for every engine (`hf`, vLLM with any parallelism, merge), adds no per-token adapter kernels
+to generation (vLLM's punica path caps the rank and costs throughput), and keeps the rollout
+log-probs those of exactly the weights the trainer holds. The cost is streaming the full model
+each sync, as full fine-tuning does.
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ from typing import Any, Iterable, Iterator, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 
+from mrl.models.lora import merged_weight
 from mrl.weights.layout import Placement, is_tied, local_placements, model_dims
 
 Targets = Union[Literal["all"], int]
@@ -141,7 +150,8 @@ class Exporter:
     def _assemble(self, p: Placement, gather_to: Optional[int]) -> Optional[list[torch.Tensor]]:
         """Full HF tensors from the TP shards: on every TP rank (`gather_to=None`) or on one."""
         dtype = self.dtype or p.param.dtype
-        shard = p.param.detach().to(dtype).contiguous()  # cast first: fewer bytes to gather and split
+        # W + scale * B A under LoRA adapters (this shard only, one at a time), else the weight
+        shard = merged_weight(p.param).to(dtype).contiguous()  # cast first: fewer bytes to gather and split
         if p.tp_size > 1:
             if gather_to is None:
                 shards = [torch.empty_like(shard) for _ in range(p.tp_size)]

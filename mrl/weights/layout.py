@@ -98,6 +98,8 @@ def local_placements(chunks: Iterable[torch.nn.Module], hf: dict[str, Any]) -> l
     """
     from megatron.core import parallel_state as ps
 
+    from mrl.models.lora import is_adapter_name
+
     ep_rank = ps.get_expert_model_parallel_rank()
     out: list[Placement] = []
     for c, chunk in enumerate(chunks):
@@ -107,6 +109,8 @@ def local_placements(chunks: Iterable[torch.nn.Module], hf: dict[str, Any]) -> l
         layer_numbers = [layer.layer_number - 1 for layer in decoder.layers] if decoder is not None else []
         local_experts = _local_expert_count(model)
         for name, param in model.named_parameters():
+            if is_adapter_name(name):   # LoRA adapters: exported merged into their base weight
+                continue
             row, m = _match(rules, name)
             if row is None:
                 raise UserError(f"weights: parameter {name!r} of a {hf['model_type']} model has no row in its "

@@ -1,0 +1,1 @@
+"""`mrl sft`: supervised fine-tuning on the RL trainer's engine (see `mrl/sft/loop.py`)."""

@@ -1,0 +1,207 @@
+"""The `sft` section and the SFT job root: `mrl sft JOB` reads the shared `[job]`, `[platform]`,
+`[parallel]`, `[model]`, `[data]`, `[checkpoint]` and `[tracking]` sections plus its own `[sft]`.
+
+A job file with an `[sft]` table is an SFT job (`mrl.config.loader.load` picks this root for it);
+the RL sections (`rollout`, `algorithm`, `actor`, ...) are unknown keys there, so nothing in an
+SFT job validates and then does nothing. Of `[data]`, SFT reads the sources (`train_files`,
+`val_files`, `generator`, `generator_size`, `generator_kwargs`), `prompt_key`, `chat_template`,
+`system_prompt`, `shuffle`, `seed` and `bad_rows`; setting one of the prompt-only keys
+(`answer_key`, `prompts_per_step`, `max_prompt_tokens`, ...) in an SFT job is an error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal, Optional
+
+from mrl.checkpoint.config import CheckpointConfig
+from mrl.config.job import JobConfig
+from mrl.config.schema import option, section
+from mrl.data.config import DataConfig
+from mrl.models.config import ModelConfig
+from mrl.models.lora import LoraConfig
+from mrl.optim.config import OptimConfig, ScheduleConfig
+from mrl.platform.config import ParallelConfig, PlatformConfig
+from mrl.tracking.config import TrackingConfig
+
+# `[data]` keys that only the RL prompt pipeline reads: an SFT job must leave them at their defaults.
+RL_ONLY_DATA_KEYS = ("answer_key", "source_key", "prompts_per_step", "max_prompt_tokens", "prompt_overflow",
+                     "val_prompts")
+
+
+def _sft_optim() -> OptimConfig:
+    return OptimConfig(lr=1e-5)
+
+
+@section
+class SFTConfig:
+    """Supervised fine-tuning: which columns hold the targets, how long an example may be, how many
+    examples make one optimizer step, and the optimizer. The loss is the token-mean cross-entropy
+    over the assistant (response) tokens of the whole step (all micro-batches, all DP ranks)."""
+
+    format: Literal["prompt_response", "messages"] = option(
+        "prompt_response", help="prompt_response: data.prompt_key (text or chat messages) + sft.response_key (text); "
+                                "messages: one column of chat messages (sft.messages_key), the loss on every "
+                                "assistant turn (multi-turn)")
+    response_key: str = option("response", help="column holding the target response (format prompt_response)")
+    messages_key: str = option("messages", help="column holding a chat conversation (format messages)")
+    max_tokens: int = option(2048, ge=2, help="longest example, prompt + response tokens (verl: data.max_length)")
+    truncation: Literal["error", "drop", "right"] = option(
+        "error", help="a longer example: error, drop it (counted), or cut its end (verl: data.truncation)")
+    examples_per_step: int = option(32, ge=1, help="examples per optimizer step, all data-parallel ranks together "
+                                                  "(verl: data.train_batch_size)")
+    micro_batch_tokens: int = option(8192, ge=1, help="token budget of one packed micro-batch on one rank "
+                                                      "(verl: max_token_len_per_gpu)")
+    epochs: int = option(1, ge=1, help="passes over the training set (verl: trainer.total_epochs)")
+    total_steps: Optional[int] = option(None, ge=1, help="stop after this many steps (wins over epochs)")
+    val_every_steps: int = option(0, ge=0, help="validation loss every N steps and at the end; 0 = never "
+                                                "(verl: trainer.test_freq)")
+    val_examples: Optional[int] = option(None, ge=1, help="cap on validation examples")
+    log_every_steps: int = option(1, ge=1, help="console line every N steps; MLflow records every step")
+    recompute: Literal["none", "selective", "full"] = option("none", help="activation recomputation")
+    lora: LoraConfig = option(factory=LoraConfig, help="LoRA adapters (rank 0 = full fine-tuning)")
+    optim: OptimConfig = option(factory=_sft_optim, help="optimizer")
+    schedule: ScheduleConfig = option(factory=ScheduleConfig, help="learning-rate schedule (optimizer steps)")
+
+
+@section
+class SFTJobSpec:
+    """An SFT job: the shared sections plus `[sft]`."""
+
+    job: JobConfig = option(factory=JobConfig)
+    platform: PlatformConfig = option(factory=PlatformConfig)
+    parallel: ParallelConfig = option(factory=ParallelConfig)
+    model: ModelConfig = option()
+    data: DataConfig = option(factory=DataConfig)
+    sft: SFTConfig = option(factory=SFTConfig)
+    checkpoint: CheckpointConfig = option(factory=CheckpointConfig)
+    tracking: TrackingConfig = option(factory=TrackingConfig)
+
+
+def is_sft_table(raw: dict) -> bool:
+    """Whether a raw job table is an SFT job (it has an `[sft]` table)."""
+    return isinstance(raw.get("sft"), dict)
+
+
+def _replace(obj, **changes):
+    return dataclasses.replace(obj, **changes) if changes else obj
+
+
+def resolve(spec: SFTJobSpec, default_name: str = "job") -> SFTJobSpec:
+    """Derived (`None`) fields of the shared sections, by the same rules as `mrl.config.validate.resolve`."""
+    job = _replace(spec.job, **({"name": default_name} if not spec.job.name else {}))
+    if not os.path.isabs(job.output_dir):
+        job = _replace(job, output_dir=os.path.abspath(job.output_dir))
+    par = _replace(spec.parallel, **({"expert_tensor": spec.parallel.tensor} if spec.parallel.expert_tensor is None else {}))
+    data = spec.data if spec.data.seed is not None else _replace(spec.data, seed=job.seed)
+    model = spec.model if spec.model.tokenizer is not None else _replace(spec.model, tokenizer=spec.model.path)
+    tracking = spec.tracking if spec.tracking.run_name else _replace(spec.tracking, run_name=job.name)
+    if tracking.tracking_uri is None:
+        store = os.path.join(os.path.abspath(job.output_dir), "mlflow.db")
+        tracking = _replace(tracking, tracking_uri=f"sqlite:///{store}")
+    checkpoint = spec.checkpoint
+    if checkpoint.dir is None:
+        checkpoint = _replace(checkpoint, dir=os.path.join(job.output_dir, job.name, "checkpoints"))
+    return dataclasses.replace(spec, job=job, parallel=par, data=data, model=model, tracking=tracking,
+                               checkpoint=checkpoint)
+
+
+def check(spec: SFTJobSpec, report) -> None:
+    """Every cross-field problem of a resolved SFT spec, one line each."""
+    from mrl.config.validate import TRACKING_SCHEMES, tracking_uri_scheme
+    from mrl.errors import UserError
+    from mrl.models.attention import resolve_backend
+    from mrl.models.facts import model_facts
+
+    err, warn = report.error, report.warn
+    plat, par, data, sft = spec.platform, spec.parallel, spec.data, spec.sft
+    world = plat.world_size
+    name = spec.job.name
+    if name in (".", "..") or any(c in name for c in "/\\\0") or name != name.strip():
+        err("job.name", f"{name!r} is not a plain name: it names the run directory under job.output_dir")
+    scheme = tracking_uri_scheme(spec.tracking.tracking_uri)
+    if scheme is not None and scheme not in TRACKING_SCHEMES:
+        err("tracking.tracking_uri", f"scheme {scheme!r} is not an MLflow store")
+    if plat.device == "cpu" and plat.backend == "nccl":
+        err("platform.backend", "nccl needs GPUs; use 'gloo' or 'auto' with platform.device = 'cpu'")
+    if plat.device == "cpu" and par.sequence_parallel:
+        err("parallel.sequence_parallel", "needs Transformer Engine or apex norms, which the cpu platform does not have")
+    try:
+        resolve_backend(spec.model.attention, plat.device)
+    except UserError as e:
+        err("model.attention", str(e).removeprefix("model.attention: "))
+    split = par.tensor * par.pipeline * par.context
+    dp = 0
+    if world % split:
+        err("parallel", f"tensor {par.tensor} x pipeline {par.pipeline} x context {par.context} = {split} does not "
+                        f"divide the world size {world}")
+    else:
+        dp = world // split
+    if par.context > 1:
+        err("parallel.context", "context parallelism is not supported by the training engine; set it to 1")
+    facts = model_facts(spec.model.path)
+    if facts is None:
+        warn("model.path", f"cannot read the config of {spec.model.path!r} here; head/layer divisibility not checked")
+    else:
+        if facts.num_attention_heads % par.tensor:
+            err("parallel.tensor", f"{par.tensor} does not divide the {facts.num_attention_heads} attention heads ({facts.source})")
+        if facts.num_query_groups % par.tensor:
+            err("parallel.tensor", f"{par.tensor} does not divide the {facts.num_query_groups} query groups ({facts.source})")
+        stages = par.pipeline * (par.virtual_pipeline or 1)
+        if facts.num_layers % stages:
+            err("parallel.pipeline", f"{stages} pipeline stages do not divide the {facts.num_layers} layers ({facts.source})")
+        if par.expert > 1 and (not facts.num_experts or facts.num_experts % par.expert):
+            err("parallel.expert", f"{par.expert} does not divide the model's {facts.num_experts or 0} experts ({facts.source})")
+    if dp and sft.examples_per_step % dp:
+        err("sft.examples_per_step", f"{sft.examples_per_step} examples do not split evenly over data-parallel size {dp} "
+                                     f"(world size {world} / (tensor {par.tensor} x pipeline {par.pipeline}))")
+    if sft.micro_batch_tokens < sft.max_tokens:
+        err("sft.micro_batch_tokens", f"{sft.micro_batch_tokens} tokens cannot hold one example of sft.max_tokens "
+                                      f"{sft.max_tokens}")
+    defaults = DataConfig()
+    for key in RL_ONLY_DATA_KEYS:
+        if getattr(data, key) != getattr(defaults, key):
+            err(f"data.{key}", "is not read by mrl sft (examples are sized by sft.max_tokens and counted by "
+                               "sft.examples_per_step); remove it")
+    if sft.format == "messages" and not data.chat_template:
+        err("sft.format", "'messages' needs data.chat_template = true (the template marks the assistant turns)")
+    if data.train_files and data.generator is not None:
+        err("data.generator", "set either data.generator or data.train_files, not both")
+    if not data.train_files and data.generator is None:
+        err("data.train_files", "no examples: set data.train_files or data.generator")
+    if data.generator is not None:
+        from mrl.data.source import generator_problem
+
+        problem = generator_problem(data.generator)
+        if problem:
+            err("data.generator", problem)
+    for f in data.train_files + data.val_files:
+        if not os.path.exists(f):
+            warn("data.train_files" if f in data.train_files else "data.val_files",
+                 f"{f!r} does not exist on this machine (fine if the job runs elsewhere)")
+    if sft.val_every_steps and not data.val_files and data.generator is None:
+        err("sft.val_every_steps", "validation needs data.val_files (or a data.generator)")
+    if sft.lora.rank:
+        from mrl.models.lora import lora_problems
+
+        for key, message in lora_problems(sft.lora, "sft.lora", sequence_parallel=par.sequence_parallel,
+                                          num_experts=facts.num_experts if facts is not None else None):
+            err(key, message)
+    sched = sft.schedule
+    if sched.warmup_ratio is not None and sched.warmup_steps:
+        err("sft.schedule.warmup_ratio", f"set either warmup_ratio ({sched.warmup_ratio}) or warmup_steps ({sched.warmup_steps})")
+    if sft.optim.min_lr > sft.optim.lr:
+        err("sft.optim.min_lr", f"{sft.optim.min_lr} is above sft.optim.lr {sft.optim.lr}")
+    if spec.checkpoint.async_save:
+        err("checkpoint.async_save", "background saves are not implemented yet (saves are synchronous); set it to false")
+
+
+def summary(spec: SFTJobSpec) -> str:
+    """The one line `mrl validate` prints for an SFT job."""
+    p, par, s = spec.platform, spec.parallel, spec.sft
+    world = p.world_size
+    dp = par.data_parallel(world)
+    lora = f"; LoRA rank {s.lora.rank} on {', '.join(s.lora.target_modules)}" if s.lora.rank else ""
+    return (f"world {world} = DP {dp} x TP {par.tensor} x PP {par.pipeline}; SFT ({s.format}) "
+            f"{s.examples_per_step} examples/step of <= {s.max_tokens} tokens, "
+            f"{s.micro_batch_tokens}-token micro-batches{lora}")

@@ -1,0 +1,252 @@
+"""`sft(spec)`: supervised fine-tuning on the RL trainer's engine, checkpoints and tracking.
+
+One step = `sft.examples_per_step` examples (drawn by the same seeded, DP-sharded, resumable
+sampler as RL prompts), each rank packing its share into token-balanced micro-batches of
+`sft.micro_batch_tokens`, one optimizer update (`Engine.train_mini_batch`: megatron's schedule,
+TP/PP/DP, the guarded step). Checkpoints go to `<checkpoint.dir>/actor` with the same `extra`
+as an RL actor's (model config, model path, tokenizer, spec), so `mrl merge` turns one into a
+Hugging Face directory (and `checkpoint.save_hf_at_end` does it at the end) that an `mrl train`
+job takes as `model.path`. Resume is exact: model, optimizer, scheduler, RNG and sampler
+position come back, and the run continues the same MLflow run.
+
+Metrics per step: `train/loss` (token-mean cross-entropy of the step), `train/grad_norm`,
+`train/lr`, `train/loss_tokens` and `train/examples` (whole step), `train/epoch`,
+`time/step_s`; with `sft.val_every_steps`, `val/loss` (token-mean over the validation set) every
+N steps and at the end.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from mrl.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SFTRun:
+    spec: Any
+    ctx: Any
+    hf: dict
+    tokenizer: Any
+    engine: Any
+    train: Any                  # ExampleSet
+    val: Optional[Any]
+    sampler: Any
+    total_steps: int
+    extras: dict = field(default_factory=dict)
+
+
+def steps_planned(spec, examples: int) -> int:
+    s = spec.sft
+    return s.total_steps or s.epochs * (examples // s.examples_per_step)
+
+
+def build_engine(spec, hf: dict, device: str, total_optimizer_steps: int):
+    """The trained model (LoRA adapters when `sft.lora.rank > 0`), its optimizer and scheduler."""
+    from mrl.engine import Engine
+    from mrl.models.lora import adapters_only_checkpoints, apply_lora
+    from mrl.optim.build import build_optimizer, build_scheduler, wrap_ddp
+    from mrl.train.components import _chunks, _load
+
+    s = spec.sft
+    chunks = _chunks("actor", spec, hf, device, s.recompute)
+    _load(chunks, spec.model.path, hf, "actor")
+    if s.lora.rank:
+        chunks = [adapters_only_checkpoints(apply_lora(c, s.lora, seed=spec.job.seed)) for c in chunks]
+    ddp = wrap_ddp(chunks, distributed_optimizer=spec.parallel.distributed_optimizer)
+    optimizer = build_optimizer(ddp, s.optim, distributed_optimizer=spec.parallel.distributed_optimizer, section="sft")
+    scheduler = build_scheduler(optimizer, s.optim, s.schedule, total_optimizer_steps)
+    return Engine(ddp, optimizer=optimizer, scheduler=scheduler, name="sft", grad_clip=s.optim.grad_clip,
+                  nonfinite=s.optim.nonfinite)
+
+
+def build(spec) -> SFTRun:
+    from mrl.data.sampler import PromptSampler
+    from mrl.models.megatron import hf_config
+    from mrl.models.tokenizer import load_tokenizer
+    from mrl.platform import setup
+    from mrl.sft.data import load_examples
+
+    ctx = setup(spec.platform, spec.parallel, seed=spec.job.seed)
+    hf = hf_config(spec.model)
+    tokenizer = load_tokenizer(spec.model)
+    train = load_examples(spec, tokenizer, "train")
+    s = spec.sft
+    if len(train) < s.examples_per_step:
+        raise UserError(f"sft.examples_per_step: {s.examples_per_step} is more than the {len(train)} training "
+                        f"examples ({train.stats})")
+    val = None
+    if s.val_every_steps:
+        val = load_examples(spec, tokenizer, "val")
+    total = steps_planned(spec, len(train))
+    sampler = PromptSampler(len(train), s.examples_per_step, dp_rank=ctx.dp_rank, dp_size=ctx.dp,
+                            seed=spec.data.seed, shuffle=spec.data.shuffle)
+    engine = build_engine(spec, hf, ctx.platform, total)
+    return SFTRun(spec=spec, ctx=ctx, hf=hf, tokenizer=tokenizer, engine=engine, train=train, val=val,
+                  sampler=sampler, total_steps=total)
+
+
+def _pad_id(tokenizer) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return int(pad if pad is not None else (tokenizer.eos_token_id or 0))
+
+
+def kernel_backend(spec) -> str:
+    return "auto" if spec.model.use_fused_kernels else "torch"
+
+
+def train_step(r: SFTRun) -> dict[str, float]:
+    """One optimizer update on the next `sft.examples_per_step` examples."""
+    from mrl.sft.data import to_batch
+    from mrl.sft.objective import SFTObjective
+
+    start = time.perf_counter()
+    picked = r.sampler.next()
+    batch = to_batch([r.train.examples[i] for i in picked.indices], _pad_id(r.tokenizer))
+    objective = SFTObjective(vocab_size=r.hf["vocab_size"], kernels=kernel_backend(r.spec))
+    m = r.engine.train_mini_batch(batch, objective, micro_batch_tokens=r.spec.sft.micro_batch_tokens)
+    counts = torch.tensor([float(batch["response_mask"].sum()), float(len(batch))], dtype=torch.float64)
+    if r.engine.dp > 1:
+        counts = counts.to(r.engine.device)
+        dist.all_reduce(counts, group=r.engine.dp_group)
+    return {"train/loss": m["loss"], "train/grad_norm": m["grad_norm"], "train/lr": m["lr"],
+            "train/updated": m["updated"], "train/micro_batches": m["micro_batches"],
+            "train/loss_tokens": float(counts[0]), "train/examples": float(counts[1]),
+            "train/epoch": float(r.sampler.epoch), "time/step_s": time.perf_counter() - start}
+
+
+def validation_loss(r: SFTRun) -> float:
+    """Token-mean cross-entropy over the whole validation set (its share on each DP rank)."""
+    from mrl.sft.data import to_batch
+    from mrl.sft.objective import token_nll_sum
+
+    mine = r.val.examples[r.ctx.dp_rank::r.ctx.dp]
+    if not mine:
+        mine = r.val.examples[:1]   # every DP rank must run the pass; its tokens are counted twice then
+    batch = to_batch(mine, _pad_id(r.tokenizer))
+    total, tokens = token_nll_sum(r.engine, batch, micro_batch_tokens=r.spec.sft.micro_batch_tokens,
+                                  vocab_size=r.hf["vocab_size"], kernels=kernel_backend(r.spec))
+    return total / max(tokens, 1.0)
+
+
+def checkpoint_root(spec) -> Path:
+    return Path(spec.checkpoint.dir) / "actor"
+
+
+def _save(r: SFTRun, step: int, run_id) -> None:
+    from mrl.checkpoint import state
+    from mrl.config.dump import to_toml
+
+    if dist.is_initialized() and dist.get_world_size() > 1:   # rank 0 owns the MLflow run
+        from mrl.platform.dist import stage
+
+        box = [run_id]
+        with stage("checkpoint save"):
+            dist.broadcast_object_list(box, src=0)
+        run_id = box[0]
+    spec = r.spec
+    extra = {"sampler": r.sampler.state_dict(), "mlflow_run_id": run_id, "actor_updates": r.engine.steps,
+             "hf_config": r.hf, "model_path": spec.model.path, "tokenizer": spec.model.tokenizer,
+             "dtype": spec.model.dtype, "spec_toml": to_toml(spec), "role": "actor", "trainer": "sft",
+             "lora": _lora_extra(spec.sft.lora)}
+    state.save(checkpoint_root(spec), step, chunks=r.engine.chunks,
+               optimizer=r.engine.optimizer if spec.checkpoint.save_optimizer else None,
+               scheduler=r.engine.scheduler, extra=extra, keep_last=spec.checkpoint.keep_last)
+
+
+def _lora_extra(cfg) -> dict:
+    """What `mrl merge` needs to rebuild adapters (empty for full fine-tuning)."""
+    if not cfg.rank:
+        return {}
+    return {"rank": cfg.rank, "alpha": cfg.alpha, "dropout": cfg.dropout, "target_modules": list(cfg.target_modules)}
+
+
+def _resume(r: SFTRun) -> tuple[int, dict]:
+    from mrl.checkpoint import state
+
+    ck = r.spec.checkpoint
+    root = Path(ck.load_from) if ck.load_from else checkpoint_root(r.spec)
+    if ck.resume == "never" and not ck.load_from:
+        return 0, {}
+    found = state.find_resumable(root, must=ck.resume == "must")
+    if found is None:
+        if ck.resume == "must" or ck.load_from:
+            raise UserError(f"checkpoint{'.load_from' if ck.load_from else '.resume'}: no checkpoint in {root}")
+        return 0, {}
+    loaded = state.load(found, chunks=r.engine.chunks, optimizer=r.engine.optimizer, scheduler=r.engine.scheduler,
+                        verified=True)
+    extra = loaded.extra
+    if extra.get("trainer") != "sft":
+        raise UserError(f"checkpoint {found} was not written by mrl sft (an RL actor's checkpoint); start the SFT "
+                        "run in another checkpoint.dir, or pass the merged model as model.path")
+    r.sampler.load_state_dict(extra["sampler"])
+    r.engine.steps = extra.get("actor_updates", r.engine.steps)
+    return loaded.step, extra
+
+
+def sft(spec) -> dict[str, float]:
+    """Run the SFT job `spec` to its last step (or resume it); returns the last step's metrics."""
+    from mrl.platform import teardown
+    from mrl.tracking.tracker import Tracker, run_dir_of
+    from mrl.train.loop import _reduce_metrics, _terminate_by_exit
+
+    import signal
+
+    r = build(spec)
+    tracker = None
+    status = "FAILED"
+    last: dict[str, float] = {}
+    previous_sigterm = _terminate_by_exit()
+    try:
+        from mrl.checkpoint import state, store
+
+        store.check_writable(run_dir_of(spec), 0, "job.output_dir")
+        store.check_writable(Path(spec.checkpoint.dir),
+                             state.estimated_bytes(r.engine.chunks, with_optimizer=spec.checkpoint.save_optimizer),
+                             "checkpoint.dir")
+        start, extra = _resume(r)
+        tracker = Tracker(spec.tracking, run_dir=run_dir_of(spec), total_steps=r.total_steps, rank=r.ctx.rank,
+                          resume_run_id=extra.get("mlflow_run_id"), start_step=start,
+                          log_every_steps=spec.sft.log_every_steps)
+        if start == 0:
+            tracker.log_spec(spec)
+            tracker.log_params({f"data/{k}": v for k, v in r.train.stats.items()})
+        elif start >= r.total_steps:
+            tracker.message(f"resumed at step {start}: the run is already complete ({r.total_steps} steps); "
+                            "raise sft.total_steps to train further")
+        else:
+            tracker.message(f"resumed from step {start} of {r.total_steps}")
+        every, val_every = spec.checkpoint.every_steps, spec.sft.val_every_steps
+        for step in range(start + 1, r.total_steps + 1):
+            tracker.stage("train")
+            metrics = _reduce_metrics(train_step(r))
+            if val_every and (step % val_every == 0 or step == r.total_steps):
+                tracker.stage("validation")
+                metrics["val/loss"] = validation_loss(r)
+            tracker.log_metrics(metrics, step)
+            last = metrics
+            if (every and step % every == 0) or step == r.total_steps:
+                _save(r, step, tracker.run_id)
+        status = "FINISHED"
+        return last
+    except (KeyboardInterrupt, SystemExit):
+        status = "KILLED"
+        raise
+    finally:
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
+        if tracker is not None:
+            tracker.finish(status)
+        teardown()
+        if status == "FINISHED" and spec.checkpoint.save_hf_at_end:
+            from mrl.train.export import export_hf
+
+            export_hf(spec, Path(spec.checkpoint.dir), r.total_steps, rank=r.ctx.rank)
