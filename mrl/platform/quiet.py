@@ -33,3 +33,5 @@ def quiet_known_warnings() -> None:
     # rank otherwise): one CUDA work queue, so communication kernels run in launch order. No effect
     # on CPU; set before any CUDA context exists (an explicit value in the environment wins).
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # MLflow draws a download progress bar each time a sample table is appended to.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")

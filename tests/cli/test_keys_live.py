@@ -213,6 +213,7 @@ def test_dapo_generation_rounds_profile_and_hf_export_in_one_run(tmp_path):
                   "algorithm.dynamic_sampling.generation_batch_prompts=16", "trainer.profile_steps=2",
                   "checkpoint.save_hf_at_end=true", "trainer.val_every_steps=2", "data.val_prompts=4")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "Downloading artifacts" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr[-3000:]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("mrl").experiment_id])
     rounds = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "rollout/generation_rounds")}
