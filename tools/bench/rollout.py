@@ -10,6 +10,16 @@ so every run produces batch x new-tokens tokens. Each variant is warmed up once,
 `--repeats` runs (median). Printed: generated tokens/s per variant and ratios against
 `transformers.generate`. The hf engine additionally returns each token's log-prob (the reported
 quantity, see mrl/rollout/README.md), which `generate` does not.
+
+With `--vllm` the vllm engine runs as in `mrl train` (external_launcher inside a one-rank
+process group), its weights arriving through `update_weights`; then, side by side on the same
+engine and prompts:
+- generation through mrl's wrapper (`VLLMEngine.generate`: per-prompt seeds, log-probs, Responses)
+  vs plain `vllm.LLM.generate` with the same SamplingParams, run alternately, best of
+  `--repeats`: tokens/s and the ratio;
+- one full weight sync (`update_weights` of the model's HF-named tensors, already materialised,
+  so the Megatron export is not in it: tools/bench/weights.py measures that) in GB/s, against a
+  plain `copy_` of the same bytes into preallocated tensors.
 """
 from __future__ import annotations
 
@@ -57,6 +67,18 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def paired(a, b, repeats: int) -> tuple[float, float]:
+    """Best-of-`repeats` seconds of `a` and `b`, run alternately (a shared machine's load hits both)."""
+    a(), b()  # warm-up
+    ta, tb = [], []
+    for _ in range(repeats):
+        for fn, out in ((a, ta), (b, tb)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return min(ta), min(tb)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="local HF model directory (default: a small random Llama)")
@@ -70,6 +92,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     p.add_argument("--device", default="cpu")
     p.add_argument("--vllm", action="store_true", help="also time the vllm engine (needs vllm importable)")
+    p.add_argument("--bucket-mb", type=float, default=512, help="weight-sync bucket size (rollout.weight_sync.bucket_mb)")
     args = p.parse_args()
     torch.set_num_threads(torch.get_num_threads())
 
@@ -103,14 +126,9 @@ def main() -> None:
 
     results = {"transformers.generate": timed(run_transformers, args.repeats),
                "mrl hf engine": timed(run_engine, args.repeats)}
+    vllm_lines = []
     if args.vllm:
-        from mrl.rollout.vllm_engine import VLLMEngine
-
-        kw = dict(kv_cache_memory_bytes=512 * 2**20) if args.device == "cpu" else dict(gpu_memory_utilization=0.5)
-        veng = VLLMEngine(model_dir, seed=0, dtype=args.dtype, external_launcher=False, enforce_eager=args.device == "cpu",
-                          max_model_len=width + args.new_tokens, max_num_seqs=args.batch, **kw)
-        results["mrl vllm engine"] = timed(lambda: veng.generate(prompts, sampling), args.repeats)
-        veng.shutdown()
+        vllm_lines = bench_vllm(args, model_dir, model, prompts, sampling, tokens, width, results)
 
     print(f"\nrollout generation: batch {args.batch}, prompts <= {args.prompt_tokens} tokens, {args.new_tokens} new "
           f"tokens, {args.dtype} on {args.device}, threads {torch.get_num_threads()}, model "
@@ -118,6 +136,56 @@ def main() -> None:
     base = results["transformers.generate"]
     for name, sec in results.items():
         print(f"  {name:24s} {sec * 1e3:9.1f} ms  {tokens / sec:10.1f} tokens/s  x{base / sec:5.2f} vs transformers.generate")
+    for line in vllm_lines:
+        print(line)
+
+
+def bench_vllm(args, model_dir, model, prompts, sampling, tokens, width, results) -> list[str]:
+    import socket
+
+    import torch.distributed as dist
+    from vllm import SamplingParams
+
+    from mrl.rollout.types import prompt_seed
+    from mrl.rollout.vllm_engine import VLLMEngine
+
+    if not dist.is_initialized():   # the engine joins a process group, as in mrl train
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    kw = dict(kv_cache_memory_bytes=512 * 2**20) if args.device == "cpu" else dict(gpu_memory_utilization=0.5)
+    veng = VLLMEngine(model_dir, seed=0, dtype=args.dtype, enforce_eager=args.device == "cpu", load_format="dummy",
+                      max_model_len=width + args.new_tokens, max_num_seqs=args.batch, bucket_mb=args.bucket_mb, **kw)
+    dtype = _DTYPES[args.dtype]
+    weights = [(k, v.detach().to(dtype).clone()) for k, v in model.state_dict().items()]
+    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+
+    def sync():
+        veng.update_weights(iter(weights))
+
+    sync_s = timed(sync, args.repeats)
+    targets = [torch.empty_like(t) for _, t in weights]
+
+    def plain_copy():
+        for dst, (_, src) in zip(targets, weights):
+            dst.copy_(src)
+
+    copy_s = timed(plain_copy, args.repeats)
+
+    params = [SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.new_tokens, ignore_eos=True,
+                             logprobs=0, seed=prompt_seed(0, i) % 2**31, detokenize=False) for i in range(len(prompts))]
+    inputs = [{"prompt_token_ids": list(p)} for p in prompts]
+    plain, wrapped = paired(lambda: veng.llm.generate(inputs, params, use_tqdm=False),
+                            lambda: veng.generate(prompts, sampling), args.repeats)
+    veng.shutdown()
+    results["mrl vllm engine"] = wrapped
+    return [f"vllm ({args.dtype} on {args.device}), weights from the stream:",
+            f"  generation: mrl wrapper {tokens / wrapped:10.1f} tokens/s, plain LLM.generate {tokens / plain:10.1f} "
+            f"tokens/s, ratio {plain / wrapped:5.3f}",
+            f"  weight sync: {nbytes / 1e6:.1f} MB in {sync_s * 1e3:.1f} ms = {nbytes / sync_s / 1e9:.3f} GB/s "
+            f"(buckets of {args.bucket_mb} MiB); plain copy {nbytes / copy_s / 1e9:.3f} GB/s; ratio "
+            f"{copy_s / sync_s:5.3f}"]
 
 
 if __name__ == "__main__":
