@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from mrl.config.job import JobSpec
 from mrl.errors import UserError
+from mrl.platform.dist import wait_for_peers
 from mrl.train.components import Components, build, close
 from mrl.train.rollout import release_engine, sync_weights
 from mrl.train.step import train_step
@@ -196,6 +197,7 @@ def train(spec: JobSpec) -> dict[str, float]:
                             "raise trainer.total_steps to train further")
         else:
             tracker.message(f"resumed from step {start} of {c.total_steps}")
+        wait_for_peers("tracking setup")   # rank 0 alone creates or re-attaches the MLflow run
         every = spec.checkpoint.every_steps
         val_every = spec.trainer.val_every_steps
         if spec.trainer.val_before_train and start == 0:
@@ -221,6 +223,7 @@ def train(spec: JobSpec) -> dict[str, float]:
                 if rows:
                     tracker.log_samples(split, rows)
             last = metrics
+            wait_for_peers("tracking")   # rank 0 alone writes the step's metrics and samples
             if (every and step % every == 0) or step == c.total_steps:
                 tracker.stage("checkpoint")
                 started = time.perf_counter()

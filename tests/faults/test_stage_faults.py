@@ -34,3 +34,22 @@ def test_a_stopped_rank_is_named_by_stage_on_the_survivor(tmp_path):
     assert all(v[0] == "handled" for v in got.values()), got
     for name, (_, line) in got.items():
         print(f"{name}: {line}")
+
+
+@pytest.mark.slow
+def test_an_always_hanging_reward_is_counted_and_the_step_finishes(tmp_path):
+    # 4 prompts x 4 responses, every call killed at 2 s on 2 workers: ~16 s of scoring on the
+    # leader, longer than the 10 s collective timeout rank 1 would otherwise wait in
+    run_torchrun("-m mrl train", "jobs/quickstart_cpu.toml", "platform.collective_timeout_s=10",
+                 "reward.function=tests/reward/user_rewards.py:hangs", "reward.timeout_s=2", "reward.workers=2",
+                 "data.prompts_per_step=4", "rollout.responses_per_prompt=4", "trainer.total_steps=1",
+                 "checkpoint.every_steps=0", "tracking.backends=[\"mlflow\"]", f"job.output_dir={tmp_path}",
+                 "job.name=hangs", timeout=400)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    [run] = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    m = run.data.metrics
+    timeouts = {k: v for k, v in m.items() if k.endswith("/errors/timeout")}
+    assert m["reward/errors"] == 16 and list(timeouts.values()) == [16.0], m
+    assert run.info.status == "FINISHED"
