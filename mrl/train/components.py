@@ -148,7 +148,7 @@ def build(spec: JobSpec) -> Components:
     from mrl.models.facts import model_facts
     from mrl.rollout.layout import first_problem
 
-    problem = first_problem(spec.rollout, spec.platform.world_size, model_facts(spec.model.path))
+    problem = first_problem(spec.rollout, spec.platform.world_size, model_facts(spec.model.path), spec.platform.device)
     if problem:   # mrl validate reports the same (mrl.config.validate)
         raise UserError(problem)
     ctx = setup(spec.platform, spec.parallel, seed=spec.job.seed)

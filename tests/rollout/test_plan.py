@@ -102,9 +102,19 @@ def _facts(heads=4, kv=2, experts=None):
 def test_layout_rules(kw, world, facts, key, fragment):
     from mrl.rollout.layout import first_problem, rollout_layout_problems
 
-    problems = rollout_layout_problems(_rollout(**kw), world, facts)
+    problems = rollout_layout_problems(_rollout(**kw), world, facts, "cuda")
     assert any(k == key and fragment in m for k, m in problems), problems
     assert "\n" not in first_problem(_rollout(**kw), world, facts)
+
+
+def test_vllm_cpu_refuses_moe_models():
+    from mrl.rollout.layout import rollout_layout_problems
+
+    moe = _facts(experts=4)
+    assert rollout_layout_problems(_rollout(engine="vllm"), 2, moe, "cuda") == []
+    [(key, message)] = rollout_layout_problems(_rollout(engine="vllm"), 2, moe, "cpu")
+    assert key == "rollout.engine" and "vllm-cpu cannot" in message
+    assert rollout_layout_problems(_rollout(engine="hf"), 2, moe, "cpu") == []
 
 
 @pytest.mark.parametrize("kw,world,facts", [
