@@ -59,9 +59,13 @@ def sync_weights(c: Components) -> int:
 
 
 def release_engine(c: Components) -> None:
-    """Put the rollout engine to sleep for the training stages (`rollout.sleep_level`, 0 = never)."""
+    """Put the rollout engine to sleep for the training stages (`rollout.sleep_level`, 0 = never).
+    Level 2 discards the engine's weights: the next sync must send them again even when the
+    actor has not changed (validation before training, critic warm-up steps)."""
     if c.rollout is not None and c.spec.rollout.sleep_level > 0:
         c.rollout.sleep(c.spec.rollout.sleep_level)
+    if c.spec.rollout.sleep_level >= 2:
+        c.extras.pop("synced_version", None)
 
 
 def generate(c: Components, prompt_ids: list[list[int]], sampling: Sampling) -> list[Response]:

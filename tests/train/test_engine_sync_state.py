@@ -1,0 +1,42 @@
+"""When the loop re-sends weights to the rollout engine (fakes; no model, no process group)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+
+class FakeEngine:
+    def __init__(self):
+        self.loads, self.calls = 0, []
+
+    def wake(self, tags=None):
+        self.calls.append(("wake", tags))
+
+    def sleep(self, level=None):
+        self.calls.append(("sleep", level))
+
+    def update_weights(self, stream, *, partial=False):
+        self.loads += 1
+        return len(list(stream))
+
+
+def _components(level: int):
+    spec = SimpleNamespace(rollout=SimpleNamespace(sleep_level=level))
+    exporter = SimpleNamespace(stream=lambda targets: iter([("w", 1)]))
+    return SimpleNamespace(spec=spec, extras={}, actor=SimpleNamespace(steps=0), exporter=exporter, rollout=FakeEngine())
+
+
+@pytest.mark.parametrize("level,reloads", [(0, 1), (1, 1), (2, 2)])
+def test_unchanged_weights_are_resent_only_after_a_level_2_sleep(level, reloads):
+    from mrl.train.rollout import release_engine, sync_weights
+
+    c = _components(level)
+    sync_weights(c)                 # e.g. validation before training
+    release_engine(c)
+    sync_weights(c)                 # step 1: the actor has not changed
+    assert c.rollout.loads == reloads
+    c.actor.steps += 1              # an update always reaches the engine
+    sync_weights(c)
+    assert c.rollout.loads == reloads + 1
+    assert ("wake", ["weights"]) in c.rollout.calls
