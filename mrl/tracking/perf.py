@@ -18,3 +18,43 @@ def throughput(metrics: Mapping[str, float], dp: int) -> dict[str, float]:
         if tokens in metrics and metrics.get(seconds, 0.0) > 0:
             out[f"throughput/{name}_tokens_per_s"] = metrics[tokens] * dp / metrics[seconds]
     return out
+
+
+# Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment; MFU is not reported elsewhere.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "B200": 2250e12}
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_name), None)
+
+
+def model_params(hf: dict, *, active: bool = True) -> int:
+    """Parameters of a decoder-only Hugging Face config (dense or MoE); `active` counts the experts
+    one token passes through (`num_experts_per_tok`) instead of all of them."""
+    h, layers, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
+    heads = hf["num_attention_heads"]
+    kv = hf.get("num_key_value_heads") or heads
+    d = hf.get("head_dim") or h // heads
+    bias = bool(hf.get("attention_bias", hf.get("model_type") == "qwen2"))
+    attn = h * heads * d + 2 * h * kv * d + heads * d * h + (bias * (heads + 2 * kv) * d)
+    if hf.get("model_type") in ("qwen3", "qwen3_moe"):
+        attn += 2 * d   # q_norm, k_norm
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0
+    if experts:
+        used = (hf.get("num_experts_per_tok") or experts) if active else experts
+        inter = hf.get("moe_intermediate_size") or hf["intermediate_size"]
+        mlp = used * 3 * h * inter + h * experts   # experts + router
+    else:
+        mlp = 3 * h * hf["intermediate_size"]
+    embeddings = vocab * h * (1 if hf.get("tie_word_embeddings") else 2)
+    return layers * (attn + mlp + 2 * h) + embeddings + h
+
+
+def actor_mfu(metrics: Mapping[str, float], hf: dict, world: int, device_name: str) -> dict[str, float]:
+    """`throughput/actor_mfu`: model FLOPs of the actor update (6 x active params x tokens, the
+    attention's own FLOPs left out) per second, over the world's bf16 peak; {} when unknown."""
+    peak = peak_bf16_flops(device_name)
+    rate = metrics.get("throughput/train_tokens_per_s")
+    if not peak or not rate:
+        return {}
+    return {"throughput/actor_mfu": 6 * model_params(hf) * rate / (world * peak)}

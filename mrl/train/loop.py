@@ -173,7 +173,7 @@ def _reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
 def train(spec: JobSpec) -> dict[str, float]:
     """Run `spec` to `trainer.total_steps` (or its epochs); returns the last step's metrics."""
     from mrl.platform import teardown
-    from mrl.tracking.perf import throughput
+    from mrl.tracking.perf import actor_mfu, throughput
     from mrl.tracking.profile import profile_step
     from mrl.tracking.tracker import Tracker, run_dir_of
 
@@ -209,6 +209,9 @@ def train(spec: JobSpec) -> dict[str, float]:
                 step_metrics = train_step(c, step, on_stage=tracker.stage)
             metrics = _reduce_metrics(step_metrics)
             metrics.update(throughput(metrics, c.ctx.dp))
+            if torch.cuda.is_available():   # model FLOP utilisation of the actor update
+                world = dist.get_world_size() if dist.is_initialized() else 1
+                metrics.update(actor_mfu(metrics, c.hf, world, torch.cuda.get_device_name()))
             if val_every and (step % val_every == 0 or step == c.total_steps):
                 tracker.stage("validation")
                 started = time.perf_counter()

@@ -198,3 +198,33 @@ def test_stage_timer_reports_peak_cuda_memory_per_stage(monkeypatch):
         FakeCuda.peak = 2**29
     m = t.metrics()
     assert m["memory/rollout_peak_gib"] == 3.0 and m["memory/actor_update_peak_gib"] == 0.5
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-llama", "tiny-qwen3-moe"])
+def test_model_params_match_transformers(preset):
+    """The parameter count behind MFU equals the Hugging Face model's (all experts for `active=False`)."""
+    import dataclasses
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mrl.models.facts import BUILTIN_PRESETS
+    from mrl.tracking.perf import model_params
+
+    cfg = AutoConfig.for_model(**BUILTIN_PRESETS[preset])
+    model = AutoModelForCausalLM.from_config(cfg)
+    hf = cfg.to_dict()
+    assert model_params(hf, active=False) == sum(p.numel() for p in model.parameters())
+    if hf.get("num_local_experts") or hf.get("num_experts"):
+        per_expert = 3 * hf["hidden_size"] * hf["moe_intermediate_size"] * hf["num_hidden_layers"]
+        assert model_params(hf) == model_params(hf, active=False) - 2 * per_expert   # 2 of 4 experts active
+
+
+def test_actor_mfu_on_a_known_device():
+    from mrl.tracking.perf import actor_mfu, model_params
+
+    hf = {"hidden_size": 4, "num_hidden_layers": 1, "vocab_size": 8, "num_attention_heads": 1, "intermediate_size": 8,
+          "tie_word_embeddings": True}
+    n = model_params(hf)
+    got = actor_mfu({"throughput/train_tokens_per_s": 1e12}, hf, world=2, device_name="NVIDIA H100 80GB HBM3")
+    assert got == {"throughput/actor_mfu": 6 * n * 1e12 / (2 * 989e12)}
+    assert actor_mfu({"throughput/train_tokens_per_s": 1e12}, hf, world=2, device_name="cpu") == {}
