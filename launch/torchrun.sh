@@ -15,4 +15,6 @@ if [ "$NODES" != 1 ]; then
        "sbatch --nodes $NODES --ntasks-per-node $RANKS launch/slurm.sh$(printf ' %q' "$@")" >&2
   exit 2
 fi
-exec "$VENV/bin/torchrun" --standalone --nnodes 1 --nproc_per_node "$RANKS" -m mrl "${MRL_COMMAND:-train}" "$@"
+# mrl launch runs torchrun --standalone --nproc_per_node $RANKS in-process: a user error on the ranks
+# is printed once and exits 2, without torchrun's ChildFailedError report.
+exec "$VENV/bin/python" -m mrl launch --run "${MRL_COMMAND:-train}" "$@"
