@@ -24,7 +24,7 @@ def faults(stdout: str) -> dict[str, tuple[str, str]]:
 def test_damaged_checkpoints_fall_back_and_crafted_files_run_no_code(tmp_path):
     out = run_torchrun(SCRIPTS / "ckpt_faults.py", str(tmp_path), nproc=2, timeout=400).stdout
     got = faults(out)
-    want = {*CASES, *(f"{c}_resume_again" for c in CASES), "must_refuses_damaged_latest", "crafted_rng_file",
+    want = {*CASES, *(f"{c}_resume_again" for c in CASES), "must_refuses_damaged_latest", "crafted_rng_file", "crafted_dcp_metadata",
             "save_optimizer_false_resumes"}
     assert set(got) == want, out
     lost = {k: v for k, v in got.items() if v[0] != "handled"}

@@ -156,6 +156,24 @@ def main(base):
     except UserError as e:
         say("crafted_rng_file", not marker.exists() and "not plain tensor data" in str(e), str(e)[:160])
 
+    # a crafted .metadata (torch's reader unpickles it) is refused before torch reads it
+    copy = base / "crafted_metadata"
+
+    def craft_metadata():
+        shutil.copytree(root, copy)
+        d = copy / "step_00000002"
+        with open(d / ".metadata", "wb") as fh:
+            pickle.dump(Evil(str(marker)), fh)
+        body = json.loads((d / "manifest.json").read_text())
+        body["files"][".metadata"] = manifest.file_entry(d / ".metadata")
+        (d / "manifest.json").write_text(json.dumps(body))
+    rank0(craft_metadata)
+    try:
+        checkpoint.load(copy, chunks=eng.chunks, optimizer=eng.optimizer, scheduler=eng.scheduler)
+        say("crafted_dcp_metadata", False, "loaded")
+    except UserError as e:
+        say("crafted_dcp_metadata", not marker.exists() and "builtins.exec" in str(e), str(e)[:160])
+
     # checkpoint.save_optimizer = false: the checkpoint resumes with a fresh optimizer
     checkpoint.save(root, 3, chunks=eng.chunks, optimizer=None, scheduler=eng.scheduler, extra={"s": 3})
     w3 = params_of(eng)
