@@ -146,6 +146,9 @@ VERL_TO_MRL: dict[str, str] = {
     "reward_model.micro_batch_size_per_gpu": "reward.micro_batch_tokens",
     "reward_model.reward_fn.path": "reward.function",
     "reward_model.reward_fn.name": "reward.function",
+    "actor_rollout_ref.model.lora_rank": "actor.lora.rank",
+    "actor_rollout_ref.model.lora_alpha": "actor.lora.alpha",
+    "actor_rollout_ref.model.target_modules": "actor.lora.target_modules",
 }
 
 _PARAM_OFFLOAD = ("parameter offload is not implemented: trainer parameters stay on the device (the rollout engine "
@@ -168,7 +171,7 @@ VERL_NOT_APPLICABLE: dict[str, str] = {
     "actor_rollout_ref.actor.use_dynamic_bsz": "always on: every micro-batch is a token budget",
     "actor_rollout_ref.actor.use_torch_compile": "the Megatron path uses fused kernels (mrl_kernels), not torch.compile",
     "actor_rollout_ref.actor.strategy": "Megatron only",
-    "actor_rollout_ref.actor.peft": "LoRA is not supported yet",
+    "actor_rollout_ref.actor.peft": "LoRA is the actor.lora table (rank, alpha, dropout, target_modules)",
     "actor_rollout_ref.rollout.calculate_log_probs": "always on: the engine's per-token log-probs are always recorded",
     "trainer.prometheus": "metrics go to MLflow and the console",
     "actor_rollout_ref.actor.megatron.param_offload": _PARAM_OFFLOAD,
@@ -228,8 +231,11 @@ def suggest(unknown: str, siblings: list[str], valid_keys: list[str]) -> str | N
     close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.75)
     if close:
         return prefix + close[0]
-    if unknown in VERL_TO_MRL:
-        return VERL_TO_MRL[unknown]
+    verl = VERL_TO_MRL
+    if "sft.examples_per_step" in valid_keys:   # an SFT job: verl's SFT trainer names (mrl/sft/config.py)
+        from mrl.sft.config import VERL_SFT_TO_MRL as verl
+    if unknown in verl:
+        return verl[unknown]
     top = unknown.split(".", 1)[0]
     if leaf in _VERL_LEAVES and leaf not in _AMBIGUOUS_LEAVES:
         targets = _VERL_LEAVES[leaf]

@@ -124,7 +124,7 @@ def merge(checkpoint: str | Path, out: str | Path, *, max_shard_size: str | int 
     staging = _prepare_out(out)
     log.info("merging %s (%s, step %d, saved at %s) into %s", info.path, info.role, info.step, info.layout, out)
 
-    with single_process_platform():
+    with single_process_platform(seed=info.seed):
         megatron = load_model(info, torch.float32 if do_verify else info.stored_dtype)
         writer = ShardWriter(staging)
         held: dict[str, torch.Tensor] = {}

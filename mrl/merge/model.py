@@ -18,13 +18,14 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 
 @contextmanager
-def single_process_platform() -> Iterator[None]:
-    """megatron's parallel state for one cpu rank, whatever launcher variables the shell has."""
+def single_process_platform(seed: int = 0) -> Iterator[None]:
+    """megatron's parallel state for one cpu rank, whatever launcher variables the shell has
+    (`seed`: a LoRA checkpoint over a builtin preset rebuilds the preset's seeded init)."""
     from mrl import platform
     from mrl.platform.config import ParallelConfig, PlatformConfig
 
     platform.setup(PlatformConfig(device="cpu", ranks_per_node=1), ParallelConfig(distributed_optimizer=False),
-                   seed=0, env={})
+                   seed=seed, env={})
     try:
         yield
     finally:
@@ -40,6 +41,22 @@ def load_model(info: CheckpointInfo, dtype: torch.dtype) -> torch.nn.Module:
     role = "critic" if info.valued else "actor"
     model = build_role_model(role, info.hf_config, ParallelConfig(distributed_optimizer=False),
                              dtype=_DTYPE_NAMES[dtype], device="cpu", vocab_multiple=info.padded_vocab)
+    if info.lora:   # adapters-only checkpoint: the base from model.path, then the adapters on it
+        from mrl.models.facts import builtin_preset
+        from mrl.models.lora import LoraConfig, adapters_only_checkpoints, apply_lora
+        from mrl.weights import load_hf_checkpoint
+
+        if builtin_preset(info.model_path) is None:
+            from pathlib import Path
+
+            if not (Path(info.model_path) / "config.json").is_file():
+                raise UserError(f"merge: the LoRA checkpoint's base model {info.model_path!r} is not a local "
+                                "Hugging Face directory here; pass --model with it")
+            load_hf_checkpoint([model], info.model_path, info.hf_config, role="actor")
+        lora = info.lora
+        cfg = LoraConfig(rank=int(lora["rank"]), alpha=float(lora["alpha"]),
+                         target_modules=tuple(lora["target_modules"]))
+        model = adapters_only_checkpoints(apply_lora(model, cfg, seed=info.seed))
     try:
         state.load(info.path, chunks=[model], load_rng=False)
     except UserError:

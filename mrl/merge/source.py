@@ -40,6 +40,10 @@ class CheckpointInfo:
     layout: dict[str, Any]         # the parallel layout that saved it
     tensor_dtypes: dict[str, torch.dtype] = dataclasses.field(default_factory=dict, repr=False)
     # ^ ShardedTensor key -> stored dtype (norms may be float32 in a bf16 model)
+    lora: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # ^ a LoRA checkpoint's adapter settings (rank, alpha, target_modules): it holds adapters only,
+    #   the base comes from model_path
+    seed: int = 0                  # the job's seed: a builtin preset's base is megatron's seeded init
 
     @property
     def valued(self) -> bool:
@@ -132,16 +136,44 @@ def inspect(path: str | Path, *, model: Optional[str] = None) -> CheckpointInfo:
         raise UserError(f"merge: checkpoint {step_dir} does not record its model (no hf_config in its state); "
                         "pass --model with the job's model.path")
     tensors = _model_tensors(step_dir)
+    lora, seed = _lora_of(extra)
+    layout = dict(common.get("layout") or {})
+    role = extra.get("role") or ("critic" if _has_value_head(tensors) else "actor")
+    common_fields = dict(path=step_dir, step=int(common.get("step", store.step_of(step_dir) or 0)), role=role,
+                         hf_config=hf, model_path=model_path, tokenizer=extra.get("tokenizer"), layout=layout,
+                         tensor_dtypes={k: t.dtype for k, t in tensors.items()})
+    if lora:
+        from mrl.models.megatron import padded_vocab_size
+
+        if not tensors or not all(".lora." in k for k in tensors):
+            raise UserError(f"merge: checkpoint {step_dir} records LoRA settings but does not hold adapters only")
+        if model_path is None:
+            raise UserError(f"merge: LoRA checkpoint {step_dir} does not record its base model; pass --model")
+        padded = padded_vocab_size(hf["vocab_size"], int(layout.get("tp", 1)))
+        h, ffn = hf["hidden_size"], hf["intermediate_size"]
+        approx = padded * h + hf["num_hidden_layers"] * (4 * h * h + 3 * h * ffn)   # the base, for --verify's default
+        return CheckpointInfo(**common_fields, stored_dtype=next(iter(tensors.values())).dtype, padded_vocab=padded,
+                              num_params=approx, lora=lora, seed=seed)
     if EMBEDDING_KEY not in tensors:
         raise UserError(f"merge: checkpoint {step_dir} holds no model weights ({EMBEDDING_KEY} is missing)")
     emb = tensors[EMBEDDING_KEY]
-    role = extra.get("role") or ("critic" if _has_value_head(tensors) else "actor")
     return CheckpointInfo(
-        path=step_dir, step=int(common.get("step", store.step_of(step_dir) or 0)), role=role, hf_config=hf,
-        model_path=model_path, tokenizer=extra.get("tokenizer"), stored_dtype=emb.dtype,
-        padded_vocab=int(emb.global_shape[0]),
-        num_params=sum(int(torch.Size(t.global_shape).numel()) for t in tensors.values()),
-        layout=dict(common.get("layout") or {}), tensor_dtypes={k: t.dtype for k, t in tensors.items()})
+        **common_fields, stored_dtype=emb.dtype, padded_vocab=int(emb.global_shape[0]),
+        num_params=sum(int(torch.Size(t.global_shape).numel()) for t in tensors.values()))
+
+
+def _lora_of(extra: dict) -> tuple[dict, int]:
+    """(the adapter settings of a LoRA checkpoint or {}, the job's seed) from its recorded spec:
+    `sft.lora` / `actor.lora` with rank > 0."""
+    import tomllib
+
+    try:
+        spec = tomllib.loads(extra.get("spec_toml") or "")
+    except tomllib.TOMLDecodeError:
+        spec = {}
+    seed = int(spec.get("job", {}).get("seed", 0))
+    lora = extra.get("lora") or spec.get("sft", {}).get("lora") or spec.get("actor", {}).get("lora") or {}
+    return (dict(lora) if lora.get("rank") else {}), seed
 
 
 def _has_value_head(tensors: dict) -> bool:

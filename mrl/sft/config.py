@@ -29,6 +29,45 @@ RL_ONLY_DATA_KEYS = ("answer_key", "source_key", "prompts_per_step", "max_prompt
                      "val_prompts")
 
 
+# verl's SFT trainer (fsdp_sft_trainer) keys -> mrl's, for unknown-key suggestions in SFT jobs
+# (CONTRIBUTING.md lists them).
+VERL_SFT_TO_MRL: dict[str, str] = {
+    "data.train_files": "data.train_files",
+    "data.val_files": "data.val_files",
+    "data.prompt_key": "data.prompt_key",
+    "data.response_key": "sft.response_key",
+    "data.multiturn.enable": "sft.format",
+    "data.multiturn.messages_key": "sft.messages_key",
+    "data.train_batch_size": "sft.examples_per_step",
+    "data.micro_batch_size_per_gpu": "sft.micro_batch_tokens",
+    "data.max_token_len_per_gpu": "sft.micro_batch_tokens",
+    "data.max_length": "sft.max_tokens",
+    "data.truncation": "sft.truncation",
+    "model.partial_pretrain": "model.path",
+    "model.enable_gradient_checkpointing": "sft.recompute",
+    "model.lora_rank": "sft.lora.rank",
+    "model.lora_alpha": "sft.lora.alpha",
+    "model.target_modules": "sft.lora.target_modules",
+    "optim.lr": "sft.optim.lr",
+    "optim.weight_decay": "sft.optim.weight_decay",
+    "optim.betas": "sft.optim.beta1",
+    "optim.warmup_steps_ratio": "sft.schedule.warmup_ratio",
+    "optim.clip_grad": "sft.optim.grad_clip",
+    "optim.lr_scheduler": "sft.schedule.decay",
+    "trainer.total_epochs": "sft.epochs",
+    "trainer.total_training_steps": "sft.total_steps",
+    "trainer.test_freq": "sft.val_every_steps",
+    "trainer.save_freq": "checkpoint.every_steps",
+    "trainer.default_local_dir": "checkpoint.dir",
+    "trainer.project_name": "tracking.experiment",
+    "trainer.experiment_name": "tracking.run_name",
+    "trainer.logger": "tracking.backends",
+    "trainer.seed": "job.seed",
+    "trainer.nnodes": "platform.nodes",
+    "trainer.n_gpus_per_node": "platform.ranks_per_node",
+}
+
+
 def _sft_optim() -> OptimConfig:
     return OptimConfig(lr=1e-5)
 

@@ -115,9 +115,10 @@ def test_sft_spec_errors_name_the_key(tmp_path, tiny_hf, pairs_parquet):
     job = sft_job(tmp_path, str(tiny_hf), pairs_parquet)
     with pytest.raises(SpecError) as e:
         load(job, ["data.prompts_per_step=4", "sft.examples_per_step=3", "platform.ranks_per_node=2",
-                   "sft.micro_batch_tokens=64", "rollout.temperature=1.0"])
+                   "sft.micro_batch_tokens=64", "rollout.temperature=1.0", "data.train_batch_size=8"])
     text = "\n".join(e.value.problems)
     assert "rollout.temperature: unknown key" in text
+    assert "data.train_batch_size: unknown key; did you mean `sft.examples_per_step`?" in text   # verl's SFT name
     assert "data.prompts_per_step: is not read by mrl sft" in text
     assert "sft.examples_per_step: 3 examples do not split evenly over data-parallel size 2" in text
     assert "sft.micro_batch_tokens: 64 tokens cannot hold one example of sft.max_tokens 96" in text
