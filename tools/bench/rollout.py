@@ -164,6 +164,7 @@ def bench_vllm(args, model_dir, model, prompts, sampling, tokens, width, results
     def sync():
         veng.update_weights(iter(weights))
 
+    extra_mb = peak_extra_rss_mb(sync)   # the first sync: nothing reusable from an earlier one yet
     sync_s = timed(sync, args.repeats)
     targets = [torch.empty_like(t) for _, t in weights]
 
@@ -185,7 +186,30 @@ def bench_vllm(args, model_dir, model, prompts, sampling, tokens, width, results
             f"tokens/s, ratio {plain / wrapped:5.3f}",
             f"  weight sync: {nbytes / 1e6:.1f} MB in {sync_s * 1e3:.1f} ms = {nbytes / sync_s / 1e9:.3f} GB/s "
             f"(buckets of {args.bucket_mb} MiB); plain copy {nbytes / copy_s / 1e9:.3f} GB/s; ratio "
-            f"{copy_s / sync_s:5.3f}"]
+            f"{copy_s / sync_s:5.3f}",
+            f"  peak extra host memory during the first sync: " + (f"{extra_mb:.1f} MB" if extra_mb is not None else
+                                                             "n/a (needs /proc/self/clear_refs)")
+            + f" for {nbytes / 1e6:.1f} MB of weights in buckets of {args.bucket_mb} MiB"]
+
+
+def peak_extra_rss_mb(fn):
+    """Peak resident memory above the starting point while `fn()` runs (Linux: VmHWM after
+    resetting it through /proc/self/clear_refs), in MB; None where that is unavailable."""
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+        return None
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    before = status("VmRSS")
+    fn()
+    peak = status("VmHWM")
+    return None if before is None or peak is None else (peak - before) / 1e6
 
 
 if __name__ == "__main__":
