@@ -310,6 +310,8 @@ class RewardPool:
                                 f"{self.ready_timeout_s:g} s (a slow or hanging import)")
             for w in slow:   # others are serving: replace the stuck one
                 self._replace(w)
+            if slow:
+                waiting = [w for w in self._workers if not w.ready]
             deadline = min([w.started + self.timeout_s for w in busy] + [w.born + self.ready_timeout_s for w in waiting]
                            + [budget_end], default=now + 1.0)
             watched = {w.conn: w for w in busy + waiting}
