@@ -119,6 +119,9 @@ def cmd_keys(args) -> int:
                          "meaning": info.meta.get("help", "")})
 
     walk(JobSpec, "")
+    from mrl.sft.config import SFTConfig
+
+    walk(SFTConfig, "sft.")   # the section of SFT jobs (`mrl sft`); the other sections are shared
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0

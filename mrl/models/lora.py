@@ -61,7 +61,7 @@ class LoraConfig:
     alpha: float = option(16.0, gt=0, help="scale numerator: updates are scaled by alpha / rank (verl: lora_alpha)")
     dropout: float = option(0.0, ge=0, lt=1, help="dropout on the adapter input (PEFT's lora_dropout)")
     target_modules: tuple[Target, ...] = option(HF_TARGETS, help="Hugging Face module names to adapt "
-                                                "(verl: target_modules; 'all-linear' = all seven)")
+                                                "(verl: target_modules; the default, all seven, is verl's 'all-linear')")
 
 
 def lora_problems(cfg: LoraConfig, key: str, *, sequence_parallel: bool = False,
