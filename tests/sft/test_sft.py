@@ -183,6 +183,11 @@ def test_a_tiny_model_memorises_a_small_set(tmp_path, tiny_hf, pairs_parquet):
     ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     out = model.generate(ids, max_new_tokens=2, do_sample=False)[0, ids.shape[1]:]
     assert tok.decode(out) == "4<|im_end|>"
+    # ... and starts an RL job: one GRPO step of the quickstart from it
+    proc = mrl("train", REPO / "jobs/quickstart_cpu.toml", f"model.path={hf_dir}", "platform.ranks_per_node=1",
+               "parallel.tensor=1", "trainer.total_steps=1", f"job.output_dir={tmp_path / 'rl'}", "tracking.backends=[]",
+               "checkpoint.every_steps=0")
+    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 @pytest.mark.slow
