@@ -22,12 +22,31 @@ def _replace(obj, **changes):
     return dataclasses.replace(obj, **changes) if changes else obj
 
 
-def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
-    """Replace derived (`None`) fields by their values. Idempotent."""
+def resolve_shared(spec, default_name: str = "job") -> dict:
+    """Derived (`None`) fields of the sections every kind of job shares (`[job]`, `[parallel]`,
+    `[data]`, `[model]`, `[tracking]`, `[checkpoint]`), as `{section: resolved section}`: RL jobs
+    (`resolve`) and SFT jobs (`mrl.sft.config.resolve`) fill them by these rules only."""
     job = _replace(spec.job, **({"name": default_name} if not spec.job.name else {}))
     if not os.path.isabs(job.output_dir):   # the default, "runs": under the working directory
         job = _replace(job, output_dir=os.path.abspath(job.output_dir))
     par = _replace(spec.parallel, **({"expert_tensor": spec.parallel.tensor} if spec.parallel.expert_tensor is None else {}))
+    data = spec.data if spec.data.seed is not None else _replace(spec.data, seed=job.seed)
+    model = spec.model if spec.model.tokenizer is not None else _replace(spec.model, tokenizer=spec.model.path)
+    tracking = spec.tracking if spec.tracking.run_name else _replace(spec.tracking, run_name=job.name)
+    if tracking.tracking_uri is None:
+        # one store per output directory: `mlflow ui` on it shows (and compares) every run of the project
+        store = os.path.join(os.path.abspath(job.output_dir), "mlflow.db")
+        tracking = _replace(tracking, tracking_uri=f"sqlite:///{store}")
+    checkpoint = spec.checkpoint
+    if checkpoint.dir is None:
+        checkpoint = _replace(checkpoint, dir=os.path.join(job.output_dir, job.name, "checkpoints"))
+    return dict(job=job, parallel=par, data=data, model=model, tracking=tracking, checkpoint=checkpoint)
+
+
+def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
+    """Replace derived (`None`) fields by their values. Idempotent."""
+    shared = resolve_shared(spec, default_name)
+    job = shared["job"]
     alg = spec.algorithm
     if alg.loss_aggregation is None:
         forced = "seq-mean-token-mean" if alg.policy_loss in _SEQ_MEAN_LOSSES else "token-mean"
@@ -60,8 +79,7 @@ def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
     has_model = reward.model_path is not None or any("model_path" in s for s in reward.sources)
     if has_model and reward.micro_batch_tokens is None:
         reward = _replace(reward, micro_batch_tokens=actor.micro_batch_tokens)
-    data = spec.data if spec.data.seed is not None else _replace(spec.data, seed=job.seed)
-    model = spec.model if spec.model.tokenizer is not None else _replace(spec.model, tokenizer=spec.model.path)
+    data = shared["data"]
     rollout = spec.rollout
     if rollout.dtype is None:
         rollout = _replace(rollout, dtype=spec.model.dtype)
@@ -71,17 +89,8 @@ def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
         rollout = _replace(rollout, max_model_len=data.max_prompt_tokens + rollout.max_response_tokens)
     if rollout.weight_sync.dtype is None:
         rollout = _replace(rollout, weight_sync=_replace(rollout.weight_sync, dtype=rollout.dtype))
-    tracking = spec.tracking if spec.tracking.run_name else _replace(spec.tracking, run_name=job.name)
-    if tracking.tracking_uri is None:
-        # one store per output directory: `mlflow ui` on it shows (and compares) every run of the project
-        store = os.path.join(os.path.abspath(job.output_dir), "mlflow.db")
-        tracking = _replace(tracking, tracking_uri=f"sqlite:///{store}")
-    checkpoint = spec.checkpoint
-    if checkpoint.dir is None:
-        checkpoint = _replace(checkpoint, dir=os.path.join(job.output_dir, job.name, "checkpoints"))
-    return dataclasses.replace(spec, job=job, model=model, parallel=par, algorithm=alg, actor=actor, critic=critic,
-                               ref=ref, reward=reward, data=data, rollout=rollout, tracking=tracking,
-                               checkpoint=checkpoint)
+    return dataclasses.replace(spec, **shared, algorithm=alg, actor=actor, critic=critic, ref=ref, reward=reward,
+                               rollout=rollout)
 
 
 TRACKING_SCHEMES = ("sqlite", "file", "http", "https", "databricks", "postgresql", "mysql", "mssql")
@@ -113,10 +122,16 @@ def _builtin_metrics(rw) -> list[str] | None:
     return ["score", *builtin, *(f"{n}/{o}" for n, o in outputs), *sorted({o for o in bare if bare.count(o) == 1})]
 
 
-def check(spec: JobSpec, report) -> None:
-    """Report every cross-field problem of a resolved spec."""
+def check_shared(spec, report):
+    """Check the sections every kind of job shares: the run's name and tracking store, the
+    platform, the attention backend, the parallel layout against the world size and the model's
+    heads, query groups, layers and experts. Returns `(dp, facts)`: the data-parallel size (0 when
+    the layout does not divide the world) and the model's facts (None when unreadable)."""
+    from mrl.errors import UserError
+    from mrl.models.attention import resolve_backend  # the rule the model builder applies
+
     err, warn = report.error, report.warn
-    plat, par, data, roll, alg = spec.platform, spec.parallel, spec.data, spec.rollout, spec.algorithm
+    plat, par = spec.platform, spec.parallel
     world = plat.world_size
     world_txt = f"world size {world} (platform.nodes {plat.nodes} x platform.ranks_per_node {plat.ranks_per_node})"
 
@@ -135,9 +150,6 @@ def check(spec: JobSpec, report) -> None:
         err("platform.backend", "nccl needs GPUs; use 'gloo' or 'auto' with platform.device = 'cpu'")
     if plat.device == "cpu" and par.sequence_parallel:
         err("parallel.sequence_parallel", "needs Transformer Engine or apex norms, which the cpu platform does not have")
-    from mrl.errors import UserError
-    from mrl.models.attention import resolve_backend  # the rule the model builder applies
-
     try:
         resolve_backend(spec.model.attention, plat.device)
     except UserError as e:
@@ -160,6 +172,8 @@ def check(spec: JobSpec, report) -> None:
                                f"world / pipeline = {world} / {par.pipeline} = {world // par.pipeline}")
     if par.virtual_pipeline is not None and par.pipeline == 1:
         err("parallel.virtual_pipeline", f"needs parallel.pipeline > 1 (it is 1), got virtual_pipeline {par.virtual_pipeline}")
+    if par.context > 1:  # the engine refuses it (packed sequences would need per-sequence CP splitting)
+        err("parallel.context", f"{par.context}: context parallelism is not supported by the training engine yet; set it to 1")
 
     # --- model facts
     facts = model_facts(spec.model.path)
@@ -174,10 +188,6 @@ def check(spec: JobSpec, report) -> None:
         warn("model.path", f"cannot read the config of {spec.model.path!r} here; head/layer/expert divisibility not checked")
     else:
         src = facts.source
-        beyond = [t for t in roll.stop_token_ids if t >= facts.vocab_size]
-        if beyond:
-            err("rollout.stop_token_ids", f"{', '.join(map(str, beyond))} outside the vocabulary of {facts.vocab_size} "
-                                          f"tokens ({src})")
         if facts.num_attention_heads % par.tensor:
             err("parallel.tensor", f"{par.tensor} does not divide the {facts.num_attention_heads} attention heads ({src})")
         if facts.num_query_groups % par.tensor:
@@ -195,6 +205,23 @@ def check(spec: JobSpec, report) -> None:
             err("parallel.sequence_parallel", f"megatron trains MoE models with parallel.tensor {par.tensor} > 1 only with "
                                               "sequence_parallel = true" + (" (not available on cpu: use tensor = 1 there)"
                                                                             if plat.device == "cpu" else ""))
+
+    return dp, facts
+
+
+def check(spec: JobSpec, report) -> None:
+    """Report every cross-field problem of a resolved spec."""
+    err, warn = report.error, report.warn
+    plat, par, data, roll, alg = spec.platform, spec.parallel, spec.data, spec.rollout, spec.algorithm
+    world = plat.world_size
+    world_txt = f"world size {world} (platform.nodes {plat.nodes} x platform.ranks_per_node {plat.ranks_per_node})"
+
+    dp, facts = check_shared(spec, report)
+    if facts is not None:
+        beyond = [t for t in roll.stop_token_ids if t >= facts.vocab_size]
+        if beyond:
+            err("rollout.stop_token_ids", f"{', '.join(map(str, beyond))} outside the vocabulary of {facts.vocab_size} "
+                                          f"tokens ({facts.source})")
 
     # --- batch arithmetic: prompts -> responses -> tokens
     n = roll.responses_per_prompt

@@ -127,70 +127,21 @@ def _replace(obj, **changes):
 
 
 def resolve(spec: SFTJobSpec, default_name: str = "job") -> SFTJobSpec:
-    """Derived (`None`) fields of the shared sections, by the same rules as `mrl.config.validate.resolve`."""
-    job = _replace(spec.job, **({"name": default_name} if not spec.job.name else {}))
-    if not os.path.isabs(job.output_dir):
-        job = _replace(job, output_dir=os.path.abspath(job.output_dir))
-    par = _replace(spec.parallel, **({"expert_tensor": spec.parallel.tensor} if spec.parallel.expert_tensor is None else {}))
-    data = spec.data if spec.data.seed is not None else _replace(spec.data, seed=job.seed)
-    model = spec.model if spec.model.tokenizer is not None else _replace(spec.model, tokenizer=spec.model.path)
-    tracking = spec.tracking if spec.tracking.run_name else _replace(spec.tracking, run_name=job.name)
-    if tracking.tracking_uri is None:
-        store = os.path.join(os.path.abspath(job.output_dir), "mlflow.db")
-        tracking = _replace(tracking, tracking_uri=f"sqlite:///{store}")
-    checkpoint = spec.checkpoint
-    if checkpoint.dir is None:
-        checkpoint = _replace(checkpoint, dir=os.path.join(job.output_dir, job.name, "checkpoints"))
-    return dataclasses.replace(spec, job=job, parallel=par, data=data, model=model, tracking=tracking,
-                               checkpoint=checkpoint)
+    """Derived (`None`) fields of the shared sections, by the rules RL jobs use (one place)."""
+    from mrl.config.validate import resolve_shared
+
+    return dataclasses.replace(spec, **resolve_shared(spec, default_name))
 
 
 def check(spec: SFTJobSpec, report) -> None:
-    """Every cross-field problem of a resolved SFT spec, one line each."""
-    from mrl.config.validate import TRACKING_SCHEMES, tracking_uri_scheme
-    from mrl.errors import UserError
-    from mrl.models.attention import resolve_backend
-    from mrl.models.facts import model_facts
+    """Every cross-field problem of a resolved SFT spec, one line each: the shared sections by the
+    rules RL jobs use, then `[sft]` and what SFT reads of `[data]`."""
+    from mrl.config.validate import check_shared
 
     err, warn = report.error, report.warn
     plat, par, data, sft = spec.platform, spec.parallel, spec.data, spec.sft
     world = plat.world_size
-    name = spec.job.name
-    if name in (".", "..") or any(c in name for c in "/\\\0") or name != name.strip():
-        err("job.name", f"{name!r} is not a plain name: it names the run directory under job.output_dir")
-    scheme = tracking_uri_scheme(spec.tracking.tracking_uri)
-    if scheme is not None and scheme not in TRACKING_SCHEMES:
-        err("tracking.tracking_uri", f"scheme {scheme!r} is not an MLflow store")
-    if plat.device == "cpu" and plat.backend == "nccl":
-        err("platform.backend", "nccl needs GPUs; use 'gloo' or 'auto' with platform.device = 'cpu'")
-    if plat.device == "cpu" and par.sequence_parallel:
-        err("parallel.sequence_parallel", "needs Transformer Engine or apex norms, which the cpu platform does not have")
-    try:
-        resolve_backend(spec.model.attention, plat.device)
-    except UserError as e:
-        err("model.attention", str(e).removeprefix("model.attention: "))
-    split = par.tensor * par.pipeline * par.context
-    dp = 0
-    if world % split:
-        err("parallel", f"tensor {par.tensor} x pipeline {par.pipeline} x context {par.context} = {split} does not "
-                        f"divide the world size {world}")
-    else:
-        dp = world // split
-    if par.context > 1:
-        err("parallel.context", "context parallelism is not supported by the training engine; set it to 1")
-    facts = model_facts(spec.model.path)
-    if facts is None:
-        warn("model.path", f"cannot read the config of {spec.model.path!r} here; head/layer divisibility not checked")
-    else:
-        if facts.num_attention_heads % par.tensor:
-            err("parallel.tensor", f"{par.tensor} does not divide the {facts.num_attention_heads} attention heads ({facts.source})")
-        if facts.num_query_groups % par.tensor:
-            err("parallel.tensor", f"{par.tensor} does not divide the {facts.num_query_groups} query groups ({facts.source})")
-        stages = par.pipeline * (par.virtual_pipeline or 1)
-        if facts.num_layers % stages:
-            err("parallel.pipeline", f"{stages} pipeline stages do not divide the {facts.num_layers} layers ({facts.source})")
-        if par.expert > 1 and (not facts.num_experts or facts.num_experts % par.expert):
-            err("parallel.expert", f"{par.expert} does not divide the model's {facts.num_experts or 0} experts ({facts.source})")
+    dp, facts = check_shared(spec, report)
     if dp and sft.examples_per_step % dp:
         err("sft.examples_per_step", f"{sft.examples_per_step} examples do not split evenly over data-parallel size {dp} "
                                      f"(world size {world} / (tensor {par.tensor} x pipeline {par.pipeline}))")

@@ -58,6 +58,8 @@ CASES = [
      "critic.micro_batch_tokens", "cannot hold one sequence"),
     ("model-split-not-dividing-world", {"parallel": {"tensor": 2, "pipeline": 2}},
      "parallel", "tensor 2 x pipeline 2 x context 1 = 4 does not divide the world size 2"),
+    ("context-parallel-refused-like-the-engine", {"parallel": {"tensor": 1, "context": 2}},
+     "parallel.context", "context parallelism is not supported by the training engine"),
     ("tp-not-dividing-heads", {"platform": {"ranks_per_node": 3}, "parallel": {"tensor": 3}},
      "parallel.tensor", "3 does not divide the 4 attention heads"),
     ("tp-not-dividing-query-groups", {"platform": {"ranks_per_node": 4}, "parallel": {"tensor": 4}},
