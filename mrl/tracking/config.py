@@ -10,7 +10,8 @@ from mrl.config.schema import option, section
 class TrackingConfig:
     """Where metrics go."""
 
-    backends: tuple[Literal["console", "mlflow"], ...] = option(("console", "mlflow"), help="console and/or mlflow")
+    backends: tuple[Literal["console", "mlflow", "tensorboard"], ...] = option(
+        ("console", "mlflow"), help="any of console, mlflow and tensorboard (event files in <run dir>/tensorboard)")
     experiment: str = option("mrl", help="MLflow experiment")
     run_name: Optional[str] = option(None, help="MLflow run name (default: job.name)")
     tracking_uri: Optional[str] = option(None, help="MLflow URI (default: sqlite:///<job.output_dir>/<job.name>/mlflow.db)")

@@ -1,4 +1,4 @@
-"""The trainer's one handle on tracking: console progress and MLflow, rank 0 only.
+"""The trainer's one handle on tracking: console progress, MLflow and TensorBoard, rank 0 only.
 
     tracker = Tracker.from_spec(spec, total_steps=..., resume_run_id=ckpt.get("mlflow_run_id"))
     tracker.log_spec(spec)                     # params (dotted keys), spec.toml artifact
@@ -41,6 +41,7 @@ class Tracker:
         self._stream = stream
         self.console: ConsoleProgress | None = None
         self.mlflow: MlflowRun | None = None
+        self.tensorboard = None   # torch.utils.tensorboard.SummaryWriter
         self._run_id: str | None = None
         if self.rank != 0:
             return
@@ -58,6 +59,12 @@ class Tracker:
                 self.mlflow.set_tags({"mrl.resumed_at_step": str(start_step)})
                 self.mlflow.forget_steps_after(start_step)   # steps logged after the checkpoint are re-run
             self.mlflow.end_stale_runs()
+        if "tensorboard" in cfg.backends:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # a resumed run re-runs the steps after its checkpoint: drop their old events
+            self.tensorboard = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"),
+                                             purge_step=start_step + 1 if start_step else None)
         if "console" in cfg.backends:
             self.console = ConsoleProgress(total_steps, start_step=start_step, file=stream,
                                            force_terminal=force_terminal, every_steps=log_every_steps)
@@ -80,6 +87,8 @@ class Tracker:
             uri = self.mlflow.tracking_uri
             lines.append(f"metrics: mlflow ui --backend-store-uri {uri}"
                          + (f"   (run {self.mlflow.run_id})" if self.mlflow.run_id else ""))
+        if self.tensorboard is not None:
+            lines.append(f"metrics: tensorboard --logdir {Path(self.tensorboard.log_dir).resolve()}")
         return lines
 
     @property
@@ -106,6 +115,10 @@ class Tracker:
         MLflow only, for what a step measures after its line, e.g. the checkpoint's time)."""
         if self.mlflow is not None:
             self.mlflow.log_metrics(metrics, step)
+        if self.tensorboard is not None:
+            for name, value in metrics.items():
+                self.tensorboard.add_scalar(name, float(value), step)
+            self.tensorboard.flush()
         if self.console is not None and console:
             self.console.step_done(step, metrics)
 
@@ -129,3 +142,6 @@ class Tracker:
         if self.mlflow is not None:
             self.mlflow.finish(status)
             self.mlflow = None
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None

@@ -228,3 +228,32 @@ def test_actor_mfu_on_a_known_device():
     got = actor_mfu({"throughput/train_tokens_per_s": 1e12}, hf, world=2, device_name="NVIDIA H100 80GB HBM3")
     assert got == {"throughput/actor_mfu": 6 * n * 1e12 / (2 * 989e12)}
     assert actor_mfu({"throughput/train_tokens_per_s": 1e12}, hf, world=2, device_name="cpu") == {}
+
+
+def _tensorboard_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_backend_writes_real_event_files_and_a_resume_replaces_rerun_steps(tmp_path):
+    run = tmp_path / "r"
+    stream = io.StringIO()
+    t = Tracker(TrackingConfig(backends=("tensorboard",)), run_dir=run, total_steps=3, rank=0, stream=stream)
+    for step in (1, 2, 3):
+        t.log_metrics({"reward/mean": float(step), "actor/loss": -step / 10}, step)
+    t.finish()
+    assert f"tensorboard --logdir {(run / 'tensorboard').resolve()}" in stream.getvalue()
+    assert _tensorboard_scalars(run / "tensorboard")["reward/mean"] == {1: 1.0, 2: 2.0, 3: 3.0}
+    # resumed from a checkpoint at step 1: steps 2 and 3 run again with new values
+    t = Tracker(TrackingConfig(backends=("tensorboard",)), run_dir=run, total_steps=3, rank=0, start_step=1,
+                stream=io.StringIO())
+    for step in (2, 3):
+        t.log_metrics({"reward/mean": 10.0 * step}, step)
+    t.finish()
+    assert _tensorboard_scalars(run / "tensorboard")["reward/mean"] == {1: 1.0, 2: 20.0, 3: 30.0}
+    # other ranks write nothing
+    Tracker(TrackingConfig(backends=("tensorboard",)), run_dir=tmp_path / "other", total_steps=1, rank=1).finish()
+    assert not (tmp_path / "other").exists()
