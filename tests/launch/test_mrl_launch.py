@@ -41,7 +41,7 @@ def test_multi_node_job_and_bad_spec_are_refused_in_one_line(mrl_venv):
     assert proc.returncode == 2 and BAD_MESSAGE in proc.stderr.splitlines() and "Traceback" not in proc.stderr
     proc = mrl_launch(mrl_venv, "--dry-run", JOB, command="merge")
     assert (proc.returncode, proc.stderr) == (2, "error: MRL_COMMAND merge: mrl launch runs one of train, "
-                                                 "preflight, validate\n")
+                                                 "sft, preflight, validate\n")
 
 
 @pytest.mark.slow
