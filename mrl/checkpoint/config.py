@@ -16,5 +16,4 @@ class CheckpointConfig:
     resume: Literal["auto", "never", "must"] = option("auto", help="auto: latest if any; must: error if none; never: start fresh")
     load_from: Optional[str] = option(None, help="a specific checkpoint to resume from")
     save_optimizer: bool = option(True, help="include optimizer state")
-    async_save: bool = option(False, help="write in the background (not implemented yet: must stay false)")
     save_hf_at_end: bool = option(False, help="also export Hugging Face safetensors at the end")

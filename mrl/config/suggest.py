@@ -191,6 +191,8 @@ REMOVED_KEYS: dict[str, str] = {
     "rollout.over_sample_rate": _OVER_SAMPLE,
     "rollout.skip_tokenizer_init": _SKIP_TOKENIZER,
     "trainer.balance_batch": _BALANCE,
+    "checkpoint.async_save": "checkpoints are written synchronously (atomic rename, manifest last); background "
+                             "saves are not built, so the key was removed",
 }
 
 

@@ -344,7 +344,5 @@ def check(spec: JobSpec, report) -> None:
         err(key, message)
 
     # --- checkpoint / trainer
-    if spec.checkpoint.async_save:
-        err("checkpoint.async_save", "background saves are not implemented yet (saves are synchronous); set it to false")
     if spec.checkpoint.resume == "must" and spec.checkpoint.load_from is None:
         warn("checkpoint.resume", f"'must' resumes from {spec.checkpoint.dir}; the run fails if no checkpoint is there")

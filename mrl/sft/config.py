@@ -182,8 +182,6 @@ def check(spec: SFTJobSpec, report) -> None:
         err("sft.schedule.warmup_ratio", f"set either warmup_ratio ({sched.warmup_ratio}) or warmup_steps ({sched.warmup_steps})")
     if sft.optim.min_lr > sft.optim.lr:
         err("sft.optim.min_lr", f"{sft.optim.min_lr} is above sft.optim.lr {sft.optim.lr}")
-    if spec.checkpoint.async_save:
-        err("checkpoint.async_save", "background saves are not implemented yet (saves are synchronous); set it to false")
 
 
 def summary(spec: SFTJobSpec) -> str:

@@ -8,7 +8,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # (case id, patch over the valid base job, the dotted key the message must name, a fragment it must contain)
 CASES = [
-    ("async-save", {"checkpoint": {"async_save": True}}, "checkpoint.async_save", "not implemented yet"),
+    ("async-save", {"checkpoint": {"async_save": True}}, "checkpoint.async_save", "background saves are not built"),
     # typos at every nesting level
     ("typo-top-level", {"rollut": {"temperature": 1.0}}, "rollut", "did you mean `rollout`"),
     ("typo-section-key", {"rollout": {"temprature": 0.7}}, "rollout.temprature", "did you mean `rollout.temperature`"),
