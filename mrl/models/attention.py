@@ -4,7 +4,9 @@ One place decides (`resolve_backend`, from `model.attention`), one module comput
 (`PackedCoreAttention`), and `layer_specs` puts it into megatron's layer spec. Every backend
 takes the packed `thd` layout: the micro-batch is one row of concatenated sequences described by
 `cu_seqlens` (megatron's `PackedSeqParams`), RoPE restarts at 0 in every sequence, and attention
-never crosses a sequence boundary. No backend builds a `[T, T]` mask, so memory grows with the
+never crosses a sequence boundary. RoPE over the row is one vectorised rotation of q and of k
+(`mrl.models.rope.PackedRopeSelfAttention`; Transformer Engine's fused kernel under `te`), not
+megatron's per-sequence loop. No backend builds a `[T, T]` mask, so memory grows with the
 longest sequence, not with the packed row.
 
 Backends (`model.attention`):
@@ -226,9 +228,11 @@ class RMSNorm(torch.nn.RMSNorm):
 def layer_specs(config, backend: str, *, vp_stage: Optional[int] = None):
     """megatron's decoder block spec for this pipeline stage with mrl's attention and norms.
 
-    `te` keeps Transformer Engine's spec untouched; every other backend takes the local spec,
-    swaps `core_attention` for `PackedCoreAttention` (or keeps megatron's `DotProductAttention`
-    for `reference`) and every norm for `RMSNorm` in the model's dtype.
+    `te` keeps Transformer Engine's spec untouched (its fused `thd` RoPE included); every other
+    backend takes the local spec, swaps `core_attention` for `PackedCoreAttention` and
+    `SelfAttention` for `PackedRopeSelfAttention` (RoPE over a packed row in one pass,
+    `mrl.models.rope`), or keeps megatron's own attention for `reference`, and every norm for
+    `RMSNorm` in the model's dtype.
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
@@ -243,7 +247,10 @@ def layer_specs(config, backend: str, *, vp_stage: Optional[int] = None):
 
 
 def _own_layer(spec, attention):
+    from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.identity_op import IdentityOp
+
+    from mrl.models import rope
 
     spec = copy.deepcopy(spec)
     sub = spec.submodules
@@ -251,6 +258,10 @@ def _own_layer(spec, attention):
     sub.pre_mlp_layernorm = RMSNorm
     attn = sub.self_attention.submodules
     if attention is not None:
+        if sub.self_attention.module is not SelfAttention:
+            raise ValueError(f"megatron's local layer spec has {sub.self_attention.module.__name__}, "
+                             "not SelfAttention: mrl's packed RoPE does not know it")
+        sub.self_attention.module = rope.PackedRopeSelfAttention
         attn.core_attention = attention
     if attn.q_layernorm is not IdentityOp:
         attn.q_layernorm = RMSNorm

@@ -174,3 +174,88 @@ def test_bf16_model_tracks_the_fp32_model_within_bf16_rounding(cpu_platform):
     print(f"bf16 vs fp32 log-probs: max abs {diff:.4f}")
     assert diff < 0.05
     assert (want.max(-1).values - want.min(-1).values).min() > 0.5
+
+
+# --------------------------------------------------------------------------------- packed RoPE
+
+def _rope_table(max_len: int, dim: int, base: float = 10000.0) -> torch.Tensor:
+    """megatron's RoPE table layout `[max_len, 1, 1, dim]`: angles, the two halves repeated."""
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    return torch.cat((angles, angles), dim=-1)[:, None, None, :]
+
+
+def test_packed_positions_restart_at_every_sequence():
+    from mrl.models.rope import packed_positions
+
+    cu = torch.tensor([0, 3, 3, 4, 6], dtype=torch.int32)  # lengths 3, 0, 1, 2
+    assert packed_positions(cu, 6).tolist() == [0, 1, 2, 0, 0, 1]
+
+
+def test_packed_rope_equals_megatrons_per_sequence_thd_rope_and_its_gradients():
+    """One rotation over the row with per-token tables vs megatron's unfused `thd` RoPE (a split
+    per sequence): outputs and input gradients in fp32, mixed lengths with 1-token sequences."""
+    from mrl.models.rope import packed_positions, per_sequence_rope_reference, rope_tables, rotate
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 1, 9, 1, 17, 3, 1, 8]
+    t, heads, dim = sum(lengths), 4, 16
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    freqs = _rope_table(max(lengths), dim)
+    x = torch.randn(t, heads, dim, generator=g, requires_grad=True)
+    w = torch.randn(t, heads, dim, generator=g)
+    want = per_sequence_rope_reference(x, cu, freqs)
+    (want * w).sum().backward()
+    want_grad, x.grad = x.grad.clone(), None
+    got = rotate(x, *rope_tables(freqs, packed_positions(cu, t), torch.float32))
+    (got * w).sum().backward()
+    assert (got - want).abs().max() <= 1e-6
+    assert (x.grad - want_grad).abs().max() <= 1e-6
+    # the check can fail: positions that do not restart per sequence rotate differently
+    flat = rotate(x, *rope_tables(_rope_table(t, dim), torch.arange(t), torch.float32))
+    assert (flat - want).abs().max() > 1e-1
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+def test_packed_rope_model_equals_megatrons_per_sequence_rope_path(cpu_platform, monkeypatch, model_type):
+    """The whole model on one packed row: mrl's attention (`PackedRopeSelfAttention`) vs the same
+    weights through megatron's `SelfAttention` and its per-sequence `thd` RoPE, logits and
+    parameter gradients in fp32 (Qwen3: RoPE after the QK-norms; Llama with llama3 RoPE scaling).
+    Only the old path runs megatron's per-sequence RoPE."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer.attention import SelfAttention
+
+    from mrl.models import rope
+    from mrl.models.megatron import build_gpt, transformer_config
+
+    extra = {} if model_type == "qwen3" else dict(
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8))
+    hf = dict(_tiny_hf(), model_type=model_type, **extra)
+    cfg = transformer_config(hf, dtype="float32", parallel=ParallelConfig(), device="cpu")
+    torch.manual_seed(0)
+    new = build_gpt(hf, cfg)
+    with monkeypatch.context() as m:
+        m.setattr(rope, "PackedRopeSelfAttention", SelfAttention)
+        old = build_gpt(hf, cfg)
+    old.load_state_dict(new.state_dict())
+    assert type(new.decoder.layers[0].self_attention) is rope.PackedRopeSelfAttention
+    assert type(old.decoder.layers[0].self_attention) is SelfAttention
+    with torch.no_grad():  # sharper than init, so positions move the logits visibly
+        for p in new.parameters():
+            p.mul_(3.0)
+        for p, q in zip(new.parameters(), old.parameters()):
+            q.copy_(p)
+
+    calls = []
+    per_sequence = rope_utils._apply_rotary_pos_emb_thd
+    monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_thd", lambda *a, **k: calls.append(1) or per_sequence(*a, **k))
+    lengths = [7, 1, 12, 1, 3, 1, 9]
+    got = _packed_forward_backward(new, lengths, hf["vocab_size"])
+    assert calls == []
+    want = _packed_forward_backward(old, lengths, hf["vocab_size"])
+    assert len(calls) == 2 * hf["num_hidden_layers"]  # q and k, every layer
+    assert (got - want).abs().max() <= 1e-6, (got - want).abs().max()
+    worst = max((p.grad - q.grad).abs().max().item() for p, q in zip(new.parameters(), old.parameters()))
+    assert worst <= 1e-6, worst
+    assert (want[0, 1:] - want[0, :-1]).abs().max() > 1e-2  # not vacuous: the tokens differ
