@@ -179,7 +179,7 @@ def cmd_merge(args) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     report = merge(args.checkpoint, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype,
-                   verify=args.verify, model=args.model)
+                   verify=args.verify, model=args.model, format=args.format)
     print(report.summary())
     return 0
 
@@ -298,7 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prefix", nargs="?", default="", help="only keys starting with this (e.g. rollout.)")
     p.add_argument("--json", action="store_true", help="a JSON list of {key, type, required, default, meaning}")
     p.set_defaults(func=cmd_keys)
-    p = sub.add_parser("merge", help="convert a training checkpoint (any TP/PP/EP) into a Hugging Face directory")
+    p = sub.add_parser("merge", help="convert a training checkpoint (any TP/PP/EP) into a Hugging Face directory",
+                       description="Convert a training checkpoint (any TP/PP/EP) into a Hugging Face model directory; "
+                                   "a LoRA checkpoint's adapters are merged into full weights (W + alpha/r BA), or with "
+                                   "--format peft written as a PEFT adapter directory (adapter_config.json + "
+                                   "adapter_model.safetensors) that peft.PeftModel.from_pretrained loads over the base "
+                                   "model.")
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint root (e.g. RUN/checkpoints/actor) or a step_* directory")
     p.add_argument("out", metavar="OUT", help="output directory (must not exist, or be empty)")
     p.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard, e.g. 2GB, 500MB (default 2GB)")
@@ -309,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: on below 2B parameters)")
     p.add_argument("--model", default=None, metavar="PATH",
                    help="the job's model.path, for checkpoints that do not record their model config")
+    p.add_argument("--format", choices=("hf", "peft"), default="hf",
+                   help="hf: full Hugging Face weights, LoRA adapters merged in (default); peft: a LoRA "
+                        "checkpoint's adapters as a PEFT adapter directory over the job's base model")
     p.set_defaults(func=cmd_merge)
     return parser
 

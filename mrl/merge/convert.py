@@ -6,6 +6,7 @@ stream the HF-named tensors through the weight-mapping tables (`mrl.weights.Expo
 size-bounded shard files as they come (`writer.ShardWriter`), add config, tokenizer and
 generation config (`assets`), verify against `transformers` (`verify`), and only then move the
 directory into place: a failed merge leaves `<out>.partial`, never a half-written `<out>`.
+`format="peft"` writes a LoRA checkpoint's adapters as a PEFT adapter directory instead (`peft`).
 
 Peak memory is the model once (float32 when verifying, else the stored dtype) plus one shard;
 verification adds the reloaded `transformers` model.
@@ -13,6 +14,7 @@ verification adds the reloaded `transformers` model.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import shutil
 import time
@@ -49,14 +51,19 @@ class MergeReport:
     generation_config: bool
     verification: Optional[Verification]
     seconds: float
+    peft_base: Optional[str] = None   # `--format peft`: the base model the adapter directory names
 
     def summary(self) -> str:
-        parts = [f"merged {self.checkpoint} (step {self.step}, {self.role}) -> {self.out}:",
-                 f"{self.tensors} tensors, {self.bytes / 1e6:.1f} MB {str(self.dtype).removeprefix('torch.')}"
-                 f" in {self.shards} shard(s)"]
+        size = f"{self.bytes / 1e6:.1f} MB {str(self.dtype).removeprefix('torch.')}"
+        parts = [f"merged {self.checkpoint} (step {self.step}, {self.role}) -> {self.out}:"]
+        if self.peft_base is not None:
+            parts.append(f"PEFT adapter, {self.tensors} tensors, {size}, base {self.peft_base}")
+        else:
+            parts.append(f"{self.tensors} tensors, {size} in {self.shards} shard(s)")
         if self.value_head:
             parts.append(f"+ {VALUE_HEAD_FILE}")
-        parts.append(f"; tokenizer: {len(self.tokenizer_files)} file(s)" if self.tokenizer_files else "; no tokenizer")
+        if self.peft_base is None:
+            parts.append(f"; tokenizer: {len(self.tokenizer_files)} file(s)" if self.tokenizer_files else "; no tokenizer")
         v = self.verification
         parts.append(f"; verified {v.what}: max abs diff {v.max_abs_diff:.2e} (tolerance {v.tolerance:g} x "
                      f"{max(1.0, v.scale):.3g})" if v else "; not verified")
@@ -100,13 +107,18 @@ def _split_value_head(stream, held: dict, dtypes: dict[str, torch.dtype]) -> Ite
             yield name, t
 
 
+FORMATS = ("hf", "peft")
+
+
 def merge(checkpoint: str | Path, out: str | Path, *, max_shard_size: str | int = "2GB",
           dtype: Optional[str] = None, verify: Optional[bool] = None, model: Optional[str] = None,
-          tolerance: float = DEFAULT_TOLERANCE) -> MergeReport:
+          tolerance: float = DEFAULT_TOLERANCE, format: str = "hf") -> MergeReport:
     """Convert `checkpoint` (a checkpoint root or step directory) into the HF directory `out`.
 
     `dtype` defaults to the checkpoint's stored dtype; `verify` defaults to on below
     2B parameters; `model` supplies the architecture for checkpoints that do not record it.
+    `format="peft"` (LoRA checkpoints only) writes the adapters as a PEFT adapter directory
+    over the job's base model instead of merging them into full weights.
     """
     from mrl.merge.model import load_model, single_process_platform, stored_dtypes
     from mrl.weights import Exporter, hf_buckets
@@ -116,8 +128,12 @@ def merge(checkpoint: str | Path, out: str | Path, *, max_shard_size: str | int 
     shard_bytes = parse_size(max_shard_size)
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    if format not in FORMATS:
+        raise UserError(f"--format: {format!r} is not one of {', '.join(FORMATS)}")
     _check_out(out)
     info = inspect(checkpoint, model=model)
+    if format == "peft":
+        return _merge_peft(info, out, dtype=dtype, verify=verify, tolerance=tolerance, start=start)
     out_dtype = DTYPES[dtype] if dtype else None   # None: each tensor as stored
     config_dtype = out_dtype or info.stored_dtype
     do_verify = info.num_params < VERIFY_DEFAULT_MAX_PARAMS if verify is None else verify
@@ -172,3 +188,61 @@ def _is_builtin(info: CheckpointInfo) -> bool:
     from mrl.models.facts import builtin_preset
 
     return info.model_path is not None and builtin_preset(info.model_path) is not None
+
+
+def _merge_peft(info: CheckpointInfo, out: Path, *, dtype: Optional[str], verify: Optional[bool],
+                tolerance: float, start: float) -> MergeReport:
+    """`merge(..., format="peft")`: the adapters of a LoRA checkpoint as a PEFT adapter directory;
+    verified (default on below 2B base parameters) by loading it with `peft` over the base model
+    and comparing logits with the adapted Megatron model's."""
+    from mrl.merge.model import load_model, single_process_platform, stored_dtypes
+    from mrl.merge.peft import ADAPTER_WEIGHTS, peft_base, peft_logits, write_adapter
+    from mrl.merge.verify import probe_tokens
+
+    if not info.lora:
+        raise UserError(f"merge --format peft: checkpoint {info.path} was not trained with LoRA adapters "
+                        "(rank 0: full weights); merge it with --format hf")
+    if info.valued:
+        raise UserError(f"merge --format peft: checkpoint {info.path} is a {info.role} (a value head); "
+                        "PEFT adapter directories are written for language models only")
+    base = peft_base(info.model_path)
+    out_dtype = DTYPES[dtype] if dtype else None
+    do_verify = info.num_params < VERIFY_DEFAULT_MAX_PARAMS if verify is None else verify
+    if do_verify and verify is None and importlib.util.find_spec("peft") is None:
+        log.warning("merge: the peft package is not installed; the adapter directory is not verified")
+        do_verify = False
+    staging = _prepare_out(out)
+    with single_process_platform(seed=info.seed):
+        megatron = load_model(info, torch.float32 if do_verify else info.stored_dtype)
+        n = write_adapter([megatron], info.hf_config, info.lora, staging, base=base, dtype=out_dtype,
+                          stored=None if dtype else stored_dtypes(megatron, info))
+        verification = None
+        if do_verify:
+            from mrl.merge.model import forward
+            from mrl.merge.verify import Verification
+
+            if out_dtype is not None and out_dtype != torch.float32:   # the adapters as written
+                with torch.no_grad():
+                    for name, p in megatron.named_parameters():
+                        if ".lora." in name:
+                            p.copy_(p.to(out_dtype))
+            vocab = info.hf_config["vocab_size"]
+            tokens = probe_tokens(vocab)
+            want = forward(megatron, tokens).float()[..., :vocab]
+            got = peft_logits(staging, base, tokens)
+            verification = Verification(what="logits",
+                                        max_abs_diff=(got.double() - want.double()).abs().max().item(),
+                                        scale=want.abs().max().item(), tolerance=tolerance, tokens=tokens.numel())
+            if not verification.ok:
+                raise UserError(f"merge: verification failed: the logits of {base} with the adapter {staging} "
+                                f"differ from the checkpoint's by {verification.max_abs_diff:.3e} (> {tolerance:g} x "
+                                f"{max(1.0, verification.scale):.3g}); the output was left in {staging}")
+        del megatron
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    staging.rename(out)
+    nbytes = (out / ADAPTER_WEIGHTS).stat().st_size
+    return MergeReport(out=out, checkpoint=info.path, step=info.step, role=info.role,
+                       dtype=out_dtype or info.stored_dtype, shards=1, tensors=n, bytes=nbytes, value_head=False,
+                       tokenizer_files=(), generation_config=False, verification=verification,
+                       seconds=time.perf_counter() - start, peft_base=base)

@@ -92,11 +92,14 @@ def _plan(placements: list[Placement], dims, tied: bool, dtype: Optional[torch.d
 class Exporter:
     """Streams one model's weights as HF tensors; the plan is computed once and reused."""
 
-    def __init__(self, chunks: Iterable[torch.nn.Module], hf: dict[str, Any], *, dtype: Optional[torch.dtype] = None):
+    def __init__(self, chunks: Iterable[torch.nn.Module], hf: dict[str, Any], *, dtype: Optional[torch.dtype] = None,
+                 adapters: bool = False):
+        """`adapters`: stream the LoRA adapters themselves (PEFT's per-projection `lora_A` / `lora_B`,
+        gathered over TP and PP like any weight) instead of the (merged) model weights."""
         self.chunks = list(chunks)
         self.hf = hf
         self.dims = model_dims(hf)
-        self.placements = local_placements(self.chunks, hf)
+        self.placements = local_placements(self.chunks, hf, adapters=adapters)
         self.by_key = {(p.order, p.hf_names): p for p in self.placements}
         self.dtype = dtype
         self.plan = _plan(self.placements, self.dims, is_tied(self.chunks), dtype)

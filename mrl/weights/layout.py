@@ -14,7 +14,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from mrl.errors import UserError
-from mrl.weights.tables import Rule, table_for
+from mrl.weights.tables import LORA_ADAPTERS, Rule, table_for
 from mrl.weights.transforms import ModelDims, Transform
 
 _LAST = 10**9
@@ -90,9 +90,11 @@ def has_value_head(model: torch.nn.Module) -> bool:
     return isinstance(getattr(model, "output_layer", None), ValueHead)
 
 
-def local_placements(chunks: Iterable[torch.nn.Module], hf: dict[str, Any]) -> list[Placement]:
+def local_placements(chunks: Iterable[torch.nn.Module], hf: dict[str, Any], *,
+                     adapters: bool = False) -> list[Placement]:
     """Every parameter of this rank's model chunks, mapped through the architecture's table
-    (with the value-head row when the model has one: critic, reward model).
+    (with the value-head row when the model has one: critic, reward model); with `adapters`,
+    only the LoRA adapters, mapped through `tables.LORA_ADAPTERS` to their PEFT names.
 
     A parameter no row matches is an error naming it: a table gap must never drop weights.
     """
@@ -104,13 +106,13 @@ def local_placements(chunks: Iterable[torch.nn.Module], hf: dict[str, Any]) -> l
     out: list[Placement] = []
     for c, chunk in enumerate(chunks):
         model = unwrap(chunk)
-        rules = table_for(hf["model_type"], "critic" if has_value_head(model) else "actor")
+        rules = LORA_ADAPTERS if adapters else table_for(hf["model_type"], "critic" if has_value_head(model) else "actor")
         decoder = getattr(model, "decoder", None)
         layer_numbers = [layer.layer_number - 1 for layer in decoder.layers] if decoder is not None else []
         local_experts = _local_expert_count(model)
         for name, param in model.named_parameters():
-            if is_adapter_name(name):   # LoRA adapters: exported merged into their base weight
-                continue
+            if is_adapter_name(name) != adapters:   # LoRA adapters: exported merged into their base weight
+                continue                                # or, with `adapters`, on their own
             row, m = _match(rules, name)
             if row is None:
                 raise UserError(f"weights: parameter {name!r} of a {hf['model_type']} model has no row in its "

@@ -98,6 +98,27 @@ TABLES: dict[str, tuple[Rule, ...]] = {
 VALUE_HEAD = _rules(("output_layer.weight", "score.weight"))
 
 
+# LoRA adapters (`mrl.models.lora`) <-> PEFT's names for them, below PEFT's `base_model.model.` prefix.
+# The adapters are stored per Hugging Face projection even where megatron fuses the base weight
+# (q/k/v in `linear_qkv`, gate/up in `linear_fc1`): `A [r, in]`, `B [out, r]`, and each adapter
+# tensor is TP-split along one dimension in rank order (column-parallel B by output rows, row-
+# parallel A by input columns), so every row is the identity transform.
+def _adapter_rows(linear: str, hf_module: str) -> tuple[tuple[str, str], ...]:
+    return tuple((f"{linear}.lora.{m}.{hf_module.rsplit('.', 1)[1]}", f"{hf_module}.lora_{m}.weight") for m in "AB")
+
+
+LORA_ADAPTERS = _rules(
+    *_adapter_rows(f"{_A}.linear_qkv", f"{_HA}.q_proj"),
+    *_adapter_rows(f"{_A}.linear_qkv", f"{_HA}.k_proj"),
+    *_adapter_rows(f"{_A}.linear_qkv", f"{_HA}.v_proj"),
+    *_adapter_rows(f"{_A}.linear_proj", f"{_HA}.o_proj"),
+    *_adapter_rows(f"{_M}.linear_fc1", f"{_HM}.gate_proj"),
+    *_adapter_rows(f"{_M}.linear_fc1", f"{_HM}.up_proj"),
+    *_adapter_rows(f"{_M}.linear_fc2", f"{_HM}.down_proj"),
+)
+PEFT_PREFIX = "base_model.model."
+
+
 def table_for(model_type: str, role: str = "actor") -> tuple[Rule, ...]:
     """The rows for `model_type`; critic and reward-model roles swap the LM head for the value head."""
     from mrl.errors import UserError

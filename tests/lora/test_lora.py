@@ -33,13 +33,16 @@ def hf_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_adapters_at_tp1_and_tp2(hf_dir, tmp_path):
     """The script asserts B = 0 => base logits exactly and gradients only in adapters; here: merged
-    export vs Megatron logits, reference vs base log-probs, and TP2 = TP1 (logits, adapter grads)."""
+    export vs Megatron logits, the PEFT adapter directory loaded by peft vs Megatron logits (each
+    layout writes its own, gathered over its TP), reference vs base log-probs, and TP2 = TP1
+    (logits, adapter grads)."""
     one = subprocess.run([sys.executable, str(SCRIPT), str(hf_dir), str(tmp_path)], cwd=REPO, env=ENV,
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-4000:]
     two = run_torchrun(SCRIPT, str(hf_dir), str(tmp_path), "--tensor", "2")
     for r in (_result(one.stdout), _result(two.stdout)):
         assert r["merged_vs_megatron"] <= 1e-5, r
+        assert r["peft_vs_megatron"] <= 1e-5, r
         assert r["ref_vs_base_logprobs"] == 0.0, r
         assert r["adapted_vs_base"] > 0.1 and r["actor_vs_base_logprobs"] > 0.01, r   # the adapters act
     tp1, tp2 = torch.load(tmp_path / "tp1.pt"), torch.load(tmp_path / "tp2.pt")
@@ -101,7 +104,9 @@ def test_lora_grpo_job_trains_adapters_syncs_merged_weights_and_checkpoints_only
 def test_lora_sft_checkpoint_merges_into_full_weights(tmp_path):
     """`mrl sft` with adapters on a Hugging Face base -> an adapters-only checkpoint -> `mrl merge`
     folds them in (merge verifies the output's logits against the adapted model) -> the merged
-    model differs from the base exactly in the adapted projections."""
+    model differs from the base exactly in the adapted projections; `mrl merge --format peft`
+    writes a PEFT adapter directory (verified by merge against the adapted model) whose logits,
+    loaded by `peft` over the base, equal the merged model's."""
     from safetensors.torch import load_file
 
     from mrl.merge.source import _model_tensors, resolve_checkpoint
@@ -124,6 +129,23 @@ def test_lora_sft_checkpoint_merges_into_full_weights(tmp_path):
     orig = load_file(str(base / "model.safetensors"))
     changed = sorted(k for k in orig if not torch.equal(merged[k].float(), orig[k].float()))
     assert changed == sorted(f"model.layers.{i}.{m}.weight" for i in (0, 1) for m in ("self_attn.q_proj", "mlp.down_proj"))
+
+    proc = mrl("merge", ckpt, tmp_path / "adapter", "--format", "peft")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "PEFT adapter, 8 tensors" in proc.stdout and "; verified logits" in proc.stdout, proc.stdout
+    config = json.loads((tmp_path / "adapter/adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 16.0, ["q_proj", "down_proj"])
+    assert config["base_model_name_or_path"] == str(base.resolve())
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.randint(0, 250, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                            str(tmp_path / "adapter")).eval()(tokens).logits
+        full = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()(tokens).logits
+        plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()(tokens).logits
+    assert (adapted - full).abs().max() <= 1e-5 and (adapted - plain).abs().max() > 1e-3
 
 
 def test_bench_prints_lora_vs_full_at_qwen2_5_1_5b():

@@ -114,6 +114,11 @@ def test_merge_builtin_preset_bf16_and_cli(saved, tmp_path, capsys):
     assert cfg.eos_token_id == tok.eos_token_id and cfg.dtype == torch.bfloat16
     assert main(["merge", str(root), str(tmp_path / "bf16")]) == 2   # output exists
     assert "already exists" in capsys.readouterr().err
+    assert main(["merge", str(root), str(tmp_path / "adapter"), "--format", "peft"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: merge --format peft: checkpoint {root / 'step_00000010'} was not trained with LoRA adapters "
+        "(rank 0: full weights); merge it with --format hf"]
+    assert not (tmp_path / "adapter").exists()
 
 
 # ----------------------------------------------------------------------------- fast: errors, writer
@@ -186,6 +191,21 @@ def test_cli_merge_errors_exit_2_with_one_line(tmp_path, capsys):
     assert "already exists and is not empty" in capsys.readouterr().err
     assert main(["merge", str(tmp_path), str(tmp_path / "o2"), "--max-shard-size", "lots"]) == 2
     assert "--max-shard-size" in capsys.readouterr().err
+
+
+def test_peft_adapter_config_and_base():
+    """PEFT's config keys for mrl's adapter settings; the base a PEFT directory names must be a
+    Hugging Face checkpoint (a local directory made absolute, a Hub id as is; no builtin preset)."""
+    from mrl.merge.peft import adapter_config, peft_base
+
+    cfg = adapter_config({"rank": 8, "alpha": 16, "dropout": 0.05, "target_modules": ("q_proj", "v_proj")}, "org/base")
+    assert (cfg["peft_type"], cfg["r"], cfg["lora_alpha"], cfg["lora_dropout"]) == ("LORA", 8, 16.0, 0.05)
+    assert cfg["target_modules"] == ["q_proj", "v_proj"] and cfg["base_model_name_or_path"] == "org/base"
+    assert not cfg["use_rslora"] and cfg["bias"] == "none"
+    assert peft_base("Qwen/Qwen2.5-7B") == "Qwen/Qwen2.5-7B"
+    assert peft_base(".") == str(Path(".").resolve())
+    with pytest.raises(UserError, match="preset 'builtin:tiny-qwen2', which has no Hugging Face checkpoint"):
+        peft_base("builtin:tiny-qwen2")
 
 
 def test_parse_size():

@@ -1,6 +1,6 @@
 """Script form of `mrl merge` (for checkouts without the installed `mrl` command):
 
-    python tools/checkpoint_merge/merge.py CKPT OUT [--max-shard-size 2GB] [--dtype ...] [--no-verify]
+    python tools/checkpoint_merge/merge.py CKPT OUT [--max-shard-size 2GB] [--dtype ...] [--no-verify] [--format hf|peft]
 """
 from __future__ import annotations
 

@@ -8,6 +8,9 @@ writes `OUT/tp<N>.pt` (rank 0) for the cross-layout comparison:
   adapter gradients, are saved;
 - the merged export (`Exporter`: W + scale B A) loaded into `transformers` gives the adapted
   Megatron logits (fp32, <= 1e-5);
+- the adapters written as a PEFT adapter directory (`write_adapter`: gathered over TP like the
+  full export, q/k/v and gate/up per projection) and loaded by `peft` over the HF base give the
+  adapted Megatron logits (fp32, <= 1e-5);
 - the reference engine (the actor's modules, adapters off) gives the log-probs of a separately
   built base model.
 """
@@ -128,6 +131,16 @@ def main():
             ref_logits = hf_model.eval()(tokens).logits
         report["merged_vs_megatron"] = float((ref_logits - adapted.detach()).abs().max())
         report["adapted_vs_base"] = float((adapted.detach() - base).abs().max())
+
+    # the adapters as a PEFT directory -> peft over the HF base
+    from mrl.merge.peft import peft_logits, write_adapter
+
+    lora_cfg = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": list(LoraConfig().target_modules)}
+    peft_dir = f"{args.out}/peft_tp{tp}"
+    n = write_adapter([actor], hf, lora_cfg, peft_dir, base=args.hf_dir)
+    if ctx.rank == 0:
+        assert n == 28, n   # 2 layers x 7 projections x (A, B)
+        report["peft_vs_megatron"] = float((peft_logits(peft_dir, args.hf_dir, tokens) - adapted.detach()).abs().max())
 
     # reference engine = the actor with adapters off = a separately built, frozen base model
     lengths = [(5, 4), (3, 7), (6, 2)]
