@@ -122,6 +122,20 @@ def _builtin_metrics(rw) -> list[str] | None:
     return ["score", *builtin, *(f"{n}/{o}" for n, o in outputs), *sorted({o for o in bare if bare.count(o) == 1})]
 
 
+def training_world(spec) -> tuple[int, str]:
+    """(ranks that train, how to say where that number comes from): the whole world, or the world
+    less `rollout.ranks` when the rollout has ranks of its own."""
+    from mrl.rollout.layout import trainer_world
+
+    plat = spec.platform
+    whole = f"platform.nodes {plat.nodes} x platform.ranks_per_node {plat.ranks_per_node}"
+    rollout = getattr(spec, "rollout", None)
+    if rollout is None or rollout.placement != "separate":
+        return plat.world_size, f"world size {plat.world_size} ({whole})"
+    world = trainer_world(rollout, plat.world_size)
+    return world, f"trainer world size {world} ({whole} = {plat.world_size}, less rollout.ranks {rollout.ranks})"
+
+
 def check_shared(spec, report):
     """Check the sections every kind of job shares: the run's name and tracking store, the
     platform, the attention backend, the parallel layout against the world size and the model's
@@ -132,8 +146,7 @@ def check_shared(spec, report):
 
     err, warn = report.error, report.warn
     plat, par = spec.platform, spec.parallel
-    world = plat.world_size
-    world_txt = f"world size {world} (platform.nodes {plat.nodes} x platform.ranks_per_node {plat.ranks_per_node})"
+    world, world_txt = training_world(spec)
 
     # --- identity and tracking
     name = spec.job.name
@@ -213,8 +226,7 @@ def check(spec: JobSpec, report) -> None:
     """Report every cross-field problem of a resolved spec."""
     err, warn = report.error, report.warn
     plat, par, data, roll, alg = spec.platform, spec.parallel, spec.data, spec.rollout, spec.algorithm
-    world = plat.world_size
-    world_txt = f"world size {world} (platform.nodes {plat.nodes} x platform.ranks_per_node {plat.ranks_per_node})"
+    world_txt = training_world(spec)[1]
 
     dp, facts = check_shared(spec, report)
     if facts is not None:
@@ -250,7 +262,11 @@ def check(spec: JobSpec, report) -> None:
     # --- rollout engine layout and lengths
     from mrl.rollout.layout import rollout_layout_problems   # the rule mrl train applies
 
-    for key, message in rollout_layout_problems(roll, world, facts, plat.device):
+    for key, message in rollout_layout_problems(roll, plat.world_size, facts, plat.device):
+        err(key, message)
+    from mrl.train.placement import separate_problems   # the rule mrl train applies
+
+    for key, message in separate_problems(spec):
         err(key, message)
     if roll.max_model_len < seq_tokens:
         err("rollout.max_model_len", f"{roll.max_model_len} is shorter than data.max_prompt_tokens {data.max_prompt_tokens} + "

@@ -223,13 +223,20 @@ def resolve_backend(backend: str, device: str) -> str:
 # --------------------------------------------------------------------------- process group
 
 def init_process_group(launch: LaunchEnv, *, backend: str, device: torch.device,
-                       collective_timeout_s: float, init_timeout_s: float) -> None:
+                       collective_timeout_s: float, init_timeout_s: float,
+                       role: Optional[str] = None, role_rank: Optional[int] = None,
+                       role_world: Optional[int] = None) -> Optional[dist.Store]:
     """Create the default process group for `launch`.
 
     The group's timeout is `collective_timeout_s`; rendezvous waits at most `init_timeout_s`
     for all ranks. On nccl the group is bound to this rank's GPU up front. Each init in a
     process uses a fresh key prefix on the rendezvous store, so `teardown()` + `setup()` in one
     process works (a second plain `env://` init would read the first group's stale addresses).
+
+    `role`: this rank's side of a split launch (`mrl.platform.bridge`): the default group is that
+    side's world (`role_rank` of `role_world`), under the role's own prefix.
+    Returns this init's prefixed store (None for a single process), on which the bridge's groups
+    are built.
     """
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized; call mrl.platform.teardown() first")
@@ -237,15 +244,19 @@ def init_process_group(launch: LaunchEnv, *, backend: str, device: torch.device,
     kwargs = {}
     if backend == "nccl":
         kwargs["device_id"] = device
+    job_store = None
     if launch.launcher == "single":
         store = dist.HashStore()
     else:
-        store = dist.PrefixStore(f"mrl/pg{_STATE.generation}", _base_store(launch, init_timeout_s))
+        job_store = dist.PrefixStore(f"mrl/pg{_STATE.generation}", _base_store(launch, init_timeout_s))
+        store = dist.PrefixStore(role, job_store) if role else job_store
     _STATE.generation += 1
-    dist.init_process_group(backend=backend, store=store, rank=launch.rank, world_size=launch.world_size,
-                            timeout=timeout, **kwargs)
+    rank = launch.rank if role_rank is None else role_rank
+    world = launch.world_size if role_world is None else role_world
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
     _STATE.default_timeout_s = collective_timeout_s
     _STATE.rank, _STATE.world_size = launch.rank, launch.world_size
+    return job_store
 
 
 def _base_store(launch: LaunchEnv, init_timeout_s: float) -> dist.Store:

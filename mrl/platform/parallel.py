@@ -118,6 +118,17 @@ def seed_model_parallel(seed: int, device: str) -> None:
         cpu_model_parallel_manual_seed(seed)
 
 
+def seed_model_parallel_free(seed: int) -> None:
+    """Seed the process-wide RNGs on a rank without megatron's groups (a rollout-only rank)."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def destroy_model_parallel() -> None:
     """Tear down megatron's parallel state and RNG tracker (idempotent)."""
     from megatron.core import parallel_state as ps

@@ -52,6 +52,12 @@ class RolloutConfig:
     """Generation engine and sampling. Colocated: engines sleep while the trainer runs."""
 
     engine: Literal["vllm", "hf"] = option("vllm", help="vllm on GPU clusters; hf (transformers generate) anywhere")
+    placement: Literal["colocated", "separate"] = option(
+        "colocated", help="colocated: engines share the trainer's ranks and sleep while it trains; separate: the "
+                          "last rollout.ranks ranks only generate, the others only train (docs/async.md)")
+    ranks: int = option(0, ge=0, help="ranks that only generate when placement = 'separate' (the last ones of the world)")
+    max_staleness: int = option(0, ge=0, le=64, help="policy versions a trained response may lag: 0 on-policy, 1 one-step "
+                                                     "off-policy (generation of step t+1 overlaps training of step t)")
     responses_per_prompt: int = option(1, ge=1, help="responses sampled per prompt (verl: n)")
     max_response_tokens: int = option(512, ge=1, help="longest response, in tokens (verl: response_length)")
     do_sample: bool = option(True, help="sample (True) or decode greedily (False)")

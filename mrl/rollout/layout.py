@@ -9,13 +9,48 @@ from __future__ import annotations
 from typing import Optional
 
 
+def trainer_world(rollout, world_size: int) -> int:
+    """Ranks that train: the whole world when colocated, the first `world - rollout.ranks` when
+    the rollout is placed on ranks of its own."""
+    return world_size - rollout.ranks if rollout.placement == "separate" else world_size
+
+
+def engine_world(rollout, world_size: int) -> int:
+    """Ranks the rollout engines are laid out on: the whole world when colocated, `rollout.ranks`
+    when separate."""
+    return rollout.ranks if rollout.placement == "separate" else world_size
+
+
+def placement_problems(rollout, world_size: int) -> list[tuple[str, str]]:
+    """Every reason `rollout.placement`, `rollout.ranks` and `rollout.max_staleness` do not fit
+    the world."""
+    out: list[tuple[str, str]] = []
+    if rollout.placement == "colocated":
+        if rollout.ranks:
+            out.append(("rollout.ranks", f"is {rollout.ranks} but rollout.placement is 'colocated' (engines on every "
+                                         "rank); set rollout.placement = 'separate' or remove it"))
+        if rollout.max_staleness:
+            out.append(("rollout.max_staleness", f"is {rollout.max_staleness} but colocated engines share the trainer's "
+                                                 "ranks, so generation cannot overlap training; set rollout.placement = "
+                                                 "'separate' with rollout.ranks"))
+        return out
+    if rollout.ranks < 1:
+        out.append(("rollout.ranks", "placement 'separate' needs rollout.ranks >= 1 ranks that only generate"))
+    elif rollout.ranks >= world_size:
+        out.append(("rollout.ranks", f"{rollout.ranks} of the world size {world_size} leaves no rank to train"))
+    return out
+
+
 def rollout_layout_problems(rollout, world_size: int, facts=None, device: Optional[str] = None) -> list[tuple[str, str]]:
     """Every reason the job's rollout engines cannot be laid out on `world_size` ranks
     (`device`: platform.device, when known)."""
-    out: list[tuple[str, str]] = []
+    out = placement_problems(rollout, world_size)
+    if out:
+        return out
     tp, pp = rollout.tensor_parallel, rollout.pipeline_parallel
     if rollout.engine == "hf":
-        # The hf engine is one transformers model per trainer replica: a split would do nothing.
+        # The hf engine is one transformers model per trainer replica (or per rollout rank): a
+        # split would do nothing.
         for key, value, default in (("tensor_parallel", tp, 1), ("pipeline_parallel", pp, 1),
                                     ("expert_parallel", rollout.expert_parallel, False)):
             if value != default:
@@ -23,9 +58,10 @@ def rollout_layout_problems(rollout, world_size: int, facts=None, device: Option
                                               f"replica); set it to {default} or use rollout.engine = 'vllm'"))
         return out
     split = tp * pp
-    if world_size % split:
-        out.append(("rollout.tensor_parallel", f"engine tensor {tp} x pipeline {pp} = {split} does not "
-                                               f"divide the world size {world_size}"))
+    engines = engine_world(rollout, world_size)
+    if engines % split:
+        what = f"rollout.ranks {engines}" if rollout.placement == "separate" else f"the world size {engines}"
+        out.append(("rollout.tensor_parallel", f"engine tensor {tp} x pipeline {pp} = {split} does not divide {what}"))
     if pp > 1:
         # vLLM's torchrun (external_launcher) pipeline needs its V1 runner's output broadcast; the
         # engine-group path is built for it but not exercised anywhere yet.

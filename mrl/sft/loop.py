@@ -54,7 +54,7 @@ def build_engine(spec, hf: dict, device: str, total_optimizer_steps: int):
     from mrl.engine import Engine
     from mrl.models.lora import adapters_only_checkpoints, apply_lora
     from mrl.optim.build import build_optimizer, build_scheduler, wrap_ddp
-    from mrl.train.components import _chunks, _load
+    from mrl.train.build import _chunks, _load
 
     s = spec.sft
     chunks = _chunks("actor", spec, hf, device, s.recompute)

@@ -13,7 +13,9 @@ from typing import Mapping
 def throughput(metrics: Mapping[str, float], dp: int) -> dict[str, float]:
     """`throughput/rollout_tokens_per_s` and `throughput/train_tokens_per_s` (the whole job's)."""
     out = {}
-    for name, tokens, seconds in (("rollout", "tokens/rollout_response", "time/rollout"),
+    # a separate rollout's generation time is the rollout side's own (time/rollout_generate)
+    rollout_s = "time/rollout" if "time/rollout" in metrics else "time/rollout_generate"
+    for name, tokens, seconds in (("rollout", "tokens/rollout_response", rollout_s),
                                   ("train", "tokens/actor_update", "time/actor_update")):
         if tokens in metrics and metrics.get(seconds, 0.0) > 0:
             out[f"throughput/{name}_tokens_per_s"] = metrics[tokens] * dp / metrics[seconds]

@@ -2,9 +2,13 @@
 
 Checkpoints live in `checkpoint.dir` (default `<output_dir>/<name>/checkpoints`): one
 `actor/` root (and `critic/`), each atomic with a `latest` pointer. The actor's `extra` holds
-the sampler position, the KL controller, the MLflow run id and the step, so a resumed run
-continues the same prompts, the same MLflow run and the same metrics. `checkpoint.resume`:
-"auto" resumes when a checkpoint exists, "never" starts fresh, "must" requires one.
+the sampler position, the KL controller, the MLflow run id and the step (and, with a separate
+rollout, the rollouts already generated for later steps), so a resumed run continues the same
+prompts, the same MLflow run and the same metrics. `checkpoint.resume`: "auto" resumes when a
+checkpoint exists, "never" starts fresh, "must" requires one.
+
+With `rollout.placement = "separate"` the trainer ranks run `train` below and the rollout ranks
+run `mrl.train.queue.serve`.
 """
 from __future__ import annotations
 
@@ -21,8 +25,8 @@ import torch.distributed as dist
 from mrl.config.job import JobSpec
 from mrl.errors import UserError
 from mrl.platform.dist import wait_for_peers
-from mrl.train.components import Components, build, close
-from mrl.train.rollout import release_engine, sync_weights
+from mrl.train.build import build, close
+from mrl.train.parts import Learner, Run, SampleLog
 from mrl.train.step import train_step
 from mrl.train.validate import validate
 
@@ -33,55 +37,47 @@ def checkpoint_root(spec: JobSpec) -> Path:
     return Path(spec.checkpoint.dir)   # resolved: <job.output_dir>/<job.name>/checkpoints unless set
 
 
-def _kl_controller(spec: JobSpec):
-    from mrl.algos.kl import AdaptiveController, FixedController
-
-    k = spec.algorithm.kl_reward
-    if k.controller == "adaptive":
-        return AdaptiveController(k.coef, k.target, k.horizon)
-    return FixedController(k.coef)
-
-
-def _resume(c: Components) -> tuple[int, dict]:
+def _resume(run: Run, learner: Learner) -> tuple[int, dict]:
     """(last completed step, the actor checkpoint's extra) or (0, {}) for a fresh start."""
     from mrl.checkpoint import state
 
-    ck = c.spec.checkpoint
-    root = Path(ck.load_from) if ck.load_from else checkpoint_root(c.spec) / "actor"
+    ck = run.spec.checkpoint
+    root = Path(ck.load_from) if ck.load_from else checkpoint_root(run.spec) / "actor"
     if ck.resume == "never" and not ck.load_from:
         return 0, {}
     # the newest intact checkpoint (a damaged newer one is skipped, said in one line)
-    critic_of = (lambda ckpt: [ckpt.parent.parent / "critic" / ckpt.name]) if c.critic is not None else None
+    critic_of = (lambda ckpt: [ckpt.parent.parent / "critic" / ckpt.name]) if learner.critic is not None else None
     found = state.find_resumable(root, must=ck.resume == "must", companions=critic_of)
     if found is None:
         if ck.resume == "must" or ck.load_from:
             raise UserError(f"checkpoint{'.load_from' if ck.load_from else '.resume'}: no checkpoint in {root}"
                             + (" (checkpoint.resume = 'must')" if not ck.load_from else ""))
         return 0, {}
-    loaded = state.load(found, chunks=c.actor.chunks, optimizer=c.actor.optimizer, scheduler=c.actor.scheduler,
-                        verified=True)
-    if c.critic is not None:
+    actor = learner.actor
+    loaded = state.load(found, chunks=actor.chunks, optimizer=actor.optimizer, scheduler=actor.scheduler, verified=True)
+    if learner.critic is not None:
         critic_dir = found.parent.parent / "critic" / found.name
         if not critic_dir.is_dir():
             raise UserError(f"checkpoint: {found} has no critic checkpoint at {critic_dir}")
-        state.load(critic_dir, chunks=c.critic.chunks, optimizer=c.critic.optimizer, scheduler=c.critic.scheduler,
-                   verified=True)
+        state.load(critic_dir, chunks=learner.critic.chunks, optimizer=learner.critic.optimizer,
+                   scheduler=learner.critic.scheduler, verified=True)
     extra = loaded.extra
-    c.sampler.load_state_dict(extra["sampler"])
-    if "kl_coef" in extra and "kl_controller" in c.extras:
-        c.extras["kl_controller"].value = extra["kl_coef"]
-    c.actor.steps = extra.get("actor_updates", c.actor.steps)
-    if c.critic is not None:
-        c.critic.steps = extra.get("critic_updates", c.critic.steps)
+    if "kl_coef" in extra and learner.kl is not None:
+        learner.kl.value = extra["kl_coef"]
+    actor.steps = extra.get("actor_updates", actor.steps)
+    if learner.critic is not None:
+        learner.critic.steps = extra.get("critic_updates", learner.critic.steps)
     return loaded.step, extra
 
 
-def _save(c: Components, step: int, tracker_run_id) -> None:
+def _save(run: Run, learner: Learner, rollouts, step: int, tracker_run_id) -> None:
     from mrl.checkpoint import state
 
     from mrl.config.dump import to_toml
 
-    root = checkpoint_root(c.spec)
+    spec = run.spec
+    root = checkpoint_root(spec)
+    position = rollouts.state(step)   # the data position (and the rollouts queued for later steps)
     if dist.is_initialized() and dist.get_world_size() > 1:   # rank 0 owns the MLflow run: every rank stores its id
         from mrl.platform.dist import stage
 
@@ -90,19 +86,19 @@ def _save(c: Components, step: int, tracker_run_id) -> None:
             dist.broadcast_object_list(box, src=0)
         tracker_run_id = box[0]
     # What `mrl merge` needs to rebuild the model without the job file.
-    model = {"hf_config": c.hf, "model_path": c.spec.model.path, "tokenizer": c.spec.model.tokenizer,
-             "dtype": c.spec.model.dtype, "spec_toml": to_toml(c.spec)}
-    extra = {"sampler": c.sampler.state_dict(), "mlflow_run_id": tracker_run_id, "actor_updates": c.actor.steps,
-             **model, "role": "actor"}
-    if "kl_controller" in c.extras:
-        extra["kl_coef"] = c.extras["kl_controller"].value
-    if c.critic is not None:
-        extra["critic_updates"] = c.critic.steps
-        state.save(root / "critic", step, chunks=c.critic.chunks, optimizer=c.critic.optimizer,
-                   scheduler=c.critic.scheduler, extra={**model, "role": "critic"}, keep_last=c.spec.checkpoint.keep_last)
-    state.save(root / "actor", step, chunks=c.actor.chunks,
-               optimizer=c.actor.optimizer if c.spec.checkpoint.save_optimizer else None,
-               scheduler=c.actor.scheduler, extra=extra, keep_last=c.spec.checkpoint.keep_last)
+    model = {"hf_config": run.hf, "model_path": spec.model.path, "tokenizer": spec.model.tokenizer,
+             "dtype": spec.model.dtype, "spec_toml": to_toml(spec)}
+    extra = {**position, "mlflow_run_id": tracker_run_id, "actor_updates": learner.actor.steps, **model, "role": "actor"}
+    if learner.kl is not None:
+        extra["kl_coef"] = learner.kl.value
+    if learner.critic is not None:
+        extra["critic_updates"] = learner.critic.steps
+        state.save(root / "critic", step, chunks=learner.critic.chunks, optimizer=learner.critic.optimizer,
+                   scheduler=learner.critic.scheduler, extra={**model, "role": "critic"},
+                   keep_last=spec.checkpoint.keep_last)
+    state.save(root / "actor", step, chunks=learner.actor.chunks,
+               optimizer=learner.actor.optimizer if spec.checkpoint.save_optimizer else None,
+               scheduler=learner.actor.scheduler, extra=extra, keep_last=spec.checkpoint.keep_last)
 
 
 def _terminate_by_exit():
@@ -118,17 +114,18 @@ def _terminate_by_exit():
     return signal.signal(signal.SIGTERM, on_sigterm)
 
 
-def _check_disk(c: Components) -> None:
-    """Before the first step, on every rank: the run directory and the checkpoint directory are
-    writable, and the latter has room for one checkpoint (estimated from the model's size)."""
+def _check_disk(spec: JobSpec, learner: Learner) -> None:
+    """Before the first step, on every trainer rank: the run directory and the checkpoint
+    directory are writable, and the latter has room for one checkpoint (estimated from the
+    model's size)."""
     from mrl.checkpoint import state, store
     from mrl.tracking.tracker import run_dir_of
 
-    store.check_writable(run_dir_of(c.spec), 0, "job.output_dir")
-    need = state.estimated_bytes(c.actor.chunks, with_optimizer=c.spec.checkpoint.save_optimizer)
-    if c.critic is not None:
-        need += state.estimated_bytes(c.critic.chunks, with_optimizer=True)
-    store.check_writable(checkpoint_root(c.spec), need, "checkpoint.dir")
+    store.check_writable(run_dir_of(spec), 0, "job.output_dir")
+    need = state.estimated_bytes(learner.actor.chunks, with_optimizer=spec.checkpoint.save_optimizer)
+    if learner.critic is not None:
+        need += state.estimated_bytes(learner.critic.chunks, with_optimizer=True)
+    store.check_writable(checkpoint_root(spec), need, "checkpoint.dir")
 
 
 def _max_over_ranks(seconds: float) -> float:
@@ -171,68 +168,22 @@ def _reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def train(spec: JobSpec) -> dict[str, float]:
-    """Run `spec` to `trainer.total_steps` (or its epochs); returns the last step's metrics."""
+    """Run `spec` to `trainer.total_steps` (or its epochs); returns the last step's metrics
+    (on a rollout-only rank: {})."""
     from mrl.platform import teardown
-    from mrl.tracking.perf import actor_mfu, throughput
-    from mrl.tracking.profile import profile_step
-    from mrl.tracking.tracker import Tracker, run_dir_of
 
-    c = build(spec)
-    tracker = None
+    run, learner, generation, prompts = build(spec)
     status = "FAILED"
-    last: dict[str, float] = {}
     previous_sigterm = _terminate_by_exit()
+    tracker = None
     try:
-        _check_disk(c)
-        if spec.algorithm.kl_reward.enable:
-            c.extras["kl_controller"] = _kl_controller(spec)
-        start, extra = _resume(c)
-        tracker = Tracker.from_spec(spec, total_steps=c.total_steps, rank=c.ctx.rank,
-                                    resume_run_id=extra.get("mlflow_run_id"), start_step=start)
-        if start == 0:
-            tracker.log_spec(spec)
-            tracker.log_params({f"data/{k}": v for k, v in c.dataset.stats.items()})
-        elif start >= c.total_steps:
-            tracker.message(f"resumed at step {start}: the run is already complete ({c.total_steps} steps); "
-                            "raise trainer.total_steps to train further")
-        else:
-            tracker.message(f"resumed from step {start} of {c.total_steps}")
-        wait_for_peers("tracking setup")   # rank 0 alone creates or re-attaches the MLflow run
-        every = spec.checkpoint.every_steps
-        val_every = spec.trainer.val_every_steps
-        if spec.trainer.val_before_train and start == 0:
-            sync_weights(c)
-            tracker.log_metrics(validate(c, 0), 0)
-            release_engine(c)
-        for step in range(start + 1, c.total_steps + 1):
-            with profile_step(spec.trainer.profile_steps, step, run_dir_of(spec), c.ctx.rank):
-                step_metrics = train_step(c, step, on_stage=tracker.stage)
-            metrics = _reduce_metrics(step_metrics)
-            metrics.update(throughput(metrics, c.ctx.dp))
-            if torch.cuda.is_available():   # model FLOP utilisation of the actor update
-                world = dist.get_world_size() if dist.is_initialized() else 1
-                metrics.update(actor_mfu(metrics, c.hf, world, torch.cuda.get_device_name()))
-            if val_every and (step % val_every == 0 or step == c.total_steps):
-                tracker.stage("validation")
-                started = time.perf_counter()
-                sync_weights(c)   # the update just changed the policy
-                metrics.update(validate(c, step))
-                release_engine(c)
-                metrics["time/validation"] = _max_over_ranks(time.perf_counter() - started)
-            metrics["train/epoch"] = float(c.sampler.epoch)
-            tracker.log_metrics(metrics, step)
-            for split in ("train", "validation"):
-                rows = c.extras.pop(f"samples/{split}", None)
-                if rows:
-                    tracker.log_samples(split, rows)
-            last = metrics
-            wait_for_peers("tracking")   # rank 0 alone writes the step's metrics and samples
-            if (every and step % every == 0) or step == c.total_steps:
-                tracker.stage("checkpoint")
-                started = time.perf_counter()
-                _save(c, step, tracker.run_id)
-                tracker.log_metrics({"time/checkpoint": _max_over_ranks(time.perf_counter() - started)}, step,
-                                    console=False)
+        if learner is None:   # a rollout rank of a separate placement
+            from mrl.train.queue import serve
+
+            serve(run, generation, prompts)
+            status = "FINISHED"
+            return {}
+        last, tracker = _train(run, learner, generation, prompts)
         status = "FINISHED"
         return last
     except (KeyboardInterrupt, SystemExit):   # Ctrl-C, or SIGTERM from torchrun, Slurm or kill
@@ -243,9 +194,89 @@ def train(spec: JobSpec) -> dict[str, float]:
             signal.signal(signal.SIGTERM, previous_sigterm)
         if tracker is not None:
             tracker.finish(status)
-        close(c)
+        close(generation)
         teardown()
-        if status == "FINISHED" and spec.checkpoint.save_hf_at_end:
+        if status == "FINISHED" and spec.checkpoint.save_hf_at_end and learner is not None:
             from mrl.train.export import export_hf
 
-            export_hf(spec, checkpoint_root(spec), c.total_steps, rank=c.ctx.rank)
+            export_hf(spec, checkpoint_root(spec), run.total_steps, rank=run.ctx.global_rank)
+
+
+def _train(run: Run, learner: Learner, generation, prompts):
+    """The trainer ranks' loop; returns (the last step's metrics, the tracker)."""
+    from mrl.tracking.perf import actor_mfu, throughput
+    from mrl.tracking.profile import profile_step
+    from mrl.tracking.tracker import Tracker, run_dir_of
+    from mrl.train.queue import ColocatedRollouts, SeparateRollouts
+
+    spec = run.spec
+    rollouts = (SeparateRollouts(run, learner, prompts.dataset) if run.separate
+                else ColocatedRollouts(run, learner, generation, prompts))
+    samples = SampleLog()
+    last: dict[str, float] = {}
+    _check_disk(spec, learner)
+    start, extra = _resume(run, learner)
+    if extra:
+        rollouts.load_state(extra, start)
+    tracker = Tracker.from_spec(spec, total_steps=run.total_steps, rank=run.ctx.rank,
+                                resume_run_id=extra.get("mlflow_run_id"), start_step=start)
+    try:
+        if start == 0:
+            tracker.log_spec(spec)
+            tracker.log_params({f"data/{k}": v for k, v in prompts.dataset.stats.items()})
+        elif start >= run.total_steps:
+            tracker.message(f"resumed at step {start}: the run is already complete ({run.total_steps} steps); "
+                            "raise trainer.total_steps to train further")
+        else:
+            tracker.message(f"resumed from step {start} of {run.total_steps}")
+        wait_for_peers("tracking setup")   # rank 0 alone creates or re-attaches the MLflow run
+        rollouts.start(start)
+        every = spec.checkpoint.every_steps
+        val_every = spec.trainer.val_every_steps
+        if spec.trainer.val_before_train and start == 0:
+            rollouts.sync_for_validation(0)
+            tracker.log_metrics(validate(run, generation, prompts, 0, samples, learner.reward_model), 0)
+            rollouts.release()
+        for step in range(start + 1, run.total_steps + 1):
+            with profile_step(spec.trainer.profile_steps, step, run_dir_of(spec), run.ctx.rank):
+                step_metrics = train_step(run, learner, rollouts, step, on_stage=tracker.stage, samples=samples)
+                rollouts.after_update(step)
+            metrics = _reduce_metrics(step_metrics)
+            metrics.update(throughput(metrics, run.dp))
+            if torch.cuda.is_available():   # model FLOP utilisation of the actor update
+                world = dist.get_world_size() if dist.is_initialized() else 1
+                metrics.update(actor_mfu(metrics, run.hf, world, torch.cuda.get_device_name()))
+            if val_every and (step % val_every == 0 or step == run.total_steps):
+                tracker.stage("validation")
+                started = time.perf_counter()
+                rollouts.sync_for_validation(step)   # the update just changed the policy
+                metrics.update(validate(run, generation, prompts, step, samples, learner.reward_model))
+                rollouts.release()
+                metrics["time/validation"] = _max_over_ranks(time.perf_counter() - started)
+            metrics["train/epoch"] = float(step_epoch(rollouts, prompts))
+            tracker.log_metrics(metrics, step)
+            for split in ("train", "validation"):
+                rows = samples.take(split)
+                if rows:
+                    tracker.log_samples(split, rows)
+            last = metrics
+            wait_for_peers("tracking")   # rank 0 alone writes the step's metrics and samples
+            if (every and step % every == 0) or step == run.total_steps:
+                tracker.stage("checkpoint")
+                started = time.perf_counter()
+                _save(run, learner, rollouts, step, tracker.run_id)
+                tracker.log_metrics({"time/checkpoint": _max_over_ranks(time.perf_counter() - started)}, step,
+                                    console=False)
+    except BaseException:
+        rollouts.close()
+        raise
+    rollouts.close()
+    return last, tracker
+
+
+def step_epoch(rollouts, prompts) -> int:
+    """The epoch of the data position after the step just trained."""
+    position = getattr(rollouts, "position", None)
+    if position is not None:   # separate: the producer's position for this step
+        return int(position["epoch"])
+    return prompts.epoch

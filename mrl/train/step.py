@@ -1,9 +1,13 @@
 """One training step: the data path of docs/design.md, one line per stage.
 
-    weight sync -> rollout (+ rewards, dynamic sampling) -> old log-probs (+ audit) -> reference
-    log-probs -> critic values -> advantages (+ correction weights) -> critic update -> actor update
+    [weight sync -> rollout (+ rewards, dynamic sampling)]   colocated (`mrl.train.queue`)
+    [wait for the step's rollouts]                           separate
+    -> old log-probs (+ audit) -> reference log-probs -> critic values
+    -> advantages (+ correction weights) -> critic update -> actor update
 
 Every stage is timed (`time/<stage>`); `time/rollout_share` is the rollout's share of the step.
+Each stage function takes only the parts it reads (`mrl.train.parts`), so it can be called with
+small fakes.
 """
 from __future__ import annotations
 
@@ -12,64 +16,78 @@ from typing import Optional
 import torch
 
 from mrl.batch import Batch
-from mrl.train.components import Components
-from mrl.train.rollout import _dp_all_reduce, collect, release_engine, sync_weights
+from mrl.train.parts import Learner, Run, SampleLog
+from mrl.train.rollout import _dp_all_reduce, to_batch
 from mrl.train.timer import StageTimer
 
 
-def train_step(c: Components, step: int, on_stage=None) -> dict[str, float]:
-    spec, alg = c.spec, c.spec.algorithm
+def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
+               samples: Optional[SampleLog] = None) -> dict[str, float]:
+    """Step `step`: take its rollouts from `rollouts` (a `mrl.train.queue` source), then learn."""
+    spec, alg = run.spec, run.spec.algorithm
     t = StageTimer(on_stage)
-    metrics: dict[str, float] = {}
-    with t("weight_sync"):
-        sync_weights(c)
-    with t("rollout"):
-        batch, m = collect(c, step)
-        metrics.update(m)
-        if alg.advantage == "remax":
-            batch = batch.add(greedy_scores=greedy_baseline(c, batch, step))
-        release_engine(c)
+    shard, metrics = rollouts.take(step, t)
+    batch, m, rows = to_batch(run, shard, step)
+    metrics.update(m)
+    metrics.update(staleness(shard.version, step, spec.rollout.max_staleness))
+    if samples is not None:
+        samples.put("train", rows)
+    if alg.advantage == "remax":
+        with t("rollout"):
+            batch = batch.add(greedy_scores=rollouts.greedy_baseline(batch, step))
+    rollouts.release()
     with t("old_logprobs"):
-        batch = batch.add(trainer_logprobs=logprobs_of(c.actor, c, batch, spec.actor.logprob_micro_batch_tokens))
+        batch = batch.add(trainer_logprobs=logprobs_of(learner.actor, run, batch, spec.actor.logprob_micro_batch_tokens))
         batch = batch.add(old_logprobs=batch["rollout_logprobs" if alg.correction.old_logprobs == "rollout"
                                              else "trainer_logprobs"])
         metrics.update(audit(batch))
-    if c.ref is not None:
+    if learner.ref is not None:
         with t("ref_logprobs"):
-            batch = batch.add(ref_logprobs=logprobs_of(c.ref, c, batch, spec.ref.micro_batch_tokens))
-    if c.critic is not None:
+            batch = batch.add(ref_logprobs=logprobs_of(learner.ref, run, batch, spec.ref.micro_batch_tokens))
+    if learner.critic is not None:
         with t("values"):
-            batch = batch.add(values=values_of(c, batch))
+            batch = batch.add(values=values_of(run, learner.critic, batch))
     with t("advantages"):
-        batch, m = advantages(c, batch)
+        batch, m = advantages(run, learner.kl, batch)
         metrics.update(m)
-    if c.critic is not None:
+    if learner.critic is not None:
         with t("critic_update"):
-            metrics.update(update(c.critic, batch, spec.critic, value_objective(c), step, "critic"))
-    if c.critic is None or step > spec.critic.warmup_steps:
+            metrics.update(update(learner.critic, batch, spec.critic, value_objective(run), step, "critic"))
+    if learner.critic is None or step > spec.critic.warmup_steps:
         with t("actor_update"):
-            metrics.update(update(c.actor, batch, spec.actor, policy_objective(c), step, "actor"))
+            metrics.update(update(learner.actor, batch, spec.actor, policy_objective(run), step, "actor"))
         metrics["tokens/actor_update"] = float(batch.sequence_lengths.sum()) * spec.actor.epochs
     metrics.update(t.metrics())
     return metrics
 
 
+def staleness(version: int, step: int, max_staleness: int) -> dict[str, float]:
+    """How many policy versions the step's responses lag the policy they train (step - 1). The
+    rollout side generates step t with version max(0, t - 1 - max_staleness) exactly
+    (`mrl.train.queue`), so a larger lag is a bug, not data to drop."""
+    lag = step - 1 - version
+    if not 0 <= lag <= max_staleness:
+        raise RuntimeError(f"step {step} got responses of policy version {version}: lag {lag} outside "
+                           f"[0, rollout.max_staleness = {max_staleness}]")
+    return {"rollout/version_lag_mean": float(lag), "rollout/version_lag_max": float(lag)}
+
+
 # ---------------------------------------------------------------------------- stages
 
-def logprobs_of(engine, c: Components, batch: Batch, budget: Optional[int]) -> torch.Tensor:
+def logprobs_of(engine, run: Run, batch: Batch, budget: Optional[int]) -> torch.Tensor:
     """Per response token log-probs `[B, R]` under `engine`'s model, at the rollout temperature."""
     from mrl.engine.objectives import actor_outputs
 
-    out = engine.forward_only(batch, actor_outputs(c.spec.rollout.temperature, vocab_size=c.hf["vocab_size"],
-                                                   kernels=kernel_backend(c)),
+    out = engine.forward_only(batch, actor_outputs(run.spec.rollout.temperature, vocab_size=run.hf["vocab_size"],
+                                                   kernels=kernel_backend(run)),
                               micro_batch_tokens=budget)
     return out["logprobs"].cpu()
 
 
-def values_of(c: Components, batch: Batch) -> torch.Tensor:
+def values_of(run: Run, critic, batch: Batch) -> torch.Tensor:
     from mrl.engine.objectives import values_output
 
-    return c.critic.forward_only(batch, values_output(), micro_batch_tokens=c.spec.critic.micro_batch_tokens)["values"].cpu()
+    return critic.forward_only(batch, values_output(), micro_batch_tokens=run.spec.critic.micro_batch_tokens)["values"].cpu()
 
 
 def audit(batch: Batch) -> dict[str, float]:
@@ -80,44 +98,29 @@ def audit(batch: Batch) -> dict[str, float]:
     return logprob_audit(batch["rollout_logprobs"], batch["trainer_logprobs"], batch["response_mask"])
 
 
-def greedy_baseline(c: Components, batch: Batch, step: int) -> torch.Tensor:
-    """ReMax: the score of one greedy response per prompt, per response `[B]`."""
-    from dataclasses import replace
-
-    from mrl.rollout.types import sampling_from_config
-    from mrl.train.rollout import generate, score
-
-    n = c.spec.rollout.responses_per_prompt
-    items = batch.meta["prompt_item"][::n]
-    greedy = replace(sampling_from_config(c.spec.rollout), n=1, temperature=0.0)
-    responses = generate(c, [list(it.token_ids) for it in items], greedy)
-    scores = score(c, items, responses, 1, step)["scores"]
-    return torch.tensor(scores, dtype=torch.float32).repeat_interleave(n)
-
-
 def _dp_sum(t: torch.Tensor) -> torch.Tensor:
     return _dp_all_reduce(t.clone())
 
 
-def advantages(c: Components, batch: Batch) -> tuple[Batch, dict]:
+def advantages(run: Run, kl_controller, batch: Batch) -> tuple[Batch, dict]:
     """Advantages (and returns for the critic) by `algorithm.advantage`, KL in the reward when
     enabled, and rollout-correction weights. Whitening statistics span all DP ranks."""
     from mrl.algos import advantages as adv
     from mrl.algos import correction, kl
 
-    alg = c.spec.algorithm
+    alg = run.spec.algorithm
     mask = batch["response_mask"]
     scores = batch["rewards"]
     metrics: dict[str, float] = {}
     kl_tokens, beta = None, 0.0
     if alg.kl_reward.enable:
         kl_tokens = kl.estimate(batch["old_logprobs"], batch["ref_logprobs"], alg.kl_reward.estimator)
-        beta = c.extras["kl_controller"].value
+        beta = kl_controller.value
         valid = mask > 0
         total, tokens = _dp_sum(torch.stack([(kl_tokens * valid).sum(), valid.sum()]).double()).tolist()
         current = total / max(tokens, 1.0)
         metrics.update({"kl/reward_kl": current, "kl/reward_coef": beta})
-        c.extras["kl_controller"].update(current, len(batch) * c.ctx.dp)
+        kl_controller.update(current, len(batch) * run.dp)
     token_rewards = adv.token_rewards(scores, mask, kl_tokens, beta)
     returns = None
     if alg.advantage == "gae":
@@ -150,27 +153,27 @@ def advantages(c: Components, batch: Batch) -> tuple[Batch, dict]:
     return batch.add(**fields), metrics
 
 
-def policy_objective(c: Components):
+def policy_objective(run: Run):
     from mrl.engine.objectives import PolicyObjective
 
-    alg = c.spec.algorithm
+    alg = run.spec.algorithm
     return PolicyObjective(loss=alg.policy_loss, eps_low=alg.clip_low, eps_high=alg.clip_high,
                            clip_c=alg.dual_clip or None, sapo_tau_pos=alg.sapo_tau_pos, sapo_tau_neg=alg.sapo_tau_neg,
                            aggregation=alg.loss_aggregation, norm=alg.loss_norm, entropy_coef=alg.entropy_coef,
                            kl_coef=alg.kl_loss.coef if alg.kl_loss.enable else 0.0, kl_estimator=alg.kl_loss.estimator,
-                           temperature=c.spec.rollout.temperature, vocab_size=c.hf["vocab_size"],
-                           kernels=kernel_backend(c))
+                           temperature=run.spec.rollout.temperature, vocab_size=run.hf["vocab_size"],
+                           kernels=kernel_backend(run))
 
 
-def kernel_backend(c: Components) -> str:
+def kernel_backend(run: Run) -> str:
     """The log-prob kernels the job asked for: Triton on CUDA ("auto") or the torch twins."""
-    return "auto" if c.spec.model.use_fused_kernels else "torch"
+    return "auto" if run.spec.model.use_fused_kernels else "torch"
 
 
-def value_objective(c: Components):
+def value_objective(run: Run):
     from mrl.engine.objectives import ValueObjective
 
-    alg = c.spec.algorithm
+    alg = run.spec.algorithm
     return ValueObjective(clip_eps=alg.value_clip, aggregation=alg.loss_aggregation, norm=alg.loss_norm)
 
 

@@ -46,5 +46,7 @@ class StageTimer:
         out = {f"time/{k}": v for k, v in self.seconds.items()}
         out.update({f"memory/{k}_peak_gib": v / 2**30 for k, v in self.peak_bytes.items()})
         out["time/step"] = total
-        out["time/rollout_share"] = self.seconds.get("rollout", 0.0) / total if total > 0 else 0.0
+        # the step's time spent on (colocated) or waiting for (separate) its rollouts
+        rollout = self.seconds.get("rollout", 0.0) + self.seconds.get("rollout_wait", 0.0)
+        out["time/rollout_share"] = rollout / total if total > 0 else 0.0
         return out

@@ -75,12 +75,12 @@ def test_lora_spec_rules(write_job):
 
 
 @pytest.mark.slow
-def test_lora_grpo_job_trains_adapters_syncs_merged_weights_and_checkpoints_only_adapters(tmp_path):
-    """jobs/grpo_lora_cpu.toml at TP=2 for 6 steps: the adapters move the policy away from the
-    reference (KL > 0), the rollout engine's log-probs equal the trainer's every step (the merged
-    weights it received are exactly the adapted model), and the checkpoint holds adapters only.
-    (That this job's reward rises is not asserted: in 40-step runs it stayed near 0.03-0.05, as does
-    full fine-tuning with the tied embedding frozen; the toy is learned through the embedding.)"""
+def test_lora_grpo_job_learns_syncs_merged_weights_and_checkpoints_only_adapters(tmp_path):
+    """jobs/grpo_lora_cpu.toml as shipped (TP=2, 20 steps): the reward rises through the adapters
+    alone (measured 0.03 -> 0.92; here: step 1 <= 0.1 and the first 3 steps' mean <= 0.2, the last
+    5 steps' mean >= 0.8), the policy moves away from the reference (KL > 0), the rollout engine's
+    log-probs equal the trainer's every step (the merged weights it received are exactly the
+    adapted model), and the checkpoint holds adapters only."""
     from mrl.merge.source import _model_tensors, resolve_checkpoint
 
     from tests.dist_util import free_port
@@ -88,12 +88,14 @@ def test_lora_grpo_job_trains_adapters_syncs_merged_weights_and_checkpoints_only
 
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         "-m", "mrl", "train", "jobs/grpo_lora_cpu.toml", f"job.output_dir={tmp_path}", "trainer.total_steps=6",
-         "checkpoint.every_steps=6", "tracking.backends=[\"mlflow\"]"],
+         "-m", "mrl", "train", "jobs/grpo_lora_cpu.toml", f"job.output_dir={tmp_path}", "checkpoint.every_steps=20",
+         "tracking.backends=[\"mlflow\"]"],
         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     h = history(tmp_path / "grpo-lora-cpu")
-    assert all(h["actor/kl_loss"][s] > 1e-3 for s in range(2, 7)), h["actor/kl_loss"]
+    reward = [h["reward/mean"][s] for s in range(1, 21)]
+    assert reward[0] <= 0.1 and sum(reward[:3]) / 3 <= 0.2 and sum(reward[-5:]) / 5 >= 0.8, reward
+    assert all(h["actor/kl_loss"][s] > 1e-3 for s in range(2, 21)), h["actor/kl_loss"]
     assert all(v <= 1e-5 for v in h["rollout/logprob_abs_diff_max"].values()), h["rollout/logprob_abs_diff_max"]
     ckpt = resolve_checkpoint(tmp_path / "grpo-lora-cpu/checkpoints/actor")
     keys = list(_model_tensors(ckpt))

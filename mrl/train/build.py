@@ -1,54 +1,28 @@
-"""Everything a run needs on this rank, built from a resolved job spec.
+"""Build the parts of a run on this rank (`mrl.train.parts`) from a resolved job spec.
 
 Models: the actor (trained, exported to the rollout engine every step), the reference (frozen,
 when a KL term needs it), the critic (GAE) and a reward model (when `reward.model_path` is set).
 Weights come from `model.path` (or the role's own path) through the weight-mapping layer; the
 builtin presets start from megatron's seeded init, the reference and critic copying the actor's.
 
-Rollout and rewards run once per model-parallel group, on its first rank (the group leader),
-and their results are broadcast to the group, so every TP/PP rank trains on the same responses.
+Colocated rollouts and rewards run once per model-parallel group, on its first rank (the group
+leader), and their results are broadcast to the group, so every TP/PP rank trains on the same
+responses. With `rollout.placement = "separate"` trainer ranks build only the models and rollout
+ranks only the engines, the rewards and the prompt samplers (`mrl.platform.bridge`).
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from mrl.config.job import JobSpec
 from mrl.models.facts import builtin_preset
+from mrl.train.parts import Generation, Learner, Prompts, Run
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Components:
-    spec: JobSpec
-    ctx: Any
-    hf: dict
-    tokenizer: Any
-    actor: Any                      # mrl.engine.Engine
-    exporter: Any                   # mrl.weights.Exporter over the actor
-    ref: Optional[Any] = None       # Engine without optimizer
-    critic: Optional[Any] = None    # Engine
-    rollout: Optional[Any] = None   # RolloutEngine: hf on the group leader (None elsewhere), vllm on every rank
-    engine_groups: Optional[Any] = None  # mrl.rollout.plan.EngineGroups for vllm (None: hf on the leader)
-    generator: Optional[Any] = None  # what generates: the engine, or a multi-turn tool loop over it
-    rewarder: Optional[Any] = None  # mrl.reward.compose.Rewarder on the group leader
-    reward_model: Optional[Any] = None  # Engine over a value-head model, on every rank
-    rm_scores: Any = None               # PrecomputedScores handed to the rewarder
-    dataset: Any = None
-    sampler: Any = None
-    total_steps: int = 0
-    mp_group: Any = None
-    mp_leader: int = 0              # global rank of this group's leader
-    extras: dict = field(default_factory=dict)
-
-    @property
-    def is_leader(self) -> bool:
-        return self.ctx.rank == self.mp_leader
 
 
 def _has_weights(path: Optional[str]) -> bool:
@@ -133,40 +107,71 @@ def optimizer_steps(spec: JobSpec, section, steps: int) -> int:
     return steps * section.epochs * mini
 
 
-def build(spec: JobSpec) -> Components:
-    """Bring the platform up and build every component of `spec` on this rank."""
+def kl_controller(spec: JobSpec):
+    """`algorithm.kl_reward`'s coefficient controller, or None when the KL penalty is off."""
+    from mrl.algos.kl import AdaptiveController, FixedController
+
+    k = spec.algorithm.kl_reward
+    if not k.enable:
+        return None
+    if k.controller == "adaptive":
+        return AdaptiveController(k.coef, k.target, k.horizon)
+    return FixedController(k.coef)
+
+
+def build(spec: JobSpec) -> tuple[Run, Optional[Learner], Optional[Generation], Optional[Prompts]]:
+    """Bring the platform up and build this rank's parts of `spec`: `(run, learner, generation,
+    prompts)`; `learner` is None on rollout-only ranks, `generation` and `prompts` on
+    trainer-only ranks."""
     import torch.distributed as dist
 
     from mrl.data.sampler import PromptSampler
     from mrl.data.source import load_prompts
+    from mrl.errors import UserError
+    from mrl.models.facts import model_facts
     from mrl.models.megatron import hf_config
     from mrl.models.tokenizer import load_tokenizer
     from mrl.platform import setup
-    from mrl.weights import Exporter
-
-    from mrl.errors import UserError
-    from mrl.models.facts import model_facts
-    from mrl.rollout.layout import first_problem
+    from mrl.platform.dist import create_wait_group
+    from mrl.rollout.layout import first_problem, trainer_world
+    from mrl.train.placement import separate_problems
 
     problem = first_problem(spec.rollout, spec.platform.world_size, model_facts(spec.model.path), spec.platform.device)
-    if problem:   # mrl validate reports the same (mrl.config.validate)
-        raise UserError(problem)
-    ctx = setup(spec.platform, spec.parallel, seed=spec.job.seed)
-    from megatron.core import parallel_state as ps
-
-    from mrl.platform.dist import create_wait_group
-
-    create_wait_group(spec.platform.collective_timeout_s + leader_work_s(spec, ctx.dp))
+    problems = separate_problems(spec)
+    if problem or problems:   # mrl validate reports the same (mrl.config.validate)
+        raise UserError(problem or f"{problems[0][0]}: {problems[0][1]}")
+    separate = spec.rollout.placement == "separate"
+    dp = spec.parallel.data_parallel(trainer_world(spec.rollout, spec.platform.world_size))
+    wait_s = spec.platform.collective_timeout_s + leader_work_s(spec, dp)
+    ctx = setup(spec.platform, spec.parallel, seed=spec.job.seed, rollout_ranks=spec.rollout.ranks if separate else 0,
+                bridge_timeout_s=wait_s)
+    create_wait_group(wait_s)
 
     hf = hf_config(spec.model)
     tokenizer = load_tokenizer(spec.model)
     device = ctx.platform
     dataset = load_prompts(spec.data, tokenizer, "train")
     total = steps_planned(spec, len(dataset))
-    # One sampler batch is one generation round (dynamic sampling runs several rounds per step).
-    sampler = PromptSampler(len(dataset), spec.algorithm.dynamic_sampling.generation_batch_prompts,
-                            dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=spec.data.seed, shuffle=spec.data.shuffle)
+    run = Run(spec=spec, ctx=ctx, hf=hf, tokenizer=tokenizer, total_steps=total, dp=dp)
 
+    learner = None
+    if ctx.role == "train":
+        learner = build_learner(spec, hf, device, total)
+    generation = None
+    prompts = Prompts(dataset=dataset, samplers={})   # trainer ranks of a separate placement sample nothing
+    if not separate or ctx.role == "rollout":
+        # One sampler batch is one generation round (dynamic sampling runs several rounds per step).
+        shards = [ctx.dp_rank] if not separate else shards_of(spec, ctx, dp)
+        samplers = {d: PromptSampler(len(dataset), spec.algorithm.dynamic_sampling.generation_batch_prompts,
+                                     dp_rank=d, dp_size=dp, seed=spec.data.seed, shuffle=spec.data.shuffle)
+                    for d in shards}
+        prompts = Prompts(dataset=dataset, samplers=samplers)
+        generation = build_generation(spec, ctx, tokenizer, reward_model=learner.reward_model if learner else None)
+    return run, learner, generation, prompts
+
+
+def build_learner(spec: JobSpec, hf: dict, device: str, total: int) -> Learner:
+    """The actor (with its exporter), reference, critic and reward model on a trainer rank."""
     actor = _trainable("actor", spec, hf, device, spec.actor, optimizer_steps(spec, spec.actor, total),
                        path=spec.model.path)
     ref = None
@@ -185,25 +190,52 @@ def build(spec: JobSpec) -> Components:
     if spec.critic.enable:
         critic = _trainable("critic", spec, hf, device, spec.critic, optimizer_steps(spec, spec.critic, total),
                             init_from=actor.chunks, path=spec.critic.model_path)
+    from mrl.weights import Exporter
 
-    reward_model = _reward_model(spec, hf, device)
+    return Learner(actor=actor, exporter=Exporter(actor.chunks, hf, dtype=_dtype(spec.rollout.weight_sync.dtype)),
+                   ref=ref, critic=critic, reward_model=_reward_model(spec, hf, device), kl=kl_controller(spec))
 
-    mp_group = ps.get_model_parallel_group()
-    leader = dist.get_process_group_ranks(mp_group)[0] if dist.is_initialized() else 0
-    comps = Components(spec=spec, ctx=ctx, hf=hf, tokenizer=tokenizer, actor=actor,
-                       exporter=Exporter(actor.chunks, hf, dtype=_dtype(spec.rollout.weight_sync.dtype)),
-                       ref=ref, critic=critic, dataset=dataset, sampler=sampler, total_steps=total,
-                       mp_group=mp_group, mp_leader=leader, reward_model=reward_model)
+
+def shards_of(spec: JobSpec, ctx, dp: int) -> list[int]:
+    """The trainer's data-parallel ranks a rollout rank generates for: engine group g of G takes
+    every G-th one (all ranks of a group take the same ones: they generate together)."""
+    from mrl.rollout.plan import EngineGroups
+
+    groups = EngineGroups(ctx.world_size, spec.rollout.tensor_parallel * spec.rollout.pipeline_parallel)
+    g = groups.group_of(ctx.rank)
+    return list(range(g, dp, groups.count))
+
+
+def build_generation(spec: JobSpec, ctx, tokenizer, *, reward_model=None) -> Generation:
+    """This rank's engine, generator, rewarder and leadership (every rank of the rollout's world
+    calls it: vllm engines are built collectively)."""
+    import torch.distributed as dist
+
     from mrl.train.engines import build_rollout
 
-    comps.rollout, comps.generator, comps.engine_groups = build_rollout(spec, ctx, tokenizer, is_leader=comps.is_leader)
-    if comps.is_leader:
+    if ctx.role == "rollout":   # separate: the first rank of each engine group scores
+        per_engine = spec.rollout.tensor_parallel * spec.rollout.pipeline_parallel
+        leader = ctx.global_rank - ctx.rank % per_engine
+        group = None
+        if per_engine > 1:   # the engine group's ranks share its leader's scores
+            from mrl.rollout.engine import engine_group
+
+            group = engine_group(per_engine)[0]
+        gen = Generation(mp_group=group, leader=leader, is_leader=ctx.global_rank == leader)
+    else:
+        from megatron.core import parallel_state as ps
+
+        mp_group = ps.get_model_parallel_group()
+        leader = dist.get_process_group_ranks(mp_group)[0] if dist.is_initialized() else 0
+        gen = Generation(mp_group=mp_group, leader=leader, is_leader=ctx.rank == leader)
+    gen.engine, gen.generator, gen.groups = build_rollout(spec, ctx, tokenizer, is_leader=gen.is_leader)
+    if gen.is_leader:
         from mrl.reward.compose import Rewarder
 
         if reward_model is not None:
-            comps.rm_scores = PrecomputedScores()
-        comps.rewarder = Rewarder.from_config(spec.reward, model_scorer=comps.rm_scores)
-    return comps
+            gen.rm_scores = PrecomputedScores()
+        gen.rewarder = Rewarder.from_config(spec.reward, model_scorer=gen.rm_scores)
+    return gen
 
 
 class PrecomputedScores:
@@ -248,8 +280,11 @@ def _dtype(name: str) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
-def close(c: Components) -> None:
-    if c.rewarder is not None:
-        c.rewarder.close()
-    if c.rollout is not None:
-        c.rollout.shutdown()
+def close(generation: Optional[Generation]) -> None:
+    """Stop the reward workers and the rollout engine."""
+    if generation is None:
+        return
+    if generation.rewarder is not None:
+        generation.rewarder.close()
+    if generation.engine is not None:
+        generation.engine.shutdown()

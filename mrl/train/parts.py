@@ -1,0 +1,119 @@
+"""The typed parts of an RL run on one rank. Each owns its state; stages take only the parts they use.
+
+- `Run`: the resolved job and this rank's place in it (read by every stage).
+- `Learner`: the models that train or score on trainer ranks: the actor (and its weight
+  exporter), the reference, the critic, a reward model, and the KL controller.
+- `Generation`: the rollout engine on this rank, what generates with it, the rewarder, and the
+  policy version the engine holds.
+- `Prompts`: the training prompts, the samplers of the data-parallel shards this rank generates
+  for, and the validation prompts.
+- `SampleLog`: the sample rows a step wants logged.
+
+`mrl.train.build` makes them from a job spec. With `rollout.placement = "colocated"` a rank holds
+all of them; with "separate" a trainer rank holds `Learner` (no `Generation`) and a rollout rank
+holds `Generation` and `Prompts` (no `Learner`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+if TYPE_CHECKING:
+    from mrl.algos.kl import AdaptiveController, FixedController
+    from mrl.config.job import JobSpec
+    from mrl.data.sampler import PromptSampler
+    from mrl.engine import Engine
+    from mrl.platform.runtime import Context
+    from mrl.reward.compose import Rewarder
+    from mrl.rollout.engine import RolloutEngine
+    from mrl.rollout.plan import EngineGroups
+    from mrl.weights.hf_export import Exporter
+
+
+@dataclass
+class Run:
+    """The resolved job and this rank's place in it."""
+
+    spec: "JobSpec"
+    ctx: "Context"
+    hf: dict                        # the model's Hugging Face config
+    tokenizer: Any                  # a transformers tokenizer
+    total_steps: int
+    dp: int                         # the trainer's data-parallel size (also known on rollout ranks)
+
+    @property
+    def separate(self) -> bool:
+        return self.spec.rollout.placement == "separate"
+
+
+@dataclass
+class Learner:
+    """The models on a trainer rank."""
+
+    actor: "Engine"
+    exporter: "Exporter"            # the actor's HF-named weight stream
+    ref: Optional["Engine"] = None
+    critic: Optional["Engine"] = None
+    reward_model: Optional["Engine"] = None   # value-head model scoring responses, on every rank
+    kl: Optional[Union["AdaptiveController", "FixedController"]] = None   # algorithm.kl_reward
+
+
+@dataclass
+class Generation:
+    """The rollout engine on this rank and what scores its responses.
+
+    Colocated: the hf engine lives on the model-parallel group's leader (`engine` is None on the
+    other ranks of the group), vllm engines on every rank. Separate: every rollout rank holds its
+    share of an engine; the first rank of each engine group scores.
+    """
+
+    engine: Optional["RolloutEngine"] = None
+    generator: Any = None           # the engine, or a multi-turn tool loop over it
+    groups: Optional["EngineGroups"] = None   # vllm engine groups (None: one engine per leader)
+    rewarder: Optional["Rewarder"] = None     # on leaders only
+    rm_scores: Any = None           # PrecomputedScores the rewarder reads (reward model jobs)
+    mp_group: Any = None            # colocated: the model-parallel group the leader broadcasts to
+    leader: int = 0                 # global rank of this rank's leader
+    is_leader: bool = True
+    weights_key: Optional[int] = None   # actor updates the engine's weights reflect (None: none loaded)
+    version: int = 0                # policy version of the engine's weights (trainer steps completed)
+
+
+@dataclass
+class Prompts:
+    """Training prompts and the samplers of the data-parallel shards this rank generates for."""
+
+    dataset: Any
+    samplers: dict[int, "PromptSampler"]   # DP rank -> its sampler (colocated: this rank's own)
+    val_dataset: Any = None
+
+    @property
+    def shards(self) -> list[int]:
+        return sorted(self.samplers)
+
+    @property
+    def position(self) -> dict:
+        """The data position (every shard's sampler moves in step)."""
+        return next(iter(self.samplers.values())).state_dict()
+
+    @property
+    def epoch(self) -> int:
+        return next(iter(self.samplers.values())).epoch
+
+    def load_position(self, state: dict) -> None:
+        for s in self.samplers.values():
+            s.load_state_dict(state)
+
+
+@dataclass
+class SampleLog:
+    """Rows of sampled prompts and responses waiting to be logged, per split."""
+
+    rows: dict[str, list] = field(default_factory=dict)
+
+    def put(self, split: str, rows: Optional[list]) -> None:
+        if rows:
+            self.rows[split] = rows
+
+    def take(self, split: str) -> Optional[list]:
+        return self.rows.pop(split, None)

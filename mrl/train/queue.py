@@ -1,0 +1,455 @@
+"""Where a trainer step's rollouts come from: the producer and consumer stages of the RL loop.
+
+Colocated (`rollout.placement = "colocated"`, `ColocatedRollouts`): the stages run in sequence
+on every rank. Each step syncs the actor's weights into the engine, produces the step's rollouts
+(`mrl.train.rollout.produce`) and puts the engine to sleep for training.
+
+Separate (`"separate"`): the last `rollout.ranks` ranks run `serve` (the producer) and the
+trainer ranks take rollouts from a bounded queue (`SeparateRollouts`, the consumer), connected by
+the bridge of `mrl.platform.bridge`.
+
+Policy versions and staleness. Version v is the actor after v training steps. With
+`rollout.max_staleness = k`, step t trains on responses generated with version
+`max(0, t - 1 - k)` exactly:
+- k = 0 is on-policy: the producer waits for the weights of step t - 1 before generating step t.
+- k = 1 is one-step off-policy: generation of step t + 1 overlaps the training of step t.
+- k > 1 lets the producer run up to k steps ahead.
+The choice is deterministic, so a run is reproducible, the lag of every response is exactly
+`min(k, t - 1)`, and a resumed run equals an uninterrupted one. The queue holds at most k + 1
+steps of rollouts.
+
+The exchange, separate placement:
+- start: trainer rank 0 sends the first step to produce and the data position. The producer
+  samples prompts itself, with one sampler per trainer data-parallel shard, seeded as the
+  trainer's own would be, so the prompts and seeds equal the colocated run's.
+- weights: trainer rank 0 broadcasts version v over the weights group, bucketed, right after
+  step v, when a later step needs it (and version 0, or the resumed version, at the start). A
+  broadcast carries a header (names, shapes, dtypes, version) and then one flat buffer per bucket.
+- rollouts: the rollout ranks gather their shards on rollout rank 0, which sends the step's
+  `StepRollout` to trainer rank 0; trainer rank 0 broadcasts it to the trainer's world when the
+  step consumes it. Trainer rank 0 receives rollouts ahead of need (it waits only when the queue
+  is empty).
+- liveness: every rollout rank beats a heartbeat on the rendezvous store; trainer rank 0 waits
+  for a step's rollouts by polling the store (the rollout leader announces each step it sends),
+  and a rollout rank whose heartbeat stops for `platform.collective_timeout_s` is an error naming
+  it, whether it died or hangs.
+- checkpoints: after step s, trainer rank 0 drains the rollouts already determined (steps up to
+  s + 1 + k, all generated from versions <= s) into its queue and saves them with the data
+  position after them; a resume restores the queue, so no prompt is lost or trained twice and
+  the resumed run generates exactly what the uninterrupted one would.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import pickle
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from mrl.errors import CollectiveTimeout
+from mrl.platform.bridge import Bridge
+from mrl.rollout.types import Response
+from mrl.train.parts import Generation, Learner, Prompts, Run
+from mrl.train.rollout import ShardRollout, StepRollout, dp_min, produce, release_engine, sync_weights
+
+
+def needed_version(step: int, max_staleness: int, start_version: int = 0) -> int:
+    """The policy version step `step`'s rollouts are generated with."""
+    return max(start_version, step - 1 - max_staleness)
+
+
+# ---------------------------------------------------------------------------- colocated
+
+class ColocatedRollouts:
+    """The rollout stages run inline on every rank (see the module docstring)."""
+
+    def __init__(self, run: Run, learner: Learner, gen: Generation, prompts: Prompts):
+        self.run, self.learner, self.gen, self.prompts = run, learner, gen, prompts
+
+    def take(self, step: int, t) -> tuple[ShardRollout, dict[str, float]]:
+        with t("weight_sync"):
+            sync_weights(self.gen, self.learner, version=step - 1)
+        with t("rollout"):
+            rollout = produce(self.run, self.gen, self.prompts, step, dp_min, reward_model=self.learner.reward_model)
+        return rollout.shards[self.run.ctx.dp_rank], {}
+
+    def greedy_baseline(self, batch, step: int) -> torch.Tensor:
+        """ReMax: the score of one greedy response per prompt, per response `[B]`."""
+        from dataclasses import replace
+
+        from mrl.rollout.types import sampling_from_config
+        from mrl.train.rollout import generate, score
+
+        n = self.run.spec.rollout.responses_per_prompt
+        items = batch.meta["prompt_item"][::n]
+        greedy = replace(sampling_from_config(self.run.spec.rollout), n=1, temperature=0.0)
+        responses = generate(self.run, self.gen, [list(it.token_ids) for it in items], greedy)
+        scores = score(self.run, self.gen, items, responses, 1, step, reward_model=self.learner.reward_model)["scores"]
+        return torch.tensor(scores, dtype=torch.float32).repeat_interleave(n)
+
+    def release(self) -> None:
+        release_engine(self.gen, self.run.spec.rollout.sleep_level)
+
+    def sync_for_validation(self, step: int) -> None:
+        sync_weights(self.gen, self.learner, version=step)
+
+    # checkpoint state: the data position; nothing is in flight between steps
+    def state(self, step: int) -> dict:
+        return {"sampler": self.prompts.position}
+
+    def load_state(self, extra: dict, start: int) -> None:
+        self.prompts.load_position(extra["sampler"])
+
+    def start(self, start: int) -> None:
+        pass
+
+    def after_update(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------- the weight stream over the bridge
+
+def send_weights(bridge: Bridge, learner: Learner, version: int, bucket_mb: int) -> int:
+    """Trainer side, every trainer rank (the export gathers across the trainer's world): stream
+    version `version` of the actor; trainer rank 0 broadcasts it to the rollout ranks. Returns the
+    tensors sent (rank 0) or 0."""
+    from mrl.weights.hf_export import hf_buckets
+
+    stream = learner.exporter.stream(0)   # full tensors on trainer rank 0 only
+    if bridge.rank != 0:
+        for _ in stream:
+            pass
+        return 0
+    sent = 0
+    for bucket in hf_buckets(stream, bucket_mb * 2**20):
+        _broadcast_bucket(bridge, bucket, version)
+        sent += len(bucket)
+    _broadcast_bucket(bridge, [], version)   # end of this version
+    return sent
+
+
+def _broadcast_bucket(bridge: Bridge, bucket: list[tuple[str, torch.Tensor]], version: int) -> None:
+    header = pickle.dumps((version, [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in bucket]))
+    bridge.broadcast(torch.tensor([len(header)], dtype=torch.int64), "weight sync header size")
+    bridge.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8), "weight sync header")
+    if bucket:
+        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
+        bridge.broadcast(flat, f"weight sync bucket of {len(bucket)} tensors")
+
+
+def receive_weights(bridge: Bridge):
+    """Rollout side: (version, stream of (hf name, tensor)) of the next version trainer rank 0
+    broadcasts; the stream must be consumed in full."""
+    first = _receive_bucket(bridge)
+    version = first[0]
+
+    def stream():
+        bucket = first
+        while bucket[1]:
+            yield from bucket[1]
+            bucket = _receive_bucket(bridge)
+
+    return version, stream()
+
+
+def _receive_bucket(bridge: Bridge) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+    size = bridge.broadcast(torch.zeros(1, dtype=torch.int64), "weight sync header size")
+    header = bridge.broadcast(torch.empty(int(size.item()), dtype=torch.uint8), "weight sync header")
+    version, meta = pickle.loads(header.cpu().numpy().tobytes())
+    if not meta:
+        return version, []
+    dtypes = [getattr(torch, d) for _, _, d in meta]
+    sizes = [int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
+             for (_, shape, _), dt in zip(meta, dtypes)]
+    flat = bridge.broadcast(torch.empty(sum(sizes), dtype=torch.uint8), f"weight sync bucket of {len(meta)} tensors")
+    out, at = [], 0
+    for (name, shape, _), dt, nbytes in zip(meta, dtypes, sizes):
+        out.append((name, flat[at:at + nbytes].view(dt).reshape(shape)))
+        at += nbytes
+    return version, out
+
+
+# ---------------------------------------------------------------------------- liveness on the store
+
+class Heartbeat:
+    """A rollout rank's heartbeat: a counter on the rendezvous store, bumped every `every_s` by a
+    daemon thread, with the number of steps this rank has sent (the rollout leader's tells the
+    trainer a step is ready to receive)."""
+
+    def __init__(self, store: dist.Store, rank: int, every_s: float = 0.5):
+        self.store, self.rank, self.every_s = store, rank, every_s
+        self.sent = 0
+        self._stop = threading.Event()
+        self._beats = 0
+        self._publish()
+        self._thread = threading.Thread(target=self._run, name="mrl-rollout-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _publish(self) -> None:
+        self._beats += 1
+        self.store.set(f"heartbeat/{self.rank}", f"{self._beats} {self.sent}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self._publish()
+            except Exception:   # noqa: BLE001 - the store is gone: the job is ending
+                return
+
+    def announce(self, steps_sent: int) -> None:
+        self.sent = steps_sent
+        self._publish()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Liveness:
+    """Trainer rank 0's view of the rollout ranks' heartbeats."""
+
+    def __init__(self, store: dist.Store, ranks: list[int], timeout_s: float):
+        self.store, self.ranks, self.timeout_s = store, ranks, timeout_s
+        now = time.monotonic()
+        self.last = {r: (None, now) for r in ranks}
+
+    def _read(self, rank: int) -> tuple[int, int]:
+        if not self.store.check([f"heartbeat/{rank}"]):
+            return 0, 0
+        beats, sent = self.store.get(f"heartbeat/{rank}").decode().split()
+        return int(beats), int(sent)
+
+    def wait_until_sent(self, leader: int, steps: int, what: str) -> None:
+        """Block until the rollout leader has sent `steps` steps; a rollout rank whose heartbeat
+        stood still for `timeout_s` raises `CollectiveTimeout` naming it."""
+        while True:
+            now = time.monotonic()
+            for r in self.ranks:
+                beats, sent = self._read(r)
+                seen, since = self.last[r]
+                if beats != seen:
+                    self.last[r] = (beats, now)
+                elif now - since > self.timeout_s:
+                    raise CollectiveTimeout(
+                        f"stage '{what}': rollout rank {r} has given no sign of life for {now - since:.0f} s "
+                        f"(platform.collective_timeout_s = {self.timeout_s:g}): it died or hangs; its log says where")
+                if r == leader and sent >= steps:
+                    return
+            time.sleep(0.02)
+
+
+# ---------------------------------------------------------------------------- separate: the consumer
+
+@dataclass
+class _Start:
+    first_step: int           # the first step the producer generates
+    last_step: int
+    start_version: int        # the policy version the trainer holds at the start
+    position: Optional[dict]  # data position before first_step (None: from the start)
+
+
+class SeparateRollouts:
+    """Trainer side of the separate placement (see the module docstring)."""
+
+    def __init__(self, run: Run, learner: Learner, dataset):
+        self.run, self.learner, self.dataset = run, learner, dataset
+        self.bridge: Bridge = run.ctx.bridge
+        self.k = run.spec.rollout.max_staleness
+        self.queue: collections.deque[StepRollout] = collections.deque()   # rank 0 only
+        self.received = 0                   # steps received from the producer (rank 0)
+        self.first_step = 1
+        self.start_version = 0
+        self.liveness: Optional[Liveness] = None
+        self.position: Optional[dict] = None   # data position after the newest step produced
+
+    # -- the start, fresh or resumed
+    def load_state(self, extra: dict, start: int) -> None:
+        """Restore the queue of a checkpoint taken after step `start`."""
+        queued = [decode_rollout(q, self.dataset) for q in extra.get("rollout_queue", [])]
+        self.queue.extend(queued)
+        self.first_step = start + 1 + len(queued)
+        self.start_version = start
+        self.position = extra["sampler"]
+
+    def start(self, start: int) -> None:
+        from mrl.platform.dist import wait_for_peers
+
+        if start:
+            self.start_version = start
+        self.first_step = max(self.first_step, start + 1)
+        self.received = self.first_step - 1
+        if self.bridge.rank == 0:
+            split = self.bridge.split
+            ranks = [split.rollout_global(i) for i in range(split.rollout_ranks)]
+            self.liveness = Liveness(self.bridge.store, ranks, self.run.spec.platform.collective_timeout_s)
+            self.bridge.send_object(_Start(self.first_step, self.run.total_steps, self.start_version, self.position),
+                                    self.bridge.rollout_leader, "rollout start")
+        wait_for_peers("rollout start")
+        if self.first_step <= self.run.total_steps and needed_version(self.first_step, self.k, self.start_version) \
+                == self.start_version:
+            send_weights(self.bridge, self.learner, self.start_version, self.run.spec.rollout.weight_sync.bucket_mb)
+
+    def _receive_one(self, what: str) -> None:
+        self.liveness.wait_until_sent(self.bridge.rollout_leader, self.received - self.first_step + 2, what)
+        got: StepRollout = self.bridge.recv_object(self.bridge.rollout_leader, what)
+        self.received += 1
+        if got.step != self.received:
+            raise RuntimeError(f"expected the rollouts of step {self.received}, received step {got.step}")
+        self.queue.append(got)
+
+    def take(self, step: int, t) -> tuple[ShardRollout, dict[str, float]]:
+        from mrl.platform.dist import stage, wait_for_peers
+
+        with t("rollout_wait"):
+            box = [None]
+            if self.bridge.rank == 0:
+                while not self.queue or self.queue[0].step < step:
+                    if self.queue:
+                        self.queue.popleft()
+                    else:
+                        self._receive_one(f"rollouts of step {step}")
+                got = self.queue.popleft()
+                box = [got]
+            wait_for_peers("rollout wait")
+            if dist.get_world_size() > 1:
+                with stage("rollouts to trainer ranks"):
+                    dist.broadcast_object_list(box, src=0)
+            got: StepRollout = box[0]
+        self.position = got.position
+        shard = got.shards[self.run.ctx.dp_rank]
+        return shard, {"time/rollout_generate": got.produce_s}
+
+    def greedy_baseline(self, batch, step: int):
+        raise RuntimeError("remax needs a colocated rollout")   # refused by mrl validate
+
+    def release(self) -> None:
+        pass
+
+    def after_update(self, step: int) -> None:
+        """After step `step`'s update: send version `step` when a later step is generated from it."""
+        later = [s for s in range(step + 1, self.run.total_steps + 1)
+                 if needed_version(s, self.k, self.start_version) == step and s >= self.first_step]
+        if later:
+            send_weights(self.bridge, self.learner, step, self.run.spec.rollout.weight_sync.bucket_mb)
+
+    def state(self, step: int) -> dict:
+        """After step `step`: drain the rollouts already determined into the queue (rank 0) and
+        return them with the data position after them, for the checkpoint."""
+        from mrl.platform.dist import wait_for_peers
+
+        last = min(step + 1 + self.k, self.run.total_steps)
+        if self.bridge.rank == 0:
+            while self.received < last:
+                self._receive_one(f"rollouts in flight at the checkpoint of step {step}")
+        wait_for_peers("rollout queue drain")
+        queued = [q for q in self.queue if q.step > step] if self.bridge.rank == 0 else []
+        position = queued[-1].position if queued else self.position
+        box = [position]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        return {"sampler": box[0], "rollout_queue": [encode_rollout(q) for q in queued]}
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------- queued rollouts in checkpoints
+
+def encode_rollout(r: StepRollout) -> dict:
+    """A step's rollouts as plain values and tensors (checkpoints are read with
+    `weights_only=True`: nothing in them may run code). Prompts are stored by dataset index."""
+    shards = {}
+    for d, s in r.shards.items():
+        shards[str(d)] = {
+            "items": [it.index for it in s.items],
+            "lengths": torch.tensor([len(x.token_ids) for x in s.responses], dtype=torch.int64),
+            "token_ids": torch.tensor([t for x in s.responses for t in x.token_ids], dtype=torch.int64),
+            "logprobs": torch.tensor([v for x in s.responses for v in x.logprobs], dtype=torch.float32),
+            "loss_mask": torch.tensor([v for x in s.responses for v in x.loss_mask], dtype=torch.int8),
+            "finish": [x.finish_reason for x in s.responses],
+            "info": [json.dumps(x.info) for x in s.responses],
+            "prompt_index": [x.prompt_index for x in s.responses],
+            "scores": list(map(float, s.scores)),
+            "stats": {k: float(v) for k, v in s.stats.items()},
+            "version": s.version,
+        }
+    return {"step": r.step, "version": r.version, "position": dict(r.position), "produce_s": r.produce_s,
+            "finished_at": r.finished_at, "shards": shards}
+
+
+def decode_rollout(e: dict, dataset) -> StepRollout:
+    """The inverse of `encode_rollout`, over the same dataset."""
+    shards = {}
+    for d, s in e["shards"].items():
+        lengths = s["lengths"].tolist()
+        ends = torch.tensor(lengths).cumsum(0).tolist()
+        tok, lp, lm = s["token_ids"].tolist(), s["logprobs"].tolist(), s["loss_mask"].tolist()
+        responses = [Response(prompt_index=pi, token_ids=tok[end - n:end], logprobs=lp[end - n:end], finish_reason=f,
+                              loss_mask=lm[end - n:end], info=json.loads(info))
+                     for n, end, f, info, pi in zip(lengths, ends, s["finish"], s["info"], s["prompt_index"])]
+        shards[int(d)] = ShardRollout(dp_rank=int(d), items=[dataset[i] for i in s["items"]], responses=responses,
+                                      scores=list(s["scores"]), stats=dict(s["stats"]), version=int(s["version"]))
+    return StepRollout(step=int(e["step"]), version=int(e["version"]), shards=shards, position=dict(e["position"]),
+                       produce_s=float(e["produce_s"]), finished_at=float(e["finished_at"]))
+
+
+# ---------------------------------------------------------------------------- separate: the producer
+
+def serve(run: Run, gen: Generation, prompts: Prompts) -> None:
+    """The rollout ranks' loop (separate placement): take the start, then for each step take the
+    weights it needs, produce its rollouts and send them to trainer rank 0."""
+    bridge: Bridge = run.ctx.bridge
+    heartbeat = Heartbeat(bridge.store, bridge.rank)
+    try:
+        start: _Start = None
+        box = [None]
+        if bridge.rank == bridge.rollout_leader:
+            box = [bridge.recv_object(0, "rollout start")]
+        from mrl.platform.dist import wait_for_peers
+
+        wait_for_peers("rollout start")
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        start = box[0]
+        if start.position is not None:
+            prompts.load_position(start.position)
+        k = run.spec.rollout.max_staleness
+        held = None
+        for step in range(start.first_step, start.last_step + 1):
+            need = needed_version(step, k, start.start_version)
+            while held is None or held < need:
+                version, stream = receive_weights(bridge)
+                loaded = gen.engine.update_weights(stream) if gen.engine is not None else sum(1 for _ in stream)
+                held = gen.version = version
+                del loaded
+            rollout = produce(run, gen, prompts, step, _rollout_min)
+            everyone = [None] * dist.get_world_size()
+            from mrl.platform.dist import stage
+
+            with stage("rollout shards to the rollout leader"):
+                dist.all_gather_object(everyone, rollout.shards if gen.is_leader else {})
+            if bridge.rank == bridge.rollout_leader:
+                rollout.shards = {d: s for part in everyone for d, s in part.items()}
+                heartbeat.announce(step - start.first_step + 1)
+                bridge.send_object(rollout, 0, f"rollouts of step {step}")
+    finally:
+        heartbeat.stop()
+
+
+def _rollout_min(count: int) -> int:
+    """Separate `agree_min`: the minimum over the rollout ranks (ranks that score nothing pass a
+    count no shard can reach)."""
+    t = torch.tensor([float(count)])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+__all__ = ["ColocatedRollouts", "SeparateRollouts", "serve", "needed_version", "Response"]
