@@ -1,9 +1,10 @@
 """RoPE for packed rows in one pass: per-token positions, gathered frequencies, one rotation.
 
 A packed micro-batch holds hundreds of sequences in one `thd` row, and RoPE restarts at 0 in
-each. megatron's unfused `thd` RoPE (`rope_utils._apply_rotary_pos_emb_thd`) splits q and k per
-sequence in Python and concatenates the frequency slices back: a handful of kernel launches per
-sequence, per layer, for q and for k. Here the row's positions come from `cu_seqlens` in one
+each. megatron's unfused `thd` RoPE (`rope_utils._apply_rotary_pos_emb_thd`) reads `cu_seqlens`
+back to the host (a device synchronisation), splits the row and slices the frequency table per
+sequence in Python, and concatenates the slices back - for q and for k, in every layer, forward
+and recompute. Here the row's positions come from `cu_seqlens` in one
 shot (token index minus the start of its sequence), the frequencies are gathered per token
 from megatron's own RoPE table (the model's inverse frequencies, so any scaling the model has
 is kept), and q and k are each rotated by one elementwise expression over the whole row.

@@ -31,3 +31,19 @@ def test_train_step_benchmark_runs_and_prints_its_breakdown():
     assert shares, out
     assert abs(sum(float(x) for x in shares.groups()) - 100.0) < 0.1, shares.groups()
     assert re.search(r"^  peak memory [\d.]+ GiB \(host RSS\)$", out, re.M), out
+
+
+def test_rope_benchmark_runs_and_prints_its_ratios():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "bench" / "rope.py"), "--device", "cpu",
+                           "--tokens", "256", "--sequences", "16", "--heads", "2", "--head-dim", "16",
+                           "--iters", "2", "--warmup", "1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    head = re.search(r"^rope: cpu, float32, 256 tokens in 16 sequences .* max \|mrl - megatron\| (\S+)$", out, re.M)
+    assert head and float(head.group(1)) == 0.0, out  # the same roundings as megatron's path
+    for name in ("megatron per-sequence thd", "mrl \\+tables", "mrl rotate"):
+        assert re.search(rf"^  {name}\s+[\d.]+ ms\s+[\d.]+x$", out, re.M), out
+    assert re.search(r"^  ratio megatron / mrl: [\d.]+x with tables per layer, [\d.]+x per layer after the first$",
+                     out, re.M), out
