@@ -2,6 +2,7 @@
 
 - the engine in bf16 on CUDA: every available attention backend (`varlen`, `flex`, `te` when
   installed) against megatron's dense-mask reference and against the per-sequence `sdpa` path;
+- packed RoPE on CUDA tensors equal to megatron's per-sequence path, with no host synchronisation;
 - `mrl train` of the quickstart on one GPU in bf16 for 20 steps with checkpoints, a resume that
   continues exactly, and `mrl merge` of the result;
 - a smoke run of every benchmark on CUDA.
@@ -103,6 +104,29 @@ def _mrl(*args, timeout=900) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_rope_matches_megatrons_thd_rope_on_cuda_without_host_syncs(dtype):
+    """mrl's packed RoPE on CUDA tensors: equal to megatron's per-sequence `thd` RoPE (the same
+    roundings), and positions, tables and rotation never wait for the device."""
+    from mrl.models.rope import packed_positions, per_sequence_rope_reference, rope_tables, rotate
+
+    lengths = [300, 1, 17, 1, 1024, 5, 700]
+    t, dim = sum(lengths), 128
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, dim, 2, device="cuda", dtype=torch.float32) / dim)
+    angles = torch.outer(torch.arange(max(lengths), device="cuda", dtype=torch.float32), inv_freq)
+    freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :]
+    x = torch.randn(t, 8, dim, device="cuda", dtype=dtype)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = rotate(x, *rope_tables(freqs, packed_positions(cu, t), dtype))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = per_sequence_rope_reference(x, cu, freqs)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2 * want.float().abs().max().item()
+    assert (got.float() - want.float()).abs().max().item() <= tolerance
+
+
 def test_quickstart_trains_20_bf16_steps_on_cuda_resumes_and_merges(tmp_path):
     job = ["jobs/quickstart_cpu.toml", "platform.device=cuda", "platform.ranks_per_node=1", "parallel.tensor=1",
            "model.dtype=bfloat16", "tracking.backends=[\"console\"]", "checkpoint.every_steps=10",
@@ -131,5 +155,6 @@ def test_train_step_benchmark_reports_mfu_on_cuda():
 def test_kernel_weight_and_rollout_benchmarks_run_on_cuda():
     assert re.search(r"%HBM", _bench("kernels.py", "--iters", "2", "--warmup", "1"))
     _bench("weights.py", "--device", "cuda", "--dtype", "bf16", "--layers", "2", "--iters", "1")
+    assert re.search(r"ratio megatron / mrl", _bench("rope.py", "--iters", "2", "--warmup", "1"))
     if __import__("importlib").util.find_spec("vllm") is not None:
         _bench("rollout.py")

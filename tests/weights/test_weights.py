@@ -127,6 +127,25 @@ def test_export_loads_in_transformers_with_the_same_logits(platform, tmp_path, a
     assert (megatron_logits - want).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_packed_row_logits_equal_transformers_per_sequence(platform, tmp_path, arch):
+    """Sequences of mixed lengths (1-token ones included) packed into one `thd` row vs each run
+    alone through `transformers`: RoPE restarts per sequence and keeps the checkpoint's scaling
+    (llama3, linear), after the QK-norms on Qwen3."""
+    from mrl.engine.packing import _thd_params
+
+    ref_model = make_hf_model(arch, tmp_path)
+    hf, model, _ = _megatron("actor", tmp_path)
+    lengths = [9, 1, 40, 1, 3]   # 40 > llama3's original 32 positions: the scaled frequencies matter
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, hf["vocab_size"], (n,), generator=g) for n in lengths]
+    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    with torch.no_grad():
+        got = model(torch.cat(seqs).unsqueeze(0), pos, None, packed_seq_params=_thd_params(lengths, "cpu"))
+        want = torch.cat([ref_model(s.unsqueeze(0)).logits[0] for s in seqs])
+    assert (got[0, :, : hf["vocab_size"]] - want).abs().max().item() <= 1e-5
+
+
 def test_sharded_checkpoint_with_index_and_bf16_export(platform, tmp_path):
     from transformers import AutoModelForCausalLM
 
