@@ -79,8 +79,8 @@ def test_lora_grpo_job_learns_syncs_merged_weights_and_checkpoints_only_adapters
     """jobs/grpo_lora_cpu.toml as shipped (TP=2, 20 steps): the reward rises through the adapters
     alone (measured 0.03 -> 0.92; here: step 1 <= 0.1 and the first 3 steps' mean <= 0.2, the last
     5 steps' mean >= 0.8), the policy moves away from the reference (KL > 0), the rollout engine's
-    log-probs equal the trainer's every step (the merged weights it received are exactly the
-    adapted model), and the checkpoint holds adapters only."""
+    log-probs equal the trainer's every step up to round-off (the merged weights it received are
+    the adapted model), and the checkpoint holds adapters only."""
     from mrl.merge.source import _model_tensors, resolve_checkpoint
 
     from tests.dist_util import free_port
@@ -96,7 +96,11 @@ def test_lora_grpo_job_learns_syncs_merged_weights_and_checkpoints_only_adapters
     reward = [h["reward/mean"][s] for s in range(1, 21)]
     assert reward[0] <= 0.1 and sum(reward[:3]) / 3 <= 0.2 and sum(reward[-5:]) / 5 >= 0.8, reward
     assert all(h["actor/kl_loss"][s] > 1e-3 for s in range(2, 21)), h["actor/kl_loss"]
-    assert all(v <= 1e-5 for v in h["rollout/logprob_abs_diff_max"].values()), h["rollout/logprob_abs_diff_max"]
+    # fp32 round-off, scaled by 1 / temperature (3.3x) and by the logits' size as the policy sharpens:
+    # the mean stays ~3e-7 (<= 2.5e-6 at the steepest steps), single tokens reach ~2e-4 (a stale or
+    # wrong sync differs by orders of magnitude more)
+    assert all(v <= 1e-5 for v in h["rollout/logprob_abs_diff_mean"].values()), h["rollout/logprob_abs_diff_mean"]
+    assert all(v <= 1e-3 for v in h["rollout/logprob_abs_diff_max"].values()), h["rollout/logprob_abs_diff_max"]
     ckpt = resolve_checkpoint(tmp_path / "grpo-lora-cpu/checkpoints/actor")
     keys = list(_model_tensors(ckpt))
     assert keys and all(".lora." in k for k in keys), [k for k in keys if ".lora." not in k][:3]
