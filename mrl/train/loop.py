@@ -216,8 +216,7 @@ def _train(run: Run, learner: Learner, generation, prompts):
     last: dict[str, float] = {}
     _check_disk(spec, learner)
     start, extra = _resume(run, learner)
-    if extra:
-        rollouts.load_state(extra, start)
+    restored = rollouts.load_state(extra, start) if extra else ""
     tracker = Tracker.from_spec(spec, total_steps=run.total_steps, rank=run.ctx.rank,
                                 resume_run_id=extra.get("mlflow_run_id"), start_step=start)
     try:
@@ -228,7 +227,7 @@ def _train(run: Run, learner: Learner, generation, prompts):
             tracker.message(f"resumed at step {start}: the run is already complete ({run.total_steps} steps); "
                             "raise trainer.total_steps to train further")
         else:
-            tracker.message(f"resumed from step {start} of {run.total_steps}")
+            tracker.message(f"resumed from step {start} of {run.total_steps}" + (f"; {restored}" if restored else ""))
         wait_for_peers("tracking setup")   # rank 0 alone creates or re-attaches the MLflow run
         rollouts.start(start)
         every = spec.checkpoint.every_steps

@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import json
 import pickle
+import queue as queue_mod
 import threading
 import time
 from dataclasses import dataclass
@@ -102,8 +103,9 @@ class ColocatedRollouts:
     def state(self, step: int) -> dict:
         return {"sampler": self.prompts.position}
 
-    def load_state(self, extra: dict, start: int) -> None:
+    def load_state(self, extra: dict, start: int) -> str:
         self.prompts.load_position(extra["sampler"])
+        return ""
 
     def start(self, start: int) -> None:
         pass
@@ -117,17 +119,11 @@ class ColocatedRollouts:
 
 # ---------------------------------------------------------------------------- the weight stream over the bridge
 
-def send_weights(bridge: Bridge, learner: Learner, version: int, bucket_mb: int) -> int:
-    """Trainer side, every trainer rank (the export gathers across the trainer's world): stream
-    version `version` of the actor; trainer rank 0 broadcasts it to the rollout ranks. Returns the
-    tensors sent (rank 0) or 0."""
+def send_weights(bridge: Bridge, stream, version: int, bucket_mb: int) -> int:
+    """Trainer rank 0: broadcast version `version` of the actor, the HF-named full tensors of
+    `stream`, to the rollout ranks in buckets of `bucket_mb`; returns the tensors sent."""
     from mrl.weights.hf_export import hf_buckets
 
-    stream = learner.exporter.stream(0)   # full tensors on trainer rank 0 only
-    if bridge.rank != 0:
-        for _ in stream:
-            pass
-        return 0
     sent = 0
     for bucket in hf_buckets(stream, bucket_mb * 2**20):
         _broadcast_bucket(bridge, bucket, version)
@@ -255,76 +251,159 @@ class _Start:
     position: Optional[dict]  # data position before first_step (None: from the start)
 
 
+class _Worker:
+    """A daemon thread running `jobs` of one kind in order (trainer rank 0's rollout receiver and
+    weight sender); an error is kept and raised in the main thread at its next call."""
+
+    def __init__(self, name: str):
+        self.jobs: "queue_mod.Queue" = queue_mod.Queue()
+        self.error: Optional[BaseException] = None
+        self.idle = threading.Event()
+        self.idle.set()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, job) -> None:
+        self.check()
+        self.idle.clear()
+        self.jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            try:
+                if self.error is None:
+                    job()
+            except BaseException as e:   # noqa: BLE001 - re-raised in the main thread
+                self.error = e
+            if self.jobs.empty():
+                self.idle.set()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+
 class SeparateRollouts:
-    """Trainer side of the separate placement (see the module docstring)."""
+    """Trainer side of the separate placement (see the module docstring).
+
+    On trainer rank 0 two threads keep the exchange from ever blocking training: a receiver takes
+    each step's rollouts as soon as the rollout leader announces them (so the producer is never
+    held in a send), and a sender broadcasts each weight version to the rollout ranks while the
+    trainer moves on. With `max_staleness` > 0 the sender works from a copy of the exported
+    weights in host memory (the trainer's next update must not change what is being sent); with 0
+    the producer is waiting for the weights, so they are streamed without a copy."""
 
     def __init__(self, run: Run, learner: Learner, dataset):
         self.run, self.learner, self.dataset = run, learner, dataset
         self.bridge: Bridge = run.ctx.bridge
         self.k = run.spec.rollout.max_staleness
         self.queue: collections.deque[StepRollout] = collections.deque()   # rank 0 only
-        self.received = 0                   # steps received from the producer (rank 0)
+        self.arrived = threading.Condition()
+        self.received = 0                   # the newest step received from the producer (rank 0)
         self.first_step = 1
         self.start_version = 0
-        self.liveness: Optional[Liveness] = None
-        self.position: Optional[dict] = None   # data position after the newest step produced
+        self.position: Optional[dict] = None   # data position after the newest step taken
+        self.receiver: Optional[_Worker] = None
+        self.sender: Optional[_Worker] = None
+
+    @property
+    def is_root(self) -> bool:
+        return self.bridge.rank == 0
 
     # -- the start, fresh or resumed
-    def load_state(self, extra: dict, start: int) -> None:
-        """Restore the queue of a checkpoint taken after step `start`."""
+    def load_state(self, extra: dict, start: int) -> str:
+        """Restore the queue of a checkpoint taken after step `start`; says what it restored."""
         queued = [decode_rollout(q, self.dataset) for q in extra.get("rollout_queue", [])]
-        self.queue.extend(queued)
+        if self.is_root:
+            self.queue.extend(queued)
         self.first_step = start + 1 + len(queued)
         self.start_version = start
         self.position = extra["sampler"]
+        return f"{len(queued)} steps of rollouts restored, generation resumes at step {self.first_step}"
 
     def start(self, start: int) -> None:
+        """Tell the producer where to start and send it the weights its first step needs."""
         from mrl.platform.dist import wait_for_peers
 
-        if start:
-            self.start_version = start
+        self.start_version = start
         self.first_step = max(self.first_step, start + 1)
         self.received = self.first_step - 1
-        if self.bridge.rank == 0:
+        total = self.run.total_steps
+        if self.is_root:
             split = self.bridge.split
             ranks = [split.rollout_global(i) for i in range(split.rollout_ranks)]
-            self.liveness = Liveness(self.bridge.store, ranks, self.run.spec.platform.collective_timeout_s)
-            self.bridge.send_object(_Start(self.first_step, self.run.total_steps, self.start_version, self.position),
+            liveness = Liveness(self.bridge.store, ranks, self.run.spec.platform.collective_timeout_s)
+            self.bridge.send_object(_Start(self.first_step, total, self.start_version, self.position),
                                     self.bridge.rollout_leader, "rollout start")
+            self.receiver = _Worker("mrl-rollout-receiver")
+            self.sender = _Worker("mrl-weight-sender")
+            for step in range(self.first_step, total + 1):
+                self.receiver.submit(lambda step=step: self._receive(liveness, step))
         wait_for_peers("rollout start")
-        if self.first_step <= self.run.total_steps and needed_version(self.first_step, self.k, self.start_version) \
-                == self.start_version:
-            send_weights(self.bridge, self.learner, self.start_version, self.run.spec.rollout.weight_sync.bucket_mb)
+        if self.first_step <= total and needed_version(self.first_step, self.k, start) == start:
+            self._send_weights(start)
 
-    def _receive_one(self, what: str) -> None:
-        self.liveness.wait_until_sent(self.bridge.rollout_leader, self.received - self.first_step + 2, what)
+    def _receive(self, liveness: "Liveness", step: int) -> None:
+        what = f"rollouts of step {step}"
+        liveness.wait_until_sent(self.bridge.rollout_leader, step - self.first_step + 1, what)
         got: StepRollout = self.bridge.recv_object(self.bridge.rollout_leader, what)
-        self.received += 1
-        if got.step != self.received:
-            raise RuntimeError(f"expected the rollouts of step {self.received}, received step {got.step}")
-        self.queue.append(got)
+        if got.step != step:
+            raise RuntimeError(f"expected the rollouts of step {step}, received step {got.step}")
+        with self.arrived:
+            self.queue.append(got)
+            self.received = step
+            self.arrived.notify_all()
+
+    def _wait_received(self, step: int) -> None:
+        """Rank 0: block until the receiver holds step `step` (or raise its error)."""
+        with self.arrived:
+            while self.received < step:
+                self.receiver.check()
+                self.arrived.wait(timeout=0.1)
+        self.receiver.check()
+
+    def _send_weights(self, version: int) -> None:
+        bucket_mb = self.run.spec.rollout.weight_sync.bucket_mb
+        if not self.is_root:
+            for _ in self.learner.exporter.stream(0):   # the gathers need every trainer rank
+                pass
+            return
+        if self.k == 0:   # the producer waits for these weights: stream them, no copy
+            self.sender.idle.wait()
+            self.sender.check()
+            send_weights(self.bridge, self.learner.exporter.stream(0), version, bucket_mb)
+            return
+        staged = [(name, t.detach().to("cpu", copy=True)) for name, t in self.learner.exporter.stream(0)]
+        self.sender.submit(lambda: send_weights(self.bridge, iter(staged), version, bucket_mb))
 
     def take(self, step: int, t) -> tuple[ShardRollout, dict[str, float]]:
         from mrl.platform.dist import stage, wait_for_peers
 
         with t("rollout_wait"):
             box = [None]
-            if self.bridge.rank == 0:
-                while not self.queue or self.queue[0].step < step:
-                    if self.queue:
+            if self.is_root:
+                self.sender.check()
+                self._wait_received(step)
+                with self.arrived:
+                    while self.queue[0].step < step:
                         self.queue.popleft()
-                    else:
-                        self._receive_one(f"rollouts of step {step}")
-                got = self.queue.popleft()
-                box = [got]
+                    box = [self.queue.popleft()]
             wait_for_peers("rollout wait")
             if dist.get_world_size() > 1:
                 with stage("rollouts to trainer ranks"):
                     dist.broadcast_object_list(box, src=0)
             got: StepRollout = box[0]
         self.position = got.position
-        shard = got.shards[self.run.ctx.dp_rank]
-        return shard, {"time/rollout_generate": got.produce_s}
+        # when the rollout side generated these (wall clock, for overlap timelines)
+        return got.shards[self.run.ctx.dp_rank], {"time/rollout_generate": got.produce_s,
+                                                  "time/rollout_generate_started_at": got.finished_at - got.produce_s,
+                                                  "time/rollout_generate_ended_at": got.finished_at}
 
     def greedy_baseline(self, batch, step: int):
         raise RuntimeError("remax needs a colocated rollout")   # refused by mrl validate
@@ -332,32 +411,44 @@ class SeparateRollouts:
     def release(self) -> None:
         pass
 
+    def sync_for_validation(self, step: int) -> None:
+        raise RuntimeError("validation needs a colocated rollout")   # refused by mrl validate
+
     def after_update(self, step: int) -> None:
         """After step `step`'s update: send version `step` when a later step is generated from it."""
-        later = [s for s in range(step + 1, self.run.total_steps + 1)
-                 if needed_version(s, self.k, self.start_version) == step and s >= self.first_step]
+        later = [s for s in range(max(step + 1, self.first_step), self.run.total_steps + 1)
+                 if needed_version(s, self.k, self.start_version) == step]
         if later:
-            send_weights(self.bridge, self.learner, step, self.run.spec.rollout.weight_sync.bucket_mb)
+            self._send_weights(step)
 
     def state(self, step: int) -> dict:
         """After step `step`: drain the rollouts already determined into the queue (rank 0) and
         return them with the data position after them, for the checkpoint."""
-        from mrl.platform.dist import wait_for_peers
+        from mrl.platform.dist import stage, wait_for_peers
 
         last = min(step + 1 + self.k, self.run.total_steps)
-        if self.bridge.rank == 0:
-            while self.received < last:
-                self._receive_one(f"rollouts in flight at the checkpoint of step {step}")
+        queued = []
+        if self.is_root:
+            self._wait_received(last)
+            with self.arrived:
+                queued = [q for q in self.queue if q.step > step]
         wait_for_peers("rollout queue drain")
-        queued = [q for q in self.queue if q.step > step] if self.bridge.rank == 0 else []
-        position = queued[-1].position if queued else self.position
-        box = [position]
+        # every rank stores the same extra (megatron's checkpoint checks that its common state agrees)
+        box = [(queued[-1].position if queued else self.position, [encode_rollout(q) for q in queued])]
         if dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        return {"sampler": box[0], "rollout_queue": [encode_rollout(q) for q in queued]}
+            with stage("checkpoint save"):
+                dist.broadcast_object_list(box, src=0)
+        position, encoded = box[0]
+        return {"sampler": position, "rollout_queue": encoded}
 
     def close(self) -> None:
-        pass
+        """Wait for the weight sender to finish (the producer takes every version it needs)."""
+        if self.sender is not None:
+            self.sender.idle.wait()
+            self.sender.stop()
+            self.sender.check()
+        if self.receiver is not None:
+            self.receiver.stop()
 
 
 # ---------------------------------------------------------------------------- queued rollouts in checkpoints

@@ -11,6 +11,7 @@ small fakes.
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -36,6 +37,7 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
         with t("rollout"):
             batch = batch.add(greedy_scores=rollouts.greedy_baseline(batch, step))
     rollouts.release()
+    train_started_at = time.time()
     with t("old_logprobs"):
         batch = batch.add(trainer_logprobs=logprobs_of(learner.actor, run, batch, spec.actor.logprob_micro_batch_tokens))
         batch = batch.add(old_logprobs=batch["rollout_logprobs" if alg.correction.old_logprobs == "rollout"
@@ -57,6 +59,8 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
         with t("actor_update"):
             metrics.update(update(learner.actor, batch, spec.actor, policy_objective(run), step, "actor"))
         metrics["tokens/actor_update"] = float(batch.sequence_lengths.sum()) * spec.actor.epochs
+    # when this step learned (wall clock: with a separate rollout, generation overlaps it)
+    metrics.update({"time/train_started_at": train_started_at, "time/train_ended_at": time.time()})
     metrics.update(t.metrics())
     return metrics
 

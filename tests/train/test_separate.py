@@ -1,0 +1,90 @@
+"""Rollout on ranks of its own (`rollout.placement = "separate"`) with bounded staleness, on CPU
+with gloo: 3 ranks = 1 rollout rank + 2 trainer ranks (TP 2) on the quickstart job."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.dist_util import REPO, free_port, run_torchrun
+from tests.train.test_train_bf16 import _history, _same_metrics
+
+pytestmark = pytest.mark.slow
+
+JOB = "jobs/quickstart_cpu.toml"
+COMMON = ["job.name=run", "tracking.backends=[\"mlflow\"]", "platform.collective_timeout_s=60"]
+SEPARATE = ["platform.ranks_per_node=3", "rollout.placement=separate", "rollout.ranks=1"]
+
+
+def _train(out: Path, *overrides: str, nproc: int, timeout: float = 600) -> subprocess.CompletedProcess:
+    return run_torchrun("-m mrl train", JOB, f"job.output_dir={out}", *COMMON, *overrides, nproc=nproc,
+                        timeout=timeout)
+
+
+def test_separate_on_policy_equals_colocated(tmp_path):
+    """max_staleness 0 on 1 rollout + 2 trainer ranks gives every non-time metric of the 2-rank
+    colocated run, step for step (same seeds, prompts, responses and updates)."""
+    _train(tmp_path / "colocated", "trainer.total_steps=3", nproc=2)
+    _train(tmp_path / "separate", "trainer.total_steps=3", *SEPARATE, nproc=3)
+    colocated, separate = _history(tmp_path / "colocated"), _history(tmp_path / "separate")
+    _same_metrics(colocated, separate, [1, 2, 3])
+    assert separate["rollout/version_lag_max"] == {1: 0.0, 2: 0.0, 3: 0.0}
+
+
+def test_one_step_off_policy_overlaps_lags_by_one_and_learns(tmp_path):
+    """max_staleness 1: the lag is exactly 1 after the first step, the rollouts of step t + 1 are
+    generated while step t trains (stage timestamps), and the quickstart task still learns."""
+    out = tmp_path / "async"
+    _train(out, "trainer.total_steps=30", "checkpoint.every_steps=0", "rollout.max_staleness=1", *SEPARATE, nproc=3,
+           timeout=900)
+    h = _history(out)
+    assert h["rollout/version_lag_max"] == {s: float(s > 1) for s in range(1, 31)}
+    overlapping = [s for s in range(2, 30)
+                   if h["time/rollout_generate_started_at"][s + 1] < h["time/train_ended_at"][s]
+                   and h["time/rollout_generate_ended_at"][s + 1] > h["time/train_started_at"][s]]
+    assert len(overlapping) >= 20, overlapping
+    rewards = h["reward/mean"]
+    first, last = sum(rewards[s] for s in (1, 2, 3)) / 3, sum(rewards[s] for s in (28, 29, 30)) / 3
+    assert first <= 0.2 and last >= 0.8, (first, last)
+
+
+def test_killed_async_run_resumes_exactly(tmp_path):
+    """max_staleness 1, killed (SIGKILL to every process) after its step-2 checkpoint: the resumed
+    run restores the two steps of rollouts that were in flight and equals the uninterrupted run,
+    metric for metric; the resumed producer starts after them (no prompt generated twice)."""
+    args = ["trainer.total_steps=5", "checkpoint.every_steps=2", "rollout.max_staleness=1", *SEPARATE]
+    _train(tmp_path / "whole", *args, nproc=3)
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "mrl", "train", JOB, f"job.output_dir={out}", *COMMON, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    ckpt = out / "run" / "checkpoints" / "actor" / "step_00000002"
+    deadline = time.monotonic() + 300
+    while not ckpt.is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert ckpt.is_dir(), "the run never reached its step-2 checkpoint"
+
+    resumed = _train(out, *args, nproc=3)
+    assert "resumed from step" in resumed.stdout and "steps of rollouts restored" in resumed.stdout, resumed.stdout
+    _same_metrics(_history(tmp_path / "whole"), _history(out), [1, 2, 3, 4, 5])
+
+
+def test_a_hung_rollout_rank_is_an_error_naming_it(tmp_path):
+    """A rollout rank that stops (SIGSTOP, mid-scoring) is named within the collective timeout."""
+    started = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        _train(tmp_path / "hung", "trainer.total_steps=3", *SEPARATE, "platform.collective_timeout_s=15",
+               "reward.function=tests/train/stop_rollout.py:score", "reward.workers=1", nproc=3, timeout=300)
+    elapsed = time.monotonic() - started
+    assert "rollout rank 2 has given no sign of life" in str(failed.value), str(failed.value)[-3000:]
+    assert elapsed < 150, elapsed
