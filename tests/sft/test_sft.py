@@ -1,4 +1,4 @@
-"""`mrl sft`: masks, the loss against `transformers`, memorisation, TP2 = TP1, exact resume (fp32, bf16)."""
+"""`mrl sft`: masks, the loss against `transformers`, memorisation, TP2 = TP1, PP2 = PP1 (full and LoRA), exact resume (fp32, bf16)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.dist_util import REPO, run_torchrun
 from tests.sft.conftest import CHATS, sft_job
@@ -203,6 +204,31 @@ def test_tp2_trains_like_tp1(tmp_path, tiny_hf, chats_parquet):
         for step, v in tp1[key].items():
             assert abs(tp2[key][step] - v) <= 1e-5 * max(1.0, abs(v)), (key, step, tp2[key][step], v)
     assert tp1["train/loss"][3] < tp1["train/loss"][1]
+
+
+@pytest.mark.slow
+def test_pp2_trains_like_pp1_full_and_lora(tmp_path, tiny_hf, chats_parquet):
+    """3 SFT steps at pipeline 2 (one decoder layer per stage) = at pipeline 1 (the same 2 ranks
+    data-parallel): per-step loss and grad norm and the validation loss after, for full fine-tuning
+    and for LoRA adapters on every projection (whose trained values, gathered from both stages,
+    match too)."""
+    job = sft_job(tmp_path, str(tiny_hf), chats_parquet, fmt="messages", ranks=2, val=chats_parquet)
+    proc = run_torchrun(REPO / "tests/sft/scripts/pp_equivalence.py", str(job), "3", "sft.val_every_steps=3",
+                        "checkpoint.every_steps=0", "tracking.backends=[]")
+    r = json.loads(re.search(r"^RESULT (.*)$", proc.stdout, re.M).group(1))
+    for kind in ("full", "lora"):
+        pp2, pp1 = r[f"{kind}_pp2"], r[f"{kind}_pp1"]
+        for key in ("loss", "grad_norm"):
+            for a, b in zip(pp2[key], pp1[key], strict=True):
+                assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (kind, key, pp2[key], pp1[key])
+        assert abs(pp2["val_loss"] - pp1["val_loss"]) <= 1e-5 * pp1["val_loss"], (kind, pp2["val_loss"], pp1["val_loss"])
+        assert pp1["loss"][2] < pp1["loss"][0], (kind, pp1["loss"])
+    assert r["full_pp1"]["adapters"] == {} and abs(r["lora_pp1"]["loss"][2] - r["full_pp1"]["loss"][2]) > 1e-3
+    a2, a1 = r["lora_pp2"]["adapters"], r["lora_pp1"]["adapters"]
+    assert sorted(a2) == sorted(a1) and len(a1) == 28   # 2 layers x 7 projections x (A, B)
+    for name in a1:
+        assert torch.allclose(torch.tensor(a2[name]), torch.tensor(a1[name]), atol=1e-6, rtol=1e-5), name
+    assert all(torch.tensor(a1[n]).abs().max() > 1e-4 for n in a1 if ".lora.B." in n)   # B left zero: trained
 
 
 @pytest.mark.slow
