@@ -211,9 +211,9 @@ def test_pp2_trains_like_pp1_full_and_lora(tmp_path, tiny_hf, chats_parquet):
     """3 SFT steps at pipeline 2 (one decoder layer per stage) = at pipeline 1 (the same 2 ranks
     data-parallel): per-step loss and grad norm and the validation loss after, for full fine-tuning
     and for LoRA adapters on every projection (whose trained values, gathered from both stages,
-    match too)."""
+    match too, as do the PEFT adapter directories written at each layout)."""
     job = sft_job(tmp_path, str(tiny_hf), chats_parquet, fmt="messages", ranks=2, val=chats_parquet)
-    proc = run_torchrun(REPO / "tests/sft/scripts/pp_equivalence.py", str(job), "3", "sft.val_every_steps=3",
+    proc = run_torchrun(REPO / "tests/sft/scripts/pp_equivalence.py", str(job), "3", str(tmp_path), "sft.val_every_steps=3",
                         "checkpoint.every_steps=0", "tracking.backends=[]")
     r = json.loads(re.search(r"^RESULT (.*)$", proc.stdout, re.M).group(1))
     for kind in ("full", "lora"):
@@ -229,6 +229,15 @@ def test_pp2_trains_like_pp1_full_and_lora(tmp_path, tiny_hf, chats_parquet):
     for name in a1:
         assert torch.allclose(torch.tensor(a2[name]), torch.tensor(a1[name]), atol=1e-6, rtol=1e-5), name
     assert all(torch.tensor(a1[n]).abs().max() > 1e-4 for n in a1 if ".lora.B." in n)   # B left zero: trained
+    # the PEFT export at PP2 (each stage's layer gathered by the exporter) = at PP1 = the trained adapters
+    from safetensors.torch import load_file
+
+    f2, f1 = (load_file(str(tmp_path / f"peft_pp{pp}/adapter_model.safetensors")) for pp in (2, 1))
+    assert sorted(f2) == sorted(f1) and len(f1) == 28
+    for name in f1:
+        assert torch.allclose(f2[name], f1[name], atol=1e-6, rtol=1e-5), name
+    assert torch.equal(f2["base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"],   # from stage 2
+                       torch.tensor(a2["decoder.layers.1.mlp.linear_fc1.lora.B.up_proj"]))
 
 
 @pytest.mark.slow
