@@ -98,7 +98,7 @@ def test_policy_loss_does_not_depend_on_the_padded_batch_width():
     from mrl.train.step import policy_objective
 
     spec, _ = load(QUICKSTART, ["algorithm.loss_aggregation=seq-mean-token-sum-norm"])
-    objective = policy_objective(SimpleNamespace(spec=spec, hf={"vocab_size": 32}))
+    objective = policy_objective(SimpleNamespace(spec=spec, hf={"vocab_size": 32}))   # a Run's fields
     assert objective.norm == 8.0 and objective.aggregation == "seq-mean-token-sum-norm"
     per_token = torch.tensor([[0.5, -1.0, 0.25], [2.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
@@ -124,7 +124,10 @@ class _SlowEngine:
 
 
 def _components(spec, engine):
-    return SimpleNamespace(spec=spec, generator=engine, is_leader=True, engine_groups=None, mp_group=None)
+    """(run, generation) fakes: one leader rank, no process group."""
+    from mrl.train.parts import Generation
+
+    return SimpleNamespace(spec=spec, separate=False), Generation(generator=engine)
 
 
 def test_a_generate_call_past_rollout_generate_timeout_s_is_an_error():
@@ -134,9 +137,9 @@ def test_a_generate_call_past_rollout_generate_timeout_s_is_an_error():
     spec, _ = load(QUICKSTART, ["rollout.generate_timeout_s=0.3"])
     start = time.monotonic()
     with pytest.raises(UserError, match=r"ran longer than rollout.generate_timeout_s = 0.3 s"):
-        generate(_components(spec, _SlowEngine(30)), [[1, 2]], Sampling(n=2))
+        generate(*_components(spec, _SlowEngine(30)), [[1, 2]], Sampling(n=2))
     assert time.monotonic() - start < 5
-    assert generate(_components(spec, _SlowEngine(0)), [[1], [2]], Sampling(n=2)) == ["done", "done"]
+    assert generate(*_components(spec, _SlowEngine(0)), [[1], [2]], Sampling(n=2)) == ["done", "done"]
 
 
 def test_generate_errors_propagate_from_the_timed_call():
@@ -149,7 +152,7 @@ def test_generate_errors_propagate_from_the_timed_call():
 
     spec, _ = load(QUICKSTART)
     with pytest.raises(ValueError, match="engine broke"):
-        generate(_components(spec, Broken()), [[1]], Sampling())
+        generate(*_components(spec, Broken()), [[1]], Sampling())
 
 
 # ---- algorithm.dynamic_sampling.metric -----------------------------------------------------------

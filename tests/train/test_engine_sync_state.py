@@ -21,22 +21,23 @@ class FakeEngine:
         return len(list(stream))
 
 
-def _components(level: int):
-    spec = SimpleNamespace(rollout=SimpleNamespace(sleep_level=level))
+def _parts():
+    from mrl.train.parts import Generation, Learner
+
     exporter = SimpleNamespace(stream=lambda targets: iter([("w", 1)]))
-    return SimpleNamespace(spec=spec, extras={}, actor=SimpleNamespace(steps=0), exporter=exporter, rollout=FakeEngine())
+    return Learner(actor=SimpleNamespace(steps=0), exporter=exporter), Generation(engine=FakeEngine())
 
 
 @pytest.mark.parametrize("level,reloads", [(0, 1), (1, 1), (2, 2)])
 def test_unchanged_weights_are_resent_only_after_a_level_2_sleep(level, reloads):
     from mrl.train.rollout import release_engine, sync_weights
 
-    c = _components(level)
-    sync_weights(c)                 # e.g. validation before training
-    release_engine(c)
-    sync_weights(c)                 # step 1: the actor has not changed
-    assert c.rollout.loads == reloads
-    c.actor.steps += 1              # an update always reaches the engine
-    sync_weights(c)
-    assert c.rollout.loads == reloads + 1
-    assert ("wake", ["weights"]) in c.rollout.calls
+    learner, gen = _parts()
+    sync_weights(gen, learner, 0)   # e.g. validation before training
+    release_engine(gen, level)
+    sync_weights(gen, learner, 0)   # step 1: the actor has not changed
+    assert gen.engine.loads == reloads
+    learner.actor.steps += 1        # an update always reaches the engine
+    sync_weights(gen, learner, 1)
+    assert gen.engine.loads == reloads + 1 and gen.version == 1
+    assert ("wake", ["weights"]) in gen.engine.calls

@@ -20,41 +20,45 @@ import torch
 def main(job: str, overrides: list[str]) -> None:
     from mrl.batch import Batch
     from mrl.config.loader import load
-    from mrl.train.components import build, close
-    from mrl.train.rollout import sync_weights
+    from mrl.train.build import build, close
+    from mrl.train.queue import ColocatedRollouts
+    from mrl.train.rollout import sync_weights as sync
     from mrl.train.step import logprobs_of, train_step
 
     spec, _ = load(job, overrides)
     assert spec.rollout.engine == "vllm" and spec.rollout.temperature == 1.0
-    c = build(spec)
-    rank = c.ctx.rank
+    run, learner, gen, prompts = build(spec)
+    rank = run.ctx.rank
     g = torch.Generator().manual_seed(0)
-    V = c.hf["vocab_size"]
+    V = run.hf["vocab_size"]
+
+    def sync_weights(_=None):
+        sync(gen, learner, learner.actor.steps)
     seqs = [torch.randint(3, V, (n,), generator=g).tolist() for n in (7, 12, 5, 16)]
 
     def trainer_lp() -> list[list[float]]:
         batch = Batch.from_sequences([s[:1] for s in seqs], [s[1:] for s in seqs], pad_id=0)
-        lp = logprobs_of(c.actor, c, batch, c.spec.actor.micro_batch_tokens)
+        lp = logprobs_of(learner.actor, run, batch, spec.actor.micro_batch_tokens)
         return [lp[b, :len(s) - 1].tolist() for b, s in enumerate(seqs)]
 
     def max_diff(a, b) -> float:
         return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
     # 1. the first sync
-    sync_weights(c)
-    before = c.rollout.sequence_logprobs(seqs)
+    sync_weights()
+    before = gen.engine.sequence_logprobs(seqs)
     d1 = max_diff(before, trainer_lp())
     assert d1 <= 1e-4, f"rank {rank}: engine vs trainer after the first sync: {d1}"
 
     # 2. a training step: generation on the engine groups, the update
-    m = train_step(c, 1)
+    m = train_step(run, learner, ColocatedRollouts(run, learner, gen, prompts), 1)
     audit = m["rollout/logprob_abs_diff_mean"]
     assert audit < 1e-3, f"rank {rank}: step-1 audit {audit}"
     assert m["actor/updates"] >= 1
 
     # 3. the updated weights arrive
-    sync_weights(c)
-    after = c.rollout.sequence_logprobs(seqs)
+    sync_weights()
+    after = gen.engine.sequence_logprobs(seqs)
     d3 = max_diff(after, trainer_lp())
     moved = max_diff(after, before)
     assert d3 <= 1e-4, f"rank {rank}: engine vs trainer after an update: {d3}"
@@ -69,24 +73,24 @@ def main(job: str, overrides: list[str]) -> None:
             yield name, t
 
     victim = "model.layers.0.mlp.down_proj.weight"
-    c.rollout.wake(tags=["weights"])
-    c.rollout.update_weights(swapped(c.exporter.stream("all"), victim))
-    d4 = max_diff(c.rollout.sequence_logprobs(seqs), trainer_lp())
+    gen.engine.wake(tags=["weights"])
+    gen.engine.update_weights(swapped(learner.exporter.stream("all"), victim))
+    d4 = max_diff(gen.engine.sequence_logprobs(seqs), trainer_lp())
     assert d4 > 1e-3, f"rank {rank}: a wrong shard went unnoticed ({d4})"
 
     # 5. incomplete streams are refused
-    for stream, what in (([], "empty"), ((kv for kv in c.exporter.stream("all") if kv[0] != victim), "missing")):
+    for stream, what in (([], "empty"), ((kv for kv in learner.exporter.stream("all") if kv[0] != victim), "missing")):
         try:
-            c.rollout.update_weights(stream)
+            gen.engine.update_weights(stream)
         except RuntimeError as e:
             assert "loaded nothing into" in str(e), e
         else:
             raise AssertionError(f"rank {rank}: an {what} weight stream was accepted")
-    c.extras.pop("synced_version", None)
-    sync_weights(c)
-    d5 = max_diff(c.rollout.sequence_logprobs(seqs), trainer_lp())
+    gen.weights_key = None   # the engine's weights are no longer the actor's
+    sync_weights()
+    d5 = max_diff(gen.engine.sequence_logprobs(seqs), trainer_lp())
     assert d5 <= 1e-4, d5
-    close(c)
+    close(gen)
     print(f"rank {rank} ok: first sync {d1:.2e}, step-1 audit {audit:.2e}, after update {d3:.2e} "
           f"(moved {moved:.2e}), wrong shard {d4:.2e}", flush=True)
     from mrl.platform import teardown
