@@ -72,18 +72,20 @@ def packed_rope_tables(packed_seq_params: Any, freqs: torch.Tensor, total: int, 
     """`rope_tables` for the row `packed_seq_params` describes, built once per micro-batch.
 
     The result is kept on the `PackedSeqParams` object itself (it lives exactly as long as the
-    micro-batch), keyed by the RoPE table, dtype and inference mode, so every layer of every
-    forward and recompute over the same row reuses it.
+    micro-batch), keyed by the RoPE table's memory (activation recompute hands each layer a
+    detached view of the same table), dtype and inference mode, so every layer of every forward
+    and recompute over the same row reuses it.
     """
     cu = (packed_seq_params.cu_seqlens_q_padded if packed_seq_params.cu_seqlens_q_padded is not None
           else packed_seq_params.cu_seqlens_q)
     cache = packed_seq_params.__dict__.setdefault(_CACHE_ATTR, {})
-    key = (id(freqs), dtype, torch.is_inference_mode_enabled())
+    key = (freqs.data_ptr(), freqs.device, tuple(freqs.shape), freqs.stride(), freqs.dtype, dtype,
+           torch.is_inference_mode_enabled())
     hit = cache.get(key)
-    if hit is not None and hit[0] is freqs:
+    if hit is not None:
         return hit[1]
     tables = rope_tables(freqs, packed_positions(cu.to(freqs.device), total), dtype)
-    cache[key] = (freqs, tables)   # holding `freqs` keeps its id from being reused while cached
+    cache[key] = (freqs, tables)   # holding `freqs` keeps its memory from being reused while cached
     return tables
 
 

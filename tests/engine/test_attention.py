@@ -259,3 +259,26 @@ def test_packed_rope_model_equals_megatrons_per_sequence_rope_path(cpu_platform,
     worst = max((p.grad - q.grad).abs().max().item() for p, q in zip(new.parameters(), old.parameters()))
     assert worst <= 1e-6, worst
     assert (want[0, 1:] - want[0, :-1]).abs().max() > 1e-2  # not vacuous: the tokens differ
+
+
+def test_packed_rope_tables_are_built_once_per_micro_batch(cpu_platform, monkeypatch):
+    """Every layer, the forward and the full-recompute replay (which hands each layer a detached
+    copy of the RoPE table) share one set of per-token tables per micro-batch."""
+    from mrl.engine.packing import _thd_params
+    from mrl.models import rope
+    from mrl.models.megatron import build_gpt, transformer_config
+
+    hf = _tiny_hf()
+    model = build_gpt(hf, transformer_config(hf, dtype="float32", parallel=ParallelConfig(), device="cpu",
+                                             recompute="full"))
+    built = []
+    tables = rope.rope_tables
+    monkeypatch.setattr(rope, "rope_tables", lambda *a: built.append(1) or tables(*a))
+    lengths = [4, 1, 6]
+    packed = _thd_params(lengths, "cpu")
+    tokens = torch.randint(0, hf["vocab_size"], (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    model(tokens, pos, None, packed_seq_params=packed).square().mean().backward()
+    assert len(built) == 1
+    model(tokens, pos, None, packed_seq_params=_thd_params(lengths, "cpu")).square().mean().backward()
+    assert len(built) == 2  # a new micro-batch, new tables
