@@ -1,5 +1,5 @@
 """The rollout layout rules, shared by `mrl validate` (mrl.config.validate) and `mrl train`
-(mrl.train.components): one function, so a layout that validates is a layout that starts.
+(mrl.train.build): one function, so a layout that validates is a layout that starts.
 
 Pure: reads the `[rollout]` section, the world size and the model's facts (None when its config
 cannot be read here); returns `(dotted key, message)` per problem.
