@@ -149,6 +149,11 @@ VERL_TO_MRL: dict[str, str] = {
     "actor_rollout_ref.model.lora_rank": "actor.lora.rank",
     "actor_rollout_ref.model.lora_alpha": "actor.lora.alpha",
     "actor_rollout_ref.model.target_modules": "actor.lora.target_modules",
+    # verl's Megatron backend (Megatron-Bridge LoRA) nests them under model.lora
+    "actor_rollout_ref.model.lora.rank": "actor.lora.rank",
+    "actor_rollout_ref.model.lora.alpha": "actor.lora.alpha",
+    "actor_rollout_ref.model.lora.dropout": "actor.lora.dropout",
+    "actor_rollout_ref.model.lora.target_modules": "actor.lora.target_modules",
 }
 
 _PARAM_OFFLOAD = ("parameter offload is not implemented: trainer parameters stay on the device (the rollout engine "
@@ -156,6 +161,10 @@ _PARAM_OFFLOAD = ("parameter offload is not implemented: trainer parameters stay
 _OVER_SAMPLE = ("mrl generates synchronously and keeps every response; long-tail requests are bounded by "
                 "rollout.max_response_tokens and rollout.generate_timeout_s")
 _SKIP_TOKENIZER = "always on: mrl's vLLM engine works on token ids and the trainer detokenizes"
+_ADAPTER_PATH = ("training does not start from a saved adapter: merge it into its base (`mrl merge CKPT OUT`) and "
+                 "use OUT as model.path; new adapters then start from B = 0 on that model")
+_EXCLUDE = "adapters go only on the modules listed in actor.lora.target_modules (Hugging Face names); list those"
+_SHM = "each rank reads only its own slices of the safetensors files; there is no /dev/shm preload"
 _BALANCE = ("ranks are not re-balanced: each rank packs its own responses into token-budget micro-batches "
             "(actor.micro_batch_tokens)")
 
@@ -180,6 +189,20 @@ VERL_NOT_APPLICABLE: dict[str, str] = {
     "actor_rollout_ref.rollout.over_sample_rate": _OVER_SAMPLE,
     "actor_rollout_ref.rollout.skip_tokenizer_init": _SKIP_TOKENIZER,
     "trainer.balance_batch": _BALANCE,
+    "actor_rollout_ref.model.lora_adapter_path": _ADAPTER_PATH,
+    "actor_rollout_ref.model.lora.adapter_path": _ADAPTER_PATH,
+    "actor_rollout_ref.model.exclude_modules": _EXCLUDE,
+    "actor_rollout_ref.model.lora.exclude_modules": _EXCLUDE,
+    "actor_rollout_ref.model.lora.type": ("plain LoRA with one A and one B per Hugging Face projection, q/k/v and "
+                                          "gate/up included (Megatron-Bridge's canonical_lora); DoRA and VLM LoRA "
+                                          "are not built"),
+    "actor_rollout_ref.model.lora.dropout_position": "actor.lora.dropout applies to the adapter input (pre), as PEFT",
+    "actor_rollout_ref.model.lora.lora_A_init_method": "A starts as PEFT's (Kaiming-uniform), B at zero",
+    "actor_rollout_ref.model.lora.lora_B_init_method": "A starts as PEFT's (Kaiming-uniform), B at zero",
+    "actor_rollout_ref.model.use_shm": _SHM,
+    "actor_rollout_ref.rollout.layered_summon": ("weight sync streams merged weights tensor by tensor in buckets "
+                                                 "(rollout.weight_sync.bucket_mb); no whole model is gathered"),
+    "critic.model.lora.rank": "the critic trains every weight; LoRA is for the actor (actor.lora) and SFT (sft.lora)",
 }
 
 # mrl keys that existed once and were removed because mrl did not act on them: a job that still
@@ -200,6 +223,10 @@ def explain_unknown(unknown: str, siblings: list[str], valid_keys: list[str]) ->
     """The message for an unknown key: why a removed or inapplicable key has no mrl setting, or
     "unknown key; did you mean `x`?"."""
     reason = REMOVED_KEYS.get(unknown) or VERL_NOT_APPLICABLE.get(unknown)
+    if reason is None and "sft.examples_per_step" in valid_keys:   # an SFT job: verl's SFT trainer names
+        from mrl.sft.config import VERL_SFT_NOT_APPLICABLE
+
+        reason = VERL_SFT_NOT_APPLICABLE.get(unknown)
     if reason is not None:
         return f"not an mrl key: {reason}; remove it"
     hint = suggest(unknown, siblings, valid_keys)

@@ -65,6 +65,38 @@ VERL_SFT_TO_MRL: dict[str, str] = {
     "trainer.seed": "job.seed",
     "trainer.nnodes": "platform.nodes",
     "trainer.n_gpus_per_node": "platform.ranks_per_node",
+    # the engine-based SFT trainer (sft_trainer_engine.yaml) and its hf_model / optim groups
+    "data.messages_key": "sft.messages_key",
+    "data.val_max_samples": "sft.val_examples",
+    "model.tokenizer_path": "model.tokenizer",
+    "model.use_liger": "model.use_fused_kernels",
+    "model.lora.rank": "sft.lora.rank",
+    "model.lora.alpha": "sft.lora.alpha",
+    "model.lora.dropout": "sft.lora.dropout",
+    "model.lora.target_modules": "sft.lora.target_modules",
+    "optim.lr_warmup_steps_ratio": "sft.schedule.warmup_ratio",
+    "optim.lr_warmup_steps": "sft.schedule.warmup_steps",
+    "trainer.max_ckpt_to_keep": "checkpoint.keep_last",
+    "trainer.resume_mode": "checkpoint.resume",
+    "trainer.resume_path": "checkpoint.load_from",
+    "trainer.resume_from_path": "checkpoint.load_from",
+    "trainer.device": "platform.device",
+}
+
+_SFT_ADAPTER_PATH = ("training does not start from a saved adapter: merge it into its base (`mrl merge CKPT OUT`) "
+                     "and use OUT as model.path; new adapters then start from B = 0 on that model")
+_SFT_TOKEN_BUDGET = "always on: every micro-batch is a packed token budget (sft.micro_batch_tokens), no padding"
+
+# verl SFT trainer keys with no `mrl sft` counterpart, and why (CONTRIBUTING.md lists them).
+VERL_SFT_NOT_APPLICABLE: dict[str, str] = {
+    "model.lora_adapter_path": _SFT_ADAPTER_PATH,
+    "model.lora.adapter_path": _SFT_ADAPTER_PATH,
+    "model.exclude_modules": "adapters go only on the modules listed in sft.lora.target_modules (Hugging Face names)",
+    "data.use_dynamic_bsz": _SFT_TOKEN_BUDGET,
+    "data.pad_mode": _SFT_TOKEN_BUDGET,
+    "use_remove_padding": _SFT_TOKEN_BUDGET,
+    "data.balance_dp_token": "each DP rank packs its own share of the step's examples into token-budget micro-batches",
+    "ulysses_sequence_parallel_size": "context parallelism is not in the engine yet",
 }
 
 

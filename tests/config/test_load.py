@@ -162,6 +162,17 @@ def test_contributing_lists_the_verl_table():
     assert not [k for k, v in VERL_TO_MRL.items() if f"| `{k}` | `{v}` |" not in text]
 
 
+def test_verl_lora_keys_are_suggested_or_explained(write_job):
+    from mrl.config.loader import load
+    from mrl.errors import SpecError
+
+    with pytest.raises(SpecError) as e:
+        load(write_job(), ["actor_rollout_ref.model.lora.alpha=32", "actor_rollout_ref.rollout.layered_summon=true"])
+    text = "\n".join(e.value.problems)
+    assert "actor_rollout_ref.model.lora.alpha: unknown key; did you mean `actor.lora.alpha`?" in text
+    assert "actor_rollout_ref.rollout.layered_summon: not an mrl key: weight sync streams merged weights" in text
+
+
 def test_contributing_lists_the_not_applicable_verl_keys():
     from mrl.config.suggest import VERL_NOT_APPLICABLE
     text = (REPO / "CONTRIBUTING.md").read_text()

@@ -125,6 +125,29 @@ def test_sft_spec_errors_name_the_key(tmp_path, tiny_hf, pairs_parquet):
     assert "sft.micro_batch_tokens: 64 tokens cannot hold one example of sft.max_tokens 96" in text
 
 
+def test_verl_sft_tables_target_real_keys_are_documented_and_explained(tmp_path, tiny_hf, pairs_parquet):
+    """Every verl SFT key maps to a key an SFT job has, or has a reason; CONTRIBUTING.md lists both
+    tables; an SFT job using one gets the suggestion or the reason in one line."""
+    from mrl.config import schema
+    from mrl.config.loader import load
+    from mrl.errors import SpecError
+    from mrl.sft.config import VERL_SFT_NOT_APPLICABLE, VERL_SFT_TO_MRL, SFTJobSpec
+
+    valid = set(schema.all_keys(SFTJobSpec))
+    assert not [v for v in VERL_SFT_TO_MRL.values() if v not in valid]
+    assert not set(VERL_SFT_NOT_APPLICABLE) & set(VERL_SFT_TO_MRL)
+    text = (REPO / "CONTRIBUTING.md").read_text()
+    assert not [k for k, v in VERL_SFT_TO_MRL.items() if f"| `{k}` | `{v}` |" not in text]
+    assert not [k for k in VERL_SFT_NOT_APPLICABLE if f"| `{k}` |" not in text]
+    job = sft_job(tmp_path, str(tiny_hf), pairs_parquet)
+    with pytest.raises(SpecError) as e:
+        load(job, ["trainer.max_ckpt_to_keep=2", "model.lora.rank=8", "model.lora_adapter_path=x"])
+    text = "\n".join(e.value.problems)
+    assert "trainer.max_ckpt_to_keep: unknown key; did you mean `checkpoint.keep_last`?" in text
+    assert "model.lora.rank: unknown key; did you mean `sft.lora.rank`?" in text
+    assert "model.lora_adapter_path: not an mrl key: training does not start from a saved adapter" in text
+
+
 def test_mrl_train_refuses_an_sft_job_and_mrl_sft_an_rl_job(tmp_path, tiny_hf, pairs_parquet):
     job = sft_job(tmp_path, str(tiny_hf), pairs_parquet)
     proc = mrl("train", job)
