@@ -214,6 +214,7 @@ def _train(run: Run, learner: Learner, generation, prompts):
                 else ColocatedRollouts(run, learner, generation, prompts))
     samples = SampleLog()
     last: dict[str, float] = {}
+    validated: dict[str, float] = {}   # the newest validation the rollout side sent (separate)
     _check_disk(spec, learner)
     start, extra = _resume(run, learner)
     restored = rollouts.load_state(extra, start) if extra else ""
@@ -232,7 +233,7 @@ def _train(run: Run, learner: Learner, generation, prompts):
         rollouts.start(start)
         every = spec.checkpoint.every_steps
         val_every = spec.trainer.val_every_steps
-        if spec.trainer.val_before_train and start == 0:
+        if spec.trainer.val_before_train and start == 0 and not run.separate:
             rollouts.sync_for_validation(0)
             tracker.log_metrics(validate(run, generation, prompts, 0, samples, learner.reward_model), 0)
             rollouts.release()
@@ -245,7 +246,7 @@ def _train(run: Run, learner: Learner, generation, prompts):
             if torch.cuda.is_available():   # model FLOP utilisation of the actor update
                 world = dist.get_world_size() if dist.is_initialized() else 1
                 metrics.update(actor_mfu(metrics, run.hf, world, torch.cuda.get_device_name()))
-            if val_every and (step % val_every == 0 or step == run.total_steps):
+            if val_every and (step % val_every == 0 or step == run.total_steps) and not run.separate:
                 tracker.stage("validation")
                 started = time.perf_counter()
                 rollouts.sync_for_validation(step)   # the update just changed the policy
@@ -259,6 +260,7 @@ def _train(run: Run, learner: Learner, generation, prompts):
                 if rows:
                     tracker.log_samples(split, rows)
             last = metrics
+            validated.update(_log_validations(tracker, rollouts.validations()))   # separate: the rollout side's
             wait_for_peers("tracking")   # rank 0 alone writes the step's metrics and samples
             if (every and step % every == 0) or step == run.total_steps:
                 tracker.stage("checkpoint")
@@ -266,11 +268,28 @@ def _train(run: Run, learner: Learner, generation, prompts):
                 _save(run, learner, rollouts, step, tracker.run_id)
                 tracker.log_metrics({"time/checkpoint": _max_over_ranks(time.perf_counter() - started)}, step,
                                     console=False)
+        # separate: wait for the validations still running on the rollout side (the last steps')
+        validated.update(_log_validations(tracker, rollouts.validations(upto=run.total_steps)))
+        if last and validated:
+            last = {**last, **validated}
     except BaseException:
         rollouts.close()
         raise
     rollouts.close()
     return last, tracker
+
+
+def _log_validations(tracker, results) -> dict[str, float]:
+    """Log validations the rollout side ran (separate placement) under the step they validated;
+    returns the newest one's metrics ({} when none arrived)."""
+    newest: dict[str, float] = {}
+    for r in results:
+        tracker.log_metrics(r.metrics, r.version, console=False)
+        tracker.message(f"validation of step {r.version}: reward {r.metrics['val/reward_mean']:.4g}")
+        newest = r.metrics
+        if r.rows:
+            tracker.log_samples("validation", r.rows)
+    return newest
 
 
 def step_epoch(rollouts, prompts) -> int:

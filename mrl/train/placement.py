@@ -23,8 +23,4 @@ def separate_problems(spec) -> list[tuple[str, str]]:
     if spec.algorithm.advantage == "remax":
         out.append(("algorithm.advantage", "'remax' generates a greedy baseline inside the training step, which needs "
                                            "the engine on the trainer's ranks; use rollout.placement = 'colocated'"))
-    if spec.trainer.val_every_steps or spec.trainer.val_before_train:
-        key = "trainer.val_every_steps" if spec.trainer.val_every_steps else "trainer.val_before_train"
-        out.append((key, "validation generates on the trainer's ranks, which hold no engine with rollout.placement = "
-                         "'separate'; set it to 0/false or use a colocated rollout"))
     return out

@@ -64,6 +64,24 @@ def needed_version(step: int, max_staleness: int, start_version: int = 0) -> int
     return max(start_version, step - 1 - max_staleness)
 
 
+def versions_sent(first_step: int, last_step: int, max_staleness: int, start_version: int,
+                  validated: list[int]) -> list[int]:
+    """The policy versions trainer rank 0 sends to the rollout ranks, in order: each one a step
+    from `first_step` to `last_step` is generated with, and each one validated (`validated`,
+    which the rollout ranks validate as they receive them)."""
+    needed = {needed_version(t, max_staleness, start_version) for t in range(first_step, last_step + 1)}
+    return sorted(needed | {v for v in validated if v >= start_version})
+
+
+@dataclass
+class ValidationResult:
+    """The rollout side's validation of one policy version: `val/*` metrics and sample rows."""
+
+    version: int
+    metrics: dict[str, float]
+    rows: Optional[dict]
+
+
 # ---------------------------------------------------------------------------- colocated
 
 class ColocatedRollouts:
@@ -106,6 +124,9 @@ class ColocatedRollouts:
     def load_state(self, extra: dict, start: int) -> str:
         self.prompts.load_position(extra["sampler"])
         return ""
+
+    def validations(self, upto: Optional[int] = None) -> list:
+        return []   # colocated validation runs inline in the loop
 
     def start(self, start: int) -> None:
         pass
@@ -249,6 +270,7 @@ class _Start:
     last_step: int
     start_version: int        # the policy version the trainer holds at the start
     position: Optional[dict]  # data position before first_step (None: from the start)
+    validated: list           # the versions to validate (`mrl.train.validate.validation_steps`)
 
 
 class _Worker:
@@ -311,6 +333,10 @@ class SeparateRollouts:
         self.position: Optional[dict] = None   # data position after the newest step taken
         self.receiver: Optional[_Worker] = None
         self.sender: Optional[_Worker] = None
+        self.sent: list[int] = []            # versions to send (`versions_sent`)
+        self.validated: list[int] = []       # versions the rollout side validates
+        self.results: collections.deque[ValidationResult] = collections.deque()   # arrived, not yet logged
+        self.results_seen = 0
 
     @property
     def is_root(self) -> bool:
@@ -331,34 +357,58 @@ class SeparateRollouts:
         """Tell the producer where to start and send it the weights its first step needs."""
         from mrl.platform.dist import wait_for_peers
 
+        from mrl.train.validate import validation_steps
+
         self.start_version = start
         self.first_step = max(self.first_step, start + 1)
         self.received = self.first_step - 1
         total = self.run.total_steps
+        self.validated = validation_steps(self.run.spec.trainer, total, start)
+        self.sent = versions_sent(self.first_step, total, self.k, start, self.validated)
         if self.is_root:
             split = self.bridge.split
             ranks = [split.rollout_global(i) for i in range(split.rollout_ranks)]
             liveness = Liveness(self.bridge.store, ranks, self.run.spec.platform.collective_timeout_s)
-            self.bridge.send_object(_Start(self.first_step, total, self.start_version, self.position),
-                                    self.bridge.rollout_leader, "rollout start")
+            self.bridge.send_object(_Start(self.first_step, total, self.start_version, self.position,
+                                           self.validated), self.bridge.rollout_leader, "rollout start")
             self.receiver = _Worker("mrl-rollout-receiver")
             self.sender = _Worker("mrl-weight-sender")
-            for step in range(self.first_step, total + 1):
-                self.receiver.submit(lambda step=step: self._receive(liveness, step))
+            messages = total - self.first_step + 1 + len(self.validated)
+            for index in range(1, messages + 1):
+                self.receiver.submit(lambda index=index: self._receive(liveness, index))
         wait_for_peers("rollout start")
-        if self.first_step <= total and needed_version(self.first_step, self.k, start) == start:
+        if start in self.sent:
             self._send_weights(start)
 
-    def _receive(self, liveness: "Liveness", step: int) -> None:
-        what = f"rollouts of step {step}"
-        liveness.wait_until_sent(self.bridge.rollout_leader, step - self.first_step + 1, what)
-        got: StepRollout = self.bridge.recv_object(self.bridge.rollout_leader, what)
-        if got.step != step:
-            raise RuntimeError(f"expected the rollouts of step {step}, received step {got.step}")
+    def _receive(self, liveness: "Liveness", index: int) -> None:
+        """Receive the producer's `index`-th message: a step's rollouts or a validation."""
+        what = f"rollouts of step {self.received + 1}"
+        liveness.wait_until_sent(self.bridge.rollout_leader, index, what)
+        got = self.bridge.recv_object(self.bridge.rollout_leader, what)
         with self.arrived:
-            self.queue.append(got)
-            self.received = step
+            if isinstance(got, ValidationResult):
+                self.results.append(got)
+                self.results_seen += 1
+            else:
+                if got.step != self.received + 1:
+                    raise RuntimeError(f"expected the rollouts of step {self.received + 1}, received step {got.step}")
+                self.queue.append(got)
+                self.received = got.step
             self.arrived.notify_all()
+
+    def validations(self, upto: Optional[int] = None) -> list[ValidationResult]:
+        """Trainer rank 0: the validations that arrived (and not yet taken); with `upto`, first
+        wait for every one of a version <= `upto` (the end of the run: every version)."""
+        if not self.is_root:
+            return []
+        want = len([v for v in self.validated if upto is not None and v <= upto])
+        with self.arrived:
+            while self.results_seen < want:
+                self.receiver.check()
+                self.arrived.wait(timeout=0.1)
+            out = list(self.results)
+            self.results.clear()
+        return out
 
     def _wait_received(self, step: int) -> None:
         """Rank 0: block until the receiver holds step `step` (or raise its error)."""
@@ -415,10 +465,9 @@ class SeparateRollouts:
         raise RuntimeError("validation needs a colocated rollout")   # refused by mrl validate
 
     def after_update(self, step: int) -> None:
-        """After step `step`'s update: send version `step` when a later step is generated from it."""
-        later = [s for s in range(max(step + 1, self.first_step), self.run.total_steps + 1)
-                 if needed_version(s, self.k, self.start_version) == step]
-        if later:
+        """After step `step`'s update: send version `step` when a later step is generated from it
+        or the rollout side validates it."""
+        if step in self.sent:
             self._send_weights(step)
 
     def state(self, step: int) -> dict:
@@ -512,26 +561,60 @@ def serve(run: Run, gen: Generation, prompts: Prompts) -> None:
         if start.position is not None:
             prompts.load_position(start.position)
         k = run.spec.rollout.max_staleness
-        held = None
+        pending = versions_sent(start.first_step, start.last_step, k, start.start_version, start.validated)
+        sent = 0
+        leader = bridge.rank == bridge.rollout_leader
+
+        def send(message, what: str) -> None:
+            nonlocal sent
+            if leader:
+                sent += 1
+                heartbeat.announce(sent)
+                bridge.send_object(message, 0, what)
+
+        def take_version() -> None:
+            """Load the next version trainer rank 0 sends, and validate it when asked to."""
+            version, stream = receive_weights(bridge)
+            if version != pending[0]:
+                raise RuntimeError(f"expected policy version {pending[0]} from the trainer, received {version}")
+            pending.pop(0)
+            if gen.engine is not None:
+                gen.engine.update_weights(stream)
+            else:
+                for _ in stream:
+                    pass
+            gen.version = version
+            if version in start.validated:
+                send(_validate(run, gen, prompts, version), f"validation of step {version}")
+
         for step in range(start.first_step, start.last_step + 1):
             need = needed_version(step, k, start.start_version)
-            while held is None or held < need:
-                version, stream = receive_weights(bridge)
-                loaded = gen.engine.update_weights(stream) if gen.engine is not None else sum(1 for _ in stream)
-                held = gen.version = version
-                del loaded
+            while pending and pending[0] <= need:
+                take_version()
             rollout = produce(run, gen, prompts, step, _rollout_min)
             everyone = [None] * dist.get_world_size()
             from mrl.platform.dist import stage
 
             with stage("rollout shards to the rollout leader"):
                 dist.all_gather_object(everyone, rollout.shards if gen.is_leader else {})
-            if bridge.rank == bridge.rollout_leader:
-                rollout.shards = {d: s for part in everyone for d, s in part.items()}
-                heartbeat.announce(step - start.first_step + 1)
-                bridge.send_object(rollout, 0, f"rollouts of step {step}")
+            rollout.shards = {d: s for part in everyone for d, s in part.items()}
+            send(rollout, f"rollouts of step {step}")
+        while pending:   # versions sent only to be validated (the last steps')
+            take_version()
     finally:
         heartbeat.stop()
+
+
+def _validate(run: Run, gen: Generation, prompts: Prompts, version: int) -> ValidationResult:
+    """Validate the policy the rollout ranks hold (version `version`)."""
+    from mrl.train.parts import SampleLog
+    from mrl.train.validate import validate
+
+    started = time.perf_counter()
+    samples = SampleLog()
+    metrics = validate(run, gen, prompts, version, samples)
+    metrics["time/validation"] = time.perf_counter() - started
+    return ValidationResult(version, metrics, samples.take("validation"))
 
 
 def _rollout_min(count: int) -> int:

@@ -24,22 +24,50 @@ def validation_set(run: Run, prompts: Prompts):
     return prompts.val_dataset
 
 
+def validation_steps(trainer, total_steps: int, start: int = 0) -> list[int]:
+    """The policy versions (steps) a run validates after `start`: 0 with `val_before_train` on a
+    fresh start, every `val_every_steps`-th and the last."""
+    every = trainer.val_every_steps
+    steps = [0] if trainer.val_before_train and start == 0 else []
+    if every:
+        steps += [s for s in range(start + 1, total_steps + 1) if s % every == 0 or s == total_steps]
+    return steps
+
+
 def validate(run: Run, gen: Generation, prompts: Prompts, step: int, samples: Optional[SampleLog] = None,
              reward_model=None) -> dict[str, float]:
-    """`val/*` metrics of the policy the engine holds, on this rank's share of the validation set."""
+    """`val/*` metrics of the policy the engine holds, on this rank's share of the validation set.
+
+    Colocated: each data-parallel rank takes every DP-th prompt and the sums are reduced over DP.
+    Separate (on the rollout ranks): each engine group takes every G-th prompt and the sums of the
+    group leaders are reduced over the rollout ranks."""
     dataset = validation_set(run, prompts)
     ctx = run.ctx
-    items = [dataset[i] for i in range(ctx.dp_rank, len(dataset), ctx.dp)]
+    if ctx.role == "rollout":
+        per_engine = run.spec.rollout.tensor_parallel * run.spec.rollout.pipeline_parallel
+        share, shares = ctx.rank // per_engine, ctx.world_size // per_engine
+    else:
+        share, shares = ctx.dp_rank, ctx.dp
+    items = [dataset[i] for i in range(share, len(dataset), shares)]
     sampling = sampling_from_config(run.spec.rollout, validation=True, seed=run.spec.job.seed)
     # vllm engine groups generate collectively: every rank takes part, with or without prompts
     responses = generate(run, gen, [list(it.token_ids) for it in items], sampling)
     scores = score(run, gen, items, responses, sampling.n, step, reward_model=reward_model)["scores"]
     lengths = [len(r.token_ids) for r in responses]
-    if ctx.is_main and run.spec.trainer.log_samples_every > 0 and samples is not None:
+    first = ctx.is_main if ctx.role != "rollout" else ctx.rank == 0   # whose share the table shows
+    if first and run.spec.trainer.log_samples_every > 0 and samples is not None:
         from mrl.tracking.samples import sample_rows
 
         samples.put("validation", sample_rows(step, items, responses, scores, sampling.n, run.tokenizer))
-    totals = _dp_all_reduce(torch.tensor([sum(scores), float(len(scores)), float(sum(lengths))], dtype=torch.float64))
+    sums = torch.tensor([sum(scores), float(len(scores)), float(sum(lengths))], dtype=torch.float64)
+    if ctx.role == "rollout":   # the leaders' sums (the other ranks of an engine group hold copies)
+        import torch.distributed as dist
+
+        totals = sums * float(gen.is_leader)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(totals)
+    else:
+        totals = _dp_all_reduce(sums)
     count = max(float(totals[1]), 1.0)
     return {"val/reward_mean": float(totals[0]) / count, "val/response_length_mean": float(totals[2]) / count,
             "val/responses": float(totals[1])}

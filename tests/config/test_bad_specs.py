@@ -98,8 +98,7 @@ CASES = [
      "rollout.tensor_parallel", "does not divide rollout.ranks 1"),
     ("separate-remax", {"rollout": {"placement": "separate", "ranks": 1}, "algorithm": {"advantage": "remax"}},
      "algorithm.advantage", "needs the engine on the trainer's ranks"),
-    ("separate-validation", {"rollout": {"placement": "separate", "ranks": 1}, "trainer": {"val_every_steps": 5}},
-     "trainer.val_every_steps", "hold no engine"),
+
     # algorithm combinations
     ("grpo-single-response", {"rollout": {"responses_per_prompt": 1}}, "rollout.responses_per_prompt", "needs >= 2 responses"),
     ("gae-without-critic", {"algorithm": {"advantage": "gae"}, "critic": {"enable": False}}, "critic.enable", "needs a critic"),
