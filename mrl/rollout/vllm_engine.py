@@ -140,8 +140,14 @@ def rank_env():
     import os
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    replaced = {}
     if "RANK" in os.environ and int(os.environ["RANK"]) != rank:
-        raise RuntimeError(f"vllm engine: RANK={os.environ['RANK']} but this process is rank {rank}")
+        if not _in_rollout_world():
+            raise RuntimeError(f"vllm engine: RANK={os.environ['RANK']} but this process is rank {rank}")
+        # a rollout rank of a separate placement: vLLM's world is the rollout ranks' own
+        # (mrl.platform.bridge), so it must read this rank's place in that world
+        replaced = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE") if k in os.environ}
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world)})
     local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID")
     if local is None:
         try:
@@ -160,6 +166,17 @@ def rank_env():
     finally:
         for k in added:
             os.environ.pop(k, None)
+        os.environ.update(replaced)
+
+
+def _in_rollout_world() -> bool:
+    """Whether this process is a rollout-only rank (`rollout.placement = "separate"`)."""
+    try:
+        from mrl.platform.runtime import current
+
+        return current().role == "rollout"
+    except RuntimeError:
+        return False
 
 
 def _on_cpu() -> bool:

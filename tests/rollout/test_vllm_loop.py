@@ -79,3 +79,18 @@ def test_one_rank_plain_process_runs_vllm(tmp_path):
     [db] = [p for p in tmp_path.rglob("mlflow.db") if _metric(p, "reward/mean")]
     assert sorted(_metric(db, "reward/mean")) == [1, 2]
     assert _metric(db, "rollout/logprob_abs_diff_mean")[1] < 1e-3
+
+
+def test_separate_vllm_rollout_rank_feeds_the_trainer(tmp_path):
+    """`rollout.placement = "separate"`: 1 rollout rank (a vLLM engine in a world of its own) + 2
+    trainer ranks (TP 2), one-step off-policy. The step-1 audit proves the weights arrived over
+    the bridge (same version on both sides), and the lag is 1 after step 1."""
+    steps = 4
+    run_torchrun("-m mrl train", JOB, *VLLM, "parallel.tensor=2", "platform.ranks_per_node=3",
+                 "rollout.placement=separate", "rollout.ranks=1", "rollout.max_staleness=1",
+                 f"job.output_dir={tmp_path}", f"trainer.total_steps={steps}", "checkpoint.every_steps=0",
+                 "tracking.backends=[\"mlflow\"]", nproc=3, timeout=900)
+    [db] = [p for p in tmp_path.rglob("mlflow.db") if _metric(p, "reward/mean")]
+    audit, lag = _metric(db, "rollout/logprob_abs_diff_mean"), _metric(db, "rollout/version_lag_max")
+    assert audit[1] < 1e-3, audit
+    assert lag == {s: float(s > 1) for s in range(1, steps + 1)}, lag
