@@ -105,7 +105,8 @@ class PackedRopeSelfAttention(SelfAttention):
     """megatron's `SelfAttention`; for packed (`thd`) rows RoPE is `rotate` with per-token tables
     instead of megatron's per-sequence loop (see the module docstring)."""
 
-    _packed_rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    #: (PackedSeqParams, RoPE table) while `forward` runs on a packed row, for `get_query_key_value_tensors`
+    _packed_rope: Optional[tuple[Any, torch.Tensor]] = None
 
     def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, packed_seq_params=None,
                 **kwargs):
@@ -119,7 +120,7 @@ class PackedRopeSelfAttention(SelfAttention):
         if self.config.rotary_interleaved:
             raise ValueError("packed RoPE takes the rotate_half convention (rotary_interleaved = False)")
         freqs = rotary_pos_emb[0] if isinstance(rotary_pos_emb, tuple) else rotary_pos_emb
-        if isinstance(rotary_pos_emb, tuple) and rotary_pos_emb[1] is not freqs:
+        if isinstance(rotary_pos_emb, tuple) and rotary_pos_emb[1].data_ptr() != freqs.data_ptr():
             raise ValueError("self-attention takes one RoPE table for q and k")
         if freqs.shape[-1] != self.hidden_size_per_attention_head:
             raise ValueError(f"packed RoPE rotates whole heads: RoPE table of width {freqs.shape[-1]} for "
