@@ -48,6 +48,10 @@ def test_critic_value_head_gradients_match_naive_at_dp2_and_tp2():
         **{f"critic_dp2_mb{k}_{what}": 1e-6 for k in (1, 2, 4) for what in ("grads", "loss")}})
 
 
+def test_packed_rope_with_heads_split_over_tp2_on_a_qk_norm_model():
+    _run("rope_tp_equivalence.py", expect={"rope_tp2_qwen3_logits": 1e-6, "rope_tp2_qwen3_grads": 1e-6})
+
+
 def test_update_epochs_mini_batches_shuffle_equal_steps_by_hand():
     _run("update_equivalence.py", expect={"update_vs_by_hand": 0.0})
 
