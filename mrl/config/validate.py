@@ -264,9 +264,10 @@ def check(spec: JobSpec, report) -> None:
 
     for key, message in rollout_layout_problems(roll, plat.world_size, facts, plat.device):
         err(key, message)
-    from mrl.train.placement import separate_problems   # the rule mrl train applies
+    from mrl.train.partial import partial_problems   # the rules mrl train applies
+    from mrl.train.placement import separate_problems
 
-    for key, message in separate_problems(spec):
+    for key, message in separate_problems(spec) + partial_problems(spec):
         err(key, message)
     if roll.max_model_len < seq_tokens:
         err("rollout.max_model_len", f"{roll.max_model_len} is shorter than data.max_prompt_tokens {data.max_prompt_tokens} + "
@@ -329,10 +330,18 @@ def check(spec: JobSpec, report) -> None:
         if known is not None and ds.metric not in known:
             err("algorithm.dynamic_sampling.metric", f"{ds.metric!r} is not an output of the job's rewards "
                                                      f"(they give: {', '.join(known)})")
+    elif roll.partial_rollout_tokens:   # over-sampling: the first groups to finish make the batch
+        gen = ds.generation_batch_prompts
+        if gen < prompts:
+            err("algorithm.dynamic_sampling.generation_batch_prompts", f"{gen} is smaller than data.prompts_per_step {prompts}")
+        if dp and gen % dp:
+            err("algorithm.dynamic_sampling.generation_batch_prompts",
+                f"{gen} prompts per generation round do not split evenly over data-parallel size {dp}")
     elif ds.generation_batch_prompts != prompts:
         err("algorithm.dynamic_sampling.generation_batch_prompts",
             f"{ds.generation_batch_prompts} differs from data.prompts_per_step {prompts}, but only dynamic sampling "
-            "generates more prompts than a step trains on; set algorithm.dynamic_sampling.enable = true or remove it")
+            "and partial rollouts generate more prompts than a step trains on; set "
+            "algorithm.dynamic_sampling.enable = true or rollout.partial_rollout_tokens, or remove it")
     ol = alg.overlong
     if ol.enable and ol.buffer_tokens >= roll.max_response_tokens:
         err("algorithm.overlong.buffer_tokens", f"{ol.buffer_tokens} must be smaller than rollout.max_response_tokens "

@@ -58,6 +58,9 @@ class RolloutConfig:
     ranks: int = option(0, ge=0, help="ranks that only generate when placement = 'separate' (the last ones of the world)")
     max_staleness: int = option(0, ge=0, le=64, help="policy versions a trained response may lag: 0 on-policy, 1 one-step "
                                                      "off-policy (generation of step t+1 overlaps training of step t)")
+    partial_rollout_tokens: int = option(0, ge=0, help="partial rollouts: tokens an unfinished response advances per "
+                                                       "generation round; a step trains the groups finished when it has "
+                                                       "enough and carries the rest over to the next step (0: off)")
     responses_per_prompt: int = option(1, ge=1, help="responses sampled per prompt (verl: n)")
     max_response_tokens: int = option(512, ge=1, help="longest response, in tokens (verl: response_length)")
     do_sample: bool = option(True, help="sample (True) or decode greedily (False)")

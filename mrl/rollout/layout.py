@@ -29,9 +29,10 @@ def placement_problems(rollout, world_size: int) -> list[tuple[str, str]]:
         if rollout.ranks:
             out.append(("rollout.ranks", f"is {rollout.ranks} but rollout.placement is 'colocated' (engines on every "
                                          "rank); set rollout.placement = 'separate' or remove it"))
-        if rollout.max_staleness:
+        if rollout.max_staleness and not rollout.partial_rollout_tokens:
             out.append(("rollout.max_staleness", f"is {rollout.max_staleness} but colocated engines share the trainer's "
-                                                 "ranks, so generation cannot overlap training; set rollout.placement = "
+                                                 "ranks, so generation cannot overlap training (only partial rollouts "
+                                                 "carried over from earlier steps lag); set rollout.placement = "
                                                  "'separate' with rollout.ranks"))
         return out
     if rollout.ranks < 1:

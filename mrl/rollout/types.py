@@ -78,7 +78,8 @@ class Response:
     `logprobs_mode` (see mrl/rollout/README.md). `finish_reason` is "stop" (EOS or a stop token,
     which is included as the last token) or "length" (max_tokens reached). `loss_mask` is 1 for
     sampled tokens and 0 for tokens the policy did not sample (tool outputs in multi-turn
-    rollouts, whose `logprobs` entries are 0).
+    rollouts, whose `logprobs` entries are 0). `policy_version`: the trainer step whose weights
+    generated its first token (a partial rollout continues under later ones).
     """
 
     prompt_index: int
@@ -87,6 +88,7 @@ class Response:
     finish_reason: FinishReason
     loss_mask: list[int] = field(default_factory=list)
     info: dict = field(default_factory=dict)
+    policy_version: Optional[int] = None   # the policy version of its first token (set by the RL loop)
 
     def __post_init__(self):
         if not self.loss_mask:

@@ -134,10 +134,11 @@ def build(spec: JobSpec) -> tuple[Run, Optional[Learner], Optional[Generation], 
     from mrl.platform import setup
     from mrl.platform.dist import create_wait_group
     from mrl.rollout.layout import first_problem, trainer_world
+    from mrl.train.partial import partial_problems
     from mrl.train.placement import separate_problems
 
     problem = first_problem(spec.rollout, spec.platform.world_size, model_facts(spec.model.path), spec.platform.device)
-    problems = separate_problems(spec)
+    problems = separate_problems(spec) + partial_problems(spec)
     if problem or problems:   # mrl validate reports the same (mrl.config.validate)
         raise UserError(problem or f"{problems[0][0]}: {problems[0][1]}")
     separate = spec.rollout.placement == "separate"

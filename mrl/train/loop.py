@@ -183,7 +183,17 @@ def train(spec: JobSpec) -> dict[str, float]:
             serve(run, generation, prompts)
             status = "FINISHED"
             return {}
-        last, tracker = _train(run, learner, generation, prompts)
+        from mrl.tracking.tracker import Tracker
+        from mrl.train.queue import ColocatedRollouts, SeparateRollouts
+
+        rollouts = (SeparateRollouts(run, learner, prompts.dataset) if run.separate
+                    else ColocatedRollouts(run, learner, generation, prompts))
+        _check_disk(spec, learner)
+        start, extra = _resume(run, learner)
+        restored = rollouts.load_state(extra, start) if extra else ""
+        tracker = Tracker.from_spec(spec, total_steps=run.total_steps, rank=run.ctx.rank,
+                                    resume_run_id=extra.get("mlflow_run_id"), start_step=start)
+        last = _train(run, learner, generation, prompts, rollouts, tracker, start, restored)
         status = "FINISHED"
         return last
     except (KeyboardInterrupt, SystemExit):   # Ctrl-C, or SIGTERM from torchrun, Slurm or kill
@@ -202,24 +212,17 @@ def train(spec: JobSpec) -> dict[str, float]:
             export_hf(spec, checkpoint_root(spec), run.total_steps, rank=run.ctx.global_rank)
 
 
-def _train(run: Run, learner: Learner, generation, prompts):
-    """The trainer ranks' loop; returns (the last step's metrics, the tracker)."""
+def _train(run: Run, learner: Learner, generation, prompts, rollouts, tracker, start: int,
+           restored: str) -> dict[str, float]:
+    """The trainer ranks' loop from step `start + 1`; returns the last step's metrics."""
     from mrl.tracking.perf import actor_mfu, throughput
     from mrl.tracking.profile import profile_step
-    from mrl.tracking.tracker import Tracker, run_dir_of
-    from mrl.train.queue import ColocatedRollouts, SeparateRollouts
+    from mrl.tracking.tracker import run_dir_of
 
     spec = run.spec
-    rollouts = (SeparateRollouts(run, learner, prompts.dataset) if run.separate
-                else ColocatedRollouts(run, learner, generation, prompts))
     samples = SampleLog()
     last: dict[str, float] = {}
     validated: dict[str, float] = {}   # the newest validation the rollout side sent (separate)
-    _check_disk(spec, learner)
-    start, extra = _resume(run, learner)
-    restored = rollouts.load_state(extra, start) if extra else ""
-    tracker = Tracker.from_spec(spec, total_steps=run.total_steps, rank=run.ctx.rank,
-                                resume_run_id=extra.get("mlflow_run_id"), start_step=start)
     try:
         if start == 0:
             tracker.log_spec(spec)
@@ -276,7 +279,7 @@ def _train(run: Run, learner: Learner, generation, prompts):
         rollouts.close()
         raise
     rollouts.close()
-    return last, tracker
+    return last
 
 
 def _log_validations(tracker, results) -> dict[str, float]:

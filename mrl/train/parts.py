@@ -86,6 +86,7 @@ class Prompts:
     dataset: Any
     samplers: dict[int, "PromptSampler"]   # DP rank -> its sampler (colocated: this rank's own)
     val_dataset: Any = None
+    carry: dict = field(default_factory=dict)   # DP rank -> mrl.train.partial.ShardCarry (partial rollouts)
 
     @property
     def shards(self) -> list[int]:

@@ -119,10 +119,15 @@ class ColocatedRollouts:
 
     # checkpoint state: the data position; nothing is in flight between steps
     def state(self, step: int) -> dict:
-        return {"sampler": self.prompts.position}
+        from mrl.train.partial import encode_carry
+
+        return {"sampler": self.prompts.position, "rollout_carry": encode_carry(self.prompts.carry)}
 
     def load_state(self, extra: dict, start: int) -> str:
+        from mrl.train.partial import decode_carry
+
         self.prompts.load_position(extra["sampler"])
+        self.prompts.carry = decode_carry(extra.get("rollout_carry"), self.prompts.dataset)
         return ""
 
     def validations(self, upto: Optional[int] = None) -> list:
@@ -271,6 +276,7 @@ class _Start:
     start_version: int        # the policy version the trainer holds at the start
     position: Optional[dict]  # data position before first_step (None: from the start)
     validated: list           # the versions to validate (`mrl.train.validate.validation_steps`)
+    carry: Optional[dict]     # partial rollouts in hand before first_step (encoded)
 
 
 class _Worker:
@@ -331,6 +337,7 @@ class SeparateRollouts:
         self.first_step = 1
         self.start_version = 0
         self.position: Optional[dict] = None   # data position after the newest step taken
+        self.carry: Optional[dict] = None      # partial rollouts in hand after the newest step taken
         self.receiver: Optional[_Worker] = None
         self.sender: Optional[_Worker] = None
         self.sent: list[int] = []            # versions to send (`versions_sent`)
@@ -351,6 +358,7 @@ class SeparateRollouts:
         self.first_step = start + 1 + len(queued)
         self.start_version = start
         self.position = extra["sampler"]
+        self.carry = extra.get("rollout_carry")
         return f"{len(queued)} steps of rollouts restored, generation resumes at step {self.first_step}"
 
     def start(self, start: int) -> None:
@@ -370,7 +378,7 @@ class SeparateRollouts:
             ranks = [split.rollout_global(i) for i in range(split.rollout_ranks)]
             liveness = Liveness(self.bridge.store, ranks, self.run.spec.platform.collective_timeout_s)
             self.bridge.send_object(_Start(self.first_step, total, self.start_version, self.position,
-                                           self.validated), self.bridge.rollout_leader, "rollout start")
+                                           self.validated, self.carry), self.bridge.rollout_leader, "rollout start")
             self.receiver = _Worker("mrl-rollout-receiver")
             self.sender = _Worker("mrl-weight-sender")
             messages = total - self.first_step + 1 + len(self.validated)
@@ -449,7 +457,7 @@ class SeparateRollouts:
                 with stage("rollouts to trainer ranks"):
                     dist.broadcast_object_list(box, src=0)
             got: StepRollout = box[0]
-        self.position = got.position
+        self.position, self.carry = got.position, got.carry
         # when the rollout side generated these (wall clock, for overlap timelines)
         return got.shards[self.run.ctx.dp_rank], {"time/rollout_generate": got.produce_s,
                                                   "time/rollout_generate_started_at": got.finished_at - got.produce_s,
@@ -483,12 +491,13 @@ class SeparateRollouts:
                 queued = [q for q in self.queue if q.step > step]
         wait_for_peers("rollout queue drain")
         # every rank stores the same extra (megatron's checkpoint checks that its common state agrees)
-        box = [(queued[-1].position if queued else self.position, [encode_rollout(q) for q in queued])]
+        box = [(queued[-1].position if queued else self.position, queued[-1].carry if queued else self.carry,
+                [encode_rollout(q) for q in queued])]
         if dist.get_world_size() > 1:
             with stage("checkpoint save"):
                 dist.broadcast_object_list(box, src=0)
-        position, encoded = box[0]
-        return {"sampler": position, "rollout_queue": encoded}
+        position, carry, encoded = box[0]
+        return {"sampler": position, "rollout_carry": carry, "rollout_queue": encoded}
 
     def close(self) -> None:
         """Wait for the weight sender to finish (the producer takes every version it needs)."""
@@ -516,12 +525,13 @@ def encode_rollout(r: StepRollout) -> dict:
             "finish": [x.finish_reason for x in s.responses],
             "info": [json.dumps(x.info) for x in s.responses],
             "prompt_index": [x.prompt_index for x in s.responses],
+            "policy_version": [x.policy_version for x in s.responses],
             "scores": list(map(float, s.scores)),
             "stats": {k: float(v) for k, v in s.stats.items()},
             "version": s.version,
         }
     return {"step": r.step, "version": r.version, "position": dict(r.position), "produce_s": r.produce_s,
-            "finished_at": r.finished_at, "shards": shards}
+            "finished_at": r.finished_at, "shards": shards, "carry": r.carry}
 
 
 def decode_rollout(e: dict, dataset) -> StepRollout:
@@ -532,12 +542,13 @@ def decode_rollout(e: dict, dataset) -> StepRollout:
         ends = torch.tensor(lengths).cumsum(0).tolist()
         tok, lp, lm = s["token_ids"].tolist(), s["logprobs"].tolist(), s["loss_mask"].tolist()
         responses = [Response(prompt_index=pi, token_ids=tok[end - n:end], logprobs=lp[end - n:end], finish_reason=f,
-                              loss_mask=lm[end - n:end], info=json.loads(info))
-                     for n, end, f, info, pi in zip(lengths, ends, s["finish"], s["info"], s["prompt_index"])]
+                              loss_mask=lm[end - n:end], info=json.loads(info), policy_version=v)
+                     for n, end, f, info, pi, v in zip(lengths, ends, s["finish"], s["info"], s["prompt_index"],
+                                                       s["policy_version"])]
         shards[int(d)] = ShardRollout(dp_rank=int(d), items=[dataset[i] for i in s["items"]], responses=responses,
                                       scores=list(s["scores"]), stats=dict(s["stats"]), version=int(s["version"]))
     return StepRollout(step=int(e["step"]), version=int(e["version"]), shards=shards, position=dict(e["position"]),
-                       produce_s=float(e["produce_s"]), finished_at=float(e["finished_at"]))
+                       produce_s=float(e["produce_s"]), finished_at=float(e["finished_at"]), carry=e.get("carry"))
 
 
 # ---------------------------------------------------------------------------- separate: the producer
@@ -560,6 +571,10 @@ def serve(run: Run, gen: Generation, prompts: Prompts) -> None:
         start = box[0]
         if start.position is not None:
             prompts.load_position(start.position)
+        if start.carry:
+            from mrl.train.partial import decode_carry
+
+            prompts.carry = decode_carry(start.carry, prompts.dataset)
         k = run.spec.rollout.max_staleness
         pending = versions_sent(start.first_step, start.last_step, k, start.start_version, start.validated)
         sent = 0

@@ -232,6 +232,7 @@ class StepRollout:
     position: dict                  # the prompt samplers' state after this step
     produce_s: float = 0.0          # wall time the rollout side spent generating and scoring it
     finished_at: float = 0.0        # time.time() when it was ready (stage timestamps)
+    carry: Optional[dict] = None    # partial rollouts: the groups in hand after it (encoded)
 
 
 def round_seed(base: int, step: int, rounds: int, dp_rank: int) -> int:
@@ -254,6 +255,10 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
     generation rounds while dynamic sampling keeps too few. `agree_min(k)` is the minimum of `k`
     over every shard of the step (colocated: a DP all-reduce; separate: over the rollout ranks), so
     all shards run the same rounds and keep the same number of prompts."""
+    if run.spec.rollout.partial_rollout_tokens:
+        from mrl.train.partial import produce_partial
+
+        return produce_partial(run, gen, prompts, step, agree_min, reward_model)
     spec = run.spec
     dyn = spec.algorithm.dynamic_sampling
     base = spec.rollout.seed
@@ -268,6 +273,8 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
             picked = prompts.samplers[d].next()
             items = [prompts.dataset[i] for i in picked.indices]
             responses = generate(run, gen, [list(it.token_ids) for it in items], sampling, dp_rank=d)
+            for x in responses:
+                x.policy_version = gen.version
             r = score(run, gen, items, responses, n, step, metric=dyn.metric if dyn.enable else None,
                       reward_model=reward_model)
             st.generated += len(responses)

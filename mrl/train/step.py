@@ -30,7 +30,7 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
     shard, metrics = rollouts.take(step, t)
     batch, m, rows = to_batch(run, shard, step)
     metrics.update(m)
-    metrics.update(staleness(shard.version, step, spec.rollout.max_staleness))
+    metrics.update(staleness([r.policy_version for r in shard.responses], step, spec.rollout.max_staleness))
     if samples is not None:
         samples.put("train", rows)
     if alg.advantage == "remax":
@@ -65,15 +65,17 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
     return metrics
 
 
-def staleness(version: int, step: int, max_staleness: int) -> dict[str, float]:
-    """How many policy versions the step's responses lag the policy they train (step - 1). The
-    rollout side generates step t with version max(0, t - 1 - max_staleness) exactly
-    (`mrl.train.queue`), so a larger lag is a bug, not data to drop."""
-    lag = step - 1 - version
-    if not 0 <= lag <= max_staleness:
-        raise RuntimeError(f"step {step} got responses of policy version {version}: lag {lag} outside "
+def staleness(versions: list[int], step: int, max_staleness: int) -> dict[str, float]:
+    """How many policy versions the step's responses (`versions`: of each one's first token) lag
+    the policy they train (step - 1). The rollout side generates step t with version
+    max(0, t - 1 - max_staleness) exactly and drops partial rollouts that began earlier
+    (`mrl.train.queue`, `mrl.train.partial`), so a larger lag is a bug, not data to drop."""
+    lags = [step - 1 - v for v in versions]
+    if lags and not 0 <= min(lags) <= max(lags) <= max_staleness:
+        raise RuntimeError(f"step {step} got responses lagging {min(lags)}..{max(lags)} policy versions, outside "
                            f"[0, rollout.max_staleness = {max_staleness}]")
-    return {"rollout/version_lag_mean": float(lag), "rollout/version_lag_max": float(lag)}
+    return {"rollout/version_lag_mean": sum(lags) / len(lags) if lags else 0.0,
+            "rollout/version_lag_max": float(max(lags, default=0))}
 
 
 # ---------------------------------------------------------------------------- stages
