@@ -138,7 +138,7 @@ def test_partial_rollouts_train_and_resume_exactly(tmp_path):
     carried over, lags stay within max_staleness 1, and a run stopped at step 2 and resumed equals
     the uninterrupted run (the groups in hand are in the checkpoint)."""
     from tests.dist_util import run_torchrun
-    from tests.train.test_train_bf16 import _history, _same_metrics
+    from tests.train.test_train_bf16 import _history
 
     args = ["rollout.partial_rollout_tokens=3", "rollout.max_staleness=1",
             "algorithm.dynamic_sampling.generation_batch_prompts=12", "checkpoint.every_steps=2", "job.name=run",
@@ -151,7 +151,10 @@ def test_partial_rollouts_train_and_resume_exactly(tmp_path):
     train(tmp_path / "whole", 4)
     train(tmp_path / "resumed", 2)
     train(tmp_path / "resumed", 4)
-    whole = _history(tmp_path / "whole")
-    _same_metrics(whole, _history(tmp_path / "resumed"), [1, 2, 3, 4])
+    whole, again = _history(tmp_path / "whole"), _history(tmp_path / "resumed")
+    # a step that only trains groups finished earlier scores nothing: reward-pool keys skip it
+    keys = [k for k in whole if not k.startswith(("time/", "throughput/", "memory/"))]
+    assert keys and all(again.get(k) == whole[k] for k in keys), [k for k in keys if again.get(k) != whole[k]]
+    assert sorted(whole["reward/mean"]) == [1, 2, 3, 4]
     assert sum(whole["rollout/partial_tokens_carried"].values()) > 0
     assert max(whole["rollout/version_lag_max"].values()) == 1.0
