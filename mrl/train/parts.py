@@ -16,17 +16,24 @@ holds `Generation` and `Prompts` (no `Learner`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from transformers import PreTrainedTokenizerBase
+
     from mrl.algos.kl import AdaptiveController, FixedController
     from mrl.config.job import JobSpec
+    from mrl.data.prompts import PromptDataset
     from mrl.data.sampler import PromptSampler
     from mrl.engine import Engine
     from mrl.platform.runtime import Context
     from mrl.reward.compose import Rewarder
     from mrl.rollout.engine import RolloutEngine
+    from mrl.rollout.multi_turn import MultiTurnRollout
     from mrl.rollout.plan import EngineGroups
+    from mrl.train.build import PrecomputedScores
+    from mrl.train.partial import ShardCarry
     from mrl.weights.hf_export import Exporter
 
 
@@ -37,7 +44,7 @@ class Run:
     spec: "JobSpec"
     ctx: "Context"
     hf: dict                        # the model's Hugging Face config
-    tokenizer: Any                  # a transformers tokenizer
+    tokenizer: "PreTrainedTokenizerBase"
     total_steps: int
     dp: int                         # the trainer's data-parallel size (also known on rollout ranks)
 
@@ -68,11 +75,11 @@ class Generation:
     """
 
     engine: Optional["RolloutEngine"] = None
-    generator: Any = None           # the engine, or a multi-turn tool loop over it
+    generator: Optional[Union["RolloutEngine", "MultiTurnRollout"]] = None   # the engine, or a tool loop over it
     groups: Optional["EngineGroups"] = None   # vllm engine groups (None: one engine per leader)
     rewarder: Optional["Rewarder"] = None     # on leaders only
-    rm_scores: Any = None           # PrecomputedScores the rewarder reads (reward model jobs)
-    mp_group: Any = None            # colocated: the model-parallel group the leader broadcasts to
+    rm_scores: Optional["PrecomputedScores"] = None   # what the rewarder reads (reward model jobs)
+    mp_group: Optional["ProcessGroup"] = None   # the group the leader broadcasts to (model-parallel, or engine)
     leader: int = 0                 # global rank of this rank's leader
     is_leader: bool = True
     weights_key: Optional[int] = None   # actor updates the engine's weights reflect (None: none loaded)
@@ -83,10 +90,10 @@ class Generation:
 class Prompts:
     """Training prompts and the samplers of the data-parallel shards this rank generates for."""
 
-    dataset: Any
+    dataset: "PromptDataset"
     samplers: dict[int, "PromptSampler"]   # DP rank -> its sampler (colocated: this rank's own)
-    val_dataset: Any = None
-    carry: dict = field(default_factory=dict)   # DP rank -> mrl.train.partial.ShardCarry (partial rollouts)
+    val_dataset: Optional["PromptDataset"] = None
+    carry: dict[int, "ShardCarry"] = field(default_factory=dict)   # DP rank -> groups in hand (partial rollouts)
 
     @property
     def shards(self) -> list[int]:
