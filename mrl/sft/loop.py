@@ -194,28 +194,25 @@ def _resume(r: SFTRun) -> tuple[int, dict]:
 
 def sft(spec) -> dict[str, float]:
     """Run the SFT job `spec` to its last step (or resume it); returns the last step's metrics."""
-    from mrl.platform import teardown
+    from mrl.platform.dist import create_wait_group, wait_for_peers
     from mrl.tracking.tracker import Tracker, run_dir_of
-    from mrl.train.loop import _reduce_metrics, _terminate_by_exit
-
-    import signal
+    from mrl.train.lifecycle import run_lifecycle
+    from mrl.train.loop import _reduce_metrics
 
     r = build(spec)
-    tracker = None
-    status = "FAILED"
     last: dict[str, float] = {}
-    previous_sigterm = _terminate_by_exit()
-    try:
+    with run_lifecycle(spec, rank=r.ctx.rank, checkpoint_root=Path(spec.checkpoint.dir)) as life:
         from mrl.checkpoint import state, store
 
+        create_wait_group(spec.platform.collective_timeout_s)
         store.check_writable(run_dir_of(spec), 0, "job.output_dir")
         store.check_writable(Path(spec.checkpoint.dir),
                              state.estimated_bytes(r.engine.chunks, with_optimizer=spec.checkpoint.save_optimizer),
                              "checkpoint.dir")
         start, extra = _resume(r)
-        tracker = Tracker(spec.tracking, run_dir=run_dir_of(spec), total_steps=r.total_steps, rank=r.ctx.rank,
-                          resume_run_id=extra.get("mlflow_run_id"), start_step=start,
-                          log_every_steps=spec.sft.log_every_steps)
+        tracker = life.tracker = Tracker(spec.tracking, run_dir=run_dir_of(spec), total_steps=r.total_steps,
+                                         rank=r.ctx.rank, resume_run_id=extra.get("mlflow_run_id"), start_step=start,
+                                         log_every_steps=spec.sft.log_every_steps)
         if start == 0:
             tracker.log_spec(spec)
             tracker.log_params({f"data/{k}": v for k, v in r.train.stats.items()})
@@ -224,6 +221,7 @@ def sft(spec) -> dict[str, float]:
                             "raise sft.total_steps to train further")
         else:
             tracker.message(f"resumed from step {start} of {r.total_steps}")
+        wait_for_peers("tracking setup")   # rank 0 alone creates or re-attaches the MLflow run
         every, val_every = spec.checkpoint.every_steps, spec.sft.val_every_steps
         for step in range(start + 1, r.total_steps + 1):
             tracker.stage("train")
@@ -235,18 +233,5 @@ def sft(spec) -> dict[str, float]:
             last = metrics
             if (every and step % every == 0) or step == r.total_steps:
                 _save(r, step, tracker.run_id)
-        status = "FINISHED"
+        life.finished(export_steps=r.total_steps)
         return last
-    except (KeyboardInterrupt, SystemExit):
-        status = "KILLED"
-        raise
-    finally:
-        if previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, previous_sigterm)
-        if tracker is not None:
-            tracker.finish(status)
-        teardown()
-        if status == "FINISHED" and spec.checkpoint.save_hf_at_end:
-            from mrl.train.export import export_hf
-
-            export_hf(spec, Path(spec.checkpoint.dir), r.total_steps, rank=r.ctx.rank)

@@ -15,8 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import signal
-import threading
 from pathlib import Path
 
 import torch
@@ -101,19 +99,6 @@ def _save(run: Run, learner: Learner, rollouts, step: int, tracker_run_id) -> No
                scheduler=learner.actor.scheduler, extra=extra, keep_last=spec.checkpoint.keep_last)
 
 
-def _terminate_by_exit():
-    """SIGTERM raises `SystemExit(143)` in the main thread, so the run unwinds: the MLflow run is
-    marked KILLED and reward workers and the rollout engine are closed. Returns the previous
-    handler (None off the main thread, where signals cannot be handled)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def on_sigterm(signum, frame):
-        raise SystemExit(128 + signum)
-
-    return signal.signal(signal.SIGTERM, on_sigterm)
-
-
 def _check_disk(spec: JobSpec, learner: Learner) -> None:
     """Before the first step, on every trainer rank: the run directory and the checkpoint
     directory are writable, and the latter has room for one checkpoint (estimated from the
@@ -170,18 +155,16 @@ def _reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
 def train(spec: JobSpec) -> dict[str, float]:
     """Run `spec` to `trainer.total_steps` (or its epochs); returns the last step's metrics
     (on a rollout-only rank: {})."""
-    from mrl.platform import teardown
+    from mrl.train.lifecycle import run_lifecycle
 
     run, learner, generation, prompts = build(spec)
-    status = "FAILED"
-    previous_sigterm = _terminate_by_exit()
-    tracker = None
-    try:
+    with run_lifecycle(spec, rank=run.ctx.global_rank, checkpoint_root=checkpoint_root(spec),
+                       close=lambda: close(generation)) as life:
         if learner is None:   # a rollout rank of a separate placement
             from mrl.train.queue import serve
 
             serve(run, generation, prompts)
-            status = "FINISHED"
+            life.finished()
             return {}
         from mrl.tracking.tracker import Tracker
         from mrl.train.queue import ColocatedRollouts, SeparateRollouts
@@ -191,25 +174,11 @@ def train(spec: JobSpec) -> dict[str, float]:
         _check_disk(spec, learner)
         start, extra = _resume(run, learner)
         restored = rollouts.load_state(extra, start) if extra else ""
-        tracker = Tracker.from_spec(spec, total_steps=run.total_steps, rank=run.ctx.rank,
-                                    resume_run_id=extra.get("mlflow_run_id"), start_step=start)
-        last = _train(run, learner, generation, prompts, rollouts, tracker, start, restored)
-        status = "FINISHED"
+        life.tracker = Tracker.from_spec(spec, total_steps=run.total_steps, rank=run.ctx.rank,
+                                         resume_run_id=extra.get("mlflow_run_id"), start_step=start)
+        last = _train(run, learner, generation, prompts, rollouts, life.tracker, start, restored)
+        life.finished(export_steps=run.total_steps)
         return last
-    except (KeyboardInterrupt, SystemExit):   # Ctrl-C, or SIGTERM from torchrun, Slurm or kill
-        status = "KILLED"
-        raise
-    finally:
-        if previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, previous_sigterm)
-        if tracker is not None:
-            tracker.finish(status)
-        close(generation)
-        teardown()
-        if status == "FINISHED" and spec.checkpoint.save_hf_at_end and learner is not None:
-            from mrl.train.export import export_hf
-
-            export_hf(spec, checkpoint_root(spec), run.total_steps, rank=run.ctx.global_rank)
 
 
 def _train(run: Run, learner: Learner, generation, prompts, rollouts, tracker, start: int,
