@@ -183,7 +183,7 @@ def test_dynamic_sampling_metric_picks_the_reward_output_that_decides_equality()
 
 
 def test_generation_batch_prompts_only_with_dynamic_sampling():
-    with pytest.raises(SpecError, match="only dynamic sampling generates more prompts"):
+    with pytest.raises(SpecError, match="only dynamic sampling and partial rollouts generate more prompts"):
         load(QUICKSTART, ["algorithm.dynamic_sampling.generation_batch_prompts=16"])
     with pytest.raises(SpecError, match="do not split evenly over data-parallel size 2"):
         load(QUICKSTART, ["parallel.tensor=1", "algorithm.dynamic_sampling.enable=true",

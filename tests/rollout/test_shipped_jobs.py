@@ -21,24 +21,30 @@ def test_shipped_job_builds_its_layout_and_engine_plan(job):
     from mrl.config.loader import load
     from mrl.models.facts import model_facts
     from mrl.platform.parallel import check_layout
-    from mrl.rollout.layout import rollout_layout_problems
+    from mrl.rollout.layout import engine_world, rollout_layout_problems, trainer_world
     from mrl.rollout.plan import EngineGroups, plan_prompts
     from mrl.rollout.vllm_engine import engine_args
 
     spec, _ = load(job)
-    world = spec.platform.world_size
-    check_layout(spec.parallel, world, spec.platform.device)           # megatron's rules
     if hasattr(spec, "sft"):   # an SFT job (mrl sft): no rollout engine
+        check_layout(spec.parallel, spec.platform.world_size, spec.platform.device)
         return
+    world = trainer_world(spec.rollout, spec.platform.world_size)     # the ranks that train
+    check_layout(spec.parallel, world, spec.platform.device)           # megatron's rules
     facts = model_facts(spec.model.path)
     if facts is None:   # only a local checkpoint that is not on this machine may be unreadable
         assert "/" in spec.model.path and not spec.model.path.startswith(("Qwen/", "meta-llama/")), spec.model.path
     r = spec.rollout
-    assert rollout_layout_problems(r, world, facts) == []              # mrl train's rule
+    assert rollout_layout_problems(r, spec.platform.world_size, facts) == []   # mrl train's rule
     par = spec.parallel
     dp = world // (par.tensor * par.pipeline * par.context)
     per_dp = spec.data.prompts_per_step // dp
     assert per_dp * dp == spec.data.prompts_per_step
+    if r.placement == "separate":   # engine group g of G generates DP shards g, g + G, ...
+        groups = EngineGroups(engine_world(r, spec.platform.world_size), r.tensor_parallel * r.pipeline_parallel)
+        shares = [list(range(g, dp, groups.count)) for g in range(groups.count)]
+        assert all(shares), f"{job.name}: an engine group would idle ({shares})"
+        return
     if r.engine != "vllm":
         return
     groups = EngineGroups(world, r.tensor_parallel * r.pipeline_parallel)
