@@ -65,15 +65,12 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_bf16_two_rank_layouts_checkpoint_and_resume_exactly(tmp_path, layout):
-    """2 ranks in bf16: a run stopped at step 2 and resumed equals the uninterrupted 3-step run."""
-    args = ["trainer.total_steps={}", "checkpoint.every_steps=2", *BF16.split(), *LAYOUTS[layout].split(),
-            "job.name=run", "tracking.backends=[\"mlflow\"]"]
-
-    def train(out, steps):
-        run_torchrun("-m mrl train", "jobs/quickstart_cpu.toml", f"job.output_dir={out}",
-                     *(a.format(steps) for a in args), timeout=600)
-
-    train(tmp_path / "whole", 3)
-    train(tmp_path / "resumed", 2)
-    train(tmp_path / "resumed", 3)
+    """2 ranks in bf16: a run stopped at step 2 and resumed equals the uninterrupted 3-step run.
+    The three runs share one 2-rank launch (`run_jobs.py`: one `train()` after another, each
+    bringing the platform up and down)."""
+    args = f"checkpoint.every_steps=2 {BF16} {LAYOUTS[layout]} job.name=run"
+    run_torchrun("tests/train/scripts/run_jobs.py", "jobs/quickstart_cpu.toml", str(tmp_path),
+                 f"{args} job.output_dir={tmp_path / 'whole'} trainer.total_steps=3",
+                 f"{args} job.output_dir={tmp_path / 'resumed'} trainer.total_steps=2",
+                 f"{args} job.output_dir={tmp_path / 'resumed'} trainer.total_steps=3", timeout=900)
     _same_metrics(_history(tmp_path / "whole"), _history(tmp_path / "resumed"), [1, 2, 3])
