@@ -30,9 +30,12 @@ The exchange, separate placement:
   step consumes it. Trainer rank 0 receives rollouts ahead of need (it waits only when the queue
   is empty).
 - liveness: every rollout rank beats a heartbeat on the rendezvous store; trainer rank 0 waits
-  for a step's rollouts by polling the store (the rollout leader announces each step it sends),
-  and a rollout rank whose heartbeat stops for `platform.collective_timeout_s` is an error naming
-  it, whether it died or hangs.
+  for a step's rollouts by polling the store (the rollout leader announces each message it
+  sends), and a rollout rank whose heartbeat stops for `platform.collective_timeout_s` is an
+  error naming it, whether it died or hangs. Weights are broadcast only once every rollout rank
+  says (on its heartbeat) that it waits for that version, and rollout ranks wait for trainer rank
+  0's announcement by polling the store: neither side sits in a collective for the length of a
+  rollout or a training step.
 - checkpoints: after step s, trainer rank 0 drains the rollouts already determined (steps up to
   s + 1 + k, all generated from versions <= s) into its queue and saves them with the data
   position after them; a resume restores the queue, so no prompt is lost or trained twice and
@@ -145,11 +148,15 @@ class ColocatedRollouts:
 
 # ---------------------------------------------------------------------------- the weight stream over the bridge
 
-def send_weights(bridge: Bridge, stream, version: int, bucket_mb: int) -> int:
-    """Trainer rank 0: broadcast version `version` of the actor, the HF-named full tensors of
-    `stream`, to the rollout ranks in buckets of `bucket_mb`; returns the tensors sent."""
+def send_weights(bridge: Bridge, stream, version: int, bucket_mb: int, liveness: "Liveness") -> int:
+    """Trainer rank 0: once every rollout rank waits for it, announce and broadcast version
+    `version` of the actor, the HF-named full tensors of `stream`, to the rollout ranks in buckets
+    of `bucket_mb`; returns the tensors sent. (Both sides enter the broadcast only when the other
+    is there, so no collective timeout covers a rollout or a training step.)"""
     from mrl.weights.hf_export import hf_buckets
 
+    liveness.wait_until_ready(version, f"weight sync of version {version}")
+    bridge.store.set("weights/announced", str(version))
     sent = 0
     for bucket in hf_buckets(stream, bucket_mb * 2**20):
         _broadcast_bucket(bridge, bucket, version)
@@ -203,12 +210,13 @@ def _receive_bucket(bridge: Bridge) -> tuple[int, list[tuple[str, torch.Tensor]]
 
 class Heartbeat:
     """A rollout rank's heartbeat: a counter on the rendezvous store, bumped every `every_s` by a
-    daemon thread, with the number of steps this rank has sent (the rollout leader's tells the
-    trainer a step is ready to receive)."""
+    daemon thread, with the number of messages this rank has sent (the rollout leader's tells the
+    trainer one is ready to receive) and the weight version it waits for (-1: none)."""
 
     def __init__(self, store: dist.Store, rank: int, every_s: float = 0.5):
         self.store, self.rank, self.every_s = store, rank, every_s
         self.sent = 0
+        self.ready_for = -1
         self._stop = threading.Event()
         self._beats = 0
         self._publish()
@@ -217,7 +225,7 @@ class Heartbeat:
 
     def _publish(self) -> None:
         self._beats += 1
-        self.store.set(f"heartbeat/{self.rank}", f"{self._beats} {self.sent}")
+        self.store.set(f"heartbeat/{self.rank}", f"{self._beats} {self.sent} {self.ready_for}")
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -229,6 +237,16 @@ class Heartbeat:
     def announce(self, steps_sent: int) -> None:
         self.sent = steps_sent
         self._publish()
+
+    def wait_for_weights(self, version: int) -> None:
+        """Say this rank waits for weight version `version`, then wait until trainer rank 0
+        announces that it broadcasts it (polling the store: a training step may take longer than
+        any collective timeout, and a trainer that dies takes the launch down)."""
+        self.ready_for = version
+        self._publish()
+        while not (self.store.check(["weights/announced"])
+                   and int(self.store.get("weights/announced").decode()) >= version):
+            time.sleep(0.02)
 
     def stop(self) -> None:
         self._stop.set()
@@ -242,19 +260,21 @@ class Liveness:
         now = time.monotonic()
         self.last = {r: (None, now) for r in ranks}
 
-    def _read(self, rank: int) -> tuple[int, int]:
+    def _read(self, rank: int) -> tuple[int, int, int]:
         if not self.store.check([f"heartbeat/{rank}"]):
-            return 0, 0
-        beats, sent = self.store.get(f"heartbeat/{rank}").decode().split()
-        return int(beats), int(sent)
+            return 0, 0, -1
+        beats, sent, ready = self.store.get(f"heartbeat/{rank}").decode().split()
+        return int(beats), int(sent), int(ready)
 
-    def wait_until_sent(self, leader: int, steps: int, what: str) -> None:
-        """Block until the rollout leader has sent `steps` steps; a rollout rank whose heartbeat
-        stood still for `timeout_s` raises `CollectiveTimeout` naming it."""
+    def _wait(self, done, what: str) -> None:
+        """Poll the heartbeats until `done(states)` ({rank: (sent, ready_for)}); a rollout rank
+        whose heartbeat stood still for `timeout_s` raises `CollectiveTimeout` naming it."""
         while True:
             now = time.monotonic()
+            states = {}
             for r in self.ranks:
-                beats, sent = self._read(r)
+                beats, sent, ready = self._read(r)
+                states[r] = (sent, ready)
                 seen, since = self.last[r]
                 if beats != seen:
                     self.last[r] = (beats, now)
@@ -262,9 +282,17 @@ class Liveness:
                     raise CollectiveTimeout(
                         f"stage '{what}': rollout rank {r} has given no sign of life for {now - since:.0f} s "
                         f"(platform.collective_timeout_s = {self.timeout_s:g}): it died or hangs; its log says where")
-                if r == leader and sent >= steps:
-                    return
+            if done(states):
+                return
             time.sleep(0.02)
+
+    def wait_until_sent(self, leader: int, messages: int, what: str) -> None:
+        """Block until the rollout leader has sent `messages` messages."""
+        self._wait(lambda states: states[leader][0] >= messages, what)
+
+    def wait_until_ready(self, version: int, what: str) -> None:
+        """Block until every rollout rank waits for weight version `version` (or a later one)."""
+        self._wait(lambda states: all(ready >= version for _, ready in states.values()), what)
 
 
 # ---------------------------------------------------------------------------- separate: the consumer
@@ -340,6 +368,7 @@ class SeparateRollouts:
         self.carry: Optional[dict] = None      # partial rollouts in hand after the newest step taken
         self.receiver: Optional[_Worker] = None
         self.sender: Optional[_Worker] = None
+        self.sender_liveness: Optional[Liveness] = None
         self.sent: list[int] = []            # versions to send (`versions_sent`)
         self.validated: list[int] = []       # versions the rollout side validates
         self.results: collections.deque[ValidationResult] = collections.deque()   # arrived, not yet logged
@@ -377,6 +406,8 @@ class SeparateRollouts:
             split = self.bridge.split
             ranks = [split.rollout_global(i) for i in range(split.rollout_ranks)]
             liveness = Liveness(self.bridge.store, ranks, self.run.spec.platform.collective_timeout_s)
+            # the sender thread's own view (each thread tracks the beats it has seen)
+            self.sender_liveness = Liveness(self.bridge.store, ranks, self.run.spec.platform.collective_timeout_s)
             self.bridge.send_object(_Start(self.first_step, total, self.start_version, self.position,
                                            self.validated, self.carry), self.bridge.rollout_leader, "rollout start")
             self.receiver = _Worker("mrl-rollout-receiver")
@@ -435,10 +466,10 @@ class SeparateRollouts:
         if self.k == 0:   # the producer waits for these weights: stream them, no copy
             self.sender.idle.wait()
             self.sender.check()
-            send_weights(self.bridge, self.learner.exporter.stream(0), version, bucket_mb)
+            send_weights(self.bridge, self.learner.exporter.stream(0), version, bucket_mb, self.sender_liveness)
             return
         staged = [(name, t.detach().to("cpu", copy=True)) for name, t in self.learner.exporter.stream(0)]
-        self.sender.submit(lambda: send_weights(self.bridge, iter(staged), version, bucket_mb))
+        self.sender.submit(lambda: send_weights(self.bridge, iter(staged), version, bucket_mb, self.sender_liveness))
 
     def take(self, step: int, t) -> tuple[ShardRollout, dict[str, float]]:
         from mrl.platform.dist import stage, wait_for_peers
@@ -589,6 +620,7 @@ def serve(run: Run, gen: Generation, prompts: Prompts) -> None:
 
         def take_version() -> None:
             """Load the next version trainer rank 0 sends, and validate it when asked to."""
+            heartbeat.wait_for_weights(pending[0])
             version, stream = receive_weights(bridge)
             if version != pending[0]:
                 raise RuntimeError(f"expected policy version {pending[0]} from the trainer, received {version}")
