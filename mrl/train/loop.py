@@ -245,7 +245,7 @@ def _train(run: Run, learner: Learner, generation, prompts, rollouts, tracker, s
         if last and validated:
             last = {**last, **validated}
     except BaseException:
-        rollouts.close()
+        rollouts.close(wait=False)
         raise
     rollouts.close()
     return last

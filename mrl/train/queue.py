@@ -142,7 +142,7 @@ class ColocatedRollouts:
     def after_update(self, step: int) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         pass
 
 
@@ -530,12 +530,15 @@ class SeparateRollouts:
         position, carry, encoded = box[0]
         return {"sampler": position, "rollout_carry": carry, "rollout_queue": encoded}
 
-    def close(self) -> None:
-        """Wait for the weight sender to finish (the producer takes every version it needs)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the exchange threads; with `wait` (a run that finished), first let the weight
+        sender finish (the producer takes every version it needs). A failing run does not wait:
+        its threads are daemons and the error that stopped it is the one to report."""
         if self.sender is not None:
-            self.sender.idle.wait()
+            if wait:
+                self.sender.idle.wait()
+                self.sender.check()
             self.sender.stop()
-            self.sender.check()
         if self.receiver is not None:
             self.receiver.stop()
 
