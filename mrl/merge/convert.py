@@ -169,19 +169,30 @@ def merge(checkpoint: str | Path, out: str | Path, *, max_shard_size: str | int 
         verification = None
         if do_verify:
             verification = run_verify(staging, megatron, info, dtype=out_dtype, tolerance=tolerance)
-            if not verification.ok:
-                raise UserError(f"merge: verification failed: {verification.what} of {staging} differ from the "
-                                f"checkpoint's by {verification.max_abs_diff:.3e} (> {tolerance:g} x "
-                                f"{max(1.0, verification.scale):.3g}); the output was left in {staging}")
+            _require(verification, f"{verification.what} of {staging}", staging)
         del megatron
-    if out.exists():
-        out.rmdir()  # empty (checked above)
-    staging.rename(out)
+    _publish(staging, out)
     return MergeReport(out=out, checkpoint=info.path, step=info.step, role=info.role, dtype=config_dtype,
                        shards=len(writer.shards), tensors=len(index["weight_map"]) + n_head,
                        bytes=index["metadata"]["total_size"], value_head=info.valued,
                        tokenizer_files=tuple(tokenizer_files), generation_config=generation,
                        verification=verification, seconds=time.perf_counter() - start)
+
+
+def _require(verification, subject: str, staging: Path) -> None:
+    """A failed verification is a one-line `UserError` naming what differs; the output stays in
+    `staging` for inspection."""
+    if not verification.ok:
+        raise UserError(f"merge: verification failed: {subject} differ from the checkpoint's by "
+                        f"{verification.max_abs_diff:.3e} (> {verification.tolerance:g} x "
+                        f"{max(1.0, verification.scale):.3g}); the output was left in {staging}")
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Move the finished output into place (`out` is absent or empty, checked up front)."""
+    if out.exists():
+        out.rmdir()
+    staging.rename(out)
 
 
 def _is_builtin(info: CheckpointInfo) -> bool:
@@ -233,14 +244,9 @@ def _merge_peft(info: CheckpointInfo, out: Path, *, dtype: Optional[str], verify
             verification = Verification(what="logits",
                                         max_abs_diff=(got.double() - want.double()).abs().max().item(),
                                         scale=want.abs().max().item(), tolerance=tolerance, tokens=tokens.numel())
-            if not verification.ok:
-                raise UserError(f"merge: verification failed: the logits of {base} with the adapter {staging} "
-                                f"differ from the checkpoint's by {verification.max_abs_diff:.3e} (> {tolerance:g} x "
-                                f"{max(1.0, verification.scale):.3g}); the output was left in {staging}")
+            _require(verification, f"the logits of {base} with the adapter {staging}", staging)
         del megatron
-    if out.exists():
-        out.rmdir()  # empty (checked above)
-    staging.rename(out)
+    _publish(staging, out)
     nbytes = (out / ADAPTER_WEIGHTS).stat().st_size
     return MergeReport(out=out, checkpoint=info.path, step=info.step, role=info.role,
                        dtype=out_dtype or info.stored_dtype, shards=1, tensors=n, bytes=nbytes, value_head=False,

@@ -101,13 +101,7 @@ def seed_model_parallel(seed: int, device: str) -> None:
 
     On cuda this is megatron's own function; on cpu the compat layer's CPU-generator twin.
     """
-    import random
-
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    seed_process(seed)
     if device == "cuda":
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -118,8 +112,9 @@ def seed_model_parallel(seed: int, device: str) -> None:
         cpu_model_parallel_manual_seed(seed)
 
 
-def seed_model_parallel_free(seed: int) -> None:
-    """Seed the process-wide RNGs on a rank without megatron's groups (a rollout-only rank)."""
+def seed_process(seed: int) -> None:
+    """Seed the process-wide RNGs (Python, numpy, torch's default generator); all a rank without
+    megatron's groups (a rollout-only rank) needs."""
     import random
 
     import numpy as np

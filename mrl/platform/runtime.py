@@ -136,7 +136,7 @@ def setup(platform: PlatformConfig, parallel: ParallelConfig, seed: int, *,
                 layout = _parallel.initialize_model_parallel(parallel, collective_timeout_s=platform.collective_timeout_s)
             _parallel.seed_model_parallel(seed, platform.device)
         else:
-            _parallel.seed_model_parallel_free(seed)
+            _parallel.seed_process(seed)
     except BaseException:
         _teardown_partial()
         raise

@@ -225,7 +225,7 @@ def _train(run: Run, learner: Learner, generation, prompts, rollouts, tracker, s
                 metrics.update(validate(run, generation, prompts, step, samples, learner.reward_model))
                 rollouts.release()
                 metrics["time/validation"] = _max_over_ranks(time.perf_counter() - started)
-            metrics["train/epoch"] = float(step_epoch(rollouts, prompts))
+            metrics["train/epoch"] = float(rollouts.epoch())
             tracker.log_metrics(metrics, step)
             for split in ("train", "validation"):
                 rows = samples.take(split)
@@ -262,11 +262,3 @@ def _log_validations(tracker, results) -> dict[str, float]:
         if r.rows:
             tracker.log_samples("validation", r.rows)
     return newest
-
-
-def step_epoch(rollouts, prompts) -> int:
-    """The epoch of the data position after the step just trained."""
-    position = getattr(rollouts, "position", None)
-    if position is not None:   # separate: the producer's position for this step
-        return int(position["epoch"])
-    return prompts.epoch

@@ -136,6 +136,10 @@ class ColocatedRollouts:
     def validations(self, upto: Optional[int] = None) -> list:
         return []   # colocated validation runs inline in the loop
 
+    def epoch(self) -> int:
+        """The epoch of the data position after the step just trained."""
+        return self.prompts.epoch
+
     def start(self, start: int) -> None:
         pass
 
@@ -494,6 +498,10 @@ class SeparateRollouts:
                                                   "time/rollout_generate_started_at": got.finished_at - got.produce_s,
                                                   "time/rollout_generate_ended_at": got.finished_at}
 
+    def epoch(self) -> int:
+        """The epoch of the data position after the step just taken (the producer's)."""
+        return int(self.position["epoch"])
+
     def greedy_baseline(self, batch, step: int):
         raise RuntimeError("remax needs a colocated rollout")   # refused by mrl validate
 
@@ -676,4 +684,4 @@ def _rollout_min(count: int) -> int:
     return int(t.item())
 
 
-__all__ = ["ColocatedRollouts", "SeparateRollouts", "serve", "needed_version", "Response"]
+__all__ = ["ColocatedRollouts", "SeparateRollouts", "serve", "needed_version"]

@@ -59,11 +59,13 @@ def test_one_step_off_policy_overlaps_lags_by_one_and_learns(tmp_path):
 
 
 def test_killed_async_run_resumes_exactly(tmp_path):
-    """max_staleness 1 with partial rollouts, killed (SIGKILL to every process) after its step-2
-    checkpoint: the resumed run restores the two steps of rollouts that were in flight and the
-    partial groups in hand after them, and equals the uninterrupted run, metric for metric; the
-    resumed producer starts after them (no prompt generated twice)."""
+    """max_staleness 1 with partial rollouts, in bf16 (the weights cross the bridge as bf16 bytes),
+    killed (SIGKILL to every process) after its step-2 checkpoint: the resumed run restores the
+    two steps of rollouts that were in flight and the partial groups in hand after them, and
+    equals the uninterrupted run, metric for metric; the resumed producer starts after them (no
+    prompt generated twice)."""
     args = ["trainer.total_steps=5", "checkpoint.every_steps=2", "rollout.max_staleness=1", *SEPARATE,
+            "model.dtype=bfloat16",
             "rollout.partial_rollout_tokens=3", "algorithm.dynamic_sampling.generation_batch_prompts=12"]
     _train(tmp_path / "whole", *args, nproc=3)
 
