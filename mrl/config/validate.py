@@ -14,8 +14,8 @@ from mrl.config.job import JobSpec
 from mrl.models.facts import builtin_preset, model_facts
 from mrl.reward import function as reward_function
 
-_GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
-_SEQ_MEAN_LOSSES = ("gspo", "sapo")
+_GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk", "gpg", "gdpo")
+_SEQ_MEAN_LOSSES = ("sapo", "geo_mean")   # mrl.algos.losses.FORCED_AGG_MODE (importing it would import torch)
 
 
 def _replace(obj, **changes):
@@ -43,11 +43,40 @@ def resolve_shared(spec, default_name: str = "job") -> dict:
     return dict(job=job, parallel=par, data=data, model=model, tracking=tracking, checkpoint=checkpoint)
 
 
+def _expand_preset(alg):
+    """`algorithm.correction.preset` written out into the fields it stands for; a field the job
+    sets to other than its default keeps the job's value. The preset itself is then cleared, so
+    the resolved spec says everything explicitly."""
+    cor = alg.correction
+    if cor.preset is None:
+        return alg
+    from mrl.algos.config import CorrectionConfig
+    from mrl.algos.rejection_spec import PRESETS
+
+    preset = PRESETS[cor.preset]
+    level, rejection, threshold = preset.is_level or "off", preset.rs, preset.rs_threshold
+    bypass, loss = preset.bypass, preset.loss_type
+    default = CorrectionConfig()
+    changes = {"preset": None}
+    if cor.level == default.level:
+        changes["level"] = level
+    if cor.rejection is None:
+        changes["rejection"] = rejection
+    if cor.rejection_threshold is None:
+        changes["rejection_threshold"] = threshold
+    if bypass and cor.old_logprobs == default.old_logprobs:
+        changes["old_logprobs"] = "rollout"
+    alg = _replace(alg, correction=_replace(cor, **changes))
+    if loss == "reinforce" and alg.policy_loss == "ppo":   # the default: the preset chooses
+        alg = _replace(alg, policy_loss="reinforce")
+    return alg
+
+
 def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
     """Replace derived (`None`) fields by their values. Idempotent."""
     shared = resolve_shared(spec, default_name)
     job = shared["job"]
-    alg = spec.algorithm
+    alg = _expand_preset(spec.algorithm)
     if alg.loss_aggregation is None:
         forced = "seq-mean-token-mean" if alg.policy_loss in _SEQ_MEAN_LOSSES else "token-mean"
         alg = _replace(alg, loss_aggregation=forced)
@@ -303,6 +332,34 @@ def check(spec: JobSpec, report) -> None:
     if alg.policy_loss in _SEQ_MEAN_LOSSES and alg.loss_aggregation != "seq-mean-token-mean":
         err("algorithm.loss_aggregation", f"algorithm.policy_loss = {alg.policy_loss!r} is defined with 'seq-mean-token-mean', "
                                           f"got {alg.loss_aggregation!r}")
+    if alg.advantage == "gdpo" and not alg.gdpo_reward_keys:
+        err("algorithm.gdpo_reward_keys", "algorithm.advantage = 'gdpo' normalises each reward component on its own; "
+                                          "list them, e.g. [\"acc\", \"formatted\"]")
+    if alg.advantage == "gdpo" and spec.rollout.partial_rollout_tokens:
+        err("algorithm.advantage", "'gdpo' does not yet carry reward components through partial rollouts; "
+                                   "set rollout.partial_rollout_tokens = 0")
+    if alg.gdpo_reward_keys and alg.advantage != "gdpo":
+        err("algorithm.gdpo_reward_keys", f"only applies to algorithm.advantage = 'gdpo', not {alg.advantage!r}")
+    if alg.gdpo_reward_weights and len(alg.gdpo_reward_weights) != len(alg.gdpo_reward_keys):
+        err("algorithm.gdpo_reward_weights", f"{len(alg.gdpo_reward_weights)} weights for "
+                                             f"{len(alg.gdpo_reward_keys)} algorithm.gdpo_reward_keys")
+    cor = alg.correction
+    if alg.policy_loss == "reinforce" and cor.old_logprobs != "rollout":
+        err("algorithm.correction.old_logprobs", "algorithm.policy_loss = 'reinforce' is verl's bypass mode: its IS weights "
+                                                 "are to the rollout policy; set old_logprobs = 'rollout'")
+    if alg.policy_loss == "reinforce" and cor.normalize:
+        err("algorithm.correction.normalize", "not supported with policy_loss = 'reinforce' (its weights are computed "
+                                              "per micro-batch inside the loss)")
+    if (cor.rejection is None) != (cor.rejection_threshold is None):
+        missing = "rejection_threshold" if cor.rejection is not None else "rejection"
+        err(f"algorithm.correction.{missing}", "rejection sampling needs both correction.rejection and "
+                                               "correction.rejection_threshold")
+    elif cor.rejection is not None:
+        from mrl.algos.rejection_spec import parse_problem
+
+        problem = parse_problem(cor.rejection, cor.rejection_threshold)
+        if problem:
+            err("algorithm.correction.rejection", problem)
     if 0 < alg.dual_clip <= 1:
         err("algorithm.dual_clip", f"must be > 1 (or 0 to disable), got {alg.dual_clip}")
     if alg.loss_norm is not None and alg.loss_aggregation != "seq-mean-token-sum-norm":

@@ -4,7 +4,7 @@ per-token values. Algorithms come from `mrl.algos`; only the plumbing lives here
 - `actor_outputs`: log-probs (and entropy) of the response tokens from TP-sharded logits
   through `mrl_kernels.logprob_entropy` (vocabulary-parallel with `group=`; the vocabulary is
   never gathered).
-- `PolicyObjective`: policy loss (ppo | gspo | cispo | sapo) aggregated with the global counts,
+- `PolicyObjective`: policy loss (`mrl.algos.config.POLICY_LOSSES`) aggregated with the global counts,
   plus the optional KL loss to the reference and entropy bonus.
 - `values_output` / `ValueObjective`: a value head's `[1, T, 1]` output read at the same
   positions as the log-probs (the state before each response token), clipped value loss.
@@ -66,12 +66,21 @@ class PolicyObjective:
     """The actor's `LossFn`. Reads `old_logprobs`, `advantages` and `response_mask` (plus
     `ref_logprobs` with a KL loss and `correction_weights` when present) from the micro-batch."""
 
-    loss: str = "ppo"                     # ppo | gspo | cispo | sapo
+    loss: str = "ppo"                     # mrl.algos.config.POLICY_LOSSES
     eps_low: float = 0.2
     eps_high: float = 0.2
-    clip_c: Optional[float] = 3.0         # ppo dual clip; None = off
+    clip_c: Optional[float] = 3.0         # ppo dual clip, dppo IS truncation; None = off
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    kl_cov_coef: float = 1.0
+    dro_beta: float = 0.1
+    is_level: Optional[str] = None        # reinforce: IS weights to the rollout policy (token | sequence)
+    is_threshold: object = 2.0            # reinforce: C (truncate) or (lo, hi) (mask)
+    is_mode: str = "truncate"
     aggregation: str = "token-mean"
     norm: Optional[float] = None          # seq-mean-token-sum-norm divisor
     entropy_coef: float = 0.0
@@ -103,7 +112,7 @@ class PolicyObjective:
             per_token, metrics = losses.sapo(logp, b["old_logprobs"], b["advantages"], mask, self.sapo_tau_pos,
                                              self.sapo_tau_neg, weights=weights)
         else:
-            raise ValueError(f"unknown policy loss {self.loss!r}")
+            per_token, metrics = self._more(logp, b["old_logprobs"], b["advantages"], mask, weights, mb)
         mode = losses.FORCED_AGG_MODE.get(self.loss, self.aggregation)
 
         def agg(x):
@@ -123,10 +132,36 @@ class PolicyObjective:
         return total, metrics
 
 
+    def _more(self, logp, old, adv, mask, weights, mb: MicroBatch):
+        """The losses after verl's first four (gpg, dppo_*, *_cov, geo_mean, dro, reinforce)."""
+        from mrl.algos import losses
+
+        if self.loss == "gpg":
+            return losses.gpg(logp, old, adv, mask, weights=weights)
+        if self.loss in ("dppo_tv", "dppo_kl"):
+            return getattr(losses, self.loss)(logp, old, adv, mask, self.eps_low, self.eps_high, self.clip_c,
+                                              weights=weights)
+        if self.loss == "clip_cov":
+            gen = torch.Generator().manual_seed(int(mb.batch["group_index"].sum()) if len(mb.batch) else 0)
+            return losses.clip_cov(logp, old, adv, mask, self.eps_low, self.eps_high, self.clip_cov_ratio,
+                                   self.clip_cov_lb, self.clip_cov_ub, generator=gen, weights=weights)
+        if self.loss == "kl_cov":
+            return losses.kl_cov(logp, old, adv, mask, self.kl_cov_ratio, self.kl_cov_coef, weights=weights)
+        if self.loss == "geo_mean":
+            return losses.geo_mean(logp, old, adv, mask, self.eps_low, self.eps_high, weights=weights)
+        if self.loss == "dro":
+            return losses.dro(logp, old, adv, mask, self.dro_beta, weights=weights)
+        if self.loss == "reinforce":
+            # bypass: `old` is the rollout engine's; the IS weights to it, from the current log-probs,
+            # replace the precomputed correction weights (applying both would count the ratio twice)
+            return losses.reinforce(logp, old, adv, mask, self.is_level, self.is_threshold, self.is_mode)
+        raise ValueError(f"unknown policy loss {self.loss!r}")
+
+
 def _share(mb: MicroBatch, totals: Totals, mode: str) -> torch.Tensor:
     """Factor turning a micro-batch's share of a global mean into a mean over the micro-batch
     (metrics are token-weighted means of per-micro-batch means)."""
-    if mode == "token-mean":
+    if mode in ("token-mean", "token-sum"):
         return totals.tokens / max(mb.loss_tokens, 1)
     non_empty = int(((mb.batch["response_mask"] > 0).sum(-1) > 0).sum())
     return totals.sequences / max(non_empty, 1)

@@ -168,14 +168,18 @@ def score(run: Run, gen: Generation, items: list, responses: list[Response], n: 
         res = gen.rewarder.score(samples)
         result = dict(scores=res.scores, valid=res.valid,
                       stats={**res.stats, "time/reward_scoring": time.perf_counter() - started})
-        if metric is not None:
-            try:
+        try:
+            if metric is not None:
                 result["filter_values"] = filter_values(res, metric)
-            except UserError as e:   # raised on every rank of the group, after the broadcast
-                result["filter_error"] = str(e)
+            if run.spec.algorithm.gdpo_reward_keys:   # gdpo's components, read by `to_batch`
+                result["components"] = [filter_values(res, k) for k in run.spec.algorithm.gdpo_reward_keys]
+        except UserError as e:   # raised on every rank of the group, after the broadcast
+            result["filter_error"] = str(e)
     result = _to_group(gen, result, "reward scoring")
     if "filter_error" in result:
         raise UserError(result["filter_error"])
+    for i, r in enumerate(responses if "components" in result else ()):
+        r.info["reward_components"] = [float(c[i]) for c in result["components"]]
     return result
 
 
@@ -357,6 +361,9 @@ def to_batch(run: Run, shard: ShardRollout, step: int) -> tuple[Batch, dict[str,
         mask = mask * (~truncated).long().unsqueeze(1)
     batch = Batch({**batch.tensors, "response_mask": mask}, {"prompt_item": [it for it in kept_items for _ in range(n)]})
     batch = batch.add(rewards=scores, raw_scores=raw_scores, rollout_logprobs=rollout_lp, truncated=truncated.long())
+    if alg.gdpo_reward_keys:
+        batch = batch.add(reward_components=torch.tensor([r.info["reward_components"] for r in kept_resp],
+                                                         dtype=torch.float32).view(len(kept_resp), -1))
     metrics = {
         "reward/mean": float(raw_scores.mean()),
         "reward/shaped_mean": float(scores.mean()),

@@ -50,7 +50,7 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
         with t("values"):
             batch = batch.add(values=values_of(run, learner.critic, batch))
     with t("advantages"):
-        batch, m = advantages(run, learner.kl, batch)
+        batch, m = advantages(run, learner.kl, batch, step)
         metrics.update(m)
     if learner.critic is not None:
         with t("critic_update"):
@@ -108,7 +108,7 @@ def _dp_sum(t: torch.Tensor) -> torch.Tensor:
     return _dp_all_reduce(t.clone())
 
 
-def advantages(run: Run, kl_controller, batch: Batch) -> tuple[Batch, dict]:
+def advantages(run: Run, kl_controller, batch: Batch, step: int = 0) -> tuple[Batch, dict]:
     """Advantages (and returns for the critic) by `algorithm.advantage`, KL in the reward when
     enabled, and rollout-correction weights. Whitening statistics span all DP ranks."""
     from mrl.algos import advantages as adv
@@ -141,6 +141,16 @@ def advantages(run: Run, kl_controller, batch: Batch) -> tuple[Batch, dict]:
         a = adv.reinforce_pp_baseline(scores, batch["group_index"], mask, all_reduce=_dp_sum)
     elif alg.advantage == "remax":
         a = adv.remax(token_rewards, batch["greedy_scores"], mask)
+    elif alg.advantage == "opo":
+        a = adv.opo(scores, batch["group_index"], mask).unsqueeze(1) * mask
+    elif alg.advantage == "grpo_passk":
+        a = adv.grpo_passk(scores, batch["group_index"], norm_by_std=alg.norm_by_std).unsqueeze(1) * mask
+    elif alg.advantage == "gpg":
+        a = adv.gpg(scores, batch["group_index"], all_reduce=_dp_sum).unsqueeze(1) * mask
+    elif alg.advantage == "gdpo":
+        weights = torch.tensor(alg.gdpo_reward_weights) if alg.gdpo_reward_weights else None
+        a = adv.gdpo(batch["reward_components"], batch["group_index"], mask, weights, norm_by_std=alg.norm_by_std,
+                     all_reduce=_dp_sum)
     else:
         raise ValueError(f"unknown advantage estimator {alg.advantage!r}")
     fields = {"advantages": a.float()}
@@ -156,15 +166,53 @@ def advantages(run: Run, kl_controller, batch: Batch) -> tuple[Batch, dict]:
             batch["trainer_logprobs"], batch["rollout_logprobs"], mask, cor.level, threshold, cor.mode).items()})
     valid = mask > 0
     metrics["advantage/mean"] = float((a * valid).sum() / valid.sum().clamp(min=1))
-    return batch.add(**fields), metrics
+    batch = batch.add(**fields)
+    if cor.rejection is not None:
+        batch, m = reject(batch, cor.rejection, cor.rejection_threshold)
+        metrics.update(m)
+    if alg.pf_ppo.enable:
+        batch = pf_ppo(batch, alg.pf_ppo, seed=(run.spec.job.seed, step, torch.distributed.get_rank()
+                                                if torch.distributed.is_initialized() else 0))
+    return batch, metrics
+
+
+def reject(batch: Batch, criteria: str, threshold: str) -> tuple[Batch, dict]:
+    """Rollout rejection sampling (`algorithm.correction.rejection`): rejected tokens leave
+    `response_mask` (the loss and its counts); the mask before is kept as `unrejected_mask`."""
+    from mrl.algos import rejection
+
+    parsed = rejection.parse(criteria, threshold)
+    old, roll, mask = batch["trainer_logprobs"], batch["rollout_logprobs"], batch["response_mask"]
+    keep = rejection.mask(old, roll, mask, parsed)
+    metrics = {f"correction/rejection/{k}": float(v) for k, v in rejection.mask_metrics(old, roll, mask, parsed).items()}
+    tensors = {**batch.tensors, "response_mask": mask * keep.to(mask.dtype), "unrejected_mask": mask}
+    return Batch(tensors, batch.meta), metrics
+
+
+def pf_ppo(batch: Batch, cfg, seed: tuple) -> Batch:
+    """PF-PPO: this rank's responses resampled with replacement by a weight of their scores (after
+    the advantages, as verl). The resampled rows no longer form prompt groups; `group_index` is
+    renumbered in blocks of the original group size so mini-batches split the rows evenly."""
+    from mrl.algos import rejection
+
+    gen = torch.Generator().manual_seed(hash(seed) % (2 ** 62))
+    out = batch.select(rejection.pf_ppo_indices(batch["rewards"], cfg.method, cfg.weight_pow, generator=gen))
+    per_group = max(len(batch) // max(int(batch["group_index"].unique().numel()), 1), 1)
+    blocks = torch.arange(len(out)) // per_group
+    return Batch({**out.tensors, "group_index": blocks.to(out["group_index"].dtype)}, out.meta)
 
 
 def policy_objective(run: Run):
     from mrl.engine.objectives import PolicyObjective
 
     alg = run.spec.algorithm
+    cor = alg.correction
     return PolicyObjective(loss=alg.policy_loss, eps_low=alg.clip_low, eps_high=alg.clip_high,
                            clip_c=alg.dual_clip or None, sapo_tau_pos=alg.sapo_tau_pos, sapo_tau_neg=alg.sapo_tau_neg,
+                           clip_cov_ratio=alg.clip_cov_ratio, clip_cov_lb=alg.clip_cov_lb, clip_cov_ub=alg.clip_cov_ub,
+                           kl_cov_ratio=alg.kl_cov_ratio, kl_cov_coef=alg.kl_cov_coef, dro_beta=alg.dro_beta,
+                           is_level=None if cor.level == "off" else cor.level, is_mode=cor.mode,
+                           is_threshold=(cor.mask_low, cor.mask_high) if cor.mode == "mask" else cor.threshold,
                            aggregation=alg.loss_aggregation, norm=alg.loss_norm, entropy_coef=alg.entropy_coef,
                            kl_coef=alg.kl_loss.coef if alg.kl_loss.enable else 0.0, kl_estimator=alg.kl_loss.estimator,
                            temperature=run.spec.rollout.temperature, vocab_size=run.hf["vocab_size"],

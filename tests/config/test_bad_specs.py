@@ -103,7 +103,7 @@ CASES = [
     ("grpo-single-response", {"rollout": {"responses_per_prompt": 1}}, "rollout.responses_per_prompt", "needs >= 2 responses"),
     ("gae-without-critic", {"algorithm": {"advantage": "gae"}, "critic": {"enable": False}}, "critic.enable", "needs a critic"),
     ("kl-without-ref", {"algorithm": {"kl_loss": {"enable": True}}, "ref": {"enable": False}}, "ref.enable", "needs the reference model"),
-    ("gspo-wrong-aggregation", {"algorithm": {"policy_loss": "gspo", "loss_aggregation": "token-mean"}},
+    ("sapo-wrong-aggregation", {"algorithm": {"policy_loss": "sapo", "loss_aggregation": "token-mean"}},
      "algorithm.loss_aggregation", "'seq-mean-token-mean'"),
     ("dynamic-sampling-small-gen-batch", {"algorithm": {"dynamic_sampling": {"enable": True, "generation_batch_prompts": 2}}},
      "algorithm.dynamic_sampling.generation_batch_prompts", "2 is smaller than data.prompts_per_step 4"),
