@@ -2,10 +2,10 @@
 validator reads them). The masks themselves are in `mrl.algos.rejection`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
-__all__ = ["CRITERIA", "Criterion", "Preset", "PRESETS", "parse", "parse_problem"]
+__all__ = ["CRITERIA", "Criterion", "Preset", "PRESETS", "parse", "parse_problem", "expand_preset"]
 
 CRITERIA = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
             "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
@@ -98,3 +98,29 @@ def parse_problem(criteria: str, threshold: str | float) -> Optional[str]:
     except ValueError as e:
         return str(e)
     return None
+
+
+def expand_preset(alg):
+    """The `algorithm` section with `correction.preset` written out into the fields it stands for
+    (IS level, rejection criteria and threshold; bypass: old_logprobs = "rollout"; bypass_pg_*:
+    policy_loss = "reinforce" where the job left "ppo"). A field the job sets to other than its
+    default keeps the job's value. The preset is then cleared, so the resolved spec says
+    everything explicitly (and resolves to itself)."""
+    cor = alg.correction
+    if cor.preset is None:
+        return alg
+    preset = PRESETS[cor.preset]
+    default = type(cor)()
+    changes = {"preset": None}
+    if cor.level == default.level:
+        changes["level"] = preset.is_level or "off"
+    if cor.rejection is None:
+        changes["rejection"] = preset.rs
+    if cor.rejection_threshold is None:
+        changes["rejection_threshold"] = preset.rs_threshold
+    if preset.bypass and cor.old_logprobs == default.old_logprobs:
+        changes["old_logprobs"] = "rollout"
+    alg = replace(alg, correction=replace(cor, **changes))
+    if preset.loss_type == "reinforce" and alg.policy_loss == "ppo":   # the default: the preset chooses
+        alg = replace(alg, policy_loss="reinforce")
+    return alg

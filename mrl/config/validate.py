@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from mrl.algos.rejection_spec import expand_preset
 from mrl.config.job import JobSpec
 from mrl.models.facts import builtin_preset, model_facts
 from mrl.reward import function as reward_function
@@ -43,40 +44,11 @@ def resolve_shared(spec, default_name: str = "job") -> dict:
     return dict(job=job, parallel=par, data=data, model=model, tracking=tracking, checkpoint=checkpoint)
 
 
-def _expand_preset(alg):
-    """`algorithm.correction.preset` written out into the fields it stands for; a field the job
-    sets to other than its default keeps the job's value. The preset itself is then cleared, so
-    the resolved spec says everything explicitly."""
-    cor = alg.correction
-    if cor.preset is None:
-        return alg
-    from mrl.algos.config import CorrectionConfig
-    from mrl.algos.rejection_spec import PRESETS
-
-    preset = PRESETS[cor.preset]
-    level, rejection, threshold = preset.is_level or "off", preset.rs, preset.rs_threshold
-    bypass, loss = preset.bypass, preset.loss_type
-    default = CorrectionConfig()
-    changes = {"preset": None}
-    if cor.level == default.level:
-        changes["level"] = level
-    if cor.rejection is None:
-        changes["rejection"] = rejection
-    if cor.rejection_threshold is None:
-        changes["rejection_threshold"] = threshold
-    if bypass and cor.old_logprobs == default.old_logprobs:
-        changes["old_logprobs"] = "rollout"
-    alg = _replace(alg, correction=_replace(cor, **changes))
-    if loss == "reinforce" and alg.policy_loss == "ppo":   # the default: the preset chooses
-        alg = _replace(alg, policy_loss="reinforce")
-    return alg
-
-
 def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
     """Replace derived (`None`) fields by their values. Idempotent."""
     shared = resolve_shared(spec, default_name)
     job = shared["job"]
-    alg = _expand_preset(spec.algorithm)
+    alg = expand_preset(spec.algorithm)
     if alg.loss_aggregation is None:
         forced = "seq-mean-token-mean" if alg.policy_loss in _SEQ_MEAN_LOSSES else "token-mean"
         alg = _replace(alg, loss_aggregation=forced)
@@ -370,7 +342,8 @@ def check(spec: JobSpec, report) -> None:
     cor = alg.correction
     if cor.level != "off" and cor.mode == "mask" and cor.mask_low >= cor.mask_high:
         err("algorithm.correction.mask_low", f"{cor.mask_low} must be below algorithm.correction.mask_high {cor.mask_high}")
-    if cor.old_logprobs == "rollout" and cor.level != "off":
+    if cor.old_logprobs == "rollout" and cor.level != "off" and alg.policy_loss != "reinforce":
+        # (reinforce's IS weights are current/rollout, computed inside the loss)
         err("algorithm.correction.level", "weights old/rollout are all 1 when old_logprobs = 'rollout'; set level = 'off'")
     ds = alg.dynamic_sampling
     if ds.enable:
