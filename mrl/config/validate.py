@@ -15,7 +15,8 @@ from mrl.config.job import JobSpec
 from mrl.models.facts import builtin_preset, model_facts
 from mrl.reward import function as reward_function
 
-_GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk", "gpg", "gdpo")
+_GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk", "gpg", "gdpo", "optimal_token_baseline",
+                     "tir_optimal_token_baseline")
 _SEQ_MEAN_LOSSES = ("sapo", "geo_mean")   # mrl.algos.losses.FORCED_AGG_MODE (importing it would import torch)
 
 

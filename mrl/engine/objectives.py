@@ -49,14 +49,40 @@ def response_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float =
     return logp, ent
 
 
+def sum_pi_squared(logits: torch.Tensor, mb: MicroBatch, temperature: float = 1.0,
+                   vocab_size: Optional[int] = None) -> torch.Tensor:
+    """`sum_v pi_v^2` [N] of the response tokens' next-token distributions (the optimal token
+    baseline's variance proxy), from TP-sharded logits: max and the two sums of exponentials are
+    reduced over the TP group, the vocabulary is never gathered."""
+    rows = mb.take(logits)
+    group = _tp_group()
+    if vocab_size is not None:
+        from mrl.models.roles import mask_padded_vocab
+
+        rows = mask_padded_vocab(rows, vocab_size, tp_rank=torch.distributed.get_rank(group) if group else 0)
+    with torch.no_grad():
+        z = rows.float() / temperature
+        top = z.amax(dim=-1)
+        if group is not None:
+            torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+        e = torch.exp(z - top.unsqueeze(-1))
+        sums = torch.stack([e.sum(-1), (e * e).sum(-1)])
+        if group is not None:
+            torch.distributed.all_reduce(sums, group=group)
+        return sums[1] / sums[0].square()
+
+
 def actor_outputs(temperature: float = 1.0, entropy: bool = False, vocab_size: Optional[int] = None,
-                  kernels: str = "auto"):
-    """An `OutputFn` giving `logprobs` (and `entropy`) per response token (old-policy and
-    reference passes)."""
+                  kernels: str = "auto", pi_squared: bool = False):
+    """An `OutputFn` giving `logprobs` (and `entropy`, and `sum_pi_squared` for the optimal token
+    baselines) per response token (old-policy and reference passes)."""
 
     def fn(logits: torch.Tensor, mb: MicroBatch) -> dict[str, torch.Tensor]:
         logp, ent = response_logprobs(logits, mb, temperature, vocab_size=vocab_size, kernels=kernels)
-        return {"logprobs": logp, "entropy": ent} if entropy else {"logprobs": logp}
+        out = {"logprobs": logp, "entropy": ent} if entropy else {"logprobs": logp}
+        if pi_squared:
+            out["sum_pi_squared"] = sum_pi_squared(logits, mb, temperature, vocab_size)
+        return out
 
     return fn
 

@@ -39,7 +39,12 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
     rollouts.release()
     train_started_at = time.time()
     with t("old_logprobs"):
-        batch = batch.add(trainer_logprobs=logprobs_of(learner.actor, run, batch, spec.actor.logprob_micro_batch_tokens))
+        if alg.advantage in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+            batch = batch.add(**logprobs_of(learner.actor, run, batch, spec.actor.logprob_micro_batch_tokens,
+                                            pi_squared=True))
+        else:
+            batch = batch.add(trainer_logprobs=logprobs_of(learner.actor, run, batch,
+                                                           spec.actor.logprob_micro_batch_tokens))
         batch = batch.add(old_logprobs=batch["rollout_logprobs" if alg.correction.old_logprobs == "rollout"
                                              else "trainer_logprobs"])
         metrics.update(audit(batch))
@@ -80,13 +85,16 @@ def staleness(versions: list[int], step: int, max_staleness: int) -> dict[str, f
 
 # ---------------------------------------------------------------------------- stages
 
-def logprobs_of(engine, run: Run, batch: Batch, budget: Optional[int]) -> torch.Tensor:
-    """Per response token log-probs `[B, R]` under `engine`'s model, at the rollout temperature."""
+def logprobs_of(engine, run: Run, batch: Batch, budget: Optional[int], pi_squared: bool = False):
+    """Per response token log-probs `[B, R]` under `engine`'s model, at the rollout temperature;
+    with `pi_squared`, `{"trainer_logprobs", "sum_pi_squared"}` (the optimal token baselines')."""
     from mrl.engine.objectives import actor_outputs
 
     out = engine.forward_only(batch, actor_outputs(run.spec.rollout.temperature, vocab_size=run.hf["vocab_size"],
-                                                   kernels=kernel_backend(run)),
+                                                   kernels=kernel_backend(run), pi_squared=pi_squared),
                               micro_batch_tokens=budget)
+    if pi_squared:
+        return {"trainer_logprobs": out["logprobs"].cpu(), "sum_pi_squared": out["sum_pi_squared"].cpu()}
     return out["logprobs"].cpu()
 
 
@@ -128,6 +136,15 @@ def advantages(run: Run, kl_controller, batch: Batch, step: int = 0) -> tuple[Ba
         metrics.update({"kl/reward_kl": current, "kl/reward_coef": beta})
         kl_controller.update(current, len(batch) * run.dp)
     token_rewards = adv.token_rewards(scores, mask, kl_tokens, beta)
+    fields: dict[str, torch.Tensor] = {}
+    cor = alg.correction
+    if cor.level != "off":
+        threshold = (cor.mask_low, cor.mask_high) if cor.mode == "mask" else cor.threshold
+        fields["correction_weights"] = correction.weights(batch["trainer_logprobs"], batch["rollout_logprobs"], mask,
+                                                          cor.level, threshold, cor.mode, normalize=cor.normalize,
+                                                          all_reduce=_dp_sum)
+        metrics.update({f"correction/{k}": float(v) for k, v in correction.weight_metrics(
+            batch["trainer_logprobs"], batch["rollout_logprobs"], mask, cor.level, threshold, cor.mode).items()})
     returns = None
     if alg.advantage == "gae":
         a, returns = adv.gae(token_rewards, batch["values"], mask, alg.gamma, alg.lam, all_reduce=_dp_sum)
@@ -151,19 +168,12 @@ def advantages(run: Run, kl_controller, batch: Batch, step: int = 0) -> tuple[Ba
         weights = torch.tensor(alg.gdpo_reward_weights) if alg.gdpo_reward_weights else None
         a = adv.gdpo(batch["reward_components"], batch["group_index"], mask, weights, norm_by_std=alg.norm_by_std,
                      all_reduce=_dp_sum)
+    elif alg.advantage in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        a, _ = getattr(adv, alg.advantage)(token_rewards, mask, batch["group_index"], batch["old_logprobs"],
+                                           batch["sum_pi_squared"], fields.get("correction_weights"))
     else:
         raise ValueError(f"unknown advantage estimator {alg.advantage!r}")
-    fields = {"advantages": a.float()}
-    if returns is not None:
-        fields["returns"] = returns.float()
-    cor = alg.correction
-    if cor.level != "off":
-        threshold = (cor.mask_low, cor.mask_high) if cor.mode == "mask" else cor.threshold
-        fields["correction_weights"] = correction.weights(batch["trainer_logprobs"], batch["rollout_logprobs"], mask,
-                                                          cor.level, threshold, cor.mode, normalize=cor.normalize,
-                                                          all_reduce=_dp_sum)
-        metrics.update({f"correction/{k}": float(v) for k, v in correction.weight_metrics(
-            batch["trainer_logprobs"], batch["rollout_logprobs"], mask, cor.level, threshold, cor.mode).items()})
+    fields.update({"advantages": a.float()} if returns is None else {"advantages": a.float(), "returns": returns.float()})
     valid = mask > 0
     metrics["advantage/mean"] = float((a * valid).sum() / valid.sum().clamp(min=1))
     batch = batch.add(**fields)

@@ -301,3 +301,23 @@ def test_pf_ppo_weights():
     assert idx.tolist() == [1, 1, 1]
     with pytest.raises(ValueError, match="unknown PF-PPO"):
         rejection.pf_ppo_weights(s, "best")
+
+
+def test_sum_pi_squared_of_the_logits(monkeypatch):
+    # logits (0, ln 3) at temperature 1: pi = (1/4, 3/4), sum pi^2 = 10/16; temperature 2 halves them
+    from mrl.engine import objectives
+
+    monkeypatch.setattr(objectives, "_tp_group", lambda: None)
+
+    class Rows:   # a micro-batch whose response rows are the logits themselves
+        @staticmethod
+        def take(x):
+            return x
+
+    logits = torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]])
+    torch.testing.assert_close(objectives.sum_pi_squared(logits, Rows()), torch.tensor([10 / 16, 0.5]))
+    p = torch.softmax(logits / 2, -1)
+    torch.testing.assert_close(objectives.sum_pi_squared(logits, Rows(), 2.0), (p * p).sum(-1))
+    # Megatron's vocabulary padding takes no mass
+    padded = torch.tensor([[0.0, math.log(3.0), 5.0]])
+    torch.testing.assert_close(objectives.sum_pi_squared(padded, Rows(), vocab_size=2), torch.tensor([10 / 16]))
