@@ -35,3 +35,26 @@ def test_new_names_validate(write_job, cli):
                   {"correction": {"rejection": "token_k1,seq_max_k2", "rejection_threshold": "0.5_2,0.1"}}):
         rc, out, err = cli("validate", write_job({"algorithm": patch}))
         assert rc == 0, (patch, out, err)
+
+
+def test_keys_algorithm_lists_every_verl_name(cli):
+    import json
+
+    from mrl.algos.config import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, REJECTION_PRESETS
+
+    rc, out, _ = cli("keys", "algorithm", "--json")
+    types = {r["key"]: r["type"] for r in json.loads(out)}
+    assert rc == 0
+    expected = {"algorithm.advantage": ("opo", "grpo_passk", "gpg", "gdpo", "optimal_token_baseline",
+                                        "tir_optimal_token_baseline"),
+                "algorithm.policy_loss": ("dppo_tv", "dppo_kl", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "reinforce"),
+                "algorithm.loss_aggregation": ("token-sum",),
+                "algorithm.kl_loss.estimator": ("kl", "k1+", "abs+", "low_var_kl+", "kl+", "mse+"),
+                "algorithm.correction.preset": ("bypass_pg_geo_rs_token_tis", "decoupled_k3_rs")}
+    for key, names in expected.items():
+        for name in names:
+            assert repr(name) in types[key], (key, name)
+    for key, names in {"algorithm.advantage": ADVANTAGES, "algorithm.policy_loss": POLICY_LOSSES,
+                       "algorithm.loss_aggregation": LOSS_AGGREGATIONS, "algorithm.kl_reward.estimator": KL_ESTIMATORS,
+                       "algorithm.correction.preset": REJECTION_PRESETS}.items():
+        assert all(repr(n) in types[key] for n in names), key
