@@ -350,7 +350,10 @@ def build_section(cls, raw: Any, prefix: str, report: Report, valid: list[str]):
     for key in raw:
         if key not in fields:
             dotted = prefix + key
-            report.error(dotted, explain_unknown(dotted, list(fields), valid))
+            if isinstance(raw[key], dict) and raw[key]:
+                _unknown_table(dotted, raw[key], report, valid)
+            else:
+                report.error(dotted, explain_unknown(dotted, list(fields), valid))
     values = {}
     buildable = True
     for fname, f in fields.items():
@@ -377,6 +380,22 @@ def build_section(cls, raw: Any, prefix: str, report: Report, valid: list[str]):
             continue
         values[fname] = value
     return cls(**values) if buildable else None
+
+
+def _unknown_table(dotted: str, table: dict, report: Report, valid: list[str]) -> None:
+    """An unknown table: one line for it (pointing verl sections to `mrl convert`), then one line per
+    key inside it, each with its suggestion (verl's `[actor_rollout_ref.actor]` -> `actor.optim.lr`)."""
+    from mrl.config.verl_table import verl_table
+
+    verl = bool(verl_table().rows(dotted + "."))
+    report.error(dotted, "unknown table" + ("; it is verl's: `mrl convert` turns a verl config into an mrl job, "
+                                            "and each key below names its mrl counterpart" if verl else ""))
+    for leaf, value in _flatten(table, dotted + "."):
+        if isinstance(value, dict) and value:
+            continue
+        parent = leaf.rpartition(".")[0]
+        siblings = [k.rsplit(".", 1)[-1] for k in valid if k.rpartition(".")[0] == parent]
+        report.error(leaf, explain_unknown(leaf, siblings, valid))
 
 
 def _about(problem: str, keys: set[str]) -> bool:

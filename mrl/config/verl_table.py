@@ -60,6 +60,8 @@ class VerlTable:
 
     def reason(self, key: str) -> str | None:
         """Why verl's `key` has no mrl counterpart, or None (mapped, or not in the table)."""
+        if key in self.mapped:   # an exact entry wins over its prefix's reason
+            return None
         if key in self.not_applicable:
             return self.not_applicable[key]
         best = max((p for p in self.prefixes if key.startswith(p)), key=len, default=None)

@@ -87,7 +87,7 @@ def convert(yaml_files: list[Path], overrides: list[str], base: Path | None = No
     for path in yaml_files:
         read_yaml(path, given)
     for token in overrides:
-        apply_override(token, given, {}, adding_allowed=True)
+        apply_override(token, given, {}, lenient=True)
     defaults = verl_defaults(given.raw.get("actor_rollout_ref.actor.strategy") == "megatron")
     cfg: VerlConfig = start(defaults)
     out = Conversion(sources=[str(p) for p in yaml_files] + ([COMMAND_LINE] if overrides else []))
@@ -108,6 +108,9 @@ def convert(yaml_files: list[Path], overrides: list[str], base: Path | None = No
         if isinstance(value, str) and "$" in value.replace("${", "") and cfg.origin.get(key) != DEFAULT:
             out.problems.append(f"{key} = {value!r}: a shell variable that mrl convert could not expand; "
                                 f"supply {table.mapped[key].target if key in table.mapped else 'its value'}")
+            continue
+        if value == "???":   # Hydra's "mandatory" marker, never set: mrl's default applies
+            out.dropped.append((key, value, "mandatory in verl but not set; mrl's default applies"))
             continue
         entry = table.mapped.get(key)
         if entry is None:

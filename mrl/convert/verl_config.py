@@ -131,11 +131,12 @@ def command_line_overrides(tokens: list[str]) -> list[str]:
     return out
 
 
-def apply_override(token: str, cfg: VerlConfig, defaults: dict[str, Any], adding_allowed: bool = False) -> None:
-    """Apply one Hydra override (`key=value`, `+key=value` adds, `++key=value` adds or sets, `~key` deletes)."""
+def apply_override(token: str, cfg: VerlConfig, defaults: dict[str, Any], lenient: bool = False) -> None:
+    """Apply one Hydra override (`key=value`, `+key=value` adds, `++key=value` adds or sets, `~key`
+    deletes). `lenient`: on a partial config (the inputs alone), missing and existing keys are fine."""
     if token.startswith("~"):
         key = token[1:].split("=", 1)[0]
-        if not cfg.delete(key):
+        if not cfg.delete(key) and not lenient:
             raise UserError(f"{COMMAND_LINE}: {token}: no key {key} to delete")
         return
     key, _, text = token.partition("=")
@@ -144,7 +145,7 @@ def apply_override(token: str, cfg: VerlConfig, defaults: dict[str, Any], adding
     if not key:
         raise UserError(f"{COMMAND_LINE}: {token!r}: an override is key=value")
     exists = key in cfg.raw or any(k.startswith(key + ".") for k in cfg.raw)
-    if plus == 1 and exists and not adding_allowed:
+    if plus == 1 and exists and not lenient:
         raise UserError(f"{COMMAND_LINE}: {token}: +{key} adds a key, but verl already has {key} (use {key}=... or ++{key}=...)")
     cfg.set(key, parse_value(text), COMMAND_LINE)
 
