@@ -224,7 +224,9 @@ def test_a_pasted_command_line_converts_with_hydra_flags(cli, tmp_path):
     assert rc == 0, err
     job = tomllib.loads(out)
     assert job["algorithm"]["advantage"] == "rloo" and job["rollout"]["responses_per_prompt"] == 4
-    assert "val_before_train" not in job.get("trainer", {})      # false = mrl's default
+    assert job["trainer"]["val_before_train"] is False     # set by ++ (verl's default is true)
+    assert job["trainer"]["epochs"] == 30                  # verl's default total_epochs, not mrl's 1
+    assert "backends" not in job.get("tracking", {})       # ~trainer.logger deleted it: mrl's default
 
 
 def test_missing_values_are_named(cli, tmp_path):
