@@ -351,7 +351,7 @@ def build_section(cls, raw: Any, prefix: str, report: Report, valid: list[str]):
         if key not in fields:
             dotted = prefix + key
             if isinstance(raw[key], dict) and raw[key]:
-                _unknown_table(dotted, raw[key], report, valid)
+                _unknown_table(dotted, raw[key], report, valid, list(fields))
             else:
                 report.error(dotted, explain_unknown(dotted, list(fields), valid))
     values = {}
@@ -382,14 +382,16 @@ def build_section(cls, raw: Any, prefix: str, report: Report, valid: list[str]):
     return cls(**values) if buildable else None
 
 
-def _unknown_table(dotted: str, table: dict, report: Report, valid: list[str]) -> None:
+def _unknown_table(dotted: str, table: dict, report: Report, valid: list[str], siblings: list[str]) -> None:
     """An unknown table: one line for it (pointing verl sections to `mrl convert`), then one line per
     key inside it, each with its suggestion (verl's `[actor_rollout_ref.actor]` -> `actor.optim.lr`)."""
     from mrl.config.verl_table import verl_table
 
-    verl = bool(verl_table().rows(dotted + "."))
-    report.error(dotted, "unknown table" + ("; it is verl's: `mrl convert` turns a verl config into an mrl job, "
-                                            "and each key below names its mrl counterpart" if verl else ""))
+    if verl_table().rows(dotted + "."):
+        report.error(dotted, "unknown table; it is verl's: `mrl convert` turns a verl config into an mrl job, "
+                             "and each key below names its mrl counterpart")
+    else:
+        report.error(dotted, explain_unknown(dotted, siblings, valid).replace("unknown key", "unknown table", 1))
     for leaf, value in _flatten(table, dotted + "."):
         if isinstance(value, dict) and value:
             continue

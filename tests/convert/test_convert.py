@@ -386,3 +386,16 @@ def test_keys_of_a_verl_section_is_an_error_with_a_hint(cli):
     assert "no mrl key starts with this; it is a verl name: `mrl keys --verl actor_rollout_ref`" in err
     rc, _, err = cli("keys", "no_such_section")
     assert rc == 2 and "no mrl key starts with this" in err
+
+
+def test_contributing_lists_the_whole_table():
+    """CONTRIBUTING.md's verl tables are what tools/verl/contributing_table.py writes from the data."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "verl" / "contributing_table.py"
+    spec = importlib.util.spec_from_file_location("contributing_table", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    text = tool.PAGE.read_text()
+    assert not [row for rows in tool.tables().values() for row in rows.splitlines() if row not in text]
