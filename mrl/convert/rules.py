@@ -152,7 +152,30 @@ def clip_ratio(m: Mapping, key: str, cfg: dict) -> Translation:
     return Translation(out)
 
 
+HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MEGATRON_PROJECTIONS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                        "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+
+
+def lora_modules(m: Mapping, key: str, cfg: dict) -> Translation:
+    """verl's LoRA target modules as Hugging Face projection names: "all-linear" is all seven;
+    Megatron's fused names expand (linear_qkv = q/k/v, linear_fc1 = gate/up)."""
+    value = cfg.get(key)
+    if value is None:
+        return _skip("null in verl: mrl's default applies")
+    if value == "all-linear":
+        return Translation({m.target: list(HF_PROJECTIONS)}, note="all-linear: every projection")
+    names = [value] if isinstance(value, str) else list(value)
+    out: list[str] = []
+    for name in names:
+        for hf in MEGATRON_PROJECTIONS.get(name, (name,)):
+            if hf not in out:
+                out.append(hf)
+    return Translation({m.target: out}, note="Megatron names as Hugging Face projections" if out != names else "")
+
+
 RULES: dict[str, Callable[[Mapping, str, dict], Translation]] = {
+    "lora_modules": lora_modules,
     "copy": copy, "each": each, "token_budget": token_budget, "prompt_overflow": prompt_overflow,
     "sleep_level": sleep_level, "reward_function": reward_function, "when": when, "read_by": read_by,
     "pair": pair, "times": times, "more_than_one": more_than_one, "clip_ratio": clip_ratio,

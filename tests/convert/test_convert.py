@@ -399,3 +399,14 @@ def test_contributing_lists_the_whole_table():
     spec.loader.exec_module(tool)
     text = tool.PAGE.read_text()
     assert not [row for rows in tool.tables().values() for row in rows.splitlines() if row not in text]
+
+
+def test_lora_modules_become_hugging_face_names():
+    conv = convert([], ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"])
+    assert conv.values["actor.lora.rank"].value == 8
+    assert "actor.lora.target_modules" not in conv.values      # verl's all-linear = mrl's default, all seven
+    conv = convert([], ["actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.model.lora.rank=4",
+                        "actor_rollout_ref.model.lora.target_modules=[linear_qkv,linear_fc2]"])
+    assert conv.values["actor.lora.target_modules"].value == ["q_proj", "k_proj", "v_proj", "down_proj"]
+    conv = convert([], ["actor_rollout_ref.model.lora_alpha=64"])   # rank 0: verl builds no adapters
+    assert "actor.lora.alpha" not in conv.values and [k for k, _, _ in conv.not_read] == ["actor_rollout_ref.model.lora_alpha"]
