@@ -112,8 +112,12 @@ def reward_function(m: Mapping, key: str, cfg: dict) -> Translation:
 
 
 def when(m: Mapping, key: str, cfg: dict) -> Translation:
-    if not cfg.get(m.params["flag"]):
-        return _skip(f"{m.params['flag']} is false")
+    """The value, when verl acts on it: `flag` is true, or above `above` when that is given
+    (Megatron's sequence parallelism needs tensor parallelism > 1; verl turns it off otherwise)."""
+    flag = cfg.get(m.params["flag"])
+    above = m.params.get("above")
+    if (not flag) if above is None else (flag is None or flag <= above):
+        return _skip(f"{m.params['flag']} is {flag!r}: verl does not act on it")
     return copy(m, key, cfg)
 
 
