@@ -335,7 +335,8 @@ def test_table_entries_are_well_formed():
     known = set(defaults) | set(table.mapped)   # DAPO recipe keys are not in main_ppo's defaults
     assert not [c for c in table.read_only_when.values() if c not in known]
     for m in table.mapped.values():   # a rule's parameters name verl keys
-        assert not [v for v in m.params.values() if v not in defaults and not v.startswith("reward_model.reward_fn")]
+        assert not [v for v in m.params.values()
+                    if isinstance(v, str) and v not in defaults and not v.startswith("reward_model.reward_fn")]
 
 
 def test_nested_verl_tables_get_suggestions_inside(write_job):
