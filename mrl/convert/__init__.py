@@ -118,7 +118,7 @@ def convert(yaml_files: list[Path], overrides: list[str], base: Path | None = No
             (out.dropped if is_default else out.not_converted).append((key, value, reason))
             continue
         t = rules.translate(entry, key, resolved, table.condition(key))
-        if t.problem:
+        if t.problem and t.problem not in out.problems:   # a rule read by two keys reports once
             out.problems.append(t.problem)
         if not t.values:
             if t.problem is None:
