@@ -147,7 +147,9 @@ def read_spec_file(path: Path, report: Report, chain: tuple[Path, ...] = ()) -> 
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        report.problems.append(f"{shown}: invalid TOML: {e}")
+        hint = ("; a verl config? `mrl convert " + shown + " -o job.toml` writes the mrl job"
+                if path.suffix in (".yaml", ".yml") else "")
+        report.problems.append(f"{shown}: invalid TOML: {e}{hint}")
         return None
     lines = key_lines(text)
     own = {k: Origin(shown, lines.get(k)) for k, _ in _flatten(raw)}

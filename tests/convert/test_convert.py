@@ -411,3 +411,10 @@ def test_lora_modules_become_hugging_face_names():
     assert conv.values["actor.lora.target_modules"].value == ["q_proj", "k_proj", "v_proj", "down_proj"]
     conv = convert([], ["actor_rollout_ref.model.lora_alpha=64"])   # rank 0: verl builds no adapters
     assert "actor.lora.alpha" not in conv.values and [k for k, _, _ in conv.not_read] == ["actor_rollout_ref.model.lora_alpha"]
+
+
+def test_validating_a_verl_yaml_points_to_convert(cli, tmp_path):
+    src = tmp_path / "grpo.yaml"
+    src.write_text(GRPO_YAML)
+    rc, _, err = cli("validate", src)
+    assert rc == 2 and "invalid TOML" in err and f"`mrl convert {src} -o job.toml`" in err
