@@ -100,6 +100,8 @@ def cmd_keys(args) -> int:
     from mrl.config.job import JobSpec
     from mrl.config.loader import PATHS_HELP
 
+    if args.verl:
+        return _verl_keys(args.prefix, args.json)
     rows: list[dict] = []
 
     def walk(cls, prefix: str):
@@ -126,6 +128,12 @@ def cmd_keys(args) -> int:
     from mrl.sft.config import SFTConfig
 
     walk(SFTConfig, "sft.")   # the section of SFT jobs (`mrl sft`); the other sections are shared
+    if not rows:
+        from mrl.config.verl_table import verl_table
+
+        hint = (f"; it is a verl name: `mrl keys --verl {args.prefix}` shows the mrl keys it maps to"
+                if verl_table().rows(args.prefix) else "")
+        raise UserError(f"{args.prefix}: no mrl key starts with this{hint}")
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -136,6 +144,68 @@ def cmd_keys(args) -> int:
         table.add_row(r["key"], r["type"], default, r["meaning"])
     console = Console() if sys.stdout.isatty() else Console(width=200)   # the terminal's width; wide in pipes
     console.print(table)
+    return 0
+
+
+def _verl_keys(prefix: str, as_json: bool) -> int:
+    """`mrl keys --verl`: the verl key table (mrl/config/verl_keys.toml)."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from mrl.config.verl_table import verl_table
+
+    rows = verl_table().rows(prefix)
+    if not rows:
+        raise UserError(f"{prefix}: no verl key in mrl's table starts with this (`mrl keys --verl` lists them all)")
+    if as_json:
+        print(json.dumps([{"verl": v, "mrl": m, "how": h} for v, m, h in rows], indent=1))
+        return 0
+    table = Table("verl key", "mrl key", "value translation, or why there is none",
+                  caption="mrl convert translates a verl config with this table (mrl/config/verl_keys.toml).")
+    for row in rows:
+        table.add_row(*row)
+    (Console() if sys.stdout.isatty() else Console(width=220)).print(table)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    """A verl config (YAML, command line or script) -> one commented mrl job, then validated."""
+    import tempfile
+    from pathlib import Path
+
+    from mrl.config.loader import load
+    from mrl.convert import convert, inputs, render
+
+    yamls, tokens = inputs(args.items)
+    conv = convert(yamls, tokens)
+    text = render(conv, list_dropped=args.all)
+    if args.out:
+        out = Path(args.out)
+        out.write_text(text, encoding="utf-8")
+        shown = str(out)
+    else:
+        sys.stdout.write(text)
+        shown = "the job"
+    with tempfile.TemporaryDirectory() as tmp:   # paths in the job are absolute: it validates anywhere
+        job = Path(tmp) / (Path(args.out).name if args.out else "converted.toml")
+        job.write_text(text, encoding="utf-8")
+        try:
+            spec, _ = load(job)
+            problems = list(conv.problems)
+        except UserError as e:
+            spec, problems = None, [*conv.problems, *(p.replace(str(job), shown) for p in e.problems)]
+    print(f"{shown}: {len(conv.values)} mrl keys from {len(conv.sources)} input(s); {len(conv.not_converted)} verl keys "
+          f"with no mrl counterpart and {len(conv.not_read)} verl would not read (listed as comments); "
+          f"{len(conv.dropped)} defaults dropped", file=sys.stderr)
+    if problems:
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        print(f"{shown}: supply or fix the values above (in the file, or as key=value after `mrl validate`)",
+              file=sys.stderr)
+        return 2
+    print(f"ok: {shown}: {summary(spec)}", file=sys.stderr)
     return 0
 
 
@@ -301,7 +371,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("keys", help="list every job-spec key with its type, default and meaning")
     p.add_argument("prefix", nargs="?", default="", help="only keys starting with this (e.g. rollout.)")
     p.add_argument("--json", action="store_true", help="a JSON list of {key, type, required, default, meaning}")
+    p.add_argument("--verl", action="store_true", help="list verl's keys instead: each with its mrl key and value "
+                                                      "translation, or why mrl has none (the table mrl convert uses)")
     p.set_defaults(func=cmd_keys)
+    p = sub.add_parser("convert", help="turn a verl config (Hydra YAML, a main_ppo command line or script, or both) "
+                                       "into one commented mrl job, and validate it",
+                       description="Turn a verl main_ppo configuration into one commented mrl TOML job: YAML files "
+                                   "first, then Hydra overrides (key=value, +key=value, ++key=value, ~key) given here "
+                                   "or read from a shell script (.sh) that runs verl.trainer.main_ppo. Every verl key "
+                                   "is mapped (values translated) or listed in a comment with the reason it has no "
+                                   "mrl counterpart. Exits 2 naming the values still to supply when the job does "
+                                   "not validate yet.")
+    p.add_argument("items", nargs="+", metavar="YAML|SCRIPT|key=value", help="verl YAML files, a .sh script, overrides")
+    p.add_argument("-o", "--out", metavar="JOB.toml", help="write the job here (default: standard output)")
+    p.add_argument("--all", action="store_true", help="also list the dropped keys (verl's defaults) as comments")
+    p.set_defaults(func=cmd_convert)
     p = sub.add_parser("merge", help="convert a training checkpoint (any TP/PP/EP) into a Hugging Face directory",
                        description="Convert a training checkpoint (any TP/PP/EP) into a Hugging Face model directory; "
                                    "a LoRA checkpoint's adapters are merged into full weights (W + alpha/r BA), or with "
@@ -379,7 +463,12 @@ def main(argv: list[str] | None = None) -> int:
     from mrl.platform.quiet import quiet_known_warnings
 
     quiet_known_warnings()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # only `mrl convert` passes verl's own flags on (a pasted `python3 -m verl.trainer.main_ppo ...`)
+        if args.command != "convert":
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.items = [*args.items, *extra]
     try:
         return args.func(args)
     except UserError as e:
