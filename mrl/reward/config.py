@@ -17,10 +17,11 @@ Builtin = Literal["exact_match", "gsm8k", "math", "reasoning_gym", "format_boxed
 class RewardConfig:
     """A user function `file.py:function`, a builtin rule verifier, a reward model, or a weighted mix."""
 
-    function: Optional[str] = option(None, help="'path/to/file.py:function' or 'module:function'; score(prompt, response, ground_truth, extra) -> float | dict")
+    function: Optional[str] = option(None, help="'path/to/file.py:function' or 'module:function'; score(prompt, response, ground_truth, extra) or verl's compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict (see reward.signature)")
     builtin: Optional[Builtin] = option(None, help="builtin rule verifier: exact_match, gsm8k (#### n), math (math-verify, boxed), reasoning_gym (the task's scorer), format_boxed, format_answer_tags, format_think_answer, auto (gsm8k / math / reasoning_gym by each row's data source, verl's names)")
     model_path: Optional[str] = option(None, help="reward model checkpoint (scalar head)")
     sources: tuple[dict[str, Any], ...] = option((), help="weighted mix instead of one source: [[reward.sources]] tables with name, one of function/builtin/model_path, weight (default 1), score_key, kwargs")
+    signature: Literal["auto", "mrl", "verl"] = option("auto", help="how reward.function is called: mrl's score(prompt, response, ground_truth, extra), verl's compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs) by name, or auto (verl's when a parameter is named data_source, solution_str or extra_info); per source: signature in [[reward.sources]]")
     score_key: str = option("score", help="key of the score when the function returns a dict")
     kwargs: dict[str, Any] = option(factory=dict, help="extra keyword arguments passed to the function")
     workers: int = option(4, ge=1, help="reward processes (functions run isolated, in a pool)")
