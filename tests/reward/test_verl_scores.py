@@ -1,0 +1,113 @@
+"""`reward.builtin = "auto"` scores as verl 0.9.1's default_compute_score, on hand-made answers per
+data source; mrl's forgiving scorers keep their own names."""
+from __future__ import annotations
+
+import pytest
+
+from mrl.reward import builtins as b
+from mrl.reward import verl_scores as v
+
+
+def _auto(source, response, truth):
+    return b.auto("prompt", response, truth, {"data_source": source})["score"]
+
+
+@pytest.mark.parametrize("response,score", [
+    ("so the answer is\n#### 42", 1.0), ("#### 42.0", 0.0), ("####42", 0.0), ("#### 007", 0.0), ("#### 1,042", 0.0),
+    ("#### 4,2", 1.0), ("#### 41 then #### 42", 1.0), ("#### 42 then #### 41", 0.0), ("the answer is 42", 0.0),
+    ("#### 42" + " pad" * 80, 0.0), ("x" * 400 + "#### 42", 1.0),
+])
+def test_gsm8k_is_strict_like_verl(response, score):
+    assert _auto("openai/gsm8k", response, "42") == score
+    assert b.verl_gsm8k("", response, "42", {}) == score
+
+
+def test_mrl_gsm8k_stays_forgiving():
+    for response, truth in (("#### 42.0", "42"), ("####42", "42"), ("#### 007", "7")):
+        assert _auto("openai/gsm8k", response, truth) == 0.0
+        assert b.gsm8k("", response, truth, {})["score"] == 1.0
+        assert b.auto_mrl("", response, truth, {"data_source": "openai/gsm8k"})["score"] == 1.0
+
+
+@pytest.mark.parametrize("source", ["lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"])
+@pytest.mark.parametrize("response,truth,score", [
+    ("so \\boxed{\\frac{1}{2}}", "0.5", 1.0), ("\\boxed{\\dfrac12}", "\\frac{1}{2}", 1.0), ("\\boxed{1/2}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{3} wait, \\boxed{4}", "4", 1.0), ("\\boxed{4} wait, \\boxed{3}", "4", 0.0), ("\\boxed 7$", "7", 1.0),
+    ("\\boxed{x = 5}", "5", 1.0), ("\\boxed{10\\%}", "10", 1.0), ("\\boxed{90^\\circ}", "90", 1.0),
+    ("\\boxed{2 \\text{ cm}}", "2", 1.0), ("\\fbox{4}", "4", 0.0), ("no box: 4", "4", 0.0), ("\\boxed{\\sqrt2}", "\\sqrt{2}", 1.0),
+    ("\\boxed{0.50}", "\\frac{1}{2}", 0.0),
+])
+def test_math_uses_the_last_box_and_hendrycks_normalisation(source, response, truth, score):
+    assert _auto(source, response, truth) == score
+
+
+@pytest.mark.parametrize("source", ["math_dapo", "math", "math_dapo_reasoning", "aime2024", "aime25"])
+@pytest.mark.parametrize("response,truth,score", [
+    ("reasoning...\nAnswer: 42", "42", 1.0), ("Answer: 41", "42", -1.0), ("\\boxed{42}", "42", -1.0),
+    ("answer : $42$", "42", 1.0), ("Answer: 1,000 dollars", "1000", 1.0), ("Answer: x = \\frac12", "\\frac{1}{2}", 1.0),
+    ("Answer: 3\nAnswer: 42", "42", 1.0), ("Answer: 42\nno, Answer: 3", "42", -1.0), ("Answer: 42" + "." * 300, "42", -1.0),
+    ("Answer: \\boxed{42}", "42", 1.0), ("", "42", -1.0),
+])
+def test_math_dapo_reads_the_answer_line_and_gives_minus_one(source, response, truth, score):
+    out = b.auto("", response, truth, {"data_source": source})
+    assert out["score"] == score and out["acc"] == (score == 1.0)
+
+
+def test_math_dapo_reports_what_it_compared():
+    assert v.math_dapo("Answer: $\\text{42 units}$", "42") == {"score": 1.0, "acc": True, "pred": "42"}
+    assert v.minerva_normalize("\\$1,000") == "1000" and v.minerva_normalize("\\sqrt3") == "\\sqrt{3}"
+
+
+@pytest.mark.parametrize("source", ["searchR1_nq", "searchR1_hotpotqa", "searchR1_bamboogle"])
+@pytest.mark.parametrize("response,score", [
+    ("<answer>Paris</answer>", 1.0), ("<answer> the PARIS. </answer>", 1.0), ("<answer>Lyon</answer><answer>paris</answer>", 1.0),
+    ("<answer>Paris, France</answer>", 0.0), ("Paris", 0.0), ("<answer>Paris</answer>" * 11, 0.25),
+    ("<answer>City of Light</answer>", 1.0),
+])
+def test_search_r1_exact_match(source, response, score):
+    assert _auto(source, response, {"target": ["Paris", "city of light"]}) == score
+
+
+@pytest.mark.parametrize("source,fragment", [
+    ("codecontests", "needs a code-execution reward"), ("apps", "needs a code-execution reward"),
+    ("codeforces", "needs a code-execution reward"), ("taco", "needs a code-execution reward"),
+    ("livecodebench/v5", "needs a code-execution reward"), ("numina_olympiads", "prime_math"),
+    ("hiyouga/geometry3k", "geo3k"), ("my_task", "no builtin reward for data source 'my_task'"),
+    ("gsm8k", "no builtin reward for data source 'gsm8k'"), ("openai/GSM8K", "no builtin reward"),
+])
+def test_sources_verl_scores_elsewhere_are_errors_that_say_so(source, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        _auto(source, "\\boxed{1}", "1")
+
+
+def test_reasoning_gym_rows_keep_the_tasks_scorer():
+    out = b.auto("", "<answer>7</answer>", "7", {"data_source": "reasoning_gym/chain_sum"})
+    assert out["score"] == 1.0 and out["tagged"] == 1.0
+
+
+def test_numbers_are_reported_as_acc_like_verls_reward_loop():
+    assert b.auto("", "#### 42", "42", {"data_source": "openai/gsm8k"}) == {"score": 1.0, "acc": 1.0}
+
+
+def test_a_table_ground_truth_is_an_error_not_a_zero():
+    with pytest.raises(ValueError, match="gsm8k: cannot read a ground truth of type dict"):
+        _auto("openai/gsm8k", "#### 42", {"ground_truth": "42"})
+    with pytest.raises(ValueError, match="search_r1_qa: the ground truth must be a table with 'target'"):
+        _auto("searchR1_nq", "<answer>x</answer>", "x")
+
+
+def test_mrl_math_takes_the_last_boxed_answer_of_a_self_correction():
+    assert b.math("", "First \\boxed{3}. Wait, that is wrong: \\boxed{4}", "4", {})["score"] == 1.0
+    assert b.math("", "First \\boxed{4}. Wait: \\boxed{3}", "4", {})["score"] == 0.0
+    assert b.math("", "\\boxed{\\frac{1}{2}}", "0.5", {})["score"] == 1.0
+
+
+def test_a_code_source_in_a_batch_is_a_counted_reward_error():
+    from mrl.reward.compose import Rewarder, RewardSample
+    from mrl.reward.config import RewardConfig
+
+    with Rewarder.from_config(RewardConfig(builtin="auto", workers=1)) as r:
+        res = r.score([RewardSample("a", "q", "print(1)", "tests", data_source="apps"),
+                       RewardSample("b", "q", "Answer: 4", "5", data_source="math_dapo")])
+    assert res.scores == [0.0, -1.0] and res.stats["reward/errors"] == 1.0
+    assert "data source 'apps' needs a code-execution reward" in res.errors[0].message
