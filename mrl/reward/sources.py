@@ -142,3 +142,33 @@ def reward_sources(cfg: RewardConfig, check_files: bool = True) -> tuple[RewardS
                                 weight=float(src.get("weight", 1.0)), score_key=src.get("score_key", cfg.score_key),
                                 kwargs=kwargs, **({"convention": call[1], "verl_params": call[2]} if call else {})))
     return tuple(out)
+
+
+def auto_source_problems(cfg: RewardConfig, files: tuple[str, ...], source_key: str) -> list[tuple[str, str]]:
+    """(key, message) for each data source in `files` (parquet files that exist here; only their
+    `source_key` column is read) that a `builtin = "auto"` source of `cfg` cannot score because verl
+    scores it with a scorer mrl lacks (a code-execution reward for code contests): one per source."""
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    from mrl.reward.verl_scores import unsupported_message
+
+    if reward_problems(cfg, check_files=False):
+        return []
+    keys = [("reward.builtin" if not cfg.sources else f"reward.sources[{i}].builtin")
+            for i, s in enumerate(reward_sources(cfg, check_files=False)) if s.ref == builtin_ref("auto")]
+    if not keys:
+        return []
+    seen: dict[str, str] = {}
+    for name in files:
+        if not Path(name).is_file():
+            continue
+        try:
+            column = pq.read_table(name, columns=[source_key]).column(0).to_pylist()
+        except Exception:  # noqa: BLE001 - no such column or an unreadable file: the data loader reports it
+            continue
+        for source in dict.fromkeys(str(v) for v in column if v is not None):
+            seen.setdefault(source, name)
+    return [(keys[0], f"{unsupported_message(source)} (rows of {name})")
+            for source, name in seen.items() if unsupported_message(source)]

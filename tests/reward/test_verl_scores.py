@@ -111,3 +111,19 @@ def test_a_code_source_in_a_batch_is_a_counted_reward_error():
                        RewardSample("b", "q", "Answer: 4", "5", data_source="math_dapo")])
     assert res.scores == [0.0, -1.0] and res.stats["reward/errors"] == 1.0
     assert "data source 'apps' needs a code-execution reward" in res.errors[0].message
+
+
+def test_validate_refuses_auto_on_code_contest_data(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mrl.reward.config import RewardConfig
+    from mrl.reward.sources import auto_source_problems
+
+    f = tmp_path / "code.parquet"
+    pq.write_table(pa.table({"data_source": ["apps", "openai/gsm8k", "apps"], "prompt": ["a", "b", "c"]}), f)
+    (key, message), = auto_source_problems(RewardConfig(builtin="auto"), (str(f),), "data_source")
+    assert key == "reward.builtin" and message.startswith("data source 'apps' needs a code-execution reward")
+    assert auto_source_problems(RewardConfig(builtin="math"), (str(f),), "data_source") == []
+    mixed = RewardConfig(sources=({"name": "fmt", "builtin": "format_boxed"}, {"name": "verl", "builtin": "auto"}))
+    assert auto_source_problems(mixed, (str(f),), "data_source")[0][0] == "reward.sources[1].builtin"
