@@ -29,6 +29,7 @@ error instead of scoring the response 0 as if it were wrong.
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -126,10 +127,13 @@ def math(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
 
 def reasoning_gym(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
     """The reasoning-gym task's exact scorer. The task and entry come from a generated row's
-    `extra["reasoning_gym"]`; a file row may name the task in its data source ("reasoning_gym/<task>")."""
+    `extra["reasoning_gym"]` or a written row's `extra_info.reasoning_gym` (`mrl data gym`); another file row may name the task in its data source ("reasoning_gym/<task>")."""
     from mrl.data import gym
 
     info = extra.get(gym.EXTRA_KEY) if isinstance(extra, dict) else None
+    written = (extra.get("extra_info") or {}).get(gym.EXTRA_KEY) if isinstance(extra, dict) else None
+    if info is None and isinstance(written, str):   # a row `mrl data gym` wrote: the entry as JSON
+        info = json.loads(written)
     if info is not None:
         task, entry = info["task"], info["entry"]
     else:

@@ -73,7 +73,7 @@ def hendrycks_last_boxed(text: str) -> str | None:
     return None
 
 
-def _unbox(boxed: str) -> str:
+def unbox(boxed: str) -> str:
     """The content of `\\boxed{...}` / `\\boxed ...`; anything else (an `\\fbox`) is an error verl catches."""
     if "\\boxed " in boxed:
         if not boxed.startswith("\\boxed "):
@@ -164,7 +164,7 @@ def math_reward(response: str, ground_truth: Any) -> float:
     if boxed is None:
         return 0.0
     try:
-        return float(hendrycks_equal(_unbox(boxed), truth))
+        return float(hendrycks_equal(unbox(boxed), truth))
     except Exception:  # noqa: BLE001 - an unboxable match (\fbox, a bad \frac) scores 0 in verl
         return 0.0
 
