@@ -91,8 +91,8 @@ def binding_problem(params: Params, conv: Convention, kwargs: Mapping[str, Any] 
         return None
     bindable = set(VERL_PARAMS) | set(kwargs)
     named = params.positional[params.positional_only:] + params.keyword_only
-    unbound = [n for n in params.positional[:params.required_positional] if n not in bindable]
-    unbound += [n for n in params.positional[:min(params.positional_only, params.required_positional)] if n not in unbound]
+    required = params.positional[:params.required_positional]   # positional-only ones cannot be passed by name
+    unbound = [n for i, n in enumerate(required) if i < params.positional_only or n not in bindable]
     unbound += [n for n in params.required_keyword_only if n not in bindable]
     if unbound:
         return (f"parameter{'s' if len(unbound) > 1 else ''} {', '.join(unbound)} cannot be bound: verl's convention "
