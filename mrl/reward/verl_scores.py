@@ -11,12 +11,13 @@ text; math_dapo gives -1 to a wrong or missing `Answer:` line); mrl's forgiving 
 | `gsm8k` | `gsm8k.py` (strict) | 1 when the last `#### <number>` in the last 300 characters equals the ground truth as text, else 0 |
 | `math_reward` | `math_reward.py` | 1 when the last `\\boxed{}` equals the ground truth after Hendrycks' MATH normalisation, else 0 |
 | `math_dapo` | `math_dapo.py` | +1 / -1: the last `Answer:` line of the last 300 characters, Minerva-normalised, equals the normalised ground truth |
+| `prime_math` | `prime_math/` | 1 when PRIME's answer (after "answer is", the last boxed, ...) is equal by PRM800K's or ToRA's grader (`mrl.reward.prime_math`), else 0 |
 | `search_r1_qa` | `search_r1_like_qa_em.py` | 1 when the last `<answer>` matches a target after SQuAD normalisation (1/4 with more than 10 answer tags), else 0 |
 
 Where verl would compare a table with text (a misconfigured answer column), these raise instead:
-the reward pool counts an error, never a silent 0. verl routes two more source families to scorers
-that need packages mrl does not ship (`prime_math` for numina_*, `geo3k` via mathruler) and code
-contests to a sandbox: those rows are reward errors that say so (`UNSUPPORTED`).
+the reward pool counts an error, never a silent 0. verl routes geometry3k to a scorer from a
+package mrl does not ship (`geo3k`, mathruler) and code contests to a sandbox: those rows are reward
+errors that say so (`UNSUPPORTED`).
 """
 from __future__ import annotations
 
@@ -241,8 +242,17 @@ def search_r1_qa(response: str, ground_truth: Any) -> float:
 
 # ---------------------------------------------------------------- routing
 Scorer = Callable[[str, Any], "float | dict"]
+
+
+def prime_math(response: str, ground_truth: Any) -> float:
+    """verl's `prime_math` (PRIME's grader: PRM800K's then ToRA's equivalence), 0 or 1; `mrl.reward.prime_math`."""
+    from mrl.reward import prime_math as prime
+
+    return prime.compute_score(response, _text(ground_truth, "prime_math"))
+
+
 SCORERS: dict[str, Scorer] = {"gsm8k": gsm8k, "math_reward": math_reward, "math_dapo": math_dapo,
-                              "search_r1_qa": search_r1_qa}
+                              "search_r1_qa": search_r1_qa, "prime_math": prime_math}
 
 # data source -> scorer, verl's `default_compute_score` table (exact names; "aime*" by prefix).
 VERL_ROUTES: dict[str, str] = {
@@ -262,8 +272,6 @@ CODE_SOURCE_PREFIXES = ("livecodebench",)   # code data verl scores only through
 UNSUPPORTED = {
     "code": "needs a code-execution reward (verl runs its tests in sandbox_fusion or prime_code), which mrl does not "
             "have yet; score it with reward.function",
-    "prime_math": "is scored by verl's prime_math grader (sympy + pylatexenc), which mrl does not reproduce; use "
-                  "reward.builtin = 'math' (math-verify) or a reward.function",
     "geo3k": "is scored by verl's geo3k reward (mathruler's grader), which mrl does not reproduce; use "
              "reward.builtin = 'math' or a reward.function",
 }

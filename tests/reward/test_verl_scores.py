@@ -71,8 +71,7 @@ def test_search_r1_exact_match(source, response, score):
 @pytest.mark.parametrize("source,fragment", [
     ("codecontests", "needs a code-execution reward"), ("apps", "needs a code-execution reward"),
     ("codeforces", "needs a code-execution reward"), ("taco", "needs a code-execution reward"),
-    ("livecodebench/v5", "needs a code-execution reward"), ("numina_olympiads", "prime_math"),
-    ("hiyouga/geometry3k", "geo3k"), ("my_task", "no builtin reward for data source 'my_task'"),
+    ("livecodebench/v5", "needs a code-execution reward"), ("hiyouga/geometry3k", "geo3k"), ("my_task", "no builtin reward for data source 'my_task'"),
     ("gsm8k", "no builtin reward for data source 'gsm8k'"), ("openai/GSM8K", "no builtin reward"),
 ])
 def test_sources_verl_scores_elsewhere_are_errors_that_say_so(source, fragment):
@@ -127,3 +126,35 @@ def test_validate_refuses_auto_on_code_contest_data(tmp_path):
     assert auto_source_problems(RewardConfig(builtin="math"), (str(f),), "data_source") == []
     mixed = RewardConfig(sources=({"name": "fmt", "builtin": "format_boxed"}, {"name": "verl", "builtin": "auto"}))
     assert auto_source_problems(mixed, (str(f),), "data_source")[0][0] == "reward.sources[1].builtin"
+
+
+@pytest.mark.parametrize("response,truth,score", [
+    ("The answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0), ("so the answer is 0.5", "\\frac{1}{2}", 1.0),
+    ("The answer is 1,000.", "1000", 1.0), ("answer: 2\\pi", "6.28", 1.0), ("\\boxed{6.283}", "2\\pi", 1.0),
+    ("\\boxed{(1, 2)}", "(1,2)", 1.0), ("\\boxed{(2, 1)}", "(1,2)", 0.0), ("\\boxed{Interval(0, 1)}", "[0,1]", 1.0),
+    ("\\boxed{0.5}", "50", 1.0), ("\\boxed{101_2}", "101", 1.0), ("\\boxed{5 cm}", "5", 1.0),
+    ("\\boxed{3 million}", "3000000", 0.0), ("\\boxed{x+1}", "1+x", 1.0), ("\\boxed{\\sqrt{8}}", "2\\sqrt{2}", 1.0),
+    ("\\boxed{2^3}", "8", 0.0), ("\\boxed{7 3/4}", "7\\frac{3}{4}", 1.0), ("\\boxed{0.333}", "\\frac{1}{3}", 0.0),
+    ("\\boxed{A}", "\\text{(A)}", 1.0), ("\\boxed{4, 3}", "3,4", 0.0), ("42 is the answer", "42", 1.0),
+    ("\\boxed{3.14}", "\\pi", 1.0), ("\\boxed{10^3}", "1000", 0.0), ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0),
+    ("\\boxed{}", "0", 0.0), ("\\boxed{[1,2]}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", 0.0),
+])
+def test_numina_sources_use_primes_grader(response, truth, score):
+    """Scores as verl's prime_math gives them (each pair was run through verl's code too)."""
+    assert _auto("numina_olympiads", response, truth) == score
+
+
+def test_every_numina_source_routes_to_prime_math():
+    for source in ("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
+                   "numina_cn_k12", "numina_olympiads"):
+        assert v.verl_route(source) == "prime_math" and _auto(source, "answer is 7", "7") == 1.0
+
+
+def test_model_text_is_never_run_as_code():
+    from mrl.reward import prime_math
+
+    assert prime_math.arithmetic_eval("[1, 2*3.5, -2**2]") == [1, 7.0, -4]
+    for text in ("__import__('os').system('true')", "x + 1", "9**99999", "(lambda: 1)()"):
+        with pytest.raises(ValueError):
+            prime_math.arithmetic_eval(text)
+    assert prime_math.compute_score("\\boxed{[__import__('os')]}", "\\begin{pmatrix} 1 \\end{pmatrix}") == 0.0
