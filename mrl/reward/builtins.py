@@ -22,6 +22,7 @@ numbers worth logging.
 | `verl_math` | verl's `math_reward` (Hendrycks MATH normalisation of the last boxed answer), 0 or 1 |
 | `verl_math_dapo` | verl's `math_dapo`: the last `Answer:` line, Minerva normalisation, +1 or -1 |
 | `verl_prime_math` | verl's `prime_math` (numina_* data): PRIME's answer, PRM800K's then ToRA's equivalence, 0 or 1 |
+| `verl_geo3k` | verl's `geo3k`: 0.9 for the last boxed answer (mathruler's grader) + 0.1 for `<think>...</think>...\\boxed{}` |
 | `verl_search_r1_qa` | verl's Search-R1 exact match of the last `<answer>` with any `ground_truth["target"]` |
 
 A ground truth a builtin cannot read (a table, a list, text with no number for `gsm8k`, nothing
@@ -169,7 +170,8 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "exact_match": (), "gsm8k": ("acc", "formatted"), "math": ("acc", "parsed"), "reasoning_gym": ("acc", "tagged"),
     "format_boxed": (), "format_answer_tags": (), "format_think_answer": (),
     "auto": ("acc", "tagged"), "auto_mrl": ("acc", "formatted", "parsed", "tagged"),
-    "verl_gsm8k": (), "verl_math": (), "verl_math_dapo": ("acc",), "verl_prime_math": (), "verl_search_r1_qa": (),
+    "verl_gsm8k": (), "verl_math": (), "verl_math_dapo": ("acc",), "verl_prime_math": (), "verl_geo3k": (),
+    "verl_search_r1_qa": (),
 }
 
 # data source -> builtin for `auto_mrl`: exact names, then prefixes (verl's data_source values).
@@ -213,15 +215,15 @@ def _verl(scorer: str):
     return run
 
 
-verl_gsm8k, verl_math, verl_math_dapo, verl_prime_math, verl_search_r1_qa = (
-    _verl(n) for n in ("gsm8k", "math_reward", "math_dapo", "prime_math", "search_r1_qa"))
+verl_gsm8k, verl_math, verl_math_dapo, verl_prime_math, verl_geo3k, verl_search_r1_qa = (
+    _verl(n) for n in ("gsm8k", "math_reward", "math_dapo", "prime_math", "geo3k", "search_r1_qa"))
 
 
 def auto(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
     """verl's `default_compute_score`: the scorer verl routes the row's data source to
     (`verl_scores.VERL_ROUTES`), with verl's scores; "reasoning_gym/<task>" rows (which verl does not
     route) use the task's scorer. `acc` is the score where the scorer returns a number, as in verl's
-    reward loop. A source verl routes to a scorer mrl lacks (code contests, geometry3k) or
+    reward loop. A source verl routes to a scorer mrl lacks (code contests) or
     does not route at all is an error naming it, counted as a reward error."""
     source = str(extra.get("data_source", "")) if isinstance(extra, dict) else ""
     if source.startswith("reasoning_gym/"):
@@ -237,7 +239,8 @@ def auto(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
 
 
 BUILTINS = ("exact_match", "gsm8k", "math", "reasoning_gym", "format_boxed", "format_answer_tags", "format_think_answer",
-            "auto", "auto_mrl", "verl_gsm8k", "verl_math", "verl_math_dapo", "verl_prime_math", "verl_search_r1_qa")
+            "auto", "auto_mrl", "verl_gsm8k", "verl_math", "verl_math_dapo", "verl_prime_math", "verl_geo3k",
+            "verl_search_r1_qa")
 
 
 def builtin_ref(name: str) -> str:

@@ -25,6 +25,7 @@ import math
 import operator
 import re
 import signal
+from dataclasses import dataclass
 from math import isclose
 from typing import Any
 
@@ -34,7 +35,22 @@ SYMPY_TIMEOUT_S = 10  # verl's limit on one sympy simplification
 
 
 # ---------------------------------------------------------------- pass 1: PRM800K's grade_answer
-def _mathd_normalize(answer: str) -> str:
+@dataclass(frozen=True)
+class Flavour:
+    """The two copies of PRM800K's grader verl uses differ in three details."""
+
+    units: tuple[str, ...]  # unit words removed
+    percents: tuple[str, ...]  # percent signs the first normalisation removes
+    squeeze: bool  # the second normalisation also removes spaces and braces
+
+
+_UNITS = ("degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week", "month", "year",
+          "foot", "feet", "inch", "yard")
+PRIME = Flavour(units=_UNITS + ("liter",), percents=("\\\\%", "\\%"), squeeze=False)  # verl's prime_math copy
+MATHRULER = Flavour(units=_UNITS, percents=("\\%", "%"), squeeze=True)  # mathruler 0.1.0 (verl's geo3k)
+
+
+def _mathd_normalize(answer: str, flavour: Flavour = PRIME) -> str:
     """PRM800K's `math_normalize.normalize_answer`: `\\text{...}` unwrapped, then Hendrycks'
     normalisation; the stripped text itself when that fails."""
     answer = answer.strip()
@@ -42,14 +58,11 @@ def _mathd_normalize(answer: str) -> str:
         m = re.search(r"^\\text\{(?P<text>.+?)\}$", answer)
         if m is not None:
             answer = m.group("text").strip()
-        return hendrycks_normalize(answer)
+        return hendrycks_normalize(answer, flavour.percents)
     except Exception:  # noqa: BLE001 - as PRM800K
         return answer
 
 
-_UNITS = ("degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week", "month", "year",
-          "foot", "feet", "inch", "yard", "liter")
-_UNIT_RES = tuple(re.compile(f"{unit}(es)?(s)? *(\\^[0-9]+)?") for unit in _UNITS)
 _BAD_SUBSTRINGS = ("^{", "^(")
 _BAD_REGEXES = (re.compile(r"\^[0-9]+\^"), re.compile(r"\^[0-9][0-9]+"))
 _TUPLE_CHARS = "()[]"
@@ -103,7 +116,7 @@ def _str_is_int(text: str) -> bool:
         return False
 
 
-def _prm_normalize(expr: str) -> str:
+def _prm_normalize(expr: str, flavour: Flavour = PRIME) -> str:
     """PRM800K's `_normalize`: units, dollars, percent, "million" and LaTeX removed, lower case."""
     m = re.search(r"^\\text\{(?P<text>.+?)\}$", expr)
     if m is not None:
@@ -111,8 +124,8 @@ def _prm_normalize(expr: str) -> str:
     for old, new in (("\\%", "%"), ("\\$", "$"), ("$", ""), ("%", ""), (" or ", " , "), (" and ", " , "),
                      ("million", "*10^6"), ("billion", "*10^9"), ("trillion", "*10^12")):
         expr = expr.replace(old, new)
-    for unit in _UNIT_RES:
-        expr = unit.sub("", expr)
+    for unit in flavour.units:
+        expr = re.sub(f"{unit}(es)?(s)? *(\\^[0-9]+)?", "", expr)
     expr = re.sub(r"\^ *\\circ", "", expr)
     if len(expr) > 0 and expr[0] == "{" and expr[-1] == "}":
         expr = expr[1:-1]
@@ -124,6 +137,8 @@ def _prm_normalize(expr: str) -> str:
             expr = _latex_to_text(expr)
     expr = re.sub("- *", "-", expr)
     expr = re.sub(r"([0-9]) +([0-9])", r"\1+\2", expr)   # a mixed number 7 3/4 -> 7+3/4
+    if flavour.squeeze:
+        expr = expr.replace(" ", "").replace("{", "").replace("}", "")
     expr = expr.lower()
     if _str_is_int(expr):
         expr = str(int(float(expr.replace(",", ""))))
@@ -181,14 +196,14 @@ def _split_tuple(expr: str) -> list[str]:
     return [expr]
 
 
-def grade_answer(given: str | None, truth: str) -> bool:
+def grade_answer(given: str | None, truth: str, flavour: Flavour = PRIME) -> bool:
     """PRM800K: equal after either normalisation, or each tuple element equal (fractions as text,
     integers only with integers, else by sympy)."""
     if given is None:
         return False
-    if _mathd_normalize(truth) == _mathd_normalize(given):
+    if _mathd_normalize(truth, flavour) == _mathd_normalize(given, flavour):
         return True
-    truth_n, given_n = _prm_normalize(truth), _prm_normalize(given)
+    truth_n, given_n = _prm_normalize(truth, flavour), _prm_normalize(given, flavour)
     if truth_n == given_n:
         return True
     if not given_n:
@@ -411,3 +426,29 @@ def compute_score(response: str, ground_truth: Any) -> float:
         return float(math_equal(answer, truth))
     except Exception:  # noqa: BLE001 - verl scores an error 0
         return 0.0
+
+
+# ---------------------------------------------------------------- geometry3k (verl's geo3k via mathruler)
+_GEO3K_FORMAT = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
+
+
+def mathruler_boxed(text: str) -> str:
+    """mathruler's `extract_boxed_content`: the stripped content of the last `\\boxed{...}`, or the
+    text "None" without one (which is then graded like any answer)."""
+    start = text.rfind("\\boxed{")
+    if start != -1:
+        depth = 0
+        content = text[start + len("\\boxed{"):]
+        for i, ch in enumerate(content):
+            depth += {"{": 1, "}": -1}.get(ch, 0)
+            if depth == -1:
+                return content[:i].strip()
+    return "None"
+
+
+def geo3k_score(response: str, ground_truth: str) -> float:
+    """verl's geo3k: 0.9 x (the last boxed answer grades equal, mathruler's grader) + 0.1 x (the
+    response is `<think>...</think>` followed by text with a `\\boxed{}`)."""
+    correct = 1.0 if grade_answer(mathruler_boxed(response), ground_truth, MATHRULER) else 0.0
+    formatted = 1.0 if _GEO3K_FORMAT.fullmatch(response) else 0.0
+    return (1.0 - 0.1) * correct + 0.1 * formatted

@@ -12,12 +12,12 @@ text; math_dapo gives -1 to a wrong or missing `Answer:` line); mrl's forgiving 
 | `math_reward` | `math_reward.py` | 1 when the last `\\boxed{}` equals the ground truth after Hendrycks' MATH normalisation, else 0 |
 | `math_dapo` | `math_dapo.py` | +1 / -1: the last `Answer:` line of the last 300 characters, Minerva-normalised, equals the normalised ground truth |
 | `prime_math` | `prime_math/` | 1 when PRIME's answer (after "answer is", the last boxed, ...) is equal by PRM800K's or ToRA's grader (`mrl.reward.prime_math`), else 0 |
+| `geo3k` | `geo3k.py` (mathruler) | 0.9 when the last boxed answer is equal by mathruler's copy of PRM800K's grader, + 0.1 for `<think>...</think>...\\boxed{}` |
 | `search_r1_qa` | `search_r1_like_qa_em.py` | 1 when the last `<answer>` matches a target after SQuAD normalisation (1/4 with more than 10 answer tags), else 0 |
 
 Where verl would compare a table with text (a misconfigured answer column), these raise instead:
-the reward pool counts an error, never a silent 0. verl routes geometry3k to a scorer from a
-package mrl does not ship (`geo3k`, mathruler) and code contests to a sandbox: those rows are reward
-errors that say so (`UNSUPPORTED`).
+the reward pool counts an error, never a silent 0. verl routes code contests to a sandbox: those
+rows are reward errors that say so (`UNSUPPORTED`).
 """
 from __future__ import annotations
 
@@ -128,13 +128,15 @@ def _fix_sqrt(s: str) -> str:
     return head + "".join("\\sqrt" + (p if p[0] == "{" else "{" + p[0] + "}" + p[1:]) for p in parts)
 
 
-def hendrycks_normalize(s: str) -> str:
-    """Hendrycks' MATH answer normalisation (verl's `math_reward.strip_string`)."""
+def hendrycks_normalize(s: str, percents: tuple[str, ...] = ("\\\\%", "\\%")) -> str:
+    """Hendrycks' MATH answer normalisation (verl's `math_reward.strip_string`); `percents` are
+    the percent signs removed (mathruler's copy removes `\\%` and a bare `%`)."""
     for old, new in (("\n", ""), ("\\!", ""), ("\\\\", "\\"), ("tfrac", "frac"), ("dfrac", "frac"), ("\\left", ""),
                      ("\\right", ""), ("^{\\circ}", ""), ("^\\circ", ""), ("\\$", "")):
         s = s.replace(old, new)
     s = _remove_right_units(s)
-    s = s.replace("\\\\%", "").replace("\\%", "")
+    for percent in percents:
+        s = s.replace(percent, "")
     s = s.replace(" .", " 0.").replace("{.", "{0.")
     if not s:
         return s
@@ -251,8 +253,16 @@ def prime_math(response: str, ground_truth: Any) -> float:
     return prime.compute_score(response, _text(ground_truth, "prime_math"))
 
 
+def geo3k(response: str, ground_truth: Any) -> float:
+    """verl's geo3k (geometry3k): 0.9 for the last boxed answer graded equal by mathruler's grader,
+    plus 0.1 for the `<think>...</think> ... \\boxed{}` format; `mrl.reward.prime_math.geo3k_score`."""
+    from mrl.reward import prime_math as prime
+
+    return prime.geo3k_score(response, _text(ground_truth, "geo3k"))
+
+
 SCORERS: dict[str, Scorer] = {"gsm8k": gsm8k, "math_reward": math_reward, "math_dapo": math_dapo,
-                              "search_r1_qa": search_r1_qa, "prime_math": prime_math}
+                              "search_r1_qa": search_r1_qa, "prime_math": prime_math, "geo3k": geo3k}
 
 # data source -> scorer, verl's `default_compute_score` table (exact names; "aime*" by prefix).
 VERL_ROUTES: dict[str, str] = {
@@ -272,8 +282,6 @@ CODE_SOURCE_PREFIXES = ("livecodebench",)   # code data verl scores only through
 UNSUPPORTED = {
     "code": "needs a code-execution reward (verl runs its tests in sandbox_fusion or prime_code), which mrl does not "
             "have yet; score it with reward.function",
-    "geo3k": "is scored by verl's geo3k reward (mathruler's grader), which mrl does not reproduce; use "
-             "reward.builtin = 'math' or a reward.function",
 }
 
 

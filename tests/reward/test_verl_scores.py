@@ -71,7 +71,7 @@ def test_search_r1_exact_match(source, response, score):
 @pytest.mark.parametrize("source,fragment", [
     ("codecontests", "needs a code-execution reward"), ("apps", "needs a code-execution reward"),
     ("codeforces", "needs a code-execution reward"), ("taco", "needs a code-execution reward"),
-    ("livecodebench/v5", "needs a code-execution reward"), ("hiyouga/geometry3k", "geo3k"), ("my_task", "no builtin reward for data source 'my_task'"),
+    ("livecodebench/v5", "needs a code-execution reward"), ("my_task", "no builtin reward for data source 'my_task'"),
     ("gsm8k", "no builtin reward for data source 'gsm8k'"), ("openai/GSM8K", "no builtin reward"),
 ])
 def test_sources_verl_scores_elsewhere_are_errors_that_say_so(source, fragment):
@@ -158,3 +158,14 @@ def test_model_text_is_never_run_as_code():
         with pytest.raises(ValueError):
             prime_math.arithmetic_eval(text)
     assert prime_math.compute_score("\\boxed{[__import__('os')]}", "\\begin{pmatrix} 1 \\end{pmatrix}") == 0.0
+
+
+@pytest.mark.parametrize("response,truth,score", [
+    ("<think>x</think> so \\boxed{30}", "30", 1.0), ("\\boxed{30}", "30", 0.9), ("<think>x</think>\\boxed{31}", "30", 0.1),
+    ("<think>a</think> \\boxed{2\\sqrt{3}}", "2 \\sqrt{3}", 1.0), ("\\boxed{50%}", "50", 0.9), ("no box", "None", 0.9),
+    ("\\boxed{5 liter}", "5", 0.0), ("\\boxed{4\\sqrt{3}}", "\\sqrt{48}", 0.9), ("<think>\\boxed{1}</think>", "1", 0.9),
+    ("\\boxed{ {3} }", "3", 0.9),
+])
+def test_geometry3k_uses_mathrulers_grader_and_a_format_bonus(response, truth, score):
+    """Scores as verl's geo3k with mathruler 0.1.0 gives them (each pair was run through that code too)."""
+    assert _auto("hiyouga/geometry3k", response, truth) == score
