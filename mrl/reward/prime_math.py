@@ -157,8 +157,11 @@ def _may_evaluate(expr: str) -> bool:
 def _alarm(seconds: float):
     """TimeoutError after `seconds` (SIGALRM: the reward worker runs calls on its main thread;
     elsewhere no limit applies and the pool's reward.timeout_s still does)."""
+    def expire(*_):
+        raise TimeoutError(f"no result within {seconds} s")
+
     try:
-        previous = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError()))
+        previous = signal.signal(signal.SIGALRM, expire)
     except ValueError:   # not the main thread
         yield
         return
