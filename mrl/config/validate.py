@@ -295,6 +295,10 @@ def check(spec: JobSpec, report) -> None:
     for f in data.train_files:
         if not os.path.exists(f):
             warn("data.train_files", f"{f!r} does not exist on this machine (fine if the job runs elsewhere)")
+    from mrl.reward.sources import auto_source_problems
+
+    for key, message in auto_source_problems(spec.reward, data.train_files + data.val_files, data.source_key):
+        err(key, message)
 
     # --- algorithm
     if alg.advantage in _GROUP_ESTIMATORS and n < 2:
