@@ -22,14 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_util import REPO, free_port
+from tests.dist_util import REPO, free_port, repo_pythonpath
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU tier needs CUDA")]
 
 
 def _env(**extra) -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": str(free_port()), **extra}
+    return {**os.environ, "PYTHONPATH": repo_pythonpath(), "MASTER_PORT": str(free_port()), **extra}
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@
    tests/kernels runs the Triton interpreter), outcomes per test from tools/gpu/pytest_record.py.
 4. **Benchmarks** (tools/bench, each with `--json`): the train step at the 370M and Qwen2.5-1.5B
    shapes, the log-prob kernels (with liger when installed), the weight export and RoPE. On CPU
-   each runs its smoke size instead; the targets are judged on CUDA figures only.
+   (and with `--quick`) each runs its smoke size instead; targets are judged on full-size CUDA
+   figures only.
 5. **Report**: `<out>/report.json` and `<out>/report.md` (rewritten after every step, so a run
    stopped from outside still leaves one), logs per step in `<out>/logs/`.
 
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report as rep  # noqa: E402  (tools/gpu/report.py)
+import check_report as rep  # noqa: E402  (tools/gpu/check_report.py)
 
 REPO = Path(__file__).resolve().parents[2]
 RECORD_ENV = "MRL_GPU_CHECK_RECORD"
@@ -50,6 +51,14 @@ PACKAGES = {"torch": "torch", "triton": "triton", "megatron-core": "megatron.cor
             "liger-kernel": "liger_kernel", "vllm": "vllm", "transformer-engine": "transformer_engine",
             "tomli-w": "tomli_w", "psutil": "psutil", "hypothesis": "hypothesis", "pytest": "pytest",
             "mlflow": "mlflow"}
+
+# tools/gpu/wheels.txt: what a bare GPU box lacks (the wheels fetch_wheels.sh downloads).
+WHEEL_LIST = tuple(ln.split("==")[0] for ln in (Path(__file__).parent / "wheels.txt").read_text().splitlines()
+                   if ln.strip() and not ln.startswith("#"))
+# Not in the wheel list, and what their absence means for the check.
+OPTIONAL = {"vllm": "the vLLM engine is not checked (too large for the wheel folder; tests/rollout -m vllm)",
+            "transformer-engine": "model.attention = te is not checked (its wheels are ~280 MB and compile against "
+                                  "torch)"}
 
 # What each part needs beyond torch (the GPU tier writes checkpoints: megatron's torch_dist save
 # hangs without psutil; `mrl train` writes the resolved spec with tomli-w).
@@ -62,35 +71,36 @@ BENCH_TESTS = ("tests/gpu/test_gpu.py::test_train_step_benchmark_reports_mfu_on_
 
 @dataclass(frozen=True)
 class Bench:
-    """One benchmark run: `cuda` arguments on a GPU, `cpu` (a smoke size, or None: skipped) on CPU;
-    `cap_s` its share of the budget on a GPU."""
+    """One benchmark: `full` arguments (on CUDA), `smoke` arguments (a few seconds: on CPU, and
+    with --quick; None skips it there, for `smoke_skip`), `cap_s` its time cap at full size.
+    The driver adds `--device` and `--json`."""
     name: str
     script: str
-    cuda: tuple[str, ...]
-    cpu: tuple[str, ...] | None
+    full: tuple[str, ...]
+    smoke: tuple[str, ...] | None
     cap_s: float
     needs: tuple[str, ...] = ("megatron-core", "transformers")
-    cpu_skip: str = ""
+    smoke_skip: str = ""
 
 
-SMOKE_TRAIN = ("--device", "cpu", "--shape", "tiny", "--steps", "1", "--responses", "8", "--prompt-len", "16",
-               "--response-len", "32", "--micro-batch-tokens", "200")
 BENCHES = (
-    Bench("train_step_370m", "train_step.py", ("--device", "cuda", "--shape", "370m", "--steps", "2"), SMOKE_TRAIN, 75),
+    Bench("train_step_370m", "train_step.py", ("--shape", "370m", "--steps", "2"),
+          ("--shape", "tiny", "--steps", "1", "--responses", "8", "--prompt-len", "16", "--response-len", "32",
+           "--micro-batch-tokens", "200"), 75),
     Bench("train_step_qwen2.5-1.5b", "train_step.py",
-          ("--device", "cuda", "--shape", "qwen2.5-1.5b", "--micro-batch-tokens", "8192", "--steps", "2"), None, 130,
-          cpu_skip="a 1.5B-parameter shape is for CUDA (train_step_370m ran the tiny CPU smoke)"),
-    Bench("kernels", "kernels.py", ("--device", "cuda", "--iters", "10", "--warmup", "3"),
-          ("--device", "cpu", "--n", "48", "--v", "700", "--h", "16", "--iters", "1", "--warmup", "1"), 75, needs=()),
-    Bench("weights", "weights.py", ("--device", "cuda", "--dtype", "bf16", "--iters", "3"),
-          ("--device", "cpu", "--dtype", "bf16", "--hidden", "64", "--ffn", "128", "--layers", "2", "--heads", "4",
-           "--kv-heads", "2", "--vocab", "512", "--iters", "1"), 45),
-    Bench("rope", "rope.py", ("--device", "cuda", "--dtype", "bf16"),
-          ("--device", "cpu", "--tokens", "256", "--sequences", "16", "--heads", "2", "--head-dim", "16",
-           "--iters", "2", "--warmup", "1"), 30),
+          ("--shape", "qwen2.5-1.5b", "--micro-batch-tokens", "8192", "--steps", "2"), None, 130,
+          smoke_skip="a 1.5B-parameter model has no smoke size (train_step_370m ran the tiny one)"),
+    Bench("kernels", "kernels.py", ("--iters", "10", "--warmup", "3"),
+          ("--n", "48", "--v", "700", "--h", "16", "--iters", "1", "--warmup", "1"), 75, needs=()),
+    Bench("weights", "weights.py", ("--dtype", "bf16", "--iters", "3"),
+          ("--dtype", "bf16", "--hidden", "64", "--ffn", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+           "--vocab", "512", "--iters", "1"), 45),
+    Bench("rope", "rope.py", ("--dtype", "bf16"),
+          ("--tokens", "256", "--sequences", "16", "--heads", "2", "--head-dim", "16", "--iters", "2", "--warmup", "1"),
+          30),
 )
 TESTS_CAP_S = 220  # on a GPU; the benchmarks' caps add up to 355 s
-QUICK_BENCHES = ("kernels", "rope")
+SMOKE_CAP_S = 120
 
 
 @dataclass
@@ -177,13 +187,13 @@ packages = json.loads(sys.argv[1])
 out = {"versions": {"python": platform.python_version()}, "importable": {}}
 for dist, module in packages.items():
     try:
-        out["versions"][dist] = md.version(dist)
-    except md.PackageNotFoundError:
-        out["versions"][dist] = None
-    try:
         out["importable"][dist] = iu.find_spec(module) is not None
     except Exception:
         out["importable"][dist] = False
+    try:  # a distribution that cannot be imported counts as missing
+        out["versions"][dist] = md.version(dist) if out["importable"][dist] else None
+    except md.PackageNotFoundError:
+        out["versions"][dist] = None
 import torch
 dev = {"cuda": torch.cuda.is_available(), "name": "cpu", "count": 0, "capability": None, "memory_gib": None,
        "torch_cuda": torch.version.cuda}
@@ -257,9 +267,12 @@ class Check:
         if not self.cuda:
             self.skip("CUDA", "no CUDA device here: tests/gpu skips, tests/kernels runs the Triton interpreter, "
                               "every benchmark runs its CPU smoke size, and no target is judged")
-        for dist in ("megatron-core", "liger-kernel", "tomli-w", "psutil", "hypothesis", "vllm"):
+        for dist in WHEEL_LIST:
             if not self.importable.get(dist):
                 self.skip(dist, "not installed" + ("" if a.wheels else " (pass --wheels DIR; tools/gpu/fetch_wheels.sh)"))
+        for dist, why in OPTIONAL.items():
+            if not self.importable.get(dist):
+                self.skip(dist, f"not installed: {why}")
         self.write()
         if a.no_tests:
             self.skip("tests", "--no-tests")
@@ -306,16 +319,16 @@ class Check:
         self.write()
 
     def run_bench(self, b: Bench) -> None:
-        entry = dict(name=b.name, command=[], status="skipped", reason="", wall_s=0.0, figures=None, output_tail="")
+        smoke = self.args.quick or not self.cuda
+        entry = dict(name=b.name, command=[], size="smoke" if smoke else "full", status="skipped", reason="",
+                     wall_s=0.0, figures=None, output_tail="")
         self.report["benchmarks"].append(entry)
-        argv = b.cuda if self.cuda else b.cpu
-        cap = b.cap_s if self.cuda else 120
+        argv = b.smoke if smoke else b.full
+        cap = SMOKE_CAP_S if smoke else b.cap_s
         if self.args.no_bench:
             entry["reason"] = "--no-bench"
-        elif self.args.quick and b.name not in QUICK_BENCHES:
-            entry["reason"] = f"--quick (runs only {', '.join(QUICK_BENCHES)})"
         elif argv is None:
-            entry["reason"] = b.cpu_skip
+            entry["reason"] = b.smoke_skip + (" (--quick)" if self.cuda else " (CUDA absent)")
         elif self.missing(b.needs):
             entry["reason"] = f"needs {', '.join(self.missing(b.needs))}"
         elif min(cap, self.budget.left()) < 10:
@@ -326,9 +339,11 @@ class Check:
             return
         figures = self.out / "bench" / f"{b.name}.json"
         figures.unlink(missing_ok=True)
+        argv = (*argv, "--device", "cuda" if self.cuda else "cpu")
         cmd = [self.args.python, str(REPO / "tools/bench" / b.script), *argv, "--json", str(figures)]
         entry["command"] = ["python", f"tools/bench/{b.script}", *argv]
-        rc, entry["wall_s"], tail = run_capped(cmd, self.env, min(cap, self.budget.left()), self.out / "logs" / f"{b.name}.log")
+        rc, entry["wall_s"], tail = run_capped(cmd, self.env, min(cap, self.budget.left()),
+                                               self.out / "logs" / f"{b.name}.log")
         entry["output_tail"] = tail[-1500:]
         if rc is None:
             entry.update(status="timed out", reason=f"stopped after {entry['wall_s']:.0f} s (its cap)")
@@ -349,7 +364,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "gpu-check"), help="report folder (default %(default)s)")
     ap.add_argument("--budget-s", type=float, default=540.0, help="time for the whole check")
     ap.add_argument("--quick", action="store_true",
-                    help="tests/gpu only and the kernels and rope benchmarks only (a minute on CPU)")
+                    help="skip tests/kernels and run every benchmark at its smoke size (no target is judged)")
     ap.add_argument("--no-tests", action="store_true")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--python", default=sys.executable, help="interpreter for the tests and benchmarks")

@@ -167,6 +167,9 @@ def evaluate(target: Target, benches: dict[str, dict], tests: dict[str, dict]) -
     if figures.get("device") != "cuda":
         row["reason"] = f"measured on {figures.get('device', '?')} (a smoke run); the targets are for CUDA"
         return row
+    if step["size"] != "full":
+        row["reason"] = "measured at the smoke size (--quick)"
+        return row
     value = _dig(figures, target.figure)
     if value is None:
         row["reason"] = _why_missing(target, figures)
@@ -210,8 +213,10 @@ def markdown(report: dict) -> str:
                   "| test | outcome | s | message |", "| --- | --- | --- | --- |"]
         lines += [f"| `{r['nodeid']}` | {r['outcome']} | {r['duration_s']:.1f} | {_cell(r['message'][:200])} |"
                   for r in tests["results"]]
-    lines += ["", "## Benchmarks", "", "| benchmark | status | s | note |", "| --- | --- | --- | --- |"]
-    lines += [f"| `{b['name']}` | {b['status']} | {b['wall_s']:.0f} | {_cell(b['reason'])} |" for b in report["benchmarks"]]
+    lines += ["", "## Benchmarks", "", "| benchmark | status | size | s | note |",
+              "| --- | --- | --- | --- | --- |"]
+    lines += [f"| `{b['name']}` | {b['status']} | {b['size']} | {b['wall_s']:.0f} | {_cell(b['reason'])} |"
+              for b in report["benchmarks"]]
     lines += ["", "## Skipped", ""]
     lines += [f"- **{s['what']}**: {s['why']}" for s in report["skipped"]] or ["nothing"]
     lines += ["", f"Logs and the figures of each benchmark: `{report['out_dir']}`.", ""]
