@@ -49,8 +49,8 @@ RECORD_ENV = "MRL_GPU_CHECK_RECORD"
 # The distributions the report lists, and the module each is imported as.
 PACKAGES = {"torch": "torch", "triton": "triton", "megatron-core": "megatron.core", "transformers": "transformers",
             "liger-kernel": "liger_kernel", "vllm": "vllm", "transformer-engine": "transformer_engine",
-            "tomli-w": "tomli_w", "psutil": "psutil", "hypothesis": "hypothesis", "pytest": "pytest",
-            "mlflow": "mlflow"}
+            "tomli-w": "tomli_w", "psutil": "psutil", "hypothesis": "hypothesis", "sortedcontainers": "sortedcontainers",
+            "pytest": "pytest", "mlflow": "mlflow"}
 
 # tools/gpu/wheels.txt: what a bare GPU box lacks (the wheels fetch_wheels.sh downloads).
 WHEEL_LIST = tuple(ln.split("==")[0] for ln in (Path(__file__).parent / "wheels.txt").read_text().splitlines()
@@ -89,7 +89,7 @@ BENCHES = (
            "--micro-batch-tokens", "200"), 75),
     Bench("train_step_qwen2.5-1.5b", "train_step.py",
           ("--shape", "qwen2.5-1.5b", "--micro-batch-tokens", "8192", "--steps", "2"), None, 130,
-          smoke_skip="a 1.5B-parameter model has no smoke size (train_step_370m ran the tiny one)"),
+          smoke_skip="no smoke size for a 1.5B-parameter model (train_step_370m ran the tiny one)"),
     Bench("kernels", "kernels.py", ("--iters", "10", "--warmup", "3"),
           ("--n", "48", "--v", "700", "--h", "16", "--iters", "1", "--warmup", "1"), 75, needs=()),
     Bench("weights", "weights.py", ("--dtype", "bf16", "--iters", "3"),
@@ -328,7 +328,7 @@ class Check:
         if self.args.no_bench:
             entry["reason"] = "--no-bench"
         elif argv is None:
-            entry["reason"] = b.smoke_skip + (" (--quick)" if self.cuda else " (CUDA absent)")
+            entry["reason"] = ("--quick: " if self.cuda else "CUDA absent: ") + b.smoke_skip
         elif self.missing(b.needs):
             entry["reason"] = f"needs {', '.join(self.missing(b.needs))}"
         elif min(cap, self.budget.left()) < 10:
