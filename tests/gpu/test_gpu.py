@@ -155,7 +155,7 @@ def test_quickstart_trains_20_bf16_steps_on_cuda_resumes_and_merges(tmp_path):
     ckpts = sorted(p.name for p in (tmp_path / "run/checkpoints/actor").glob("step_*"))
     assert ckpts == ["step_00000010", "step_00000020"], ckpts
     out = tmp_path / "hf"
-    _mrl("merge", str(tmp_path / "run/checkpoints"), str(out))
+    _mrl("merge", str(tmp_path / "run/checkpoints/actor"), str(out))
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
 
 

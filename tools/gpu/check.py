@@ -58,7 +58,8 @@ WHEEL_LIST = tuple(ln.split("==")[0] for ln in (Path(__file__).parent / "wheels.
 # Not in the wheel list, and what their absence means for the check.
 OPTIONAL = {"vllm": "the vLLM engine is not checked (too large for the wheel folder; tests/rollout -m vllm)",
             "transformer-engine": "model.attention = te is not checked (its wheels are ~280 MB and compile against "
-                                  "torch)"}
+                                  "torch)",
+            "mlflow": "runs log to the console only (the GPU tier sets tracking.backends = [\"console\"])"}
 
 # What each part needs beyond torch (the GPU tier writes checkpoints: megatron's torch_dist save
 # hangs without psutil; `mrl train` writes the resolved spec with tomli-w).
