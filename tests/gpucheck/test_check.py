@@ -112,7 +112,8 @@ def test_the_quickstart_target_is_its_test():
 
 
 def test_wheel_names_map_to_distributions():
-    assert check.wheel_distribution(Path("megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl")) == "megatron-core"
+    megatron = Path("megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl")
+    assert check.wheel_distribution(megatron) == "megatron-core"
     assert check.wheel_distribution(Path("tomli_w-1.2.0-py3-none-any.whl")) == "tomli-w"
     assert "megatron-core" in check.WHEEL_LIST and "liger-kernel" in check.WHEEL_LIST
     assert set(check.WHEEL_LIST) <= set(check.PACKAGES)  # each is probed (and reported) by its module

@@ -20,8 +20,8 @@
 Every step has a time cap and the whole check a budget (`--budget-s`, default 540 s: one
 10-minute command with room to install). Whatever cannot run is listed under "skipped" with the
 reason (CUDA absent, a missing package, `--quick`, the budget). Exit status: 0 when nothing
-failed (skips allowed), 1 when a test, a benchmark or a target failed or was not met, 2 on a
-usage error.
+failed (skips allowed), 1 when the install, a test or a benchmark failed or a target was not
+met, 2 on a usage error.
 """
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ RECORD_ENV = "MRL_GPU_CHECK_RECORD"
 # The distributions the report lists, and the module each is imported as.
 PACKAGES = {"torch": "torch", "triton": "triton", "megatron-core": "megatron.core", "transformers": "transformers",
             "liger-kernel": "liger_kernel", "vllm": "vllm", "transformer-engine": "transformer_engine",
-            "tomli-w": "tomli_w", "psutil": "psutil", "hypothesis": "hypothesis", "sortedcontainers": "sortedcontainers",
+            "tomli-w": "tomli_w", "psutil": "psutil", "hypothesis": "hypothesis",
+            "sortedcontainers": "sortedcontainers",
             "pytest": "pytest", "mlflow": "mlflow"}
 
 # tools/gpu/wheels.txt: what a bare GPU box lacks (the wheels fetch_wheels.sh downloads).
@@ -178,7 +179,8 @@ def install_wheels(wheels: Path, site: Path, python: str) -> dict:
 def child_env(site: Path | None, shim: Path, record: Path) -> dict:
     """This checkout first (mrl, tests; `mrl_kernels` through `shim`), then the wheel site, then
     whatever PYTHONPATH the caller had."""
-    parts = [str(REPO), str(shim)] + ([str(site)] if site else []) + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    caller = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    parts = [str(REPO), str(shim)] + ([str(site)] if site else []) + caller
     return {**os.environ, "PYTHONPATH": os.pathsep.join(parts), RECORD_ENV: str(record), "PYTHONUNBUFFERED": "1"}
 
 
@@ -270,7 +272,8 @@ class Check:
                               "every benchmark runs its CPU smoke size, and no target is judged")
         for dist in WHEEL_LIST:
             if not self.importable.get(dist):
-                self.skip(dist, "not installed" + ("" if a.wheels else " (pass --wheels DIR; tools/gpu/fetch_wheels.sh)"))
+                hint = "" if a.wheels else " (pass --wheels DIR; tools/gpu/fetch_wheels.sh)"
+                self.skip(dist, "not installed" + hint)
         for dist, why in OPTIONAL.items():
             if not self.importable.get(dist):
                 self.skip(dist, f"not installed: {why}")
@@ -283,7 +286,8 @@ class Check:
             self.run_bench(bench)
         self.write()
         r = self.report
-        bad = (any(t["outcome"] in ("failed", "unfinished") for t in r["tests"]["results"])
+        bad = (bool(r["install"]["error"])
+               or any(t["outcome"] in ("failed", "unfinished") for t in r["tests"]["results"])
                or any(b["status"] not in ("ok", "skipped") for b in r["benchmarks"])
                or any(t["status"] in ("failed", "not met") for t in r["targets"]))
         print(rep.markdown(r))
@@ -293,7 +297,8 @@ class Check:
         paths = []
         for path, needs in TESTS:
             if self.args.quick and path == "tests/kernels":
-                self.skip(path, "--quick (the kernels' own tests: about a minute under the CPU interpreter, longer with Triton compiles on a GPU)")
+                self.skip(path, "--quick (the kernels' own tests: a minute or two under the CPU interpreter, "
+                                "longer with Triton compiles on a GPU)")
             elif self.missing(needs):
                 self.skip(path, f"needs {', '.join(self.missing(needs))}")
             else:

@@ -5,4 +5,4 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 py="${GPU_PYTHON:-${PYTHON:-python3}}"
-exec "$py" "$here/check.py" --python "$(command -v "$py")" "$@"
+exec "$py" "$here/check.py" "$@"

@@ -200,7 +200,8 @@ def markdown(report: dict) -> str:
     if inst["wheels_dir"]:
         lines += ["", f"Wheels from `{inst['wheels_dir']}` into `{inst['site']}`: installed "
                       f"{', '.join(inst['installed']) or 'none'}; already present "
-                      f"{', '.join(inst['present']) or 'none'}" + (f"; error: {inst['error']}" if inst["error"] else "")]
+                      f"{', '.join(inst['present']) or 'none'}"
+                      + (f"; error: {inst['error']}" if inst["error"] else "")]
     lines += ["", "## Targets", "", "| target | wanted | measured | status | note |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {_cell(t['description'])} | {_cell(t['wanted'])} | {_cell(t['shown'])} | **{t['status']}** | "
               f"{_cell(t['reason'])} |" for t in report["targets"]]
