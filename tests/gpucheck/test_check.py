@@ -119,6 +119,21 @@ def test_wheel_names_map_to_distributions():
     assert set(check.WHEEL_LIST) <= set(check.PACKAGES)  # each is probed (and reported) by its module
 
 
+def test_an_empty_wheel_folder_is_an_install_error(tmp_path):
+    entry = check.install_wheels(tmp_path, tmp_path / "site", sys.executable)
+    assert entry["error"] == f"no .whl files in {tmp_path}" and not entry["installed"]
+
+
+def test_headlines_pick_the_figures_worth_a_glance():
+    train = dict(params=1.5e9, tokens_per_step=58000, step_ms=1800.0, tokens_per_s=32222.0, mfu=0.291,
+                 share_outside_model_math=0.031, peak_memory_gib=61.2)
+    assert report.headline("train_step_qwen2.5-1.5b", train) == (
+        "1500M params, 58000 tokens/step: 1800 ms, 32,222 tokens/s, MFU 29.1%, outside model math 3.1%, peak 61.2 GiB")
+    assert report.headline("weights", dict(export_gbps=1.05, copy_gbps=3.0, export_over_copy=0.35)) == (
+        "export 1.1 GB/s, copy 3.0 GB/s, ratio 0.35")
+    assert report.headline("kernels", None) == ""
+
+
 # ------------------------------------------------------------------------------------------
 # The check, end to end on CPU.
 # ------------------------------------------------------------------------------------------
@@ -194,6 +209,7 @@ def test_quick_check_on_cpu_installs_wheels_skips_what_needs_cuda_and_reports(tm
     for heading in ("# mrl GPU check (quick)", "## Versions", "## Targets", "## Tests", "## Benchmarks", "## Skipped"):
         assert heading in md, heading
     assert "| megatron-core | " in md and "**skipped**" in md
+    assert "tokens/s, MFU n/a" in md and "export " in md and " GB/s, ratio " in md  # the benchmarks' headlines
 
 
 @needs_cpu

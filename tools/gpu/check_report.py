@@ -179,6 +179,37 @@ def evaluate(target: Target, benches: dict[str, dict], tests: dict[str, dict]) -
     return row
 
 
+def _num(x, spec: str, suffix: str = "") -> str:
+    return "n/a" if x is None else f"{x:{spec}}{suffix}"
+
+
+def headline(name: str, figures: dict | None) -> str:
+    """The few figures of a benchmark worth a glance (all of them are in its JSON)."""
+    f = figures or {}
+    if not f:
+        return ""
+    if name.startswith("train_step"):
+        return (f"{_num(f.get('params', 0) / 1e6, '.0f')}M params, {f.get('tokens_per_step')} tokens/step: "
+                f"{_num(f.get('step_ms'), '.0f', ' ms')}, {_num(f.get('tokens_per_s'), ',.0f')} tokens/s, "
+                f"MFU {_num(f['mfu'] * 100 if f.get('mfu') is not None else None, '.1f', '%')}, "
+                f"outside model math {_num(f.get('share_outside_model_math', 0) * 100, '.1f', '%')}, "
+                f"peak {_num(f.get('peak_memory_gib'), '.1f', ' GiB')}")
+    if name == "kernels":
+        lp, ln = f.get("logprob") or {}, f.get("linear") or {}
+        return (f"log-prob fwd {_num(lp.get('fwd_pct_hbm'), '.1f', '% HBM')}, "
+                f"{_num(lp.get('eager_over_mrl_fwd'), '.1f', 'x')} eager; fwd+bwd liger/mrl "
+                f"{_num(lp.get('liger_over_mrl_fwd_bwd'), '.2f', 'x')}; fused linear liger/mrl time "
+                f"{_num(ln.get('liger_over_fused_fwd_bwd'), '.2f', 'x')}, mrl/liger memory "
+                f"{_num(ln.get('peak_fused_over_liger'), '.2f', 'x')} ({f.get('backend')})")
+    if name == "weights":
+        return (f"export {_num(f.get('export_gbps'), '.1f', ' GB/s')}, copy {_num(f.get('copy_gbps'), '.1f', ' GB/s')}, "
+                f"ratio {_num(f.get('export_over_copy'), '.2f')}")
+    if name == "rope":
+        return (f"megatron/mrl {_num(f.get('megatron_over_mrl_with_tables'), '.1f', 'x')} with tables, "
+                f"{_num(f.get('megatron_over_mrl_rotate'), '.1f', 'x')} rotate only")
+    return ""
+
+
 # ------------------------------------------------------------------------------------------
 # Markdown.
 # ------------------------------------------------------------------------------------------
@@ -214,10 +245,10 @@ def markdown(report: dict) -> str:
                   "| test | outcome | s | message |", "| --- | --- | --- | --- |"]
         lines += [f"| `{r['nodeid']}` | {r['outcome']} | {r['duration_s']:.1f} | {_cell(r['message'][:200])} |"
                   for r in tests["results"]]
-    lines += ["", "## Benchmarks", "", "| benchmark | status | size | s | note |",
+    lines += ["", "## Benchmarks", "", "| benchmark | status | size | s | figures (or why not) |",
               "| --- | --- | --- | --- | --- |"]
-    lines += [f"| `{b['name']}` | {b['status']} | {b['size']} | {b['wall_s']:.0f} | {_cell(b['reason'])} |"
-              for b in report["benchmarks"]]
+    lines += [f"| `{b['name']}` | {b['status']} | {b['size']} | {b['wall_s']:.0f} | "
+              f"{_cell(headline(b['name'], b['figures']) or b['reason'])} |" for b in report["benchmarks"]]
     lines += ["", "## Skipped", ""]
     lines += [f"- **{s['what']}**: {s['why']}" for s in report["skipped"]] or ["nothing"]
     lines += ["", f"Logs and the figures of each benchmark: `{report['out_dir']}`.", ""]
