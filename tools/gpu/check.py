@@ -229,8 +229,10 @@ class Check:
         (self.out / "bench").mkdir(exist_ok=True)
         self.record = self.out / "tests.jsonl"
         self.record.unlink(missing_ok=True)
-        self.shim = Path(args.shim)  # a temporary folder holding `mrl_kernels` -> kernels/
+        # A temporary folder on the children's PYTHONPATH: `mrl_kernels` -> kernels/, and the plugin.
+        self.shim = Path(args.shim)
         (self.shim / "mrl_kernels").symlink_to(REPO / "kernels")
+        (self.shim / "pytest_record.py").symlink_to(Path(__file__).resolve().parent / "pytest_record.py")
         self.site = Path(args.site).resolve() if args.wheels else None
         self.report = dict(schema=rep.SCHEMA, mode="quick" if args.quick else "full", started_utc=utc(),
                            finished_utc="", wall_s=0.0, budget_s=args.budget_s, host=socket.gethostname(),
@@ -313,8 +315,7 @@ class Check:
                *paths, *(f"--deselect={t}" for t in BENCH_TESTS if "tests/gpu" in paths and not self.args.no_bench)]
         if "tests/gpu" in paths and not self.args.no_bench:
             self.skip("benchmark smoke tests of tests/gpu", "the benchmark steps below run those benchmarks in full")
-        env = {**self.env, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), self.env["PYTHONPATH"]])}
-        rc, wall, _ = run_capped(cmd, env, cap, self.out / "logs" / "tests.log")
+        rc, wall, _ = run_capped(cmd, self.env, cap, self.out / "logs" / "tests.log")
         results = rep.test_outcomes(rep.read_jsonl(self.record))
         self.report["tests"] = dict(ran=True, command=["pytest", "-m", "''", *paths], wall_s=wall, timed_out=rc is None,
                                     exit_status=rc, counts=rep.counts(results), results=results)
