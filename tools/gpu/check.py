@@ -3,7 +3,7 @@
     tools/gpu/check.sh [--wheels DIR] [--out DIR] [--quick] [--budget-s S]   # or: make gpu-check
 
 1. **Install**: with `--wheels DIR` (a folder from tools/gpu/fetch_wheels.sh), every wheel whose
-   distribution is not already importable goes into a site folder with `pip install --no-index
+   distribution is not already installed (nor in the site folder from an earlier run) goes into a site folder with `pip install --no-index
    --no-deps --target` and that folder joins PYTHONPATH for everything below. The checkout itself
    is put on PYTHONPATH (with `mrl_kernels` linked to `kernels/`), so nothing needs `pip install -e`.
 2. **Probe** (in a child process with that PYTHONPATH): versions of python, torch, triton,
