@@ -163,6 +163,7 @@ needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU
 
 
 @needs_cpu
+@pytest.mark.slow
 def test_quick_check_on_cpu_installs_wheels_skips_what_needs_cuda_and_reports(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
@@ -213,6 +214,7 @@ def test_quick_check_on_cpu_installs_wheels_skips_what_needs_cuda_and_reports(tm
 
 
 @needs_cpu
+@pytest.mark.slow
 def test_a_missing_package_is_named_and_what_needs_it_skipped(tmp_path):
     """megatron-core and liger-kernel hidden from the children (as on a bare GPU box)."""
     hide = tmp_path / "hide"
