@@ -16,3 +16,8 @@ class TrackingConfig:
     run_name: Optional[str] = option(None, help="MLflow run name (default: job.name)")
     tracking_uri: Optional[str] = option(None, help="MLflow URI (default: sqlite:///<job.output_dir>/<job.name>/mlflow.db)")
     tags: dict[str, str] = option(factory=dict, help="tags attached to the run")
+    prometheus_port: Optional[int] = option(None, ge=0, le=65535,
+                                            help="serve the trainer's live metrics for Prometheus on this port "
+                                                 "(rank 0, http://<host>:<port>/metrics; 0: a free port, said at "
+                                                 "start); off when unset")
+    prometheus_address: str = option("0.0.0.0", help="the address the Prometheus endpoint listens on")

@@ -42,6 +42,7 @@ class Tracker:
         self.console: ConsoleProgress | None = None
         self.mlflow: MlflowRun | None = None
         self.tensorboard = None   # torch.utils.tensorboard.SummaryWriter
+        self.prometheus = None    # mrl.tracking.prometheus.PrometheusExporter
         self._run_id: str | None = None
         if self.rank != 0:
             return
@@ -65,6 +66,11 @@ class Tracker:
             # a resumed run re-runs the steps after its checkpoint: drop their old events
             self.tensorboard = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"),
                                              purge_step=start_step + 1 if start_step else None)
+        if cfg.prometheus_port is not None:
+            from mrl.tracking.prometheus import PrometheusExporter
+
+            self.prometheus = PrometheusExporter(cfg.prometheus_port, cfg.prometheus_address, total_steps=total_steps,
+                                                 start_step=start_step)
         if "console" in cfg.backends:
             self.console = ConsoleProgress(total_steps, start_step=start_step, file=stream,
                                            force_terminal=force_terminal, every_steps=log_every_steps)
@@ -89,6 +95,8 @@ class Tracker:
                          + (f"   (run {self.mlflow.run_id})" if self.mlflow.run_id else ""))
         if self.tensorboard is not None:
             lines.append(f"metrics: tensorboard --logdir {Path(self.tensorboard.log_dir).resolve()}")
+        if self.prometheus is not None:
+            lines.append(f"metrics: {self.prometheus.url} (Prometheus)")
         return lines
 
     @property
@@ -107,6 +115,8 @@ class Tracker:
             self.mlflow.log_text(to_toml(spec), "spec.toml")
 
     def stage(self, name: str) -> None:
+        if self.prometheus is not None:
+            self.prometheus.stage(name)
         if self.console is not None:
             self.console.stage(name)
 
@@ -119,6 +129,8 @@ class Tracker:
             for name, value in metrics.items():
                 self.tensorboard.add_scalar(name, float(value), step)
             self.tensorboard.flush()
+        if self.prometheus is not None:
+            self.prometheus.step_done(step, metrics)
         if self.console is not None and console:
             self.console.step_done(step, metrics)
 
@@ -145,3 +157,6 @@ class Tracker:
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None
+        if self.prometheus is not None:
+            self.prometheus.close()
+            self.prometheus = None
