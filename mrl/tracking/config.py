@@ -10,8 +10,10 @@ from mrl.config.schema import option, section
 class TrackingConfig:
     """Where metrics go."""
 
-    backends: tuple[Literal["console", "mlflow", "tensorboard"], ...] = option(
-        ("console", "mlflow"), help="any of console, mlflow and tensorboard (event files in <run dir>/tensorboard)")
+    backends: tuple[Literal["console", "mlflow", "tensorboard", "wandb"], ...] = option(
+        ("console", "mlflow"), help="any of console, mlflow, tensorboard (event files in <run dir>/tensorboard) and "
+                                    "wandb (project = tracking.experiment; offline in <run dir>/wandb without "
+                                    "WANDB_API_KEY; WANDB_MODE overrides)")
     experiment: str = option("mrl", help="MLflow experiment")
     run_name: Optional[str] = option(None, help="MLflow run name (default: job.name)")
     tracking_uri: Optional[str] = option(None, help="MLflow URI (default: sqlite:///<job.output_dir>/<job.name>/mlflow.db)")

@@ -43,6 +43,7 @@ class Tracker:
         self.mlflow: MlflowRun | None = None
         self.tensorboard = None   # torch.utils.tensorboard.SummaryWriter
         self.prometheus = None    # mrl.tracking.prometheus.PrometheusExporter
+        self.wandb = None         # mrl.tracking.wandb_run.WandbRun
         self._run_id: str | None = None
         if self.rank != 0:
             return
@@ -66,6 +67,11 @@ class Tracker:
             # a resumed run re-runs the steps after its checkpoint: drop their old events
             self.tensorboard = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"),
                                              purge_step=start_step + 1 if start_step else None)
+        if "wandb" in cfg.backends:
+            from mrl.tracking.wandb_run import WandbRun
+
+            self.wandb = WandbRun(run_dir, project=cfg.experiment, name=cfg.run_name or Path(run_dir).name,
+                                  resume=start_step > 0, tags=cfg.tags)
         if cfg.prometheus_port is not None:
             from mrl.tracking.prometheus import PrometheusExporter
 
@@ -95,6 +101,9 @@ class Tracker:
                          + (f"   (run {self.mlflow.run_id})" if self.mlflow.run_id else ""))
         if self.tensorboard is not None:
             lines.append(f"metrics: tensorboard --logdir {Path(self.tensorboard.log_dir).resolve()}")
+        if self.wandb is not None:
+            lines.append(f"metrics: wandb run {self.wandb.run_id} ({self.wandb.mode}) in {self.wandb.location}"
+                         + ("   (upload: wandb sync <that dir>)" if self.wandb.mode == "offline" else ""))
         if self.prometheus is not None:
             lines.append(f"metrics: {self.prometheus.url} (Prometheus)")
         return lines
@@ -105,11 +114,15 @@ class Tracker:
         return self._run_id
 
     def log_params(self, params: Mapping[str, Any]) -> None:
+        if self.wandb is not None:
+            self.wandb.log_params(params)
         if self.mlflow is not None:
             self.mlflow.log_params(params)
 
     def log_spec(self, spec: Any) -> None:
-        """The resolved spec as dotted-key params and as the `spec.toml` artifact."""
+        """The resolved spec as dotted-key params and as the `spec.toml` artifact (wandb: its config)."""
+        if self.wandb is not None:
+            self.wandb.log_config(to_toml(spec))
         if self.mlflow is not None:
             self.mlflow.log_params(spec_params(spec))
             self.mlflow.log_text(to_toml(spec), "spec.toml")
@@ -129,6 +142,8 @@ class Tracker:
             for name, value in metrics.items():
                 self.tensorboard.add_scalar(name, float(value), step)
             self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log_metrics(metrics, step)
         if self.prometheus is not None:
             self.prometheus.step_done(step, metrics)
         if self.console is not None and console:
@@ -136,7 +151,9 @@ class Tracker:
 
     def log_samples(self, split: str, columns: Mapping[str, list]) -> None:
         """Append sample generations (`mrl.tracking.samples.sample_rows`) to the run's
-        `samples/<split>.json` table."""
+        `samples/<split>.json` table (wandb: a `samples/<split>` table)."""
+        if self.wandb is not None:
+            self.wandb.log_samples(split, columns)
         if self.mlflow is not None:
             self.mlflow.client.log_table(self.mlflow.run_id, data=dict(columns), artifact_file=f"samples/{split}.json")
 
@@ -157,6 +174,9 @@ class Tracker:
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None
+        if self.wandb is not None:
+            self.wandb.finish(status)
+            self.wandb = None
         if self.prometheus is not None:
             self.prometheus.close()
             self.prometheus = None

@@ -5,12 +5,13 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.dist_util import REPO, run_torchrun
+from tests.dist_util import REPO, free_port, run_torchrun
 
 SCRIPT = REPO / "tests/train/scripts/run_jobs.py"
 ONE_RANK = "platform.ranks_per_node=1 parallel.tensor=1"
@@ -93,15 +94,79 @@ def test_ppo_with_critic_and_dapo_jobs_run_on_two_ranks(tmp_path):
         assert (out / "run/checkpoints/actor/latest").is_file()
 
 
+class Scraper(threading.Thread):
+    """Scrapes a Prometheus endpoint every `every` seconds until stopped; keeps each scrape's
+    {(sample name, labels): value} (a refused connection, before the server is up or after it
+    stopped, is skipped)."""
+
+    def __init__(self, url: str, every: float = 0.25):
+        super().__init__(daemon=True)
+        self.url, self.every, self.scrapes, self.done = url, every, [], threading.Event()
+
+    def run(self):
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        while not self.done.wait(self.every):
+            try:
+                text = urllib.request.urlopen(self.url, timeout=2).read().decode()
+            except OSError:
+                continue
+            self.scrapes.append({(s.name, tuple(sorted(s.labels.items()))): s.value
+                                 for fam in text_string_to_metric_families(text) for s in fam.samples})
+
+    def series(self, name: str, **labels) -> list[float]:
+        key = (name, tuple(sorted(labels.items())))
+        return [s[key] for s in self.scrapes if key in s]
+
+
 @pytest.mark.slow
 def test_quickstart_reward_rises_within_five_minutes(tmp_path):
+    """The CPU demo learns within five minutes; meanwhile its rank 0 serves live metrics
+    (`tracking.prometheus_port`: step, reward and stage timings advance between scrapes) and writes
+    an offline wandb run holding the same metrics, the spec as config and the sample tables."""
+    port = free_port()
+    scraper = Scraper(f"http://127.0.0.1:{port}/metrics")
+    scraper.start()
     t0 = time.monotonic()
-    run_torchrun("-m mrl train", "jobs/quickstart_cpu.toml", f"job.output_dir={tmp_path}", timeout=600)
+    try:
+        run_torchrun("-m mrl train", "jobs/quickstart_cpu.toml", f"job.output_dir={tmp_path}",
+                     f"tracking.prometheus_port={port}", "tracking.prometheus_address=127.0.0.1",
+                     'tracking.backends=["console", "mlflow", "wandb"]', timeout=600,
+                     env={"WANDB_MODE": "offline", "WANDB_API_KEY": ""})
+    finally:
+        scraper.done.set()
+        scraper.join()
     seconds = time.monotonic() - t0
     rewards = history(tmp_path / "quickstart-cpu")["reward/mean"]
     first, last = rewards[1], [rewards[s] for s in sorted(rewards)[-5:]]
-    print(f"quickstart: reward {first:.3f} -> {sum(last) / 5:.3f} in {seconds:.0f}s")
+    print(f"quickstart: reward {first:.3f} -> {sum(last) / 5:.3f} in {seconds:.0f}s; {len(scraper.scrapes)} scrapes")
     assert first <= 0.2 and sum(last) / 5 >= 0.8 and seconds <= 300
+
+    steps = scraper.series("mrl_step")
+    assert steps == sorted(steps) and len(set(steps)) >= 10 and max(steps) >= 30, steps
+    assert scraper.series("mrl_total_steps")[-1] == 40
+    reward = scraper.series("mrl_metric", key="reward/mean")
+    assert len(set(reward)) >= 5 and set(reward) <= set(rewards.values())   # the scrapes show what MLflow got
+    assert scraper.series("mrl_reward_mean")[-1] == reward[-1]
+    rollout_count = scraper.series("mrl_stage_seconds_count", stage="rollout")
+    assert rollout_count == sorted(rollout_count) and rollout_count[-1] - rollout_count[0] >= 10
+    assert scraper.series("mrl_stage_seconds_sum", stage="rollout")[-1] > 0
+    beats = scraper.series("mrl_heartbeat_timestamp_seconds")
+    assert beats == sorted(beats) and beats[-1] > beats[0]
+
+    from tests.tracking.wandb_records import records
+
+    (run_file,) = (tmp_path / "quickstart-cpu/wandb").glob("offline-run-*/run-*.wandb")
+    wb = records(run_file)
+    logged = {row["trainer/step"]: row["reward/mean"] for row in wb["history"] if "reward/mean" in row}
+    assert logged == rewards
+    assert wb["config"]["trainer"]["total_steps"] == 40 and wb["config"]["model"]["path"]
+    tables = sorted(run_file.parent.glob("files/media/table/samples/train_*.table.json"))
+    assert len(tables) >= 4   # every 10 steps and the last
+    table = json.loads(tables[-1].read_text())
+    assert "response" in table["columns"] and table["data"]
 
 
 @pytest.mark.slow
