@@ -96,6 +96,10 @@ class MlflowRun:
             self._logged_params = {}
         self.run_id = run.info.run_id
         self.experiment_id = run.info.experiment_id
+        from mrl.tracking.experiment import declare_training_experiment, hide_empty_default_experiment
+
+        declare_training_experiment(self.client, self.experiment_id)   # the UI's training view, not GenAI
+        hide_empty_default_experiment(self.client)
         self.run_name = run.info.run_name
         # who writes to the run now: lets a later start tell a dead run from a live one
         self.set_tags({**(tags or {}), "mrl.host": socket.gethostname(), "mrl.pid": str(os.getpid())})
