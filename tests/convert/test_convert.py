@@ -175,7 +175,7 @@ def test_grpo_values_are_translated(tmp_path):
     assert job["platform"]["ranks_per_node"] == 4
     assert job["data"]["prompt_overflow"] == "error"          # verl's truncation='error' default
     assert job["reward"]["builtin"] == "auto"                 # verl's default_compute_score by data source
-    assert job["tracking"]["backends"] == ["console"]         # wandb has no mrl backend
+    assert job["tracking"]["backends"] == ["console", "wandb"]   # verl's logger, each to its mrl backend
     assert "critic" not in job                                # GRPO: verl reads no critic settings
 
 
