@@ -77,3 +77,22 @@ def test_the_tracker_serves_on_rank_zero_says_where_and_stops_at_finish(tmp_path
         raise AssertionError("still serving after finish")
     except OSError:
         pass
+
+
+def test_the_grafana_dashboard_queries_only_series_the_exporter_serves():
+    import json
+    import re
+    from pathlib import Path
+
+    dash = json.loads((Path(__file__).resolve().parents[2] / "docs/grafana_dashboard.json").read_text())
+    ex = PrometheusExporter(0, "127.0.0.1")
+    try:
+        ex.stage("rollout")
+        ex.step_done(1, {"reward/mean": 1.0, "time/rollout": 0.1})
+        served = {s.name for fam in ex.registry.collect() for s in fam.samples}
+    finally:
+        ex.close()
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [v["query"] for v in dash["templating"]["list"] if v["type"] == "query"]
+    used = {name for e in exprs for name in re.findall(r"\bmrl_[a-z_]+", e)}
+    assert used and used <= served, used - served
