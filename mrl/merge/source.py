@@ -52,13 +52,15 @@ class CheckpointInfo:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """The step directory to merge; a one-line `UserError` for anything that is not a complete
+    """The step directory to merge (given a run directory, its `checkpoints/actor` root); a one-line `UserError` for anything that is not a complete
     checkpoint (missing path, unfinished `.tmp.*` save, a root with nothing committed, missing files)."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"merge: {path} does not exist")
     if not path.is_dir():
         raise UserError(f"merge: {path} is not a checkpoint directory (it is a file)")
+    if (path / "checkpoints" / "actor").is_dir() and not (path / "metadata.json").is_file():
+        path = path / "checkpoints" / "actor"   # a run directory (<job.output_dir>/<job.name>): its actor
     if path.name.startswith(".tmp."):
         raise UserError(f"merge: {path} is an unfinished save (a .tmp.* directory); "
                         "pass the checkpoint root or a complete step_* directory")

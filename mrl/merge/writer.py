@@ -9,6 +9,7 @@ writes `model.safetensors.index.json`.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Iterable
@@ -45,12 +46,20 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def current_umask() -> int:
+    """The process umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save_tensors(tensors: Iterable[tuple[str, torch.Tensor]], path: Path) -> int:
     """Write (name, tensor) pairs as one safetensors file; returns its tensor bytes."""
     from safetensors.torch import save_file
 
     data = {name: _owned(t) for name, t in tensors}
     save_file(data, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~current_umask())   # safetensors writes 0600 (a temp file); HF exports are 0644
     return sum(t.numel() * t.element_size() for t in data.values())
 
 

@@ -232,3 +232,26 @@ def test_shard_writer_names_index_and_views(tmp_path):
         assert torch.equal(got[name], t)
     with pytest.raises(RuntimeError, match="exported twice"):
         writer.write([("a", torch.ones(1))])
+
+
+def test_a_run_directory_resolves_to_its_actor_checkpoint(tmp_path):
+    run = tmp_path / "quickstart-cpu"
+    step = _step_dir(run / "checkpoints/actor", 4)
+    _step_dir(run / "checkpoints/critic", 4)
+    (run / "checkpoints/actor/latest").write_text("step_00000004\n")
+    assert resolve_checkpoint(run) == step
+
+
+def test_merged_files_are_readable_by_others_like_any_hf_export(tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        writer = ShardWriter(tmp_path)
+        writer.write([("a", torch.ones(2))])
+        writer.finish()
+    finally:
+        os.umask(old)
+    for f in tmp_path.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
