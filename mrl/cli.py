@@ -447,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "--format peft written as a PEFT adapter directory (adapter_config.json + "
                                    "adapter_model.safetensors) that peft.PeftModel.from_pretrained loads over the base "
                                    "model.")
-    p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint root (e.g. RUN/checkpoints/actor) or a step_* directory")
+    p.add_argument("checkpoint", metavar="CKPT", help="a run directory (its checkpoints/actor), a checkpoint root (e.g. RUN/checkpoints/actor) or a step_* directory")
     p.add_argument("out", metavar="OUT", help="output directory (must not exist, or be empty)")
     p.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard, e.g. 2GB, 500MB (default 2GB)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,

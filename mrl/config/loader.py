@@ -212,13 +212,36 @@ def _parse_override_value(text: str, tp: Any) -> Any:
         value = {"true": True, "yes": True, "on": True, "1": True,
                  "false": False, "no": False, "off": False, "0": False}.get(stripped.lower(), text)
     elif value is None:
-        if is_tuple:   # a,b,c or a single bare element
+        if is_tuple:   # [a, b] or a,b,c with bare (unquoted) elements, or a single bare element
             elem = typing.get_args(tp)[0]
-            return [_parse_override_value(p, elem) for p in stripped.split(",")]
+            if len(stripped) >= 2 and stripped[0] == "[" and stripped[-1] == "]":
+                stripped = stripped[1:-1]
+                if not stripped.strip():
+                    return []
+            return [_parse_override_value(p.strip(), elem) for p in _split_top_level(stripped)]
         return text
     if is_tuple and not isinstance(value, list):
         value = [value]
     return value
+
+
+def _split_top_level(text: str) -> list[str]:
+    """`text` split at the commas outside quotes and brackets (`a, "b,c", [d, e]` -> 3 parts)."""
+    parts, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
 
 
 def apply_overrides(raw: dict, overrides: list[str], root, report: Report) -> None:

@@ -30,7 +30,7 @@ CASES = [
     ("type-list-as-string", {"data": {"train_files": "x.parquet"}}, "data.train_files", "must be a list"),
     ("type-section-as-scalar", {"rollout": 3}, "rollout", "must be a table"),
     ("type-subsection-as-scalar", {"actor": {"optim": 1e-6}}, "actor.optim", "must be a table"),
-    ("type-list-element", {"tracking": {"backends": ["console", "wandb"]}}, "tracking.backends", "element 1"),
+    ("type-list-element", {"tracking": {"backends": ["console", "neptune"]}}, "tracking.backends", "element 1"),
     ("type-dtype-name", {"model": {"dtype": "bf16"}}, "model.dtype", "is not one of"),
     # negative, zero and out-of-range values
     ("zero-prompts", {"data": {"prompts_per_step": 0}}, "data.prompts_per_step", "must be >= 1"),

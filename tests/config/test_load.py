@@ -91,6 +91,22 @@ def test_overrides_are_typed_from_the_schema(write_job):
     assert str(report.where("actor.optim.lr")) == "command line"
 
 
+def test_overrides_take_toml_values_with_bare_strings_in_lists(write_job):
+    """`key=[a.parquet,b.parquet]` is a list of two paths (not `[a.parquet` and `b.parquet]`);
+    quoted elements keep their commas; inline tables and quoted strings are TOML."""
+    spec, report = load(write_job(), [
+        "data.generator=none", "data.train_files=[a.parquet,b.parquet]", 'data.val_files=["x,y.parquet", z.parquet]',
+        'tracking.backends=[console, wandb]', 'tracking.tags={team = "rl", run = "7"}', 'job.description="a, b"',
+        "rollout.stop_token_ids=[1, 2]",
+    ])
+    assert spec.data.train_files == (str(Path.cwd() / "a.parquet"), str(Path.cwd() / "b.parquet"))
+    assert spec.data.val_files == (str(Path.cwd() / "x,y.parquet"), str(Path.cwd() / "z.parquet"))
+    assert spec.tracking.backends == ("console", "wandb")
+    assert spec.tracking.tags == {"team": "rl", "run": "7"}
+    assert spec.job.description == "a, b" and spec.rollout.stop_token_ids == (1, 2)
+    assert not [w for w in report.warnings if "does not exist on this machine" not in w]
+
+
 def test_resolve_fills_derived_fields(write_job):
     spec, _ = load(write_job({"algorithm": {"advantage": "gae", "policy_loss": "sapo"}}))
     assert spec.critic.enable is True and spec.ref.enable is False
