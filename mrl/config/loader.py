@@ -152,8 +152,11 @@ def read_spec_file(path: Path, report: Report, chain: tuple[Path, ...] = ()) -> 
         report.problems.append(f"{shown}: invalid TOML: {e}{hint}")
         return None
     lines = key_lines(text)
+    unset = raw.pop("unset", None)
     own = {k: Origin(shown, lines.get(k)) for k, _ in _flatten(raw)}
     base_name = raw.pop("extends", None)
+    if unset is not None and not _valid_unset(unset, base_name, report, Origin(shown, lines.get("unset"))):
+        return None
     if base_name is None:
         report.origins.update(own)
         return raw
@@ -168,8 +171,43 @@ def read_spec_file(path: Path, report: Report, chain: tuple[Path, ...] = ()) -> 
     base = read_spec_file(base_path, report, (*chain, path))
     if base is None:
         return None
+    for key in unset or ():   # back to the schema's default (None for an optional key)
+        _drop(base, key.split("."))
+        report.origins.pop(key, None)
     report.origins.update(own)  # the child's lines win over the base's
     return _merge(base, raw)
+
+
+def _valid_unset(unset: Any, base_name: Any, report: Report, here: Origin) -> bool:
+    """`unset = ["section.key", ...]` in a file that `extends` another: known dotted keys only."""
+    from mrl.config.job import JobSpec
+    from mrl.sft.config import SFTJobSpec
+
+    if base_name is None:
+        report.error("unset", "only means something in a file that `extends` another (it removes keys the base "
+                              "set)", here)
+        return False
+    if not isinstance(unset, list) or not all(isinstance(k, str) for k in unset):
+        report.error("unset", f"must be a list of dotted keys (e.g. [\"rollout.max_model_len\"]), got "
+                              f"{schema.kind_of(unset)}", here)
+        return False
+    valid = set(schema.all_keys(JobSpec)) | set(schema.all_keys(SFTJobSpec))
+    for key in unset:
+        if key not in valid:
+            parent = key.rpartition(".")[0]
+            siblings = [k.rsplit(".", 1)[-1] for k in valid if k.rpartition(".")[0] == parent]
+            report.error("unset", f"{key!r}: " + explain_unknown(key, siblings, valid), here)
+            return False
+    return True
+
+
+def _drop(raw: dict, parts: list[str]) -> None:
+    """Remove the dotted key `parts` from a raw spec dict (nothing when absent)."""
+    for part in parts[:-1]:
+        raw = raw.get(part)
+        if not isinstance(raw, dict):
+            return
+    raw.pop(parts[-1], None)
 
 
 # ---- command-line overrides ---------------------------------------------------------------------

@@ -194,3 +194,35 @@ def test_contributing_lists_the_not_applicable_verl_keys():
     text = (REPO / "CONTRIBUTING.md").read_text()
     assert not [k for k in VERL_NOT_APPLICABLE if f"| `{k}` |" not in text]
     assert not set(VERL_NOT_APPLICABLE) & set(VERL_TO_MRL)
+
+
+def test_a_child_file_unsets_a_key_its_base_set(tmp_path):
+    base = (REPO / "jobs/quickstart_cpu.toml").read_text()
+    assert "max_staleness" not in base
+    (tmp_path / "base.toml").write_text(base.replace("[rollout]", "[rollout]\nmax_model_len = 4096\n", 1))
+    from mrl.config.loader import read_spec_file, Report
+    raw = read_spec_file(tmp_path / "base.toml", Report(main_file="base.toml"))
+    assert raw["rollout"]["max_model_len"] == 4096 and raw["job"]["description"].startswith("GRPO on CPU")
+    (tmp_path / "child.toml").write_text('extends = "base.toml"\nunset = ["rollout.max_model_len", "job.description"]\n')
+    report = Report(main_file="child.toml")
+    child = read_spec_file(tmp_path / "child.toml", report)
+    assert "max_model_len" not in child["rollout"] and "description" not in child["job"]
+    assert "rollout.max_model_len" not in report.origins and child["rollout"]["engine"] == "hf"
+    spec, _ = load(tmp_path / "child.toml", [f"data.generator={REPO / 'jobs/tasks/digits.py'}:prompts",
+                                             f"reward.function={REPO / 'jobs/tasks/digits.py'}:score"])
+    assert spec.job.description == "" and spec.rollout.max_model_len == 64 + 8   # defaults: derived again
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ('unset = ["rollout.max_model_len"]\n', "only means something in a file that `extends`"),
+    ('extends = "base.toml"\nunset = "rollout.max_model_len"\n', "must be a list of dotted keys"),
+    ('extends = "base.toml"\nunset = ["rollout.max_model_lenn"]\n', "max_model_len"),
+])
+def test_unset_mistakes_are_one_line(tmp_path, text, fragment):
+    from mrl.errors import SpecError
+
+    (tmp_path / "base.toml").write_text((REPO / "jobs/quickstart_cpu.toml").read_text())
+    (tmp_path / "child.toml").write_text(text)
+    with pytest.raises(SpecError) as e:
+        load(tmp_path / "child.toml")
+    assert fragment in str(e.value) and "unset" in str(e.value) and "\n" not in str(e.value)
