@@ -227,11 +227,17 @@ def cmd_preflight(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from mrl.train.loop import train
+    from pathlib import Path
 
+    from mrl.tracking.startup import STARTUP   # the first line, before torch is imported
+
+    STARTUP.say(f"mrl train {' '.join(_split_args(args.items)[0])}: checking the job")
     spec = _one_job(args, "train")
     if hasattr(spec, "sft"):
         raise UserError(f"{_split_args(args.items)[0][0]}: an SFT job (it has an [sft] section): run it with `mrl sft`")
+    STARTUP.say(f"spec ok: run directory {(Path(spec.job.output_dir) / spec.job.name).resolve()}", timed=True)
+    from mrl.train.loop import train
+
     train(spec)
     return 0
 

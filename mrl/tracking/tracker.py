@@ -22,6 +22,7 @@ from mrl.tracking.config import TrackingConfig
 from mrl.tracking.console import ConsoleProgress
 from mrl.tracking.mlflow_run import MlflowRun, default_tracking_uri, ensure_store_dir, source_tags
 from mrl.tracking.params import spec_params
+from mrl.tracking.startup import RunSummary
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class Tracker:
         self.tensorboard = None   # torch.utils.tensorboard.SummaryWriter
         self.prometheus = None    # mrl.tracking.prometheus.PrometheusExporter
         self.wandb = None         # mrl.tracking.wandb_run.WandbRun
+        self.summary = RunSummary()   # best and last rewards, for the closing summary
         self._run_id: str | None = None
         if self.rank != 0:
             return
@@ -142,6 +144,7 @@ class Tracker:
             for name, value in metrics.items():
                 self.tensorboard.add_scalar(name, float(value), step)
             self.tensorboard.flush()
+        self.summary.observe(step, metrics)
         if self.wandb is not None:
             self.wandb.log_metrics(metrics, step)
         if self.prometheus is not None:

@@ -157,7 +157,11 @@ def train(spec: JobSpec) -> dict[str, float]:
     (on a rollout-only rank: {})."""
     from mrl.train.lifecycle import run_lifecycle
 
+    from mrl.tracking.startup import STARTUP, say_summary
+
+    STARTUP.say("building the model, loading weights, starting engines ...")
     run, learner, generation, prompts = build(spec)
+    STARTUP.say("built", timed=True)
     with run_lifecycle(spec, rank=run.ctx.global_rank, checkpoint_root=checkpoint_root(spec),
                        close=lambda: close(generation)) as life:
         if learner is None:   # a rollout rank of a separate placement
@@ -177,6 +181,7 @@ def train(spec: JobSpec) -> dict[str, float]:
         life.tracker = Tracker.from_spec(spec, total_steps=run.total_steps, rank=run.ctx.rank,
                                          resume_run_id=extra.get("mlflow_run_id"), start_step=start)
         last = _train(run, learner, generation, prompts, rollouts, life.tracker, start, restored)
+        say_summary(life.tracker, spec, steps=run.total_steps, checkpoint_root=checkpoint_root(spec))
         life.finished(export_steps=run.total_steps)
         return last
 

@@ -131,10 +131,10 @@ def test_quickstart_reward_rises_within_five_minutes(tmp_path):
     scraper.start()
     t0 = time.monotonic()
     try:
-        run_torchrun("-m mrl train", "jobs/quickstart_cpu.toml", f"job.output_dir={tmp_path}",
-                     f"tracking.prometheus_port={port}", "tracking.prometheus_address=127.0.0.1",
-                     'tracking.backends=["console", "mlflow", "wandb"]', timeout=600,
-                     env={"WANDB_MODE": "offline", "WANDB_API_KEY": ""})
+        proc = run_torchrun("-m mrl train", "jobs/quickstart_cpu.toml", f"job.output_dir={tmp_path}",
+                            f"tracking.prometheus_port={port}", "tracking.prometheus_address=127.0.0.1",
+                            'tracking.backends=["console", "mlflow", "wandb"]', timeout=600,
+                            env={"WANDB_MODE": "offline", "WANDB_API_KEY": ""})
     finally:
         scraper.done.set()
         scraper.join()
@@ -143,6 +143,15 @@ def test_quickstart_reward_rises_within_five_minutes(tmp_path):
     first, last = rewards[1], [rewards[s] for s in sorted(rewards)[-5:]]
     print(f"quickstart: reward {first:.3f} -> {sum(last) / 5:.3f} in {seconds:.0f}s; {len(scraper.scrapes)} scrapes")
     assert first <= 0.2 and sum(last) / 5 >= 0.8 and seconds <= 300
+
+    lines = proc.stdout.splitlines()   # rank 0 speaks at start, per phase, and at the end
+    assert lines[0] == "mrl train jobs/quickstart_cpu.toml: checking the job", lines[:3]
+    assert lines[1].startswith("spec ok (") and lines[1].endswith(str(tmp_path / "quickstart-cpu"))
+    assert any(line.startswith("built (") for line in lines)
+    done = next(line for line in lines if line.startswith("done: 40 steps in "))
+    assert f"final checkpoint {tmp_path / 'quickstart-cpu/checkpoints/actor/step_00000040'}" in done
+    assert f"reward last {rewards[40]:.4g} (step 40)" in done
+    assert lines[-1].startswith(f"next: mrl merge {tmp_path / 'quickstart-cpu'}") and "mlflow ui" in lines[-1]
 
     steps = scraper.series("mrl_step")
     assert steps == sorted(steps) and len(set(steps)) >= 10 and max(steps) >= 30, steps

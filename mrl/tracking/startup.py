@@ -1,0 +1,114 @@
+"""What a starting run says before its first step, and what it says at its end (rank 0).
+
+The first line comes as soon as the command starts (before torch is imported), then one line per
+start-up phase with the time the previous one took, so the 20 s (CPU demo) to minutes (a 7B
+model) before the first step are not silent:
+
+    mrl train jobs/quickstart_cpu.toml: checking the job
+    spec ok (2.1s): run directory /.../runs/quickstart-cpu
+    building the model, loading weights, starting engines ...
+    built (14.2s)
+
+The end: the final checkpoint, the best and last reward, the wall time and what to run next.
+This module imports nothing heavy, so `mrl.cli` can use it first.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import IO, Mapping, Optional
+
+REWARD_KEYS = ("reward/mean", "val/reward_mean")
+
+
+def is_rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+class StartupLog:
+    """Prints each start-up phase on rank 0 with the duration of the phase before it."""
+
+    def __init__(self, stream: Optional[IO[str]] = None, rank_zero: Optional[bool] = None):
+        self.stream = stream
+        self.on = is_rank_zero() if rank_zero is None else rank_zero
+        self.t0 = self._last = time.monotonic()
+
+    def say(self, text: str, *, timed: bool = False) -> Optional[str]:
+        """Print `text`; `timed`: with the seconds since the previous line, e.g. "spec ok (2.1s)"."""
+        now = time.monotonic()
+        if timed:
+            head, sep, rest = text.partition(":")
+            text = f"{head} ({now - self._last:.1f}s){sep}{rest}"
+        self._last = now
+        if self.on:
+            print(text, file=self.stream or sys.stdout, flush=True)
+            return text
+        return None
+
+
+# one per process: `mrl.cli` starts it, the training loop continues it
+STARTUP = StartupLog()
+
+
+class RunSummary:
+    """The best and last training and validation rewards a run logged (`observe` each step)."""
+
+    def __init__(self):
+        self.last: dict[str, tuple[int, float]] = {}
+        self.best: dict[str, tuple[int, float]] = {}
+
+    def observe(self, step: int, metrics: Mapping[str, float]) -> None:
+        for key in REWARD_KEYS:
+            if key not in metrics:
+                continue
+            value = float(metrics[key])
+            if value != value:   # nan: neither best nor last
+                continue
+            if key not in self.last or step >= self.last[key][0]:
+                self.last[key] = (step, value)
+            if key not in self.best or value > self.best[key][1]:
+                self.best[key] = (step, value)
+
+    def lines(self, *, steps: int, wall_s: float, checkpoint: Optional[str], run_dir: str,
+              tracking_uri: Optional[str]) -> list[str]:
+        """The closing summary: what the run ended with, and the commands to run next."""
+        parts = [f"done: {steps} steps in {_duration(wall_s)}"]
+        for key, label in (("reward/mean", "reward"), ("val/reward_mean", "val reward")):
+            if key in self.last:
+                (ls, lv), (bs, bv) = self.last[key], self.best[key]
+                parts.append(f"{label} last {lv:.4g} (step {ls}), best {bv:.4g} (step {bs})")
+        parts.append(f"final checkpoint {checkpoint}" if checkpoint else "no checkpoint saved")
+        nxt = []
+        if checkpoint:
+            nxt.append(f"mrl merge {run_dir} {run_dir}/hf")
+        nxt.append(f"mrl compare {run_dir}")
+        if tracking_uri:
+            nxt.append(f"mlflow ui --backend-store-uri {tracking_uri}")
+        return ["; ".join(parts), "next: " + "   ".join(nxt)]
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+def say_summary(tracker, spec, *, steps: int, checkpoint_root) -> list[str]:
+    """The closing summary of a finished training run, through `tracker` (rank 0 prints it)."""
+    from pathlib import Path
+
+    from mrl.checkpoint import store
+
+    if tracker is None or tracker.rank != 0:
+        return []
+    found = store.latest(Path(checkpoint_root) / "actor")
+    run_dir = Path(spec.job.output_dir) / spec.job.name
+    uri = spec.tracking.tracking_uri if "mlflow" in spec.tracking.backends else None
+    lines = tracker.summary.lines(steps=steps, wall_s=time.monotonic() - STARTUP.t0,
+                                  checkpoint=str(found.resolve()) if found else None, run_dir=str(run_dir),
+                                  tracking_uri=uri)
+    for line in lines:
+        tracker.message(line)
+    return lines
