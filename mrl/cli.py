@@ -73,13 +73,20 @@ def cmd_show(args) -> int:
     if len(jobs) != 1:
         raise UserError(f"mrl show takes one job file, got {len(jobs)}: {' '.join(jobs)}")
     spec, report = load(jobs[0], overrides)
-    if args.get:
-        value = spec
-        for part in args.get.split("."):
-            if not hasattr(value, part):
-                raise UserError(f"{args.get}: no such key in the resolved spec")
-            value = getattr(value, part)
-        print(value if not isinstance(value, bool) else str(value).lower())
+    if args.get:   # one line per key: scalars as they are, lists as space-separated shell words
+        import shlex
+
+        for key in args.get:
+            value = spec
+            for part in key.split("."):
+                if not hasattr(value, part):
+                    raise UserError(f"{key}: no such key in the resolved spec")
+                value = getattr(value, part)
+            if isinstance(value, bool):
+                value = str(value).lower()
+            elif isinstance(value, (tuple, list)):
+                value = shlex.join(str(v) for v in value)
+            print(value)
         return 0
     for line in report.warnings:
         print(f"# warning: {line}")
@@ -372,7 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_validate)
     p = sub.add_parser("show", help="print the fully resolved job spec as TOML")
     p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")
-    p.add_argument("--get", metavar="KEY", help="print only this resolved value (for scripts), e.g. platform.world_size")
+    p.add_argument("--get", metavar="KEY", action="append",
+                   help="print only this resolved value (for scripts; repeat for several, one line each; a list as "
+                        "space-separated shell words), e.g. platform.world_size")
     p.set_defaults(func=cmd_show)
     p = sub.add_parser("preflight", help="bring the job's platform up on its real layout and run one forward/backward "
                                          "(run under torchrun or srun with the job's world size)")

@@ -17,17 +17,20 @@ TIMEOUT = 180  # s; a 2-rank validate run takes about 15 s on 2 cores
 RANK_LINE = re.compile(r"^\[default(\d+)\]:(.*)$", re.M)
 
 
-def torchrun_sh(venv, *args: str, command: str = "validate") -> subprocess.CompletedProcess:
-    return subprocess.run(["launch/torchrun.sh", *args], cwd=REPO, env=launch_env(venv, command, PET_TEE="3"),
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT)
+def torchrun_sh(venv, *args: str, command: str = "validate", cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([str(REPO / "launch/torchrun.sh"), *args], cwd=cwd,
+                          env=launch_env(venv, command, PET_TEE="3"), stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=TIMEOUT)
 
 
 def ranks_printing(stdout: str, pattern: re.Pattern) -> list[int]:
     return sorted(int(rank) for rank, line in RANK_LINE.findall(stdout) if pattern.search(line))
 
 
-def test_one_node_job_runs_one_rank_per_ranks_per_node(mrl_venv):
-    proc = torchrun_sh(mrl_venv, JOB)
+def test_one_node_job_runs_one_rank_per_ranks_per_node(mrl_venv, tmp_path):
+    # from another directory, the job path relative to it (tmp/jobs -> the repository's jobs/)
+    (tmp_path / "jobs").symlink_to(REPO / "jobs")
+    proc = torchrun_sh(mrl_venv, JOB, cwd=tmp_path)
     assert proc.returncode == 0, f"torchrun.sh exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert ranks_printing(proc.stdout, OK_LINE) == [0, 1], proc.stdout
     # The pre-launch validation is silent on success: the only ok lines come from the ranks.
