@@ -174,8 +174,11 @@ def train(spec: JobSpec) -> dict[str, float]:
         _check_disk(spec, learner)
         start, extra = _resume(run, learner)
         restored = rollouts.load_state(extra, start) if extra else ""
+        from mrl.tracking.origin import tracking_start
+
+        resume_run_id, origin = tracking_start(spec, start, extra)   # load_from another run: a new run
         life.tracker = Tracker.from_spec(spec, total_steps=run.total_steps, rank=run.ctx.rank,
-                                         resume_run_id=extra.get("mlflow_run_id"), start_step=start)
+                                         resume_run_id=resume_run_id, start_step=start, origin=origin)
         last = _train(run, learner, generation, prompts, rollouts, life.tracker, start, restored)
         life.finished(export_steps=run.total_steps)
         return last
