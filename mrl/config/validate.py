@@ -290,9 +290,18 @@ def check(spec: JobSpec, report) -> None:
         err("data.generator", "set either data.generator or data.train_files, not both")
     if not data.train_files and data.generator is None:
         err("data.train_files", "no prompts: set data.train_files or data.generator")
+    from mrl.data.parquet import schema_problem
+    from mrl.data.rows import Columns
+
+    columns = Columns(prompt=data.prompt_key, answer=data.answer_key, source=data.source_key)
     for f in data.train_files:
         if not os.path.exists(f):
             warn("data.train_files", f"{f!r} does not exist on this machine (fine if the job runs elsewhere)")
+        elif problem := schema_problem(f, columns):
+            err("data.train_files", problem)
+    for f in data.val_files:   # read only at the first validation: a bad file would end the run there
+        if problem := schema_problem(f, columns):
+            err("data.val_files", problem + " (validation would fail at its first step, after training up to it)")
 
     # --- algorithm
     if alg.advantage in _GROUP_ESTIMATORS and n < 2:
