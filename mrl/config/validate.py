@@ -299,9 +299,15 @@ def check(spec: JobSpec, report) -> None:
             warn("data.train_files", f"{f!r} does not exist on this machine (fine if the job runs elsewhere)")
         elif problem := schema_problem(f, columns):
             err("data.train_files", problem)
-    for f in data.val_files:   # read only at the first validation: a bad file would end the run there
-        if problem := schema_problem(f, columns):
-            err("data.val_files", problem + " (validation would fail at its first step, after training up to it)")
+    # Validation files are read only at the first validation: a bad one would end the run there,
+    # after a whole interval of training. Missing is an error unless the training files are
+    # missing too (a job written for another machine, said above).
+    here = bool(data.generator) or any(os.path.exists(f) for f in data.train_files)
+    for f in data.val_files:
+        if not os.path.exists(f) and not here:
+            warn("data.val_files", f"{f!r} does not exist on this machine (fine if the job runs elsewhere)")
+        elif problem := schema_problem(f, columns):
+            err("data.val_files", problem + " (the run would fail at its first validation, after training up to it)")
 
     # --- algorithm
     if alg.advantage in _GROUP_ESTIMATORS and n < 2:

@@ -181,6 +181,9 @@ def _resume(r: SFTRun) -> tuple[int, dict]:
         if ck.resume == "must" or ck.load_from:
             raise UserError(f"checkpoint{'.load_from' if ck.load_from else '.resume'}: no checkpoint in {root}")
         return 0, {}
+    from mrl.checkpoint.compat import before_load
+
+    before_load(found, r.hf)   # another model: one line before megatron reads a tensor
     loaded = state.load(found, chunks=r.engine.chunks, optimizer=r.engine.optimizer, scheduler=r.engine.scheduler,
                         verified=True)
     extra = loaded.extra

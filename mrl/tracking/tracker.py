@@ -67,7 +67,7 @@ class Tracker:
         self.tensorboard = None   # torch.utils.tensorboard.SummaryWriter
         self._run_id: str | None = None
         self._target: dict[str, Any] = {}   # where MLflow writes go (journal records name it)
-        self.guard = WriteGuard(run_dir, say=self.message)
+        self.guard = WriteGuard(run_dir, retry_s=cfg.retry_s, say=self.message)
         self.names = NameMap(self.message)   # MLflow-legal keys, each renamed key said once
         if self.rank != 0:
             return

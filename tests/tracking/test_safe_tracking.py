@@ -67,17 +67,15 @@ def read_only(uri: str) -> str:
     return f"sqlite:///file:{uri[len('sqlite:///'):]}?mode=ro&uri=true"
 
 
-def test_a_read_only_store_and_an_illegal_name_leave_the_run_going_and_replay_later(tmp_path, monkeypatch):
-    monkeypatch.setattr("mrl.tracking.journal.RETRY_S", 0.5)
+def test_a_read_only_store_and_an_illegal_name_leave_the_run_going_and_replay_later(tmp_path):
     good = f"sqlite:///{tmp_path / 'mlflow.db'}"
     first = Tracker(TrackingConfig(backends=("mlflow",), tracking_uri=good), run_dir=tmp_path / "r", total_steps=2,
                     rank=0, stream=io.StringIO())
     run_id = first.run_id
     first.finish("KILLED")
     stream = io.StringIO()
-    cfg = TrackingConfig(backends=("mlflow",), tracking_uri=read_only(good), tags={"team@x": "rl"})
+    cfg = TrackingConfig(backends=("mlflow",), tracking_uri=read_only(good), tags={"team@x": "rl"}, retry_s=0.5)
     t = Tracker(cfg, run_dir=tmp_path / "r", total_steps=2, rank=0, stream=stream, resume_run_id=run_id, start_step=0)
-    t.guard.retry_s = 0.2
     for step in (1, 2):
         t.log_metrics({"reward/pass@1": 0.5 * step, "loss": 1.0}, step)   # never raises
     t.finish()
