@@ -49,8 +49,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _sqlite_path(uri: str) -> Path | None:
+    """The database file of a local sqlite URI (`sqlite:///PATH`, or SQLite's URI form
+    `sqlite:///file:PATH?mode=ro&uri=true`); None for other stores."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///"):]
+    if path.startswith("file:"):
+        path = path[len("file:"):].split("?", 1)[0]
+    return Path(path)
+
+
 def _sqlite_dir(uri: str) -> Path | None:
-    return Path(uri[len("sqlite:///"):]).parent if uri.startswith("sqlite:///") else None
+    path = _sqlite_path(uri)
+    return path.parent if path is not None else None
 
 
 def source_tags(cwd: str | os.PathLike | None = None) -> dict[str, str]:
@@ -137,7 +149,7 @@ class MlflowRun:
         store_dir = _sqlite_dir(self.tracking_uri)
         if store_dir is None:
             return 0
-        with contextlib.closing(sqlite3.connect(self.tracking_uri[len("sqlite:///"):], timeout=60)) as db, db:
+        with contextlib.closing(sqlite3.connect(_sqlite_path(self.tracking_uri), timeout=60)) as db, db:
             removed = db.execute("DELETE FROM metrics WHERE run_uuid = ? AND step > ?", (self.run_id, step)).rowcount
             if removed:   # latest_metrics: the newest remaining row of each key (MLflow's order)
                 latest: dict[str, tuple] = {}

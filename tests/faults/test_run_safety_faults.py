@@ -193,7 +193,7 @@ def test_a_read_only_store_leaves_the_run_training_and_the_journal_replays(tmp_p
     MlflowClient(f"sqlite:///{db}").create_experiment("mrl")   # the store exists; this job cannot write it
     proc = subprocess.run(train_cmd(tmp_path, "trainer.total_steps=2", f"tracking.tracking_uri={read_only_uri(db)}",
                                     "tracking.retry_s=1"),
-                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr
     assert "readonly database" in proc.stdout and "mrl track replay" in proc.stdout
