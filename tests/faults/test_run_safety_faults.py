@@ -124,14 +124,6 @@ def wait_for(predicate, timeout_s: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def has_metric_rows(db: Path) -> bool:
-    try:
-        with sqlite3.connect(db, timeout=1) as c:
-            return c.execute("SELECT COUNT(*) FROM metrics").fetchone()[0] > 0
-    except sqlite3.Error:
-        return False
-
-
 LOCK_STORE = """
 import sqlite3, sys, time
 db = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=30)
@@ -142,25 +134,45 @@ db.execute("COMMIT")
 """
 
 
+HELD_REWARD = """
+import os, time
+
+from tests.faults.safety_rewards import named_like_mrl as score
+
+
+def held(prompt, response, ground_truth, extra):
+    deadline = time.monotonic() + 240
+    while os.path.exists({hold!r}) and time.monotonic() < deadline:   # the test's pacing
+        time.sleep(0.1)
+    return score(prompt, response, ground_truth, extra)
+"""
+
+
 @pytest.mark.slow
 def test_two_launches_one_writer_and_a_locked_store_and_illegal_names_leave_the_run_training(tmp_path):
     """The first launch trains to the end with every metric while (1) a second launch of the same
     job exits 2 in one line naming it, (2) another writer holds the MLflow store locked for 10 s,
-    (3) its reward logs `pass@1` and `mean`. It also takes over a dead process's stale lock."""
+    (3) its reward logs `pass@1` and `mean`. It also takes over a dead process's stale lock.
+    The first launch's rewards wait on a file the test removes, so the second launch surely
+    meets a live first one."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / LOCK_FILE).write_text(json.dumps({"pid": 999999, "host": "gone", "started": "earlier"}))
-    steps = 8
-    first = subprocess.Popen(train_cmd(tmp_path, f"trainer.total_steps={steps}",
-                                       f"reward.function={REWARDS}:named_like_mrl"),
+    hold = tmp_path / "hold"
+    hold.touch()
+    (tmp_path / "held_reward.py").write_text(HELD_REWARD.format(hold=str(hold)))
+    steps = 3
+    first = subprocess.Popen(train_cmd(tmp_path, f"trainer.total_steps={steps}", "reward.timeout_s=300",
+                                       f"reward.function={tmp_path / 'held_reward.py'}:held"),
                              cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        db = tmp_path / "mlflow.db"
-        wait_for(lambda: has_metric_rows(db), 240, "the first launch's first metrics")
-        locker = subprocess.Popen([sys.executable, "-c", LOCK_STORE, str(db), "10"], stdout=subprocess.PIPE, text=True)
-        assert locker.stdout.readline().strip() == "locked"
+        wait_for(lambda: f'"pid": {first.pid},' in (run_dir / LOCK_FILE).read_text(), 300, "the first launch's lock")
         second = subprocess.run(train_cmd(tmp_path, f"trainer.total_steps={steps}"), cwd=REPO, env=ENV,
                                 capture_output=True, text=True, timeout=300)
+        db = tmp_path / "mlflow.db"
+        locker = subprocess.Popen([sys.executable, "-c", LOCK_STORE, str(db), "10"], stdout=subprocess.PIPE, text=True)
+        assert locker.stdout.readline().strip() == "locked"
+        hold.unlink()   # the first launch's step 1 now ends, and writes its metrics into the locked store
         locker.wait(timeout=60)
         out, err = first.communicate(timeout=600)
     finally:
@@ -171,11 +183,11 @@ def test_two_launches_one_writer_and_a_locked_store_and_illegal_names_leave_the_
     assert f"is in use by pid {first.pid} on " in errors(second)[0] and str(run_dir) in errors(second)[0]
     assert first.returncode == 0, err[-3000:]
     assert "took over the stale lock of pid 999999 on gone since earlier" in out + err
-    assert out.count("'reward/named_like_mrl/pass@1' is not a legal MLflow name") == 1
+    assert out.count("'reward/held/pass@1' is not a legal MLflow name") == 1
     every = list(range(1, steps + 1))
     assert metric_steps(db, "reward/mean") == every
-    assert metric_steps(db, "reward/named_like_mrl/pass_at_1") == every
-    assert metric_steps(db, "reward/named_like_mrl/mean_metric") == every
+    assert metric_steps(db, "reward/held/pass_at_1") == every
+    assert metric_steps(db, "reward/held/mean_metric") == every
     assert not (run_dir / "tracking_dropped.jsonl").exists()   # the locked store was waited for, nothing dropped
     assert (run_dir / LOCK_FILE).read_text() == ""             # released at the end
 
