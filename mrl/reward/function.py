@@ -67,9 +67,6 @@ def static_problem(ref: str, n_args: int | None = 4, signature: str = SIGNATURE)
             return None  # defined dynamically; checked when loaded
         close = difflib.get_close_matches(func, list(defs), n=1)
         return f"{target} has no function {func!r}" + (f"; did you mean {close[0]!r}?" if close else "")
-    if n_args is not None and isinstance(defs[func], ast.AsyncFunctionDef):
-        return (f"{target}:{defs[func].lineno}: {func} is `async def`; it is called as a plain function (its "
-                f"coroutine would never be awaited): make it `def`, e.g. return asyncio.run(...) inside it")
     if n_args is not None and not _accepts(defs[func], n_args):
         return f"{target}:{defs[func].lineno}: {func} must accept {n_args} positional arguments: {signature}"
     return None
@@ -112,4 +109,22 @@ def load_function(ref: str, what: str = "reward.function"):
     fn = getattr(module, func, None)
     if not callable(fn):
         raise UserError(f"{what}: {target} has no function {func!r}")
-    return fn
+    return awaited(fn)
+
+
+def awaited(fn):
+    """`fn` itself, or for an `async def` function a plain one that runs its coroutine to the end
+    (each call in a fresh event loop): callers call user functions synchronously, and an
+    un-awaited coroutine is not a score."""
+    import asyncio
+    import functools
+    import inspect
+
+    if not inspect.iscoroutinefunction(fn):
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+
+    return run

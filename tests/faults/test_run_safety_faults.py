@@ -55,10 +55,14 @@ def test_validation_files_are_checked_like_training_files(tmp_path):
     assert mrl("validate", "jobs/quickstart_cpu.toml", f"data.val_files=['{good}']").returncode == 0
 
 
-def test_an_async_reward_is_refused_by_validate():
-    proc = mrl("validate", "jobs/quickstart_cpu.toml", f"reward.function={REWARDS}:asynchronous")
-    assert proc.returncode == 2 and len(errors(proc)) == 1
-    assert "reward.function" in errors(proc)[0] and "asynchronous is `async def`" in errors(proc)[0]
+def test_an_async_reward_is_awaited():
+    from mrl.reward.compose import Rewarder, RewardSample
+    from mrl.reward.config import RewardConfig
+
+    assert mrl("validate", "jobs/quickstart_cpu.toml", f"reward.function={REWARDS}:asynchronous").returncode == 0
+    with Rewarder.from_config(RewardConfig(function=f"{REWARDS}:asynchronous", workers=1)) as r:
+        res = r.score([RewardSample(0, "q", "4", "4"), RewardSample(1, "q", "5", "4")])
+    assert res.scores == [1.0, 1.0] and not res.errors   # not "unpicklable" coroutines
 
 
 def test_a_tag_key_with_at_validates_and_is_renamed_at_tracker_start(tmp_path):
