@@ -119,6 +119,10 @@ def metric_steps(db: Path, key: str) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
 
 
+def metric_steps_of(client, run_id: str, key: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
 def wait_for(predicate, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -194,6 +198,31 @@ def test_two_launches_one_writer_and_a_locked_store_and_illegal_names_leave_the_
     assert metric_steps(db, "reward/held/mean_metric") == every
     assert not (run_dir / "tracking_dropped.jsonl").exists()   # the locked store was waited for, nothing dropped
     assert (run_dir / LOCK_FILE).read_text() == ""             # released at the end
+
+    # Then, side by side: another job starts from this run's checkpoint (a new MLflow run that says
+    # where it came from; this run's rows untouched), and this run resumed with another model
+    # (one line naming the differences, before megatron reads a tensor).
+    ckpts = run_dir / "checkpoints" / "actor"
+    loaded = subprocess.Popen(train_cmd(tmp_path, "job.name=other", f"checkpoint.load_from={ckpts}",
+                                        f"trainer.total_steps={steps + 1}"),
+                              cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    other_model = subprocess.run(train_cmd(tmp_path, f"trainer.total_steps={steps + 1}", "model.path=builtin:tiny-llama"),
+                                 cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    out, err = loaded.communicate(timeout=600)
+    assert loaded.returncode == 0, err[-3000:]
+    assert other_model.returncode == 2 and len(errors(other_model)) == 1 and "Traceback" not in other_model.stderr
+    assert "holds another model than the job's: embeddings tied (checkpoint) vs untied (job)" in errors(other_model)[0]
+    assert "model_type qwen2 (checkpoint) vs llama (job)" in errors(other_model)[0]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{db}")
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("mrl").experiment_id])}
+    assert set(runs) == {"run", "other"}
+    first_id, new = runs["run"].info.run_id, runs["other"]
+    assert new.data.tags["mrl.loaded_from"] == str(ckpts) and new.data.tags["mrl.loaded_from_step"] == str(steps)
+    assert new.data.tags["mrl.loaded_from_run_id"] == first_id and new.data.params["job.name"] == "other"
+    assert [m.step for m in client.get_metric_history(new.info.run_id, "reward/mean")] == [steps + 1]
+    assert metric_steps_of(client, first_id, "reward/mean") == every   # the source run's rows are its own
 
 
 def read_only_uri(db: Path) -> str:
