@@ -25,7 +25,7 @@ from typing import Optional
 from mrl.errors import UserError
 
 __all__ = ["step_name", "tmp_path", "fsync_tree", "commit", "write_latest", "latest", "checkpoints",
-           "prune", "remove_stale_tmp", "step_of", "check_writable"]
+           "prune", "remove_stale_tmp", "root_containing", "step_of", "check_writable"]
 
 LATEST = "latest"
 _STEP = re.compile(r"^step_(\d{8,})$")
@@ -117,6 +117,17 @@ def latest(root: Path) -> Optional[Path]:
             return target
     found = checkpoints(root)
     return found[-1] if found else None
+
+
+def root_containing(path: Path) -> Optional[Path]:
+    """The checkpoint root `path` is or lies inside (a directory with a `latest` pointer or a
+    complete `step_*` checkpoint), None when it is outside every root. What is written there
+    belongs to the checkpoints: retention deletes it, or a `step_*` name takes a slot."""
+    p = Path(path).resolve()
+    for cand in (p, *p.parents):
+        if (cand / LATEST).is_file() or checkpoints(cand):
+            return cand
+    return None
 
 
 def remove_stale_tmp(root: Path) -> list[Path]:

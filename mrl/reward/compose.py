@@ -109,6 +109,7 @@ class Rewarder:
         self.pool = RewardPool(refs, workers=workers, timeout_s=timeout_s, start_method=start_method,
                                memory_mb=memory_mb, max_output_bytes=max_output_bytes) if refs else None
         self._replaced = self._truncated = 0
+        self._renamed: set[str] = set()   # reward metrics renamed apart from mrl's own (said once each)
 
     def scoring_budget_s(self, responses: int) -> float:
         """The longest `score` of `responses` responses takes (every call up to its timeout)."""
@@ -200,7 +201,13 @@ class Rewarder:
         for (name, kind), c in counts.items():
             stats[f"reward/{name}/errors/{kind}"] = float(c)
         for key, values in metrics.items():
-            stats[f"reward/{key}"] = _mean(values)
+            name = f"reward/{key}"
+            if name in stats:   # a reward's own metric named like mrl's (`mean`, `errors/...`): kept apart
+                name = f"reward/{key}_metric"
+                if key not in self._renamed:
+                    self._renamed.add(key)
+                    log.warning("reward metric %r is named like mrl's %r; logged as %r", key, f"reward/{key}", name)
+            stats[name] = _mean(values)
         stats["reward/workers_replaced"] = float(self._replaced)
         stats["reward/output_truncated_calls"] = float(self._truncated)
         return RewardResult(scores=totals, valid=valid, source_scores=source_scores, metrics=metrics,
