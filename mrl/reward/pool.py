@@ -105,7 +105,7 @@ class Outcome:
 
     Kinds: "exception" (the function raised), "timeout" (killed after `timeout_s`, or the batch's
     budget ran out), "crash" (the worker died, e.g. a segfault or `os._exit`), "memory" (the call
-    ran out of `memory_mb`), "unpicklable" (the value could not be sent back). `output_dropped`:
+    ran out of `memory_mb`), "unpicklable" (the value could not be sent back as plain JSON data). `output_dropped`:
     bytes of the call's output beyond `max_output_bytes`.
     """
 
