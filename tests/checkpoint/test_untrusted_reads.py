@@ -104,7 +104,10 @@ def _crafted(root: Path, marker: Path, which: str) -> Path:
     d.mkdir(parents=True)
     (d / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1, '
                                      '"common_backend": "torch", "common_backend_version": 1}')
-    torch.save({"step": 4, "extra": {}}, d / "common.pt")
+    # a recorded model, so a reader that trusted the files would go on to read `.metadata`
+    hf = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
+    torch.save({"step": 4, "extra": {"hf_config": hf}}, d / "common.pt")
     with open(d / ".metadata", "wb") as f:
         pickle.dump({"state_dict_metadata": {}}, f)
     with open(d / which, "wb") as f:
