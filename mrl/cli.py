@@ -361,7 +361,7 @@ def cmd_data(args) -> int:
     import pyarrow.parquet as pq
 
     for path in written:
-        print(f"{path}: {pq.read_metadata(path).num_rows} rows")
+        print(f"{path}: {pq.ParquetFile(path).metadata.num_rows} rows")
     return 0
 
 

@@ -68,15 +68,17 @@ def reward_file_hashes(refs: Iterable[str]) -> dict[str, str]:
 
 
 def recorded_extra(ckpt: Path) -> dict:
-    """The `extra` a checkpoint recorded, from its `common.pt` (megatron reads it with
-    `weights_only=True`). Call it on a checkpoint already verified against its manifest."""
-    from megatron.core import dist_checkpointing
+    """The `extra` a checkpoint recorded, from its `common.pt` read through the restricted reader
+    (`mrl.checkpoint.trust.read_common`, `weights_only=True`). Call it on a checkpoint already
+    verified against its manifest; an unreadable file gives `{}` (the load that follows says why)."""
+    from mrl.checkpoint import trust
+    from mrl.errors import UserError
 
     try:
-        common = dist_checkpointing.load_common_state_dict(str(ckpt))
-    except Exception:   # noqa: BLE001 - the load that follows reports an unreadable checkpoint
+        common = trust.read_common(ckpt)
+    except UserError:
         return {}
-    extra = common.get("extra") if isinstance(common, dict) else None
+    extra = common.get("extra")
     return dict(extra) if isinstance(extra, dict) else {}
 
 
