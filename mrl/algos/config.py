@@ -5,7 +5,7 @@ do not read this config (they are pure). The trainer passes these values in.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from mrl.algos.rejection_spec import PRESETS
 from mrl.config.schema import option, section
@@ -56,8 +56,9 @@ class CorrectionConfig:
     old_logprobs: Literal["recompute", "rollout"] = option("recompute", help="recompute old log-probs with the trainer, or use the engine's (bypass)")
     rejection: Optional[str] = option(None, help="rejection sampling criteria, comma-separated: token_k1|k2|k3, seq_sum_k1|k2|k3, "
                                                  "seq_mean_k1|k2|k3, seq_max_k2|k3 (verl's rollout_rs); none = off")
-    rejection_threshold: Optional[str] = option(None, help="one per criterion or one for all: k1 'lower_upper' ratios (or 'upper'), "
-                                                           "others an upper bound (verl's rollout_rs_threshold)")
+    rejection_threshold: Optional[Union[float, str]] = option(None, help="a number, or one spec per criterion or one for all: k1 "
+                                                                        "'lower_upper' ratios (or 'upper'), others an upper bound "
+                                                                        "(verl's rollout_rs_threshold)")
     preset: Optional[Literal[REJECTION_PRESETS]] = option(None, help="a verl RolloutCorrectionConfig preset by name; sets level, "
                                                                      "threshold, rejection, old_logprobs and (for bypass_pg_*) policy_loss")
 
