@@ -113,7 +113,7 @@ class AlgorithmConfig:
     clip_cov_lb: float = option(1.0, help="clip_cov: lowest covariance of a cut token")
     clip_cov_ub: float = option(5.0, help="clip_cov: highest covariance of a cut token")
     kl_cov_ratio: float = option(0.0002, gt=0, help="kl_cov: fraction of tokens given the KL penalty")
-    kl_cov_coef: float = option(1.0, ge=0, help="kl_cov: coefficient of |lp - lp_old| (verl's ppo_kl_coef)")
+    kl_cov_coef: float = option(0.1, ge=0, help="kl_cov: coefficient of |lp - lp_old| (verl's ppo_kl_coef, default 0.1 as verl's config)")
     dro_beta: float = option(0.1, gt=0, help="dro: quadratic penalty coefficient")
     loss_aggregation: Optional[Literal[LOSS_AGGREGATIONS]] = option(None, help="token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (default: token-mean; sapo/geo_mean force seq-mean-token-mean)")
     loss_norm: Optional[float] = option(None, gt=0, help="seq-mean-token-sum-norm divisor (default: rollout.max_response_tokens)")
