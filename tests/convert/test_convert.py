@@ -501,9 +501,17 @@ def test_verl_algorithm_values_are_translated():
     assert [k for k, _, _ in conv.not_read] == ["actor_rollout_ref.actor.policy_loss.loss_mode"]
 
 
-def test_a_custom_reward_function_is_called_with_verl_s_arguments(tmp_path):
+def test_a_custom_reward_function_is_called_with_verl_s_arguments(cli, tmp_path):
+    """verl calls compute_score(data_source=, solution_str=, ground_truth=, extra_info=) by name, also
+    a function that takes only **kwargs (which mrl's auto detection cannot tell from parameter
+    names): the converted job says reward.signature = "verl" and validates."""
     fn = tmp_path / "my_reward.py"
-    fn.write_text("def my_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
-    conv = convert([], [f"custom_reward_function.path={fn}", "custom_reward_function.name=my_score"])
+    fn.write_text("def my_score(**kwargs):\n    return float(kwargs['ground_truth'] in kwargs['solution_str'])\n")
+    command = _verl_command(tmp_path, [f"custom_reward_function.path={fn}", "custom_reward_function.name=my_score"])
+    conv = convert([], command)
     assert conv.values["reward.function"].value == f"{fn}:my_score"
     assert conv.values["reward.signature"].value == "verl" and "reward.builtin" not in conv.values
+    out = tmp_path / "job.toml"
+    rc, _, err = cli("convert", *command, "-o", out)
+    assert rc == 0, err
+    assert tomllib.loads(out.read_text())["reward"]["signature"] == "verl"
