@@ -106,7 +106,7 @@ class AlgorithmConfig:
     policy_loss: Literal[POLICY_LOSSES] = option("ppo", help="policy loss")
     clip_low: float = option(0.2, ge=0, lt=1, help="ratio clip below 1 (eps_low)")
     clip_high: float = option(0.2, ge=0, help="ratio clip above 1 (eps_high; DAPO clip-higher 0.28)")
-    dual_clip: float = option(3.0, ge=0, help="dual-clip constant c > 1 for A < 0 (ppo); 0 disables")
+    dual_clip: float = option(3.0, ge=0, help="dual-clip constant c > 1 for A < 0 (ppo), ratio cap (dppo_tv, dppo_kl); 0 disables (verl's clip_ratio_c)")
     sapo_tau_pos: float = option(1.0, gt=0, help="SAPO temperature for A > 0")
     sapo_tau_neg: float = option(1.05, gt=0, help="SAPO temperature for A <= 0")
     clip_cov_ratio: float = option(0.0002, gt=0, help="clip_cov: fraction of tokens whose gradient is cut")
