@@ -232,6 +232,9 @@ def _field_at(cls, dotted: str):
     return None
 
 
+_PLAIN_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
 def _parse_override_value(text: str, tp: Any) -> Any:
     """Coerce a command-line string to the schema type `tp` (best effort; convert() checks)."""
     inner = schema.optional_inner(tp)
@@ -240,6 +243,13 @@ def _parse_override_value(text: str, tp: Any) -> Any:
             return None
         tp = inner
     stripped = text.strip()
+    members = schema.union_members(tp)
+    if members is not None and str in members:
+        # a number or a name (e.g. a rejection threshold: 0.01 or "0.5_2.0"): only a plain decimal
+        # is a number, since TOML would read 0.5_2 as 0.52
+        if float in members and _PLAIN_NUMBER.fullmatch(stripped):
+            return float(stripped)
+        return _parse_override_value(text, str)
     is_tuple = typing.get_origin(tp) is tuple
     literal_strs = typing.get_origin(tp) is typing.Literal and all(isinstance(a, str) for a in typing.get_args(tp))
     if tp is str or literal_strs:
