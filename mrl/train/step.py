@@ -254,6 +254,8 @@ def update(engine, batch: Batch, section, objective, step: int, name: str) -> di
                             epochs=section.epochs, shuffle=getattr(section, "shuffle", False), seed=0, step=step)
     out: dict[str, float] = {}
     for key in records[0]:
+        if key == "epoch":   # the pass index of each record: its mean is no measurement (0 with one pass)
+            continue
         vals = [float(r[key]) for r in records if key in r]
         out[f"{name}/{key}"] = sum(vals) / len(vals)
     out[f"{name}/grad_norm_max"] = max(float(r["grad_norm"]) for r in records)
