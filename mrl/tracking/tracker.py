@@ -192,6 +192,18 @@ class Tracker:
         self._write("the spec.toml artifact", lambda: self.mlflow.log_text(text, "spec.toml"), "text", text=text,
                     artifact="spec.toml")
 
+    def log_resumed_spec(self, spec: Any, start_step: int) -> None:
+        """A resumed run's spec (`mrl.tracking.resume_spec`): `spec.toml` says what runs now, the
+        earlier one is kept, changed params are listed in a tag."""
+        from mrl.tracking.resume_spec import record_resumed_spec
+
+        text = to_toml(spec)
+        if self.wandb is not None:
+            self.wandb.log_config(text)
+        self._mlflow_params(spec_params(spec))
+        self._write("the resumed spec.toml", lambda: record_resumed_spec(self.mlflow, text, start_step), "text",
+                    text=text, artifact="spec.toml")
+
     def stage(self, name: str) -> None:
         if self.prometheus is not None:
             self.prometheus.stage(name)

@@ -215,6 +215,7 @@ def _train(run: Run, learner: Learner, generation, prompts, rollouts, tracker, s
                             "raise trainer.total_steps to train further")
         else:
             tracker.message(f"resumed from step {start} of {run.total_steps}" + (f"; {restored}" if restored else ""))
+            tracker.log_resumed_spec(spec, start)   # overrides may differ from the first start
         wait_for_peers("tracking setup")   # rank 0 alone creates or re-attaches the MLflow run
         rollouts.start(start)
         every = spec.checkpoint.every_steps
