@@ -12,7 +12,8 @@ text), and return a float in [0, 1] or a dict with "score" plus numbers worth lo
 | `format_boxed` | the response has a non-empty `\\boxed{...}` |
 | `format_answer_tags` | the response has exactly one non-empty `<answer>...</answer>` |
 | `format_think_answer` | the response is `<think>...</think>` then `<answer>...</answer>` and nothing else |
-| `auto` | by each row's data source, with verl's names: `gsm8k`, `math` or `reasoning_gym` (see `SOURCE_RULES`) |
+| `code` | the response's program passes the row's tests, run sandboxed (`mrl.reward.code`; pass rate or all-pass, `[reward.code]`) |
+| `auto` | by each row's data source, with verl's names: `gsm8k`, `math`, `reasoning_gym` or `code` (see `SOURCE_RULES`) |
 
 A ground truth a builtin cannot read (a table, a list, text with no number for `gsm8k`, nothing
 math-verify can parse for `math`) raises an error naming it: the reward pool counts it as a reward
@@ -142,11 +143,19 @@ def format_think_answer(prompt: Any, response: str, ground_truth: Any, extra: di
     return float(m is not None and bool(m.group(1).strip()))
 
 
+def code(prompt: Any, response: str, ground_truth: Any, extra: dict, **settings: Any) -> dict:
+    """The code-execution reward (`mrl.reward.code.code`); `settings` come from `[reward.code]`."""
+    from mrl.reward.code import code as run_code
+
+    return run_code(prompt, response, ground_truth, extra, **settings)
+
+
 # The numbers each builtin returns besides its score (`algorithm.dynamic_sampling.metric` may name
 # one; "acc" is 1 for a fully correct response, DAPO's filter metric).
 OUTPUTS: dict[str, tuple[str, ...]] = {
     "exact_match": (), "gsm8k": ("acc", "formatted"), "math": ("acc", "parsed"), "reasoning_gym": ("acc", "tagged"),
     "format_boxed": (), "format_answer_tags": (), "format_think_answer": (),
+    "code": ("passed", "tests", "no_code", "wrong", "error", "timeout", "cpu", "memory", "output_limit", "skipped"),
     "auto": ("acc", "formatted", "parsed", "tagged"),
 }
 
@@ -156,6 +165,7 @@ SOURCE_RULES: tuple[tuple[str, str], ...] = (
     ("lighteval/MATH", "math"), ("DigitalLearningGmbH/MATH-lighteval", "math"), ("HuggingFaceH4/MATH-500", "math"),
     ("math", "math"), ("math_dapo", "math"), ("aime", "math"), ("numina", "math"),
     ("reasoning_gym/", "reasoning_gym"),
+    ("codecontests", "code"), ("apps", "code"), ("codeforces", "code"), ("taco", "code"),
 )
 
 
@@ -170,20 +180,23 @@ def builtin_for_source(source: str) -> str | None:
     return max(prefixes)[1] if prefixes else None
 
 
-def auto(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
-    """The builtin for the row's data source (`builtin_for_source`); an unknown source is an error."""
+def auto(prompt: Any, response: str, ground_truth: Any, extra: dict, **code_settings: Any) -> dict:
+    """The builtin for the row's data source (`builtin_for_source`); an unknown source is an error.
+    `code_settings` (`[reward.code]`) go to the `code` builtin."""
     source = str(extra.get("data_source", "")) if isinstance(extra, dict) else ""
     name = builtin_for_source(source)
     if name is None:
         known = ", ".join(sorted({n for n, _ in SOURCE_RULES}))
         raise ValueError(f"auto: no builtin reward for data source {source!r} (known: {known}); "
                          "name one with reward.builtin or reward.function")
+    if name == "code":
+        return code(prompt, response, ground_truth, extra, **code_settings)
     out = globals()[name](prompt, response, ground_truth, extra)
     return out if isinstance(out, dict) else {"score": float(out)}
 
 
 BUILTINS = ("exact_match", "gsm8k", "math", "reasoning_gym", "format_boxed", "format_answer_tags", "format_think_answer",
-            "auto")
+            "auto", "code")
 
 
 def builtin_ref(name: str) -> str:
