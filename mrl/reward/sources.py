@@ -77,8 +77,8 @@ def reward_problems(cfg: RewardConfig, check_files: bool = True) -> list[tuple[s
         problems.append(("reward.sources", f"set either reward.sources or reward.{single[0]}, not both"))
     elif not cfg.sources and len(single) != 1:
         got = ", ".join(f"reward.{k}" for k in single) or "none"
-        problems.append(("reward", "set exactly one of reward.function, reward.builtin, reward.model_path, reward.url, "
-                                   f"[reward.judge] (got {got})"))
+        problems.append(("reward", f"set exactly one of reward.function, reward.builtin, reward.model_path (got {got}), "
+                                   "reward.url or a [reward.judge] table"))
     tables = cfg.sources or ([_one_source(cfg)] if len(single) == 1 else [])
     names: set[str] = set()
     models = 0
