@@ -129,6 +129,23 @@ def reward_problems(cfg: RewardConfig, check_files: bool = True) -> list[tuple[s
             problems.append((f"{key}.kwargs", "must be a table"))
     if models > 1:
         problems.append(("reward.sources", f"{models} sources set model_path; one reward model per job is supported"))
+    if cfg.judge is not None:
+        problems.extend(_judge_problems(cfg.judge))
+    return problems
+
+
+def _judge_problems(judge) -> list[tuple[str, str]]:
+    from mrl.reward.judge import pattern_problem, template_problem
+
+    problems = []
+    if judge.url is None and judge.model is None:
+        problems.append(("reward.judge", "set reward.judge.url (an OpenAI chat-completions endpoint) or "
+                                         "reward.judge.model (a local Hugging Face model path)"))
+    if judge.url is not None and not judge.url.startswith(("http://", "https://")):
+        problems.append(("reward.judge.url", f"{judge.url!r} is not an http:// or https:// URL"))
+    for key, problem in (("template", template_problem(judge.template)), ("pattern", pattern_problem(judge.pattern))):
+        if problem:
+            problems.append((f"reward.judge.{key}", problem))
     return problems
 
 

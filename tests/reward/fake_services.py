@@ -25,6 +25,11 @@ def reward_answer(payload: dict) -> dict:
     return {"scores": scores}
 
 
+def digits_answer(payload: dict) -> dict:
+    """jobs/tasks/digits.py's reward as a service: the fraction of the first 8 characters that are digits."""
+    return {"scores": [{"score": sum(c.isdigit() for c in str(i["response"])[:8]) / 8} for i in payload["items"]]}
+
+
 def judge_answer(payload: dict) -> dict:
     """A judge that rates 10 when the response repeats the reference answer, 0 when not, and answers
     with no number at all when the response contains "???" (a parse failure)."""
@@ -71,10 +76,11 @@ class Handler(BaseHTTPRequestHandler):
 
 def serve(kind: str) -> tuple[ThreadingHTTPServer, str]:
     """Start a server thread; (server, base url). Stop with server.shutdown()."""
-    handler = type(f"{kind}Handler", (Handler,), {"answer": staticmethod(reward_answer if kind == "reward" else judge_answer),
-                                                    "requests": []})
+    answer = {"reward": reward_answer, "digits": digits_answer, "judge": judge_answer}[kind]
+    handler = type(f"{kind}Handler", (Handler,), {"answer": staticmethod(answer), "requests": []})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
+    server.handler = handler
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
