@@ -86,6 +86,20 @@ def _mean(values: list[float]) -> float:
     return sum(finite) / len(finite) if finite else math.nan
 
 
+def _log_service_errors(errors: list[ScoreError]) -> None:
+    """One line per distinct failure of a service or judge (a down service fails every sample the
+    same way: one line naming its URL, not one per sample)."""
+    groups: dict[tuple, list[ScoreError]] = {}
+    for e in errors:
+        groups.setdefault((e.source, e.kind, e.message), []).append(e)
+    for (source, kind, message), group in list(groups.items())[:LOGGED_ERRORS_PER_BATCH]:
+        log.warning("reward %s failed on %s: %s: %s", source,
+                    f"sample {group[0].sample_id}" if len(group) == 1 else f"{len(group)} samples (first {group[0].sample_id})",
+                    kind, message)
+    if len(groups) > LOGGED_ERRORS_PER_BATCH:
+        log.warning("... and %d more distinct reward service errors in this batch", len(groups) - LOGGED_ERRORS_PER_BATCH)
+
+
 class Rewarder:
     """Scores batches with a fixed set of sources; owns the worker pool (close it, or use `with`)."""
 
@@ -181,10 +195,13 @@ class Rewarder:
 
     def _combine(self, samples, source_scores, metrics, errors) -> RewardResult:
         n = len(samples)
-        for e in errors[:LOGGED_ERRORS_PER_BATCH]:
+        services = {s.name for s in self.sources if s.kind in SERVICE_KINDS}
+        _log_service_errors([e for e in errors if e.source in services])
+        rule_errors = [e for e in errors if e.source not in services]
+        for e in rule_errors[:LOGGED_ERRORS_PER_BATCH]:
             log.warning("reward %s failed on sample %s: %s: %s", e.source, e.sample_id, e.kind, e.message)
-        if len(errors) > LOGGED_ERRORS_PER_BATCH:
-            log.warning("... and %d more reward errors in this batch", len(errors) - LOGGED_ERRORS_PER_BATCH)
+        if len(rule_errors) > LOGGED_ERRORS_PER_BATCH:
+            log.warning("... and %d more reward errors in this batch", len(rule_errors) - LOGGED_ERRORS_PER_BATCH)
         if self._truncated:
             log.warning("%d reward calls printed more than reward.max_output_bytes = %d bytes; the rest was dropped",
                         self._truncated, self.pool.max_output_bytes)

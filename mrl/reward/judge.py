@@ -97,8 +97,7 @@ class HttpJudge:
         return [parse_rating(content or "", self.cfg.pattern, self.cfg.scale)]
 
     def __call__(self, conversations: list[list[dict]]) -> list[Outcome]:
-        results = run_batches([[c] for c in conversations], self._ask, self.remote.concurrency,
-                              f"judge {self.cfg.url}")
+        results = run_batches([[c] for c in conversations], self._ask, self.remote.concurrency)
         return [r[0] for r in results]
 
 

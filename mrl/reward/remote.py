@@ -16,7 +16,7 @@ each of its items an error of kind "connection" (refused, reset, DNS), "timeout"
 (status 4xx/5xx; 429 and 5xx are retried) or "bad_response" (not JSON, wrong length). Once a
 request finds the service unreachable, the batch's remaining requests fail at once with the same
 error instead of each waiting out its retries: a down service costs one request's retries, and
-is logged as one line naming the URL.
+the Rewarder logs it as one line naming the URL (`compose._log_service_errors`).
 
 `call_json` is the HTTP client (stdlib urllib; keep-alive is not needed at these rates) shared
 with the judge's chat-completions calls.
@@ -98,8 +98,7 @@ def call_json(url: str, payload: Any, *, timeout_s: float, retries: int, backoff
     raise RequestError(last.kind, f"{last.message} ({retries + 1} attempts)", last.unreachable)
 
 
-def run_batches(batches: Sequence[Any], send: Callable[[Any], list[Outcome]], concurrency: int,
-                what: str) -> list[list[Outcome]]:
+def run_batches(batches: Sequence[Any], send: Callable[[Any], list[Outcome]], concurrency: int) -> list[list[Outcome]]:
     """`send(batch)` for every batch, `concurrency` at a time; a `RequestError` gives each item of
     its batch an error outcome, and an unreachable service fails the batches not yet sent."""
     down: list[RequestError] = []
@@ -120,8 +119,6 @@ def run_batches(batches: Sequence[Any], send: Callable[[Any], list[Outcome]], co
 
     with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(batches))), thread_name_prefix="mrl-remote") as ex:
         results = list(ex.map(one, batches))
-    if down:
-        log.warning("%s: %s; its responses are reward errors (reward.on_error applies)", what, down[0].message)
     return results
 
 
@@ -171,5 +168,5 @@ class RemoteScorer:
 
     def __call__(self, samples: Sequence) -> list[Outcome]:
         batches = [list(samples[i:i + self.batch_size]) for i in range(0, len(samples), self.batch_size)]
-        results = run_batches(batches, self._send, self.concurrency, f"reward service {self.url}")
+        results = run_batches(batches, self._send, self.concurrency)
         return [o for batch in results for o in batch]

@@ -32,12 +32,12 @@ def digits_answer(payload: dict) -> dict:
 
 def judge_answer(payload: dict) -> dict:
     """A judge that rates 10 when the response repeats the reference answer, 0 when not, and answers
-    with no number at all when the response contains "???" (a parse failure)."""
+    with no number at all when the response has no digit (a parse failure)."""
     user = payload["messages"][-1]["content"]
     ref = re.search(r"Reference answer:\n(.*?)\n\nResponse:\n(.*?)\n\nRate", user, re.DOTALL)
     if ref is None:
         content = "I cannot tell."
-    elif "???" in ref.group(2):
+    elif not any(c.isdigit() for c in ref.group(2)):
         content = "Hmm, hard to say."
     else:
         content = "10" if ref.group(1).strip() and ref.group(1).strip() in ref.group(2) else "Rating: 0"
@@ -45,11 +45,16 @@ def judge_answer(payload: dict) -> dict:
             "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]}
 
 
+LOCK = threading.Lock()
+
+
 class Handler(BaseHTTPRequestHandler):
     answer = staticmethod(reward_answer)
     requests: list = []
     fail_next = 0   # answer HTTP 503 this many times first (retries)
     delay_s = 0.0
+    answered = 0
+    stop_after = 0   # > 0: the process exits right after answering this many requests (a service dying mid-run)
 
     def do_POST(self):  # noqa: N802 - http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -69,6 +74,12 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+        self.wfile.flush()
+        with LOCK:
+            cls.answered += 1
+            if cls.stop_after and cls.answered >= cls.stop_after:
+                import os
+                os._exit(0)
 
     def log_message(self, *args):
         pass
@@ -87,6 +98,7 @@ def serve(kind: str) -> tuple[ThreadingHTTPServer, str]:
 
 if __name__ == "__main__":
     srv, url = serve(sys.argv[1])
+    srv.handler.stop_after = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     with open(sys.argv[2], "w") as f:
         f.write(url)
     threading.Event().wait()

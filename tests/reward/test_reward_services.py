@@ -97,8 +97,9 @@ def test_down_service_is_one_line_naming_the_url_and_does_not_hang(caplog):
         res = r.score(samples(*["42"] * 20))
     assert time.monotonic() - started < 5
     assert res.scores == [0.0] * 20 and res.stats["reward/remote/errors/connection"] == 20.0
-    service_lines = [r.getMessage() for r in caplog.records if "reward service" in r.getMessage()]
-    assert len(service_lines) == 1 and url in service_lines[0] and "cannot be reached" in service_lines[0]
+    service_lines = [r.getMessage() for r in caplog.records if url in r.getMessage()]
+    assert len(service_lines) == 1 and "cannot be reached" in service_lines[0], service_lines
+    assert service_lines[0].startswith("reward remote failed on 20 samples (first s0): connection: ")
     with pytest.raises(UserError, match=f"reward remote failed on sample s0: connection: {url} cannot be reached"):
         with Rewarder.from_config(RewardConfig(url=url, on_error="fail", remote=RemoteRewardConfig(retries=0))) as r:
             r.score(samples("42"))
