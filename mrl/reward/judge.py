@@ -11,9 +11,11 @@ The model is either
 - an HTTP endpoint speaking OpenAI's chat completions (`url = ".../v1/chat/completions"`, `model`
   sent as the model name): one request per response, `[reward.remote]` gives the concurrency,
   timeout and retries (vLLM's, SGLang's and most serving stacks' OpenAI server speak it), or
-- a local Hugging Face model (`model = "path"` without `url`): transformers on this process's
-  device, the chat template of its tokenizer, greedy (or sampled at `temperature`) decoding,
-  batched. Meant for small judges and CPU tests; large judges belong on a server of their own.
+- a local Hugging Face model (`model = "path"` without `url`; or a `builtin:` preset, a seeded
+  random model with the byte tokenizer, for tests): transformers on CPU in the scoring process,
+  the chat template of its tokenizer, greedy (or sampled at `temperature`) decoding, batched.
+  Meant for small judges and CPU runs; a large judge belongs on a server of its own (vLLM's
+  OpenAI server, on its own GPUs), reached through `url`.
 
 Each source's outcomes carry the raw number as `rating` (logged as `reward/<name>/rating`).
 """
@@ -108,12 +110,27 @@ class LocalJudge:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from mrl.models.facts import BUILTIN_PRESETS, builtin_preset
+
         self.cfg, self.batch_size, self.torch = cfg, batch_size, torch
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-            self.model = AutoModelForCausalLM.from_pretrained(cfg.model, torch_dtype=torch.float32).eval()
-        except (OSError, ValueError) as e:
-            raise UserError(f"reward.judge.model: cannot load {cfg.model!r}: {str(e).splitlines()[0]}") from None
+        preset = builtin_preset(cfg.model)
+        if preset is not None:   # a tiny random model (seeded) with the byte tokenizer: tests and CPU smoke runs
+            from transformers import AutoConfig
+
+            from mrl.models.tokenizer import byte_tokenizer
+
+            if preset not in BUILTIN_PRESETS:
+                raise UserError(f"reward.judge.model: unknown builtin preset {preset!r} ({', '.join(BUILTIN_PRESETS)})")
+            kwargs = dict(BUILTIN_PRESETS[preset])
+            torch.manual_seed(0)
+            self.model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)).eval()
+            self.tokenizer = byte_tokenizer()
+        else:
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+                self.model = AutoModelForCausalLM.from_pretrained(cfg.model, torch_dtype=torch.float32).eval()
+            except (OSError, ValueError) as e:
+                raise UserError(f"reward.judge.model: cannot load {cfg.model!r}: {str(e).splitlines()[0]}") from None
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token

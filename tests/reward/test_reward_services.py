@@ -151,3 +151,17 @@ def test_scoring_budget_covers_remote_retries():
                                                                             retries=1, backoff_s=1))
     # 16 responses: 4 requests, 2 waves (+1 for rounding); each request up to 2 x 10 s + 2 s of backoff
     assert scoring_budget_s(cfg, 16) == pytest.approx(3 * 22.0)
+
+
+def test_local_judge_on_a_tiny_model_counts_its_unparsable_answers():
+    cfg = RewardConfig(judge=JudgeConfig(model="builtin:tiny-qwen2", max_tokens=4), workers=1)
+    with Rewarder.from_config(cfg) as r:
+        res = r.score(samples("42", "7", "x"))
+    # a random model's 4 bytes rarely hold a number: each response is a score or a counted parse error
+    parsed = [not math.isnan(v) for v in res.source_scores["judge"]]
+    assert sum(parsed) + res.stats.get("reward/judge/errors/parse", 0.0) == 3
+    assert all(e.kind == "parse" for e in res.errors)
+    again = Rewarder.from_config(cfg).score(samples("42", "7", "x"))   # greedy: the same answers
+    assert [e.message for e in again.errors] == [e.message for e in res.errors]
+    with pytest.raises(UserError, match="reward.judge.model: cannot load '/nonexistent/judge'"):
+        Rewarder.from_config(RewardConfig(judge=JudgeConfig(model="/nonexistent/judge")))
