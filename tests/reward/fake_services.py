@@ -89,7 +89,8 @@ def serve(kind: str) -> tuple[ThreadingHTTPServer, str]:
     """Start a server thread; (server, base url). Stop with server.shutdown()."""
     answer = {"reward": reward_answer, "digits": digits_answer, "judge": judge_answer}[kind]
     handler = type(f"{kind}Handler", (Handler,), {"answer": staticmethod(answer), "requests": []})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server_class = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 256})   # 32 clients connect at once
+    server = server_class(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     server.handler = handler
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -165,3 +165,15 @@ def test_local_judge_on_a_tiny_model_counts_its_unparsable_answers():
     assert [e.message for e in again.errors] == [e.message for e in res.errors]
     with pytest.raises(UserError, match="reward.judge.model: cannot load '/nonexistent/judge'"):
         Rewarder.from_config(RewardConfig(judge=JudgeConfig(model="/nonexistent/judge")))
+
+
+def test_bench_rewards_remote_smoke():
+    import subprocess
+    import sys
+
+    from tests.dist_util import REPO
+
+    proc = subprocess.run([sys.executable, "tools/bench/rewards.py", "--only", "remote"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [line.split(":")[0].split()[2] for line in proc.stdout.splitlines()] == ["1", "8", "32"]
