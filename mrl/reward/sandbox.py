@@ -5,7 +5,7 @@
 - **namespaces** (root, `unshare` from util-linux): new network, mount and PID namespaces
   (`unshare --net --mount --pid --fork --kill-child --mount-proc`). Inside, `sandbox_boot.py`
   mounts a size-capped tmpfs over /tmp, /var/tmp and /dev/shm, makes the scratch directory there,
-  and forks the program as a fresh unprivileged uid (one per sandbox, 200000 + a counter) with
+  and forks the program as a fresh unprivileged uid (`sandbox_uid`) with
   rlimits on CPU time, address space, file size, processes and open files. The program sees only
   a loopback device (no network), cannot write files root owns (the whole image), cannot signal
   or see the host's processes, and dies with everything it started when it exits or is killed
@@ -42,7 +42,13 @@ log = logging.getLogger(__name__)
 Isolation = Literal["auto", "namespaces", "rlimits"]
 BOOT = Path(__file__).with_name("sandbox_boot.py")
 UID_BASE = 200000
-_uids = itertools.count(os.getpid() % 50000 * 16)   # distinct per worker process, cycling within 800000 uids
+_uids = itertools.count()
+
+
+def sandbox_uid() -> int:
+    """A uid no other live sandbox uses: 4096 per process id (cycling), so concurrent reward workers
+    never share one (RLIMIT_NPROC counts per uid)."""
+    return UID_BASE + (os.getpid() % 65536) * 4096 + next(_uids) % 4096
 _MODE: dict[str, str] = {}   # isolation request -> mode found on this machine (probed once per process)
 
 
@@ -163,7 +169,7 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin: bytes, limits: 
     """Write `files` into a scratch directory, run `python -I <argv>` there under `limits`, feed
     `stdin`; `secret` is readable once on fd 4 (the harness's nonce), fd 3 is the result channel."""
     mode = isolation_mode(isolation)
-    uid = UID_BASE + next(_uids) % 800000
+    uid = sandbox_uid()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="mrl-code-") as job:
         for name, text in files.items():
