@@ -103,6 +103,7 @@ def listener():
     sock.close()
 
 
+@pytest.mark.slow   # a battery of sandboxed processes, about 7 s
 def test_hostile_programs_score_zero_and_leave_the_machine_alone(tmp_path, listener):
     port, accepted = listener
     target = tmp_path / "outside.txt"
