@@ -131,6 +131,11 @@ def reward_problems(cfg: RewardConfig, check_files: bool = True) -> list[tuple[s
         problems.append(("reward.sources", f"{models} sources set model_path; one reward model per job is supported"))
     if cfg.judge is not None:
         problems.extend(_judge_problems(cfg.judge))
+    runs_code = any(src.get("builtin") in CODE_BUILTINS for src in tables if isinstance(src, dict))
+    if runs_code and cfg.timeout_s < cfg.code.test_timeout_s + 3.0:
+        problems.append(("reward.timeout_s", f"{cfg.timeout_s:g} s leaves no room for one code test of "
+                                             f"reward.code.test_timeout_s = {cfg.code.test_timeout_s:g} s (needs at least "
+                                             f"{cfg.code.test_timeout_s + 3.0:g} s; a response's tests share it)"))
     return problems
 
 

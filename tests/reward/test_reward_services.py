@@ -140,6 +140,7 @@ def test_parse_and_template_rules():
     (RewardConfig(judge=JudgeConfig(url="http://x", pattern="(")), "reward.judge.pattern", "not a regular expression"),
     (RewardConfig(judge=JudgeConfig()), "reward.judge", "set reward.judge.url"),
     (RewardConfig(url="http://x", builtin="math"), "reward", "(got reward.builtin, reward.url)"),
+    (RewardConfig(builtin="code", timeout_s=5.0), "reward.timeout_s", "needs at least 8 s"),
 ])
 def test_service_source_problems(cfg, key, message):
     problems = reward_problems(cfg)
