@@ -3,7 +3,7 @@
 `code(prompt, response, ground_truth, extra, **settings)` is the `reward.builtin = "code"` function
 (and what `auto` uses for verl's code-contest data sources: codecontests, apps, codeforces, taco).
 It runs in a reward worker like every rule reward; each test runs in its own sandboxed process
-(`mrl.reward.sandbox`).
+(`mrl.reward.code_sandbox`).
 
 The program is the response's last ```python fenced block (else its last fenced block; verl's
 `prime_code` takes the text after the last ```python). Tests (the ground truth, a dict or its JSON
@@ -38,7 +38,7 @@ import re
 import time
 from typing import Any
 
-from mrl.reward.sandbox import Limits, run_sandboxed
+from mrl.reward.code_sandbox import Limits, run_sandboxed
 
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 OUTCOMES = ("wrong", "error", "timeout", "cpu", "memory", "output_limit", "skipped")

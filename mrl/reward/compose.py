@@ -8,7 +8,8 @@ float32, a non-number) is logged with its sample id, counted by kind in `stats`,
 trainer leaves it out), "fail" raises a `UserError` for the step. Counts in `stats` (see
 `is_count`) add up over batches and data-parallel ranks; the other entries are means.
 
-Functions receive `extra` = the row's extra columns plus "data_source".
+Functions receive `extra` = the row's extra columns plus "data_source"; a verl-convention function
+(`mrl.reward.signature`) receives verl's `data_source, solution_str, ground_truth, extra_info` by name.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from mrl.reward.model import RewardModelScorer
 from mrl.reward.outcome import BadScore, read_score
 from mrl.reward.pool import Call, RewardPool, batch_budget_s
 from mrl.reward.services import SERVICE_KINDS, service_scorers, services_budget_s
+from mrl.reward.signature import verl_call_kwargs
 from mrl.reward.sources import RewardSource, reward_sources
 
 log = logging.getLogger(__name__)
@@ -100,12 +102,22 @@ def _log_service_errors(errors: list[ScoreError]) -> None:
         log.warning("... and %d more distinct reward service errors in this batch", len(groups) - LOGGED_ERRORS_PER_BATCH)
 
 
+def _call(src: RewardSource, smp: RewardSample) -> Call:
+    """The pool call scoring `smp` with rule source `src`, in the source's calling convention."""
+    if src.convention == "verl":
+        return Call(src.ref, (), verl_call_kwargs(src.verl_params, smp.response, smp.ground_truth, smp.data_source,
+                                                 smp.extra, src.kwargs))
+    return Call(src.ref, (smp.prompt, smp.response, smp.ground_truth, {**smp.extra, "data_source": smp.data_source}),
+                src.kwargs)
+
+
 class Rewarder:
     """Scores batches with a fixed set of sources; owns the worker pool (close it, or use `with`)."""
 
     def __init__(self, sources: Sequence[RewardSource], *, on_error: OnError = "zero", workers: int = 4,
                  timeout_s: float = 30.0, model_scorer: RewardModelScorer | None = None,
                  start_method: str = "spawn", memory_mb: int = 0, max_output_bytes: int | None = None,
+                 env_allow: Sequence[str] = (), protect_dirs: Sequence[str] = (),
                  services: dict | None = None, services_budget: Any = None):
         self.sources = tuple(sources)
         self.on_error = on_error
@@ -119,8 +131,10 @@ class Rewarder:
             raise ValueError(f"reward sources {', '.join(missing)} need a scorer in `services`")
         refs = [s.ref for s in self.sources if s.kind in ("function", "builtin")]
         self.pool = RewardPool(refs, workers=workers, timeout_s=timeout_s, start_method=start_method,
-                               memory_mb=memory_mb, max_output_bytes=max_output_bytes) if refs else None
+                               memory_mb=memory_mb, max_output_bytes=max_output_bytes, env_allow=tuple(env_allow),
+                               protect_dirs=tuple(protect_dirs)) if refs else None
         self._replaced = self._truncated = 0
+        self._renamed: set[str] = set()   # reward metrics renamed apart from mrl's own (said once each)
 
     def scoring_budget_s(self, responses: int) -> float:
         """The longest `score` of `responses` responses takes (every call up to its timeout)."""
@@ -133,7 +147,7 @@ class Rewarder:
         sources = reward_sources(cfg)
         return cls(sources, on_error=cfg.on_error, workers=cfg.workers, timeout_s=cfg.timeout_s,
                    model_scorer=model_scorer, memory_mb=cfg.memory_mb, max_output_bytes=cfg.max_output_bytes,
-                   services=service_scorers(cfg, sources),
+                   env_allow=cfg.env_allow, services=service_scorers(cfg, sources),
                    services_budget=lambda n: services_budget_s(cfg, sources, n), **kw)
 
     def __enter__(self) -> "Rewarder":
@@ -148,8 +162,7 @@ class Rewarder:
 
     def _rule_outcomes(self, samples: Sequence[RewardSample]) -> dict[str, list]:
         rule = [s for s in self.sources if s.kind in ("function", "builtin")]
-        calls = [Call(src.ref, (smp.prompt, smp.response, smp.ground_truth, {**smp.extra, "data_source": smp.data_source}),
-                      src.kwargs) for src in rule for smp in samples]
+        calls = [_call(src, smp) for src in rule for smp in samples]
         outcomes = self.pool.run(calls) if calls else []
         n = len(samples)
         out = {src.name: outcomes[i * n:(i + 1) * n] for i, src in enumerate(rule)}
@@ -224,7 +237,13 @@ class Rewarder:
         for (name, kind), c in counts.items():
             stats[f"reward/{name}/errors/{kind}"] = float(c)
         for key, values in metrics.items():
-            stats[f"reward/{key}"] = _mean(values)
+            name = f"reward/{key}"
+            if name in stats:   # a reward's own metric named like mrl's (`mean`, `errors/...`): kept apart
+                name = f"reward/{key}_metric"
+                if key not in self._renamed:
+                    self._renamed.add(key)
+                    log.warning("reward metric %r is named like mrl's %r; logged as %r", key, f"reward/{key}", name)
+            stats[name] = _mean(values)
         stats["reward/workers_replaced"] = float(self._replaced)
         stats["reward/output_truncated_calls"] = float(self._truncated)
         return RewardResult(scores=totals, valid=valid, source_scores=source_scores, metrics=metrics,

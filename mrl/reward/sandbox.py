@@ -1,315 +1,254 @@
-"""Run one untrusted Python program in a sandbox: namespaces, a fresh uid, rlimits, a wall timeout.
+"""Least privilege for reward workers: what a user's reward function can see, reach and leave behind.
 
-`run_sandboxed(argv_files, stdin, limits)` starts, in order of what this machine allows:
-
-- **namespaces** (root, `unshare` from util-linux): new network, mount and PID namespaces
-  (`unshare --net --mount --pid --fork --kill-child --mount-proc`). Inside, `sandbox_boot.py`
-  mounts a size-capped tmpfs over /tmp, /var/tmp and /dev/shm, makes the scratch directory there,
-  and forks the program as a fresh unprivileged uid (`sandbox_uid`) with
-  rlimits on CPU time, address space, file size, processes and open files. The program sees only
-  a loopback device (no network), cannot write files root owns (the whole image), cannot signal
-  or see the host's processes, and dies with everything it started when it exits or is killed
-  (it is in a PID namespace whose init is the boot process).
-- **user-namespace** (not root, `unshare -r` allowed): the same namespaces inside a user
-  namespace; no uid change, so RLIMIT_NPROC counts the calling user's processes and the program
-  can write what the calling user can outside the tmpfs mounts.
-- **rlimits** (neither works, or `isolation = "rlimits"`): rlimits, its own session and a scratch
-  directory as the working directory; the network and the caller's files stay reachable. Logged
-  once as a warning.
-
-Whatever the mode, the parent reads at most `max_output_bytes` of stdout (more kills the program:
-"output_limit") and kills the whole process group at the wall timeout. A program is
-never trusted to report its own result: see `mrl.reward.code` for the harness.
+- **Environment allowlist.** A worker process starts with only the variables `worker_env` keeps:
+  `ENV_ALLOW` (paths, locale, Python, thread counts, Hugging Face cache/offline switches) plus
+  `reward.env_allow` (names or shell patterns). Everything else (`*_TOKEN`, `*_KEY`,
+  `*_SECRET*`, `MLFLOW_*`, `WANDB_*`, `HF_TOKEN`, `AWS_*`, ...) never reaches it: the worker is
+  exec'd with the filtered environment (`CleanEnvProcess`), so not even `/proc/self/environ`
+  holds the trainer's secrets.
+- **Own session, whole tree killed.** Workers start in their own session (and process group)
+  and are child subreapers (PR_SET_CHILD_SUBREAPER): a daemon a reward starts (double fork,
+  `setsid`) stays a descendant of its worker, and `kill_tree` freezes and kills every
+  descendant with the worker, so nothing a reward started outlives the pool.
+- **No writes into the run.** `deny_writes(paths)` uses Landlock (Linux >= 5.13, when the
+  kernel has it enabled) to make the run and checkpoint directories unwritable from the
+  worker: every other place stays writable except for creating new entries directly in the
+  ancestors of those directories. Where Landlock is missing (older kernels, other systems, a
+  kernel or container without it) nothing is enforced and the pool says so once.
 """
 from __future__ import annotations
 
-import itertools
-import logging
+import ctypes
+import fnmatch
+import io
 import os
-import selectors
-import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 import time
-from dataclasses import dataclass
+from multiprocessing import context, popen_spawn_posix, reduction, spawn, util
 from pathlib import Path
-from typing import Literal
+from typing import Iterable, Mapping, Optional
 
-log = logging.getLogger(__name__)
+__all__ = ["ENV_ALLOW", "worker_env", "CleanEnvProcess", "become_subreaper", "kill_tree", "deny_writes"]
 
-Isolation = Literal["auto", "namespaces", "rlimits"]
-BOOT = Path(__file__).with_name("sandbox_boot.py")
-UID_BASE = 200000
-_uids = itertools.count()
-
-
-def sandbox_uid() -> int:
-    """A uid no other live sandbox uses: 4096 per process id (cycling), so concurrent reward workers
-    never share one (RLIMIT_NPROC counts per uid)."""
-    return UID_BASE + (os.getpid() % 65536) * 4096 + next(_uids) % 4096
-_MODE: dict[str, str] = {}   # isolation request -> mode found on this machine (probed once per process)
+# Kept from the trainer's environment for every reward worker (shell patterns).
+ENV_ALLOW = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "PWD", "LANG", "LANGUAGE", "LC_*", "TZ",
+             "TMPDIR", "TEMP", "TMP", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE",
+             "PYTHONIOENCODING", "VIRTUAL_ENV", "CONDA_PREFIX", "LD_LIBRARY_PATH", "OMP_NUM_THREADS",
+             "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HOME", "HF_HUB_CACHE",
+             "HF_DATASETS_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "XDG_CACHE_HOME",
+             "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE")
 
 
-@dataclass(frozen=True)
-class Limits:
-    """Per-run limits (the `reward.code` table)."""
-
-    wall_s: float = 5.0
-    cpu_s: int = 4
-    memory_mb: int = 512
-    max_output_bytes: int = 1 << 20
-    file_size_mb: int = 16
-    scratch_mb: int = 64
-    processes: int = 32
-    open_files: int = 64
-    python: str = "auto"   # the programs' interpreter; "auto": `program_python`
+def worker_env(extra_allow: Iterable[str] = (), environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The environment a reward worker starts with: the variables of `environ` (default: this
+    process's) matching `ENV_ALLOW` or one of `extra_allow` (`reward.env_allow`)."""
+    environ = os.environ if environ is None else environ
+    patterns = (*ENV_ALLOW, *extra_allow)
+    return {k: v for k, v in environ.items() if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
 
 
-@dataclass(frozen=True)
-class RunResult:
-    """What a sandboxed run did. `status`: "ok" (exit 0), "error" (nonzero exit), "timeout" (wall),
-    "cpu" (RLIMIT_CPU), "memory" (MemoryError or killed by the address-space limit),
-    "output_limit" (printed more than allowed), "sandbox" (could not start)."""
+class _CleanEnvPopen(popen_spawn_posix.Popen):
+    """multiprocessing's spawn launcher, exec'ing the child with `process_obj.env` in a new
+    session (the standard launcher passes the parent's whole environment)."""
 
-    status: str
-    returncode: int | None
-    stdout: bytes
-    stderr_tail: bytes
-    channel: bytes  # what the harness wrote to fd 3
-    seconds: float
+    def _launch(self, process_obj):
+        from multiprocessing import resource_tracker
+
+        tracker_fd = resource_tracker.getfd()
+        self._fds.append(tracker_fd)
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        fp = io.BytesIO()
+        context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, fp)
+            reduction.dump(process_obj, fp)
+        finally:
+            context.set_spawning_popen(None)
+        parent_r = child_w = child_r = parent_w = None
+        try:
+            parent_r, child_w = os.pipe()
+            child_r, parent_w = os.pipe()
+            cmd = spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
+            self._fds.extend([child_r, child_w])
+            self._proc = subprocess.Popen(cmd, executable=spawn.get_executable(), pass_fds=sorted(set(self._fds)),
+                                          env=process_obj.env, close_fds=True, start_new_session=True)
+            self.pid = self._proc.pid
+            self.sentinel = parent_r
+            with open(parent_w, "wb", closefd=False) as f:
+                f.write(fp.getbuffer())
+        finally:
+            self.finalizer = util.Finalize(self, util.close_fds, [fd for fd in (parent_r, parent_w) if fd is not None])
+            for fd in (child_r, child_w):
+                if fd is not None:
+                    os.close(fd)
+
+    def poll(self, flag=os.WNOHANG):
+        code = super().poll(flag)
+        if code is not None:
+            self._proc.returncode = code   # reaped here: subprocess must not wait for it again
+        return code
 
 
-def _others_can_run(path: str) -> bool:
-    """Whether a user that owns nothing here can execute `path` (every directory on the way searchable)."""
-    real = os.path.realpath(path)
-    if not os.path.isfile(real) or not os.stat(real).st_mode & 0o001:
-        return False
-    parent = os.path.dirname(real)
-    while True:
-        if not os.stat(parent).st_mode & 0o001:
-            return False
-        if parent == "/":
-            return True
-        parent = os.path.dirname(parent)
+class CleanEnvProcess(context.SpawnProcess):
+    """A "spawn" process started with only the environment `env` (set before `start()`)."""
+
+    env: dict[str, str] = {}
+
+    @staticmethod
+    def _Popen(process_obj):
+        return _CleanEnvPopen(process_obj)
 
 
-def program_python(setting: str = "auto", mode: str = "namespaces") -> str:
-    """The interpreter programs run with: `setting` when not "auto"; else this process's Python when
-    the sandbox uid can run it (or the mode keeps the caller's uid), else the system's python3."""
-    if setting != "auto":
-        return setting
-    if mode != "namespaces" or _others_can_run(sys.executable):
-        return sys.executable
-    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3"):
-        if _others_can_run(candidate):
-            return candidate
-    return sys.executable   # the run fails as "sandbox" with the permission error in its stderr
+# ----------------------------------------------------------------------------- process tree
+
+PR_SET_CHILD_SUBREAPER = 36
 
 
-def _probe(cmd: list[str]) -> bool:
+def become_subreaper() -> bool:
+    """Orphaned descendants of this process are re-parented to it instead of init (Linux)."""
     try:
-        return subprocess.run(cmd + [sys.executable, "-I", "-S", "-c", "pass"], timeout=30,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
-    except (OSError, subprocess.SubprocessError):
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
         return False
 
 
-_NS = ["--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc"]
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process /proc lists."""
+    out = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()   # after "pid (comm) "
+        out[int(entry)] = int(fields[1])
+    return out
 
 
-def isolation_mode(requested: Isolation = "auto") -> str:
-    """"namespaces", "user-namespace" or "rlimits": the strongest mode that works here (probed once).
-    `requested = "namespaces"` raises `RuntimeError` where no namespace mode works."""
-    if requested in _MODE:
-        return _MODE[requested]
-    mode = "rlimits"
-    unshare = shutil.which("unshare")
-    if requested != "rlimits" and unshare:
-        if os.geteuid() == 0 and _probe([unshare, *_NS]):
-            mode = "namespaces"
-        elif _probe([unshare, "--map-root-user", *_NS]):
-            mode = "user-namespace"
-    if requested == "namespaces" and mode == "rlimits":
-        raise RuntimeError("reward.code.isolation = 'namespaces' but `unshare --net --mount --pid` does not work here "
-                           "(needs util-linux unshare and root or unprivileged user namespaces)")
-    if requested == "auto" and mode == "rlimits":
-        log.warning("code reward: no network/mount/PID namespaces here (unshare unavailable or refused); programs "
-                    "run with rlimits and a scratch directory only: they can reach the network and the files this "
-                    "user can write")
-    _MODE[requested] = mode
-    return mode
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children, ...)."""
+    children: dict[int, list[int]] = {}
+    for child, parent in _parents().items():
+        children.setdefault(parent, []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
-def _command(mode: str, uid: int, limits: Limits, scratch: str, job: str) -> list[str]:
-    boot = [sys.executable, "-I", "-S", str(BOOT), mode, str(uid), scratch, job, program_python(limits.python, mode),
-            *(str(v) for v in (limits.cpu_s, limits.memory_mb, limits.file_size_mb, limits.scratch_mb,
-                               limits.processes, limits.open_files))]
-    if mode == "namespaces":
-        return [shutil.which("unshare"), *_NS, *boot]
-    if mode == "user-namespace":
-        return [shutil.which("unshare"), "--map-root-user", *_NS, *boot]
-    return boot
+def _signal(pids: Iterable[int], sig: int) -> None:
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid`, its process group and every descendant. The worker and its descendants are
+    stopped first (until no new one appears), so none forks away while the tree is read; the
+    worker being a subreaper keeps double-forked daemons in the tree."""
+    _signal([pid], signal.SIGSTOP)
+    stopped: set[int] = set()
+    for _ in range(20):
+        fresh = [p for p in descendants(pid) if p not in stopped]
+        if not fresh:
+            break
+        _signal(fresh, signal.SIGSTOP)
+        stopped.update(fresh)
+        time.sleep(0.001)
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    _signal([*stopped, *descendants(pid), pid], signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------- Landlock
+
+_SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446   # the same on x86_64 and arm64
+_CREATE_RULESET_VERSION = 1
+_RULE_PATH_BENEATH = 1
+_PR_SET_NO_NEW_PRIVS = 38
+_WRITE_FILE, _REMOVE_DIR, _REMOVE_FILE = 1 << 1, 1 << 4, 1 << 5
+_MAKE = sum(1 << b for b in range(6, 13))            # char, dir, reg, sock, fifo, block, sym
+_REFER, _TRUNCATE = 1 << 13, 1 << 14                 # ABI 2, ABI 3
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def _landlock_abi(libc) -> int:
+    return libc.syscall(_SYS_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION))
+
+
+def deny_writes(paths: Iterable[str | os.PathLike]) -> Optional[str]:
+    """Make `paths` (directories) unwritable from this process and its future children, for
+    good (Landlock). Returns None when enforced, else why not (one short sentence)."""
+    targets = sorted({Path(p).resolve() for p in paths if p})
+    if not targets:
+        return None
     try:
-        proc.kill()
-    except ProcessLookupError:
-        pass
-
-
-def run_sandboxed(files: dict[str, str], argv: list[str], stdin: bytes, limits: Limits,
-                  isolation: Isolation = "auto", secret: bytes = b"") -> RunResult:
-    """Write `files` into a scratch directory, run `python -I <argv>` there under `limits`, feed
-    `stdin`; `secret` is readable once on fd 4 (the harness's nonce), fd 3 is the result channel."""
-    mode = isolation_mode(isolation)
-    uid = sandbox_uid()
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="mrl-code-") as job:
-        for name, text in files.items():
-            Path(job, name).write_text(text, encoding="utf-8")
-        Path(job, "argv").write_text("\0".join(argv), encoding="utf-8")
-        scratch = "/tmp/mrl-scratch" if mode != "rlimits" else os.path.join(job, "scratch")
-        chan_r, chan_w = os.pipe()
-        sec_r, sec_w = os.pipe()
-        os.write(sec_w, secret)
-        os.close(sec_w)
-        try:
-            proc = subprocess.Popen(_command(mode, uid, limits, scratch, job), stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(chan_w, sec_r),
-                                    start_new_session=True, env=_env(chan_w, sec_r), cwd=job)
-        except OSError as e:
-            os.close(chan_r)
-            return RunResult("sandbox", None, b"", str(e).encode(), b"", 0.0)
-        finally:
-            os.close(chan_w)
-            os.close(sec_r)
-        status, out, err, chan = _collect(proc, stdin, chan_r, limits, started)
-        os.close(chan_r)
-    code = proc.returncode
-    if status == "ok":
-        status = _exit_status(code, err)
-    return RunResult(status, code, bytes(out), bytes(err[-4096:]), bytes(chan), time.monotonic() - started)
-
-
-def _env(chan_w: int, sec_r: int) -> dict[str, str]:
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
-           "PYTHONDONTWRITEBYTECODE": "1", "MRL_CHANNEL_FD": str(chan_w), "MRL_SECRET_FD": str(sec_r)}
-    for key in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[key] = "1"
-    return env
-
-
-def _exit_status(code: int | None, err: bytearray) -> str:
-    if code == 0:
-        return "ok"
-    tail = bytes(err[-4096:])
-    if code == 127 and tail.startswith(b"sandbox: "):
-        return "sandbox"
-    if b"MemoryError" in tail or code in (-signal.SIGSEGV, 128 + signal.SIGSEGV) and b"Cannot allocate" in tail:
-        return "memory"
-    if code in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
-        return "cpu"
-    return "error"
-
-
-def _drain(sel, out: bytearray, err: bytearray, chan: bytearray, limits: Limits) -> None:
-    """After exit: read what is already in the pipes without waiting for writers that are still alive."""
-    for key in list(sel.get_map().values()):
-        if key.data is None or not isinstance(key.data, bytearray):
-            continue
-        fd = key.fileobj if isinstance(key.fileobj, int) else key.fileobj.fileno()
-        os.set_blocking(fd, False)
-        cap = limits.max_output_bytes + 1 if key.data is out else 65536
-        while len(key.data) < cap:
-            try:
-                chunk = os.read(fd, 65536)
-            except BlockingIOError:
-                break
-            if not chunk:
-                break
-            key.data.extend(chunk)
-
-
-def _collect(proc: subprocess.Popen, stdin: bytes, chan_r: int, limits: Limits, started: float):
-    """Feed stdin, read stdout (capped), stderr (last 64 KiB) and the channel until exit or a limit."""
-    out, err, chan = bytearray(), bytearray(), bytearray()
-    sel = selectors.DefaultSelector()
-    os.set_blocking(proc.stdin.fileno(), False)
-    pending = memoryview(stdin)
-    if pending:
-        sel.register(proc.stdin, selectors.EVENT_WRITE)
-    else:
-        proc.stdin.close()
-    sel.register(proc.stdout, selectors.EVENT_READ, out)
-    sel.register(proc.stderr, selectors.EVENT_READ, err)
-    sel.register(chan_r, selectors.EVENT_READ, chan)
-    pidfd = os.pidfd_open(proc.pid)
-    sel.register(pidfd, selectors.EVENT_READ, None)   # exit ends the run even if its children hold the pipes
-    status, deadline = "ok", started + limits.wall_s
-    open_reads, exited = 3, False
+        libc = ctypes.CDLL(None, use_errno=True)
+        abi = _landlock_abi(libc)
+    except (OSError, AttributeError):
+        return "Landlock is not available on this system"
+    if abi < 1:
+        return f"Landlock is not enabled in this kernel ({os.strerror(ctypes.get_errno())})"
+    handled = _WRITE_FILE | _REMOVE_DIR | _REMOVE_FILE | _MAKE | (_REFER if abi >= 2 else 0) | (_TRUNCATE if abi >= 3 else 0)
+    file_rights = _WRITE_FILE | (_TRUNCATE if abi >= 3 else 0)
+    attr = ctypes.c_uint64(handled)   # struct landlock_ruleset_attr's first field (ABI 1 size)
+    ruleset = libc.syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(8), ctypes.c_uint32(0))
+    if ruleset < 0:
+        return f"Landlock refused a ruleset ({os.strerror(ctypes.get_errno())})"
     try:
-        while open_reads and not exited:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                status = "timeout"
-                break
-            for key, _ in sel.select(timeout=left):
-                if key.fileobj is proc.stdin:
-                    try:
-                        n = os.write(proc.stdin.fileno(), pending[:65536])
-                    except (BrokenPipeError, OSError):
-                        n = len(pending)
-                    pending = pending[n:]
-                    if not pending:
-                        sel.unregister(proc.stdin)
-                        proc.stdin.close()
-                    continue
-                if key.fileobj == pidfd:
-                    exited = True
-                    continue
-                fd = key.fileobj if isinstance(key.fileobj, int) else key.fileobj.fileno()
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    sel.unregister(key.fileobj)
-                    open_reads -= 1
-                    continue
-                key.data.extend(chunk)
-                if key.data is err and len(err) > 65536:
-                    del err[:-65536]
-                if key.data is chan and len(chan) > 65536:
-                    del chan[65536:]
-                if key.data is out and len(out) > limits.max_output_bytes:
-                    status = "output_limit"
-                    del out[limits.max_output_bytes:]
-                    open_reads = 0
-                    break
-        if exited and status == "ok":
-            _drain(sel, out, err, chan, limits)
-            if len(out) > limits.max_output_bytes:
-                status = "output_limit"
-                del out[limits.max_output_bytes:]
-    finally:
-        sel.close()
-        os.close(pidfd)
-        _kill(proc)   # the group: anything the program left running
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:   # stdout closed early, the process still runs
-            status = "timeout"
-            _kill(proc)
-            proc.wait()
-        if not proc.stdin.closed:
+        for entry, rights in _allowed(targets, handled, file_rights):
             try:
-                proc.stdin.close()
+                fd = os.open(entry, os.O_PATH | os.O_CLOEXEC)
             except OSError:
-                pass
-        proc.stdout.close()
-        proc.stderr.close()
-    return status, out, err, chan
+                continue
+            try:
+                rule = _PathBeneath(rights, fd)
+                libc.syscall(_SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, ctypes.byref(rule), ctypes.c_uint32(0))
+            finally:
+                os.close(fd)
+        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or libc.syscall(_SYS_RESTRICT_SELF, ruleset, 0) != 0:
+            return f"Landlock could not restrict the worker ({os.strerror(ctypes.get_errno())})"
+    finally:
+        os.close(ruleset)
+    return None
+
+
+def _allowed(targets: list[Path], dir_rights: int, file_rights: int):
+    """(path, rights) granting writes everywhere except inside `targets`: every sibling of each
+    directory on the way from / down to a target is allowed whole; the targets and their
+    ancestors themselves are not (so no new entry appears in an ancestor either)."""
+    on_path = {a for t in targets for a in (t, *t.parents)}
+    seen = set()
+    for t in targets:
+        for parent in reversed(t.parents):
+            if parent in seen:
+                continue
+            seen.add(parent)
+            try:
+                entries = list(parent.iterdir())
+            except OSError:
+                continue
+            for e in entries:
+                if e in on_path:
+                    continue
+                try:
+                    if e.is_symlink():   # a link may lead into a target: it grants nothing
+                        continue
+                    is_dir = e.is_dir()
+                except OSError:
+                    continue
+                yield e, (dir_rights if is_dir else file_rights)

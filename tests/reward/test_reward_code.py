@@ -12,7 +12,7 @@ import pytest
 from mrl.reward.code import call_matches, code, extract_program, read_tests, stdout_matches
 from mrl.reward.compose import Rewarder, RewardSample
 from mrl.reward.config import CodeRewardConfig, RewardConfig
-from mrl.reward.sandbox import Limits, isolation_mode
+from mrl.reward.code_sandbox import Limits, isolation_mode
 from mrl.reward.sources import reward_sources
 
 ADD = {"inputs": ["1 2\n", "3 4\n", "10 -3\n"], "outputs": ["3\n", "7\n", "7"]}

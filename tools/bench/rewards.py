@@ -71,7 +71,7 @@ def bench_judge(args) -> None:
 
 def bench_code(args) -> None:
     from mrl.reward.code import run_case
-    from mrl.reward.sandbox import Limits, isolation_mode
+    from mrl.reward.code_sandbox import Limits, isolation_mode
 
     program = "a, b = map(int, input().split())\nprint(a + b)"
     case = {"kind": "stdio", "input": "1 2\n", "expected": "3\n"}

@@ -1,7 +1,7 @@
-"""Inside the sandbox (see `mrl.reward.sandbox`): prepare the scratch directory, drop to the
+"""Inside the sandbox (see `mrl.reward.code_sandbox`): prepare the scratch directory, drop to the
 sandbox uid with rlimits, run the program, and exit with its status.
 
-Run as `python -I -S sandbox_boot.py MODE UID SCRATCH JOB PYTHON CPU_S MEMORY_MB FILE_MB SCRATCH_MB PROCS FILES`.
+Run as `python -I -S code_sandbox_boot.py MODE UID SCRATCH JOB PYTHON CPU_S MEMORY_MB FILE_MB SCRATCH_MB PROCS FILES`.
 Standard library only, no mrl imports: it starts in a fresh interpreter for every run. In the
 namespace modes it is PID 1 of a new PID namespace: when it exits, the kernel kills every process
 the program left behind.
