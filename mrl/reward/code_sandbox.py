@@ -10,6 +10,12 @@
   a loopback device (no network), cannot write files root owns (the whole image), cannot signal
   or see the host's processes, and dies with everything it started when it exits or is killed
   (it is in a PID namespace whose init is the boot process).
+- **namespaces-no-mount** (root, but mounts refused: inside a reward worker that Landlock
+  restricts, as `mrl train` runs them): new network and PID namespaces and the fresh uid; the
+  scratch directory is on the host, and the boot process adds a Landlock ruleset that allows
+  writes only inside it (where Landlock is enabled; else the uid's permissions alone, which
+  still allow world-writable directories such as /tmp). The program sees the host's /proc
+  (read-only facts; it cannot signal other uids' processes).
 - **user-namespace** (not root, `unshare -r` allowed): the same namespaces inside a user
   namespace; no uid change, so RLIMIT_NPROC counts the calling user's processes and the program
   can write what the calling user can outside the tmpfs mounts.
@@ -100,7 +106,7 @@ def program_python(setting: str = "auto", mode: str = "namespaces") -> str:
     the sandbox uid can run it (or the mode keeps the caller's uid), else the system's python3."""
     if setting != "auto":
         return setting
-    if mode != "namespaces" or _others_can_run(sys.executable):
+    if mode not in ("namespaces", "namespaces-no-mount") or _others_can_run(sys.executable):
         return sys.executable
     for candidate in ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3"):
         if _others_can_run(candidate):
@@ -117,10 +123,12 @@ def _probe(cmd: list[str]) -> bool:
 
 
 _NS = ["--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc"]
+_NS_NO_MOUNT = ["--net", "--pid", "--fork", "--kill-child"]
 
 
 def isolation_mode(requested: Isolation = "auto") -> str:
-    """"namespaces", "user-namespace" or "rlimits": the strongest mode that works here (probed once).
+    """"namespaces", "namespaces-no-mount", "user-namespace" or "rlimits": the strongest mode that
+    works here (probed once per process).
     `requested = "namespaces"` raises `RuntimeError` where no namespace mode works."""
     if requested in _MODE:
         return _MODE[requested]
@@ -129,6 +137,8 @@ def isolation_mode(requested: Isolation = "auto") -> str:
     if requested != "rlimits" and unshare:
         if os.geteuid() == 0 and _probe([unshare, *_NS]):
             mode = "namespaces"
+        elif os.geteuid() == 0 and _probe([unshare, *_NS_NO_MOUNT]):
+            mode = "namespaces-no-mount"   # e.g. inside a Landlock-restricted reward worker: no mounts allowed
         elif _probe([unshare, "--map-root-user", *_NS]):
             mode = "user-namespace"
     if requested == "namespaces" and mode == "rlimits":
@@ -148,6 +158,8 @@ def _command(mode: str, uid: int, limits: Limits, scratch: str, job: str) -> lis
                                limits.processes, limits.open_files))]
     if mode == "namespaces":
         return [shutil.which("unshare"), *_NS, *boot]
+    if mode == "namespaces-no-mount":
+        return [shutil.which("unshare"), *_NS_NO_MOUNT, *boot]
     if mode == "user-namespace":
         return [shutil.which("unshare"), "--map-root-user", *_NS, *boot]
     return boot
@@ -175,7 +187,8 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin: bytes, limits: 
         for name, text in files.items():
             Path(job, name).write_text(text, encoding="utf-8")
         Path(job, "argv").write_text("\0".join(argv), encoding="utf-8")
-        scratch = "/tmp/mrl-scratch" if mode != "rlimits" else os.path.join(job, "scratch")
+        scratch = ("/tmp/mrl-scratch" if mode in ("namespaces", "user-namespace")
+                   else _host_scratch() if mode == "namespaces-no-mount" else os.path.join(job, "scratch"))
         chan_r, chan_w = os.pipe()
         sec_r, sec_w = os.pipe()
         os.write(sec_w, secret)
@@ -186,16 +199,38 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin: bytes, limits: 
                                     start_new_session=True, env=_env(chan_w, sec_r), cwd=job)
         except OSError as e:
             os.close(chan_r)
+            if mode == "namespaces-no-mount":
+                shutil.rmtree(scratch, ignore_errors=True)
             return RunResult("sandbox", None, b"", str(e).encode(), b"", 0.0)
         finally:
             os.close(chan_w)
             os.close(sec_r)
-        status, out, err, chan = _collect(proc, stdin, chan_r, limits, started)
-        os.close(chan_r)
+        try:
+            status, out, err, chan = _collect(proc, stdin, chan_r, limits, started)
+        finally:
+            os.close(chan_r)
+            if mode == "namespaces-no-mount":
+                shutil.rmtree(scratch, ignore_errors=True)
     code = proc.returncode
     if status == "ok":
         status = _exit_status(code, err)
     return RunResult(status, code, bytes(out), bytes(err[-4096:]), bytes(chan), time.monotonic() - started)
+
+
+def _host_scratch() -> str:
+    """A fresh scratch directory on the host that the sandbox uid can reach (Python opens its script
+    by absolute path, so every directory above it must be searchable): `mrl-code/` (0711) in the
+    first of /tmp, /var/tmp, /dev/shm where this process may create it."""
+    problems = []
+    for base in ("/tmp", "/var/tmp", "/dev/shm"):
+        root = os.path.join(base, "mrl-code")
+        try:
+            os.makedirs(root, mode=0o711, exist_ok=True)
+            os.chmod(root, 0o711)
+            return tempfile.mkdtemp(dir=root)
+        except OSError as e:
+            problems.append(f"{root}: {e.strerror}")
+    raise OSError(f"no scratch directory for the code sandbox ({'; '.join(problems)})")
 
 
 def _env(chan_w: int, sec_r: int) -> dict[str, str]:

@@ -183,3 +183,24 @@ def test_auto_routes_verl_code_sources_to_the_code_reward():
     with Rewarder.from_config(cfg) as r:
         res = r.score(samples)
     assert res.scores == [1.0] * 4 and not res.errors
+
+
+def test_inside_a_landlocked_reward_worker_the_sandbox_still_isolates(tmp_path):
+    """`mrl train` restricts reward workers with Landlock (no mounts there): the sandbox then runs
+    without a mount namespace, its scratch on the host, writes allowed only inside it."""
+    if isolation_mode() == "rlimits":
+        pytest.skip("no namespaces on this machine")
+    cfg = RewardConfig(builtin="code", workers=1, code=CodeRewardConfig(test_timeout_s=3.0))
+    marker = f"/tmp/mrl-landlock-test-{os.getpid()}"
+    programs = {
+        "pid namespace": ("import os\nprint(os.getpid())", {"inputs": [""], "outputs": ["2"]}, 1.0),
+        "write outside": (f"open({marker!r}, 'w').write('x')\nprint(1)", {"inputs": [""], "outputs": ["1"]}, 0.0),
+        "scratch works": ("open('a', 'w').write('5')\nprint(open('a').read())", {"inputs": [""], "outputs": ["5"]}, 1.0),
+        "network": ("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)\nprint(1)",
+                    {"inputs": [""], "outputs": ["1"]}, 0.0),
+    }
+    samples = [RewardSample(name, "q", fenced(p), tests) for name, (p, tests, _) in programs.items()]
+    with Rewarder(reward_sources(cfg), workers=1, protect_dirs=(str(tmp_path),)) as r:
+        res = r.score(samples)
+    assert res.scores == [want for _, _, want in programs.values()] and not res.errors
+    assert not os.path.exists(marker)
