@@ -43,7 +43,8 @@ class RemoteRewardConfig:
     timeout_s: float = option(30.0, gt=0, help="per request (connect + response)")
     retries: int = option(2, ge=0, help="retries of a failed request (connection error, timeout, HTTP 429/5xx)")
     backoff_s: float = option(0.5, ge=0, help="first retry's wait; doubles per retry")
-    headers: dict[str, str] = option(factory=dict, help="extra HTTP headers, e.g. Authorization")
+    headers: dict[str, str] = option(factory=dict, help="extra HTTP headers (recorded with the run's spec: put secrets in header_env)")
+    header_env: dict[str, str] = option(factory=dict, help="headers whose values come from environment variables at start, e.g. {Authorization = \"REWARD_AUTH\"}; never recorded")
 
 
 @section

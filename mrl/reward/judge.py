@@ -83,14 +83,17 @@ class HttpJudge:
     """The judge behind an OpenAI chat-completions endpoint."""
 
     def __init__(self, cfg, remote):
+        from mrl.reward.remote import request_headers
+
         self.cfg, self.remote = cfg, remote
+        self.headers = request_headers(remote)
 
     def _ask(self, batch: list) -> list[Outcome]:
         (messages,) = batch
         payload = {"model": self.cfg.model or "judge", "messages": messages, "max_tokens": self.cfg.max_tokens,
                    "temperature": self.cfg.temperature}
         answer = call_json(self.cfg.url, payload, timeout_s=self.remote.timeout_s, retries=self.remote.retries,
-                           backoff_s=self.remote.backoff_s, headers=self.remote.headers)
+                           backoff_s=self.remote.backoff_s, headers=self.headers)
         try:
             content = answer["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):

@@ -122,6 +122,22 @@ def run_batches(batches: Sequence[Any], send: Callable[[Any], list[Outcome]], co
     return results
 
 
+def request_headers(cfg, environ=None) -> dict[str, str]:
+    """`[reward.remote]`'s headers plus those read from the environment (`header_env`); a variable
+    that is not set is a `UserError` naming it."""
+    import os
+
+    from mrl.errors import UserError
+
+    environ = os.environ if environ is None else environ
+    headers = dict(cfg.headers)
+    for header, var in cfg.header_env.items():
+        if var not in environ:
+            raise UserError(f"reward.remote.header_env: the environment variable {var!r} (header {header!r}) is not set")
+        headers[header] = environ[var]
+    return headers
+
+
 def _item(sample) -> dict:
     return {"id": str(sample.sample_id), "prompt": sample.prompt, "response": sample.response,
             "ground_truth": sample.ground_truth, "data_source": sample.data_source, "extra": sample.extra}
@@ -147,7 +163,7 @@ class RemoteScorer:
     @classmethod
     def from_config(cls, url: str, cfg) -> "RemoteScorer":
         return cls(url, batch_size=cfg.batch_size, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
-                   retries=cfg.retries, backoff_s=cfg.backoff_s, headers=cfg.headers)
+                   retries=cfg.retries, backoff_s=cfg.backoff_s, headers=request_headers(cfg))
 
     def budget_s(self, responses: int) -> float:
         """The longest a call for `responses` responses takes (every request retried to the end)."""

@@ -178,3 +178,13 @@ def test_bench_rewards_remote_smoke():
                           text=True, timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [line.split(":")[0].split()[2] for line in proc.stdout.splitlines()] == ["1", "8", "32"]
+
+
+def test_secret_headers_come_from_the_environment(service):
+    from mrl.reward.remote import request_headers
+
+    server, url = service
+    cfg = RemoteRewardConfig(headers={"X-Team": "rl"}, header_env={"Authorization": "MRL_TEST_REWARD_AUTH"})
+    assert request_headers(cfg, {"MRL_TEST_REWARD_AUTH": "Bearer s3"}) == {"X-Team": "rl", "Authorization": "Bearer s3"}
+    with pytest.raises(UserError, match="reward.remote.header_env: the environment variable 'MRL_TEST_REWARD_AUTH'"):
+        request_headers(cfg, {})
