@@ -166,12 +166,6 @@ class JudgeScorer:
         self.model = HttpJudge(cfg, remote) if cfg.url else LocalJudge(cfg)
         self.remote = remote
 
-    def budget_s(self, responses: int) -> float:
-        if not self.cfg.url:
-            return 0.0   # runs in this process: no peer waits on a timeout for it
-        per = (self.remote.retries + 1) * self.remote.timeout_s + self.remote.backoff_s * 2 ** self.remote.retries
-        return (responses // self.remote.concurrency + 1) * per
-
     def __call__(self, samples: Sequence) -> list[Outcome]:
         conversations = [judge_messages(self.cfg.template, self.cfg.system, s.prompt, s.response, s.ground_truth)
                          for s in samples]

@@ -40,7 +40,7 @@ def services_budget_s(cfg: RewardConfig, sources: Sequence[RewardSource], respon
     for src in sources:
         if src.kind == "remote":
             total += RemoteScorer.from_config(src.ref, r).budget_s(responses)
-        elif src.kind == "judge" and cfg.judge is not None and cfg.judge.url:
-            per = (r.retries + 1) * r.timeout_s + r.backoff_s * 2 ** r.retries
-            total += (responses // r.concurrency + 1) * per
+        elif src.kind == "judge" and cfg.judge is not None and cfg.judge.url:   # one request per response
+            total += RemoteScorer(src.ref, batch_size=1, concurrency=r.concurrency, timeout_s=r.timeout_s,
+                                  retries=r.retries, backoff_s=r.backoff_s).budget_s(responses)
     return total
