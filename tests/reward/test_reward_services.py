@@ -188,3 +188,12 @@ def test_secret_headers_come_from_the_environment(service):
     assert request_headers(cfg, {"MRL_TEST_REWARD_AUTH": "Bearer s3"}) == {"X-Team": "rl", "Authorization": "Bearer s3"}
     with pytest.raises(UserError, match="reward.remote.header_env: the environment variable 'MRL_TEST_REWARD_AUTH'"):
         request_headers(cfg, {})
+
+
+def test_wrong_answers_from_a_service_are_bad_response_errors(service):
+    server, url = service
+    for answer, fragment in [({"scores": []}, "answered 0 scores for 2 responses"), ({"x": 1}, "answered no 'scores' list")]:
+        server.handler.answer = staticmethod(lambda payload, a=answer: a)
+        with Rewarder.from_config(RewardConfig(url=url, remote=RemoteRewardConfig(retries=0))) as r:
+            res = r.score(samples("42", "7"))
+        assert res.stats["reward/remote/errors/bad_response"] == 2.0 and fragment in res.errors[0].message
