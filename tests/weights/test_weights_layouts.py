@@ -11,7 +11,7 @@ from tests.dist_util import REPO, run_torchrun
 from tests.weights.conftest import ALL_ARCHS
 
 SCRIPT = REPO / "tests/weights/scripts/roundtrip.py"
-MOE = {"qwen3_moe", "mixtral"}
+MOE = {"qwen3_moe", "qwen2_moe", "mixtral"}
 
 
 @pytest.mark.slow
