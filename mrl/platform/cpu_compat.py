@@ -47,6 +47,7 @@ Mechanisms, narrowest first:
 | 24 | `dist_checkpointing/strategies/fully_parallel.py` | `torch.cuda.synchronize()`, `current_device()` | view | checkpoint |
 | 25 | `dist_checkpointing/exchange_utils.py` `exchange_loaded_tensors_broadcast` (fully-parallel load) | `.cuda()` | mode | checkpoint |
 | 26 | `transformer/multi_latent_attention.py` `MultiLatentAttention.__init__` | `HAVE_TE` is True without Transformer Engine (megatron's TE extension imports with placeholder classes), then `isinstance(linear_proj, TELinear)` on a placeholder is a TypeError (a 0.16.1 bug that hits cuda without TE too) | replacement: `HAVE_TE = False` when `transformer_engine` does not import (also `apply_megatron_fixes()`) | deepseek_v3 weights tests |
+| 27 | `models/common/embeddings/yarn_rotary_pos_embedding.py` `YarnRotaryEmbedding` (MLA with yarn RoPE, DeepSeek-V3's) | `torch.cuda.current_device()` | view | deepseek_v3 yarn weights test |
 
 Every row is necessary: removing any one patch makes the test named in the last column fail
 (checked by ablation when the layer was written).
@@ -270,6 +271,7 @@ _VIEW = _TorchView(torch)
 VIEW_MODULES = (
     "megatron.core.utils",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
     "megatron.core.transformer.utils",
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.tensor_parallel.layers",

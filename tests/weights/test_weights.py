@@ -311,3 +311,25 @@ def test_unsupported_rope_and_architecture_are_user_errors():
                               "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}})
     with pytest.raises(UserError, match="RoPE type 'dynamic' is not supported"):
         hf_inv_freq(cfg)
+
+
+def test_deepseek_v3_yarn_rope_and_no_q_bottleneck_match_transformers(platform, tmp_path):
+    """DeepSeek-V3's published RoPE is yarn (factor 40, mscale_all_dim 1: cos/sin and the softmax
+    scale both carry the mscale); packed sequences longer than the original positions; and MLA
+    without a q bottleneck (`q_lora_rank` null: one `q_proj`, as in DeepSeek-V2-Lite)."""
+    from mrl.engine.packing import _thd_params
+
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    for i, overrides in enumerate([dict(rope_parameters=yarn), dict(q_lora_rank=None)]):
+        d = tmp_path / str(i)
+        ref_model = make_hf_model("deepseek_v3", d, **overrides)
+        hf, model, _ = _megatron("actor", d)
+        lengths = [30, 1, 7]
+        g = torch.Generator().manual_seed(5)
+        seqs = [torch.randint(0, hf["vocab_size"], (n,), generator=g) for n in lengths]
+        pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+        with torch.no_grad():
+            got = model(torch.cat(seqs).unsqueeze(0), pos, None, packed_seq_params=_thd_params(lengths, "cpu"))
+            want = torch.cat([ref_model(s.unsqueeze(0)).logits[0] for s in seqs])
+        assert (got[0, :, : hf["vocab_size"]] - want).abs().max().item() <= 1e-5, overrides
