@@ -213,6 +213,10 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, seed: int = 0) -> tor
 
     tp_rank, tp_size = _tp()
     wanted = set(cfg.target_modules)
+    qkv = sorted(wanted & {"q_proj", "k_proj", "v_proj"})
+    if qkv and getattr(getattr(model, "config", None), "multi_latent_attention", False):
+        raise UserError(f"LoRA: target_modules {qkv} on multi-latent attention (deepseek_v3): its q/k/v come from "
+                        "latent projections (q_a/q_b, kv_a/kv_b) that LoRA does not adapt yet; target o_proj")
     for p in model.parameters():
         p.requires_grad_(False)
     found = 0

@@ -333,3 +333,16 @@ def test_deepseek_v3_yarn_rope_and_no_q_bottleneck_match_transformers(platform, 
             got = model(torch.cat(seqs).unsqueeze(0), pos, None, packed_seq_params=_thd_params(lengths, "cpu"))
             want = torch.cat([ref_model(s.unsqueeze(0)).logits[0] for s in seqs])
         assert (got[0, :, : hf["vocab_size"]] - want).abs().max().item() <= 1e-5, overrides
+
+
+def test_lora_on_mla_refuses_q_k_v_and_adapts_o_proj(platform, tmp_path):
+    """deepseek_v3 has no q/k/v projections to adapt: one line naming them, not a silent skip."""
+    from mrl.models.lora import LoraConfig, apply_lora
+
+    make_hf_model("deepseek_v3", tmp_path)
+    _, model, _ = _megatron("actor", tmp_path)
+    with pytest.raises(UserError, match=r"target_modules \['q_proj', 'v_proj'\] on multi-latent attention"):
+        apply_lora(model, LoraConfig(rank=4, target_modules=("q_proj", "v_proj", "o_proj")))
+    apply_lora(model, LoraConfig(rank=4, target_modules=("o_proj",)))
+    assert sorted(n for n, p in model.named_parameters() if p.requires_grad) == [
+        f"decoder.layers.{i}.self_attention.linear_proj.lora.{m}.o_proj" for i in (0, 1) for m in "AB"]
