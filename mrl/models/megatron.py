@@ -202,7 +202,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
     if model_type == "deepseek_v3":
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-        kwargs.update(deepseek_v3_fields(hf))
+        kwargs.update(deepseek_v3_fields({**hf, "_tensor_parallel": parallel.tensor}))
         kwargs.update(overrides)
         return MLATransformerConfig(**kwargs)
     kwargs.update(overrides)
@@ -210,7 +210,8 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
 
 
 def deepseek_v3_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """MLATransformerConfig fields for DeepSeek-V3 / R1 (and Kimi-K2, the same architecture).
+    """MLATransformerConfig fields for DeepSeek-V3 / R1 (`hf` may carry `_tensor_parallel`, checked
+    against the MLA down projections' rows).
 
     Multi-latent attention: q through a rank-`q_lora_rank` bottleneck with its RMSNorm (or one
     projection when `q_lora_rank` is null), k/v from a rank-`kv_lora_rank` latent plus one shared
@@ -228,6 +229,12 @@ def deepseek_v3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     if not hf.get("norm_topk_prob", True):
         raise UserError("model.path: deepseek_v3 with norm_topk_prob = false is not supported (megatron "
                         "renormalises sigmoid top-k weights)")
+    tp = int(hf.get("_tensor_parallel", 1))
+    for name, rows in (("q_lora_rank", hf.get("q_lora_rank") or 0),
+                       ("kv_lora_rank + qk_rope_head_dim", hf["kv_lora_rank"] + hf["qk_rope_head_dim"])):
+        if rows % tp:
+            raise UserError(f"parallel.tensor: {tp} does not divide deepseek_v3's {name} ({rows}), the rows of a "
+                            "column-parallel MLA down projection")
     rope = rope_parameters(hf)
     fields: dict[str, Any] = dict(
         multi_latent_attention=True,

@@ -346,3 +346,17 @@ def test_lora_on_mla_refuses_q_k_v_and_adapts_o_proj(platform, tmp_path):
     apply_lora(model, LoraConfig(rank=4, target_modules=("o_proj",)))
     assert sorted(n for n, p in model.named_parameters() if p.requires_grad) == [
         f"decoder.layers.{i}.self_attention.linear_proj.lora.{m}.o_proj" for i in (0, 1) for m in "AB"]
+
+
+def test_deepseek_v3_refusals_are_one_line():
+    from mrl.models.megatron import complete_hf_config, deepseek_v3_fields
+    from tests.weights.archs import _COMMON
+
+    hf = complete_hf_config({**_COMMON, **ARCHS["deepseek_v3"]})
+    assert deepseek_v3_fields(hf)["moe_router_num_groups"] == 4
+    for bad, message in [(dict(rope_interleave=False), "rope_interleave = false is not supported"),
+                         (dict(norm_topk_prob=False), "norm_topk_prob = false is not supported"),
+                         (dict(num_experts_per_tok=3), "needs num_experts_per_tok = 2 x topk_group"),
+                         (dict(_tensor_parallel=3), "parallel.tensor: 3 does not divide deepseek_v3's q_lora_rank")]:
+        with pytest.raises(UserError, match=message):
+            deepseek_v3_fields({**hf, **bad})
