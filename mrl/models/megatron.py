@@ -202,7 +202,8 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
     if model_type == "deepseek_v3":
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-        kwargs.update(deepseek_v3_fields({**hf, "_tensor_parallel": parallel.tensor}))
+        kwargs.update(deepseek_v3_fields({**hf, "_tensor_parallel": parallel.tensor}),
+                      moe_grouped_gemm=te, moe_permute_fusion=False)
         kwargs.update(overrides)
         return MLATransformerConfig(**kwargs)
     kwargs.update(overrides)
@@ -238,6 +239,7 @@ def deepseek_v3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     rope = rope_parameters(hf)
     fields: dict[str, Any] = dict(
         multi_latent_attention=True,
+        qk_layernorm=True,   # the latent norms: Transformer Engine's spec fuses them into the up projections
         q_lora_rank=hf.get("q_lora_rank"),
         kv_lora_rank=hf["kv_lora_rank"],
         qk_head_dim=hf["qk_nope_head_dim"],

@@ -103,6 +103,8 @@ MLA = _rules(
     (f"{_A}.linear_q_up_proj.weight", f"{_DS_A}.q_b_proj.weight"),
     (f"{_A}.linear_kv_down_proj.weight", f"{_DS_A}.kv_a_proj_with_mqa.weight"),
     (f"{_A}.kv_layernorm.weight", f"{_DS_A}.kv_a_layernorm.weight"),
+    (f"{_A}.linear_q_up_proj.layer_norm_weight", f"{_DS_A}.q_a_layernorm.weight"),    # TE fused norm
+    (f"{_A}.linear_kv_up_proj.layer_norm_weight", f"{_DS_A}.kv_a_layernorm.weight"),  # TE fused norm
     (f"{_A}.linear_kv_up_proj.weight", f"{_DS_A}.kv_b_proj.weight"),
     (f"{_A}.linear_proj.weight", f"{_DS_A}.o_proj.weight"),
     ("decoder.layers.{L}.pre_mlp_layernorm.weight", "model.layers.{L}.post_attention_layernorm.weight"),
