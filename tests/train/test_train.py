@@ -59,6 +59,7 @@ ESTIMATORS = {
                                           "algorithm.correction.rejection=token_k2 algorithm.correction.rejection_threshold=1",
     "multi_turn": "rollout.multi_turn.enable=true rollout.multi_turn.tools=[\"jobs/tools/calculator.py:calculator\"] "
                   "rollout.multi_turn.max_assistant_turns=2",
+    "verl_reward": "reward.function=tests/train/verl_digits.py:score reward.on_error=fail",
 }
 
 
@@ -71,6 +72,9 @@ def test_every_estimator_and_policy_loss_runs_two_steps(tmp_path):
         assert all(v == v for v in m.values()), (name, m)   # no NaN
         assert m["rollout/logprob_abs_diff_max"] < 1e-4, (name, m["rollout/logprob_abs_diff_max"])
     assert results[list(ESTIMATORS).index("kl_loss")]["actor/kl_loss"] >= 0
+    grpo, verl = results[0], results[list(ESTIMATORS).index("verl_reward")]   # same job, verl-signature reward
+    rewards = {k: v for k, v in grpo.items() if k.startswith("reward/") and "time" not in k and not k.endswith("_s")}
+    assert rewards and {k: verl.get(k) for k in rewards} == rewards
     assert (tmp_path / "run0/checkpoints/actor/latest").is_file()
 
 
