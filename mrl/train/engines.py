@@ -25,7 +25,7 @@ from mrl.rollout.plan import EngineGroups, plan_prompts
 from mrl.rollout.types import Response, Sampling, resolve_prompt_seeds
 
 
-def build_rollout(spec, ctx, tokenizer, *, is_leader: bool) -> tuple[Any, Any, Optional[EngineGroups]]:
+def build_rollout(spec, plan, ctx, tokenizer, *, is_leader: bool) -> tuple[Any, Any, Optional[EngineGroups]]:
     """(engine, generator, engine groups) on this rank: the hf engine on model-parallel leaders
     only (groups None), vllm engines on every rank (every rank must call this)."""
     from mrl.rollout.factory import build_engine
@@ -33,8 +33,7 @@ def build_rollout(spec, ctx, tokenizer, *, is_leader: bool) -> tuple[Any, Any, O
     r = spec.rollout
     groups = None
     if r.engine == "vllm":
-        groups = EngineGroups(dist.get_world_size() if dist.is_initialized() else 1,
-                              r.tensor_parallel * r.pipeline_parallel)
+        groups = EngineGroups(dist.get_world_size() if dist.is_initialized() else 1, plan.engine_ranks)
     elif not is_leader:
         return None, None, None
     engine = build_engine(r, spec.model, seed=spec.job.seed, device=ctx.device, max_model_len=r.max_model_len)

@@ -51,7 +51,9 @@ def _parts(lengths, k=1, chunk=2, per_step=2, gen_batch=3):
                                 "rollout.max_response_tokens=9", "actor.mini_batch_prompts=1"])
     items = [SimpleNamespace(index=i, token_ids=(7, 7, L), prompt="p", answer="a", data_source="t", extra={})
              for i, L in enumerate(lengths)]
-    run = SimpleNamespace(spec=spec, dp=1, separate=False, tokenizer=SimpleNamespace(decode=lambda ids, **kw: "r"),
+    from mrl.train.plan import step_plan
+
+    run = SimpleNamespace(spec=spec, plan=step_plan(spec), dp=1, separate=False, tokenizer=SimpleNamespace(decode=lambda ids, **kw: "r"),
                           ctx=SimpleNamespace(role="train", is_main=True))
     gen = Generation(generator=LengthEngine(prompt_len=3), rewarder=Rewarder())
     sampler = PromptSampler(len(items), gen_batch, seed=0, shuffle=False)
@@ -59,7 +61,7 @@ def _parts(lengths, k=1, chunk=2, per_step=2, gen_batch=3):
 
 
 def test_the_first_groups_to_finish_make_the_batch_and_the_rest_carry_over():
-    from mrl.train.partial import produce_partial
+    from mrl.train.produce import produce as produce_partial
 
     # prompts ask for 2, 8, 3 | 9, 2, 2 tokens: chunks of 2
     run, gen, prompts = _parts([2, 8, 3, 9, 2, 2])
@@ -87,7 +89,7 @@ def test_the_first_groups_to_finish_make_the_batch_and_the_rest_carry_over():
 
 
 def test_carried_tokens_are_counted_and_their_versions_kept():
-    from mrl.train.partial import produce_partial
+    from mrl.train.produce import produce as produce_partial
     from mrl.train.step import staleness
 
     run, gen, prompts = _parts([2, 4, 2, 2, 2, 2], k=1)
@@ -105,7 +107,8 @@ def test_carried_tokens_are_counted_and_their_versions_kept():
 
 
 def test_the_groups_in_hand_round_trip_through_a_checkpoint():
-    from mrl.train.partial import decode_carry, encode_carry, produce_partial
+    from mrl.train.carry import decode_carry, encode_carry
+    from mrl.train.produce import produce as produce_partial
 
     run, gen, prompts = _parts([2, 8, 3, 9, 2, 2])
     produce_partial(run, gen, prompts, 1, agree_min=lambda x: x)
