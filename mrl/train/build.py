@@ -31,7 +31,7 @@ def _has_weights(path: Optional[str]) -> bool:
         (Path(path) / "model.safetensors").is_file() or (Path(path) / "model.safetensors.index.json").is_file())
 
 
-def _chunks(role: str, spec: JobSpec, hf: dict, device: str, recompute: str = "none") -> list:
+def role_chunks(role: str, spec: JobSpec, hf: dict, device: str, recompute: str = "none") -> list:
     from mrl.models.roles import build_role_model
 
     vpp = spec.parallel.virtual_pipeline
@@ -40,7 +40,7 @@ def _chunks(role: str, spec: JobSpec, hf: dict, device: str, recompute: str = "n
                              fused=spec.model.use_fused_kernels) for i in range(vpp or 1)]
 
 
-def _load(chunks: list, path: Optional[str], hf: dict, role: str) -> bool:
+def load_weights(chunks: list, path: Optional[str], hf: dict, role: str) -> bool:
     from mrl.weights import load_hf_checkpoint
 
     if not _has_weights(path):
@@ -74,8 +74,8 @@ def _trainable(role: str, spec: JobSpec, hf: dict, device: str, section, total_o
     from mrl.engine import Engine
     from mrl.optim.build import build_optimizer, build_scheduler, wrap_ddp
 
-    chunks = _chunks(role, spec, hf, device, section.recompute)
-    if not _load(chunks, path, hf, role) and init_from is not None:
+    chunks = role_chunks(role, spec, hf, device, section.recompute)
+    if not load_weights(chunks, path, hf, role) and init_from is not None:
         _copy_from(chunks, init_from)
     lora = getattr(section, "lora", None)
     if lora is not None and lora.rank:   # frozen base + adapters; checkpoints hold the adapters
@@ -178,8 +178,8 @@ def build_learner(spec: JobSpec, plan: StepPlan, hf: dict, device: str, total: i
 
         ref = reference_engine(actor)   # the actor's frozen base, adapters off: no second copy
     elif spec.ref.enable:
-        chunks = _chunks("ref", spec, hf, device)
-        if not _load(chunks, spec.ref.model_path, hf, "ref"):
+        chunks = role_chunks("ref", spec, hf, device)
+        if not load_weights(chunks, spec.ref.model_path, hf, "ref"):
             _copy_from(chunks, actor.chunks)
         from mrl.engine import Engine
 
@@ -258,8 +258,8 @@ def _reward_model(spec: JobSpec, hf: dict, device: str):
     if found is None or not _has_weights(paths[0]):
         raise UserError(f"reward.model_path: {paths[0]!r} is not a Hugging Face directory with safetensors weights")
     rm_hf = complete_hf_config(found[0])
-    chunks = _chunks("reward", spec, rm_hf, device)
-    _load(chunks, paths[0], rm_hf, "reward")
+    chunks = role_chunks("reward", spec, rm_hf, device)
+    load_weights(chunks, paths[0], rm_hf, "reward")
     return Engine(chunks, name="reward")
 
 

@@ -60,9 +60,9 @@ class ColocatedRollouts:
     def state(self, step: int) -> dict:
         return {"sampler": self.prompts.position, "rollout_carry": encode_carry(self.prompts.carry)}
 
-    def load_state(self, saved: dict, start: int) -> str:
-        self.prompts.load_position(saved["sampler"])
-        self.prompts.carry = decode_carry(saved.get("rollout_carry"), self.prompts.dataset)
+    def load_state(self, saved, start: int) -> str:
+        self.prompts.load_position(saved.sampler)
+        self.prompts.carry = decode_carry(saved.rollout_carry, self.prompts.dataset)
         return ""
 
     def close(self, wait: bool = True) -> None:

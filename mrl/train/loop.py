@@ -1,10 +1,10 @@
 """`train(spec)`: run a job from its first step, or resume it from its latest checkpoint.
 
 Checkpoints live in `checkpoint.dir` (default `<output_dir>/<name>/checkpoints`): one
-`actor/` root (and `critic/`), each atomic with a `latest` pointer. The actor's `extra` holds
-the sampler position, the KL controller, the MLflow run id and the step (and, with a separate
-rollout, the rollouts already generated for later steps), so a resumed run continues the same
-prompts, the same MLflow run and the same metrics. `checkpoint.resume`: "auto" resumes when a
+`actor/` root (and `critic/`), each atomic with a `latest` pointer. The actor's run state
+(`mrl.checkpoint.run_state.RunState`) holds the data position (and the rollouts or partial
+groups in hand), the KL controller, the MLflow run id and the update counts, so a resumed run
+continues the same prompts, the same MLflow run and the same metrics. `checkpoint.resume`: "auto" resumes when a
 checkpoint exists, "never" starts fresh, "must" requires one.
 
 The loop is the same whatever `rollout.placement`: a step takes its rollouts from a
@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from mrl.checkpoint.run_state import ModelFacts, RunState, resume_run, save_run
 from mrl.config.job import JobSpec
-from mrl.errors import UserError
-from mrl.platform.collectives import broadcast_object, world_max
+from mrl.platform.collectives import world_max
 from mrl.platform.dist import wait_for_peers
 from mrl.train.build import build, close
 from mrl.train.metrics import reduce_over_ranks
@@ -38,62 +39,24 @@ def checkpoint_root(spec: JobSpec) -> Path:
     return Path(spec.checkpoint.dir)   # resolved: <job.output_dir>/<job.name>/checkpoints unless set
 
 
-def _resume(run: Run, learner: Learner) -> tuple[int, dict]:
-    """(last completed step, the actor checkpoint's extra) or (0, {}) for a fresh start."""
-    from mrl.checkpoint import state
-
-    ck = run.spec.checkpoint
-    root = Path(ck.load_from) if ck.load_from else checkpoint_root(run.spec) / "actor"
-    if ck.resume == "never" and not ck.load_from:
-        return 0, {}
-    # the newest intact checkpoint (a damaged newer one is skipped, said in one line)
-    critic_of = (lambda ckpt: [ckpt.parent.parent / "critic" / ckpt.name]) if learner.critic is not None else None
-    found = state.find_resumable(root, must=ck.resume == "must", companions=critic_of)
-    if found is None:
-        if ck.resume == "must" or ck.load_from:
-            raise UserError(f"checkpoint{'.load_from' if ck.load_from else '.resume'}: no checkpoint in {root}"
-                            + (" (checkpoint.resume = 'must')" if not ck.load_from else ""))
-        return 0, {}
-    actor = learner.actor
-    loaded = state.load(found, chunks=actor.chunks, optimizer=actor.optimizer, scheduler=actor.scheduler, verified=True)
-    if learner.critic is not None:
-        critic_dir = found.parent.parent / "critic" / found.name
-        if not critic_dir.is_dir():
-            raise UserError(f"checkpoint: {found} has no critic checkpoint at {critic_dir}")
-        state.load(critic_dir, chunks=learner.critic.chunks, optimizer=learner.critic.optimizer,
-                   scheduler=learner.critic.scheduler, verified=True)
-    extra = loaded.extra
-    if "kl_coef" in extra and learner.kl is not None:
-        learner.kl.value = extra["kl_coef"]
-    actor.steps = extra.get("actor_updates", actor.steps)
-    if learner.critic is not None:
-        learner.critic.steps = extra.get("critic_updates", learner.critic.steps)
-    return loaded.step, extra
+def _resume(run: Run, learner: Learner) -> tuple[int, Optional[RunState]]:
+    """(last completed step, its run state) or (0, None) for a fresh start; restores the KL
+    controller (the engines' update counts are restored with their weights)."""
+    companions = {"critic": learner.critic} if learner.critic is not None else None
+    start, state = resume_run(checkpoint_root(run.spec), learner.actor, run.spec.checkpoint, companions=companions)
+    if state is not None and state.kl_coef is not None and learner.kl is not None:
+        learner.kl.value = state.kl_coef
+    return start, state
 
 
 def _save(run: Run, learner: Learner, rollouts, step: int, tracker_run_id) -> None:
-    from mrl.checkpoint import state
-
-    from mrl.config.dump import to_toml
-
     spec = run.spec
-    root = checkpoint_root(spec)
-    position = rollouts.state(step)   # the data position (and the rollouts queued for later steps)
-    tracker_run_id = broadcast_object(tracker_run_id, "checkpoint save")   # rank 0 owns the MLflow run
-    # What `mrl merge` needs to rebuild the model without the job file.
-    model = {"hf_config": run.hf, "model_path": spec.model.path, "tokenizer": spec.model.tokenizer,
-             "dtype": spec.model.dtype, "spec_toml": to_toml(spec)}
-    extra = {**position, "mlflow_run_id": tracker_run_id, "actor_updates": learner.actor.steps, **model, "role": "actor"}
-    if learner.kl is not None:
-        extra["kl_coef"] = learner.kl.value
-    if learner.critic is not None:
-        extra["critic_updates"] = learner.critic.steps
-        state.save(root / "critic", step, chunks=learner.critic.chunks, optimizer=learner.critic.optimizer,
-                   scheduler=learner.critic.scheduler, extra={**model, "role": "critic"},
-                   keep_last=spec.checkpoint.keep_last)
-    state.save(root / "actor", step, chunks=learner.actor.chunks,
-               optimizer=learner.actor.optimizer if spec.checkpoint.save_optimizer else None,
-               scheduler=learner.actor.scheduler, extra=extra, keep_last=spec.checkpoint.keep_last)
+    state = RunState(**rollouts.state(step), tracking_run_id=tracker_run_id, actor_updates=learner.actor.steps,
+                     critic_updates=learner.critic.steps if learner.critic is not None else None,
+                     kl_coef=learner.kl.value if learner.kl is not None else None, model=ModelFacts.of(spec, run.hf))
+    save_run(checkpoint_root(spec), step, learner.actor, state, spec.checkpoint,
+             with_optimizer=spec.checkpoint.save_optimizer,
+             companions={"critic": learner.critic} if learner.critic is not None else None)
 
 
 def _check_disk(spec: JobSpec, learner: Learner) -> None:
@@ -129,10 +92,10 @@ def train(spec: JobSpec) -> dict[str, float]:
         samples = SampleLog()
         rollouts = rollout_source(run, learner, generation, prompts, samples)
         _check_disk(spec, learner)
-        start, extra = _resume(run, learner)
-        restored = rollouts.load_state(extra, start) if extra else ""
+        start, saved = _resume(run, learner)
+        restored = rollouts.load_state(saved, start) if saved is not None else ""
         life.tracker = Tracker.from_spec(spec, total_steps=run.total_steps, rank=run.ctx.rank,
-                                         resume_run_id=extra.get("mlflow_run_id"), start_step=start)
+                                         resume_run_id=saved.tracking_run_id if saved else None, start_step=start)
         last = _train(run, learner, prompts, rollouts, samples, life.tracker, start, restored)
         life.finished(export_steps=run.total_steps)
         return last

@@ -97,15 +97,16 @@ class SeparateRollouts:
         return self.bridge.rank == 0
 
     # -- the start, fresh or resumed
-    def load_state(self, extra: dict, start: int) -> str:
-        """Restore the queue of a checkpoint taken after step `start`; says what it restored."""
-        queued = [decode_rollout(q, self.dataset) for q in extra.get("rollout_queue", [])]
+    def load_state(self, saved, start: int) -> str:
+        """Restore the queue of a checkpoint taken after step `start` (`saved`: its
+        `mrl.checkpoint.run_state.RunState`); says what it restored."""
+        queued = [decode_rollout(q, self.dataset) for q in saved.rollout_queue]
         if self.is_root:
             self.queue.extend(queued)
         self.first_step = start + 1 + len(queued)
         self.start_version = start
-        self.position = extra["sampler"]
-        self.carry = extra.get("rollout_carry")
+        self.position = saved.sampler
+        self.carry = saved.rollout_carry
         return f"{len(queued)} steps of rollouts restored, generation resumes at step {self.first_step}"
 
     def start(self, start: int) -> None:
