@@ -21,9 +21,6 @@ def separate_problems(spec) -> list[tuple[str, str]]:
         out.append(("reward.model_path", "a reward model runs on the trainer's model-parallel ranks, but "
                                          "rollout.placement = 'separate' scores on the rollout ranks; use a "
                                          "colocated rollout or a reward function"))
-    if spec.algorithm.advantage == "remax":
-        out.append(("algorithm.advantage", "'remax' generates a greedy baseline inside the training step, which needs "
-                                           "the engine on the trainer's ranks; use rollout.placement = 'colocated'"))
     return out
 
 
