@@ -57,6 +57,7 @@ class StepPlan:
     separate: bool               # rollout.placement = "separate"
     actor: Updates
     critic: Optional[Updates]    # None without a critic
+    on_policy: bool = False      # see `on_policy`: old log-probs come from the update's own forward
 
     @property
     def responses_per_step(self) -> int:
@@ -113,6 +114,21 @@ def plan_problems(spec) -> list[tuple[str, str]]:
     return out
 
 
+def on_policy(spec, actor: Updates) -> bool:
+    """Whether a step's actor update is one optimizer step on the weights that generated its
+    responses, with nothing before the update needing the trainer's log-probs: one mini-batch,
+    one epoch, no staleness (and no partial rollouts), no rollout correction and no KL in the
+    reward (both read the trainer's log-probs before the update), no critic warm-up (steps that do
+    not update the actor), one pipeline stage. Then the update's first forward pass gives the old
+    log-probs and the audit, and the separate forward pass is skipped (`mrl.train.step`). (No
+    shuffle: the update's rows are the batch's, in order.)"""
+    roll, alg, par = spec.rollout, spec.algorithm, spec.parallel
+    return (actor.mini_batches == 1 and actor.epochs == 1 and not spec.actor.shuffle and roll.max_staleness == 0
+            and not roll.partial_rollout_tokens and alg.correction.level == "off" and not alg.kl_reward.enable
+            and not (spec.critic.enable and spec.critic.warmup_steps) and par.pipeline == 1
+            and not par.virtual_pipeline)
+
+
 def step_plan(spec) -> StepPlan:
     """The plan of `spec` (resolved); a `UserError` naming the key when it does not divide."""
     from mrl.errors import UserError
@@ -130,8 +146,10 @@ def step_plan(spec) -> StepPlan:
         return Updates(prompts=mini, prompts_per_rank=mini // dp, mini_batches=prompts // mini,
                        epochs=section.epochs)
 
+    actor = updates(spec.actor)
     return StepPlan(world=spec.platform.world_size, trainer_world=world,
                     engine_world=engine_world(roll, spec.platform.world_size), dp=dp, prompts_per_step=prompts,
                     prompts_per_rank=prompts // dp, responses_per_prompt=roll.responses_per_prompt,
                     engine_ranks=roll.tensor_parallel * roll.pipeline_parallel, separate=roll.placement == "separate",
-                    actor=updates(spec.actor), critic=updates(spec.critic) if spec.critic.enable else None)
+                    actor=actor, critic=updates(spec.critic) if spec.critic.enable else None,
+                    on_policy=on_policy(spec, actor))

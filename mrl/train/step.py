@@ -24,9 +24,14 @@ from mrl.train.timer import StageTimer
 
 
 def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
-               samples: Optional[SampleLog] = None) -> dict[str, float]:
-    """Step `step`: take its rollouts from `rollouts` (a `mrl.train.source.RolloutSource`), then learn."""
+               samples: Optional[SampleLog] = None, on_policy: Optional[bool] = None) -> dict[str, float]:
+    """Step `step`: take its rollouts from `rollouts` (a `mrl.train.source.RolloutSource`), then learn.
+
+    `on_policy` (default: the plan's, `mrl.train.plan.on_policy`): the old log-probs and the
+    audit come from the actor update's own forward pass instead of a separate one (the update
+    runs on the weights that generated the responses; the losses are the same)."""
     spec, alg = run.spec, run.spec.algorithm
+    reuse = run.plan.on_policy if on_policy is None else on_policy
     t = StageTimer(on_stage)
     shard, metrics = rollouts.take(step, t)
     batch, m, rows = to_batch(run, shard, step)
@@ -35,11 +40,15 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
     if samples is not None:
         samples.put("train", rows)
     train_started_at = time.time()
-    with t("old_logprobs"):
-        batch = batch.add(trainer_logprobs=logprobs_of(learner.actor, run, batch, spec.actor.logprob_micro_batch_tokens))
-        batch = batch.add(old_logprobs=batch["rollout_logprobs" if alg.correction.old_logprobs == "rollout"
-                                             else "trainer_logprobs"])
-        metrics.update(audit(batch))
+    if not reuse:
+        with t("old_logprobs"):
+            batch = batch.add(trainer_logprobs=logprobs_of(learner.actor, run, batch,
+                                                           spec.actor.logprob_micro_batch_tokens))
+            batch = batch.add(old_logprobs=batch["rollout_logprobs" if alg.correction.old_logprobs == "rollout"
+                                                 else "trainer_logprobs"])
+            metrics.update(audit(batch))
+    elif alg.correction.old_logprobs == "rollout":
+        batch = batch.add(old_logprobs=batch["rollout_logprobs"])
     if learner.ref is not None:
         with t("ref_logprobs"):
             batch = batch.add(ref_logprobs=logprobs_of(learner.ref, run, batch, spec.ref.micro_batch_tokens))
@@ -54,14 +63,30 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
             metrics.update(update(learner.critic, batch, spec.critic, run.plan.critic, value_objective(run), step,
                                   "critic"))
     if learner.critic is None or step > spec.critic.warmup_steps:
+        recorded = UpdateLogprobs(batch) if reuse else None
         with t("actor_update"):
-            metrics.update(update(learner.actor, batch, spec.actor, run.plan.actor, policy_objective(run), step,
-                                  "actor"))
+            metrics.update(update(learner.actor, batch, spec.actor, run.plan.actor, policy_objective(run, recorded),
+                                  step, "actor"))
         metrics["tokens/actor_update"] = float(batch.sequence_lengths.sum()) * spec.actor.epochs
+        if recorded is not None:   # the audit from the update's forward pass
+            batch = batch.add(trainer_logprobs=recorded.logprobs)
+            metrics.update(audit(batch))
     # when this step learned (wall clock: with a separate rollout, generation overlaps it)
     metrics.update({"time/train_started_at": train_started_at, "time/train_ended_at": time.time()})
     metrics.update(t.metrics())
     return metrics
+
+
+class UpdateLogprobs:
+    """The trainer's log-probs `[B, R]` of a batch as the actor update's forward pass computes
+    them, micro-batch by micro-batch (an on-policy step's only actor forward before the update).
+    The update has one mini-batch holding the batch's rows in order."""
+
+    def __init__(self, batch: Batch):
+        self.logprobs = torch.zeros(len(batch), batch.response_width)
+
+    def __call__(self, mb, logprobs: torch.Tensor) -> None:
+        self.logprobs[mb.index, :logprobs.shape[1]] = logprobs.float().cpu()
 
 
 def staleness(versions: list[int], step: int, max_staleness: int) -> dict[str, float]:
@@ -154,7 +179,8 @@ def advantages(run: Run, kl_controller, batch: Batch) -> tuple[Batch, dict]:
     return batch.add(**fields), metrics
 
 
-def policy_objective(run: Run):
+def policy_objective(run: Run, record=None):
+    """The actor's loss; `record` receives the update's log-probs (`UpdateLogprobs`)."""
     from mrl.engine.objectives import PolicyObjective
 
     alg = run.spec.algorithm
@@ -163,7 +189,7 @@ def policy_objective(run: Run):
                            aggregation=alg.loss_aggregation, norm=alg.loss_norm, entropy_coef=alg.entropy_coef,
                            kl_coef=alg.kl_loss.coef if alg.kl_loss.enable else 0.0, kl_estimator=alg.kl_loss.estimator,
                            temperature=run.spec.rollout.temperature, vocab_size=run.hf["vocab_size"],
-                           kernels=kernel_backend(run))
+                           kernels=kernel_backend(run), record=record)
 
 
 def kernel_backend(run: Run) -> str:
