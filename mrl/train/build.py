@@ -20,6 +20,7 @@ import torch
 
 from mrl.config.job import JobSpec
 from mrl.models.facts import builtin_preset
+from mrl.platform.device import DTYPES
 from mrl.train.parts import Generation, Learner, Prompts, Run
 from mrl.train.plan import StepPlan, step_plan
 
@@ -190,7 +191,7 @@ def build_learner(spec: JobSpec, plan: StepPlan, hf: dict, device: str, total: i
                             init_from=actor.chunks, path=spec.critic.model_path)
     from mrl.weights import Exporter
 
-    return Learner(actor=actor, exporter=Exporter(actor.chunks, hf, dtype=_dtype(spec.rollout.weight_sync.dtype)),
+    return Learner(actor=actor, exporter=Exporter(actor.chunks, hf, dtype=DTYPES[spec.rollout.weight_sync.dtype]),
                    ref=ref, critic=critic, reward_model=_reward_model(spec, hf, device), kl=kl_controller(spec))
 
 
@@ -199,7 +200,7 @@ def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_mo
     calls it: vllm engines are built collectively)."""
     import torch.distributed as dist
 
-    from mrl.train.engines import build_rollout
+    from mrl.train.engine_groups import build_rollout
 
     if ctx.role == "rollout":   # separate: the first rank of each engine group scores
         leader = ctx.global_rank - ctx.rank + plan.engine_leader_of(ctx.rank)
@@ -261,10 +262,6 @@ def _reward_model(spec: JobSpec, hf: dict, device: str):
     chunks = role_chunks("reward", spec, rm_hf, device)
     load_weights(chunks, paths[0], rm_hf, "reward")
     return Engine(chunks, name="reward")
-
-
-def _dtype(name: str) -> torch.dtype:
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
 def close(generation: Optional[Generation]) -> None:

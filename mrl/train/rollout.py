@@ -56,7 +56,7 @@ def generate(run: Run, gen: Generation, prompt_ids: list[list[int]], sampling: S
     Colocated vllm: collective over the world, `dp_rank` naming whose prompts these are."""
     timeout = run.spec.rollout.generate_timeout_s
     if gen.groups is not None and not run.separate:
-        from mrl.train.engines import generate_on_groups
+        from mrl.train.engine_groups import generate_on_groups
 
         dp = run.ctx.dp_rank if dp_rank is None else dp_rank
         return generate_within(lambda: generate_on_groups(gen.generator, gen.groups, dp, run.dp, prompt_ids, sampling),
