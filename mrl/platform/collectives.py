@@ -83,6 +83,17 @@ def world_max(value: float, name: str) -> float:
     return float(world_reduce(torch.tensor([float(value)], dtype=torch.float64), name, op="max").item())
 
 
+def world_any(flag: bool, name: str) -> bool:
+    """True on every rank of this role's world when `flag` is True on any rank (on the device the
+    backend needs: CUDA for nccl)."""
+    if not _multi():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    return bool(world_reduce(t, name, op="max").item() > 0)
+
+
 def broadcast_object(obj: Any, name: str, src: int = 0) -> Any:
     """Rank `src`'s `obj` (picklable) on every rank of this role's world."""
     if not _multi():
@@ -119,5 +130,5 @@ def from_leader(obj: Any, group: Optional["dist.ProcessGroup"], is_leader: bool,
     return box[0]
 
 
-__all__ = ["dp_all_reduce", "dp_sum", "dp_min", "world_reduce", "world_min", "world_max", "broadcast_object",
+__all__ = ["dp_all_reduce", "dp_sum", "dp_min", "world_reduce", "world_min", "world_max", "world_any", "broadcast_object",
            "gather_objects", "from_leader"]

@@ -40,7 +40,7 @@ class RewardStats:
     def add(self, stats: dict[str, float], responses: int) -> None:
         for key, v in stats.items():
             v = float(v)
-            if is_count(key) or key.startswith("time/"):
+            if kind(key) == "sum" or key.startswith("time/"):   # times add up over the calls
                 self.totals[key] = self.totals.get(key, 0.0) + v
             elif not math.isnan(v):
                 total, weight = self.means.get(key, (0.0, 0))
