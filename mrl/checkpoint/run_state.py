@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from mrl.errors import UserError
 
@@ -106,10 +106,12 @@ def save_run(root: Path, step: int, engine, state: RunState, checkpoint, *, with
 
 
 def resume_run(root: Path, engine, checkpoint, *, companions: Optional[dict] = None,
-               trainer: str = "rl") -> tuple[int, Optional[RunState]]:
+               trainer: str = "rl", before_load: Optional[Callable[[Path], None]] = None
+               ) -> tuple[int, Optional[RunState]]:
     """(last completed step, its `RunState`) of the newest intact checkpoint under `root/actor`
     (or `checkpoint.load_from`) loaded into `engine` and the companions (`{"critic": engine}`,
-    found beside it), or (0, None) for a fresh start (`checkpoint.resume`)."""
+    found beside it), or (0, None) for a fresh start (`checkpoint.resume`). `before_load(found)`
+    runs before any tensor is read (checks that may refuse the checkpoint)."""
     from mrl.checkpoint import state as ckpt
 
     given = checkpoint.load_from
@@ -124,6 +126,8 @@ def resume_run(root: Path, engine, checkpoint, *, companions: Optional[dict] = N
             raise UserError(f"checkpoint{'.load_from' if given else '.resume'}: no checkpoint in {actor_root}"
                             + (" (checkpoint.resume = 'must')" if not given and trainer == "rl" else ""))
         return 0, None
+    if before_load is not None:
+        before_load(found)
     loaded = ckpt.load(found, chunks=engine.chunks, optimizer=engine.optimizer, scheduler=engine.scheduler,
                        verified=True)
     run_state = RunState.from_extra(loaded.extra)
