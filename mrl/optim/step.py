@@ -11,8 +11,6 @@ import dataclasses
 import logging
 import math
 
-import torch
-
 __all__ = ["NonFiniteError", "StepOutcome", "guarded_step"]
 
 log = logging.getLogger(__name__)
