@@ -57,7 +57,7 @@ class Start:
     last_step: int
     start_version: int        # the policy version the trainer holds at the start
     position: Optional[dict]  # data position before first_step (None: from the start)
-    validated: list           # the versions to validate (`mrl.train.validate.validation_steps`)
+    validated: list           # the versions to validate (`mrl.train.evaluate.validation_steps`)
     carry: Optional[dict]     # partial rollouts in hand before first_step (encoded)
 
 
