@@ -1,6 +1,11 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - set up .venv (pinned) and run the CPU demo job
 #   make test   - set up .venv (pinned) and run every test tier (what CI runs)
+# On a GPU machine, one command checks it end to end (CONTRIBUTING.md, "The GPU tier"):
+#   make gpu-check [WHEELS=dir] [GPU_PYTHON=python3] - install what is missing from a wheel folder
+#                  (tools/gpu/fetch_wheels.sh), run the GPU tier and the benchmarks, write
+#                  gpu-check/report.md + report.json (versions, device, each test, each figure vs
+#                  its target) in under 10 minutes; on CPU it runs what it can and names the skips.
 # Set-up is idempotent: it reinstalls only when constraints.txt, pyproject.toml or setup.py change.
 
 PYTHON ?= python3
@@ -9,7 +14,7 @@ PY     := $(VENV)/bin/python
 HASH   := $(shell cat constraints.txt pyproject.toml setup.py | sha1sum | cut -c1-12)
 STAMP  := $(VENV)/.mrl-installed-$(HASH)
 
-.PHONY: setup demo test test-fast test-vllm test-gpu lint clean
+.PHONY: setup demo test test-fast test-vllm test-gpu gpu-check lint clean
 
 $(STAMP): constraints.txt pyproject.toml setup.py
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "mrl needs Python >= 3.11")'
@@ -49,5 +54,12 @@ test-gpu:
 	$(GPU_PYTHON) -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "test-gpu needs CUDA")'
 	$(GPU_PYTHON) -m pytest -q -m '' tests/gpu tests/kernels
 
+# The whole check of a (fresh) GPU machine: tools/gpu/check.sh. WHEELS=dir installs what is missing
+# from a wheel folder; GPU_CHECK_ARGS passes more (--quick, --budget-s S, --out DIR).
+WHEELS ?=
+GPU_CHECK_ARGS ?=
+gpu-check:
+	GPU_PYTHON=$(GPU_PYTHON) tools/gpu/check.sh $(if $(WHEELS),--wheels $(WHEELS)) $(GPU_CHECK_ARGS)
+
 clean:
-	rm -rf $(VENV) .venv-vllm .pytest_cache .hypothesis build *.egg-info
+	rm -rf gpu-check $(VENV) .venv-vllm .pytest_cache .hypothesis build *.egg-info

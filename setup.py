@@ -9,4 +9,5 @@ kernel_packages = ["mrl_kernels"] + [f"mrl_kernels.{p}" for p in find_packages("
 setup(
     packages=find_packages(include=["mrl", "mrl.*"]) + kernel_packages,
     package_dir={"mrl_kernels": "kernels"},
+    package_data={"mrl.config": ["verl_keys.toml", "verl_defaults.json"]},   # the verl key table (mrl convert)
 )

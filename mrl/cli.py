@@ -98,6 +98,8 @@ def cmd_keys(args) -> int:
     from mrl.config.job import JobSpec
     from mrl.config.loader import PATHS_HELP
 
+    if args.verl:
+        return _verl_keys(args.prefix, args.json)
     rows: list[dict] = []
 
     def walk(cls, prefix: str):
@@ -124,6 +126,12 @@ def cmd_keys(args) -> int:
     from mrl.sft.config import SFTConfig
 
     walk(SFTConfig, "sft.")   # the section of SFT jobs (`mrl sft`); the other sections are shared
+    if not rows:
+        from mrl.config.verl_table import verl_table
+
+        hint = (f"; it is a verl name: `mrl keys --verl {args.prefix}` shows the mrl keys it maps to"
+                if verl_table().rows(args.prefix) else "")
+        raise UserError(f"{args.prefix}: no mrl key starts with this{hint}")
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -134,6 +142,68 @@ def cmd_keys(args) -> int:
         table.add_row(r["key"], r["type"], default, r["meaning"])
     console = Console() if sys.stdout.isatty() else Console(width=200)   # the terminal's width; wide in pipes
     console.print(table)
+    return 0
+
+
+def _verl_keys(prefix: str, as_json: bool) -> int:
+    """`mrl keys --verl`: the verl key table (mrl/config/verl_keys.toml)."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from mrl.config.verl_table import verl_table
+
+    rows = verl_table().rows(prefix)
+    if not rows:
+        raise UserError(f"{prefix}: no verl key in mrl's table starts with this (`mrl keys --verl` lists them all)")
+    if as_json:
+        print(json.dumps([{"verl": v, "mrl": m, "how": h} for v, m, h in rows], indent=1))
+        return 0
+    table = Table("verl key", "mrl key", "value translation, or why there is none",
+                  caption="mrl convert translates a verl config with this table (mrl/config/verl_keys.toml).")
+    for row in rows:
+        table.add_row(*row)
+    (Console() if sys.stdout.isatty() else Console(width=220)).print(table)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    """A verl config (YAML, command line or script) -> one commented mrl job, then validated."""
+    import tempfile
+    from pathlib import Path
+
+    from mrl.config.loader import load
+    from mrl.convert import convert, inputs, render
+
+    yamls, tokens = inputs(args.items)
+    conv = convert(yamls, tokens)
+    text = render(conv, list_dropped=args.all)
+    if args.out:
+        out = Path(args.out)
+        out.write_text(text, encoding="utf-8")
+        shown = str(out)
+    else:
+        sys.stdout.write(text)
+        shown = "the job"
+    with tempfile.TemporaryDirectory() as tmp:   # paths in the job are absolute: it validates anywhere
+        job = Path(tmp) / (Path(args.out).name if args.out else "converted.toml")
+        job.write_text(text, encoding="utf-8")
+        try:
+            spec, _ = load(job)
+            problems = list(conv.problems)
+        except UserError as e:
+            spec, problems = None, [*conv.problems, *(p.replace(str(job), shown) for p in e.problems)]
+    print(f"{shown}: {len(conv.values)} mrl keys from {len(conv.sources)} input(s); {len(conv.not_converted)} verl keys "
+          f"with no mrl counterpart and {len(conv.not_read)} verl would not read (listed as comments); "
+          f"{len(conv.dropped)} defaults dropped", file=sys.stderr)
+    if problems:
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        print(f"{shown}: supply or fix the values above (in the file, or as key=value after `mrl validate`)",
+              file=sys.stderr)
+        return 2
+    print(f"ok: {shown}: {summary(spec)}", file=sys.stderr)
     return 0
 
 
@@ -250,6 +320,37 @@ def _run_torchrun(torchrun_args: list[str]) -> int:
     return 0
 
 
+def cmd_data(args) -> int:
+    """Write verl-format parquet files (`mrl.data.prepare`) and say where, with their row counts."""
+    import tomllib
+    from pathlib import Path
+
+    from mrl.data import prepare
+
+    if args.kind == "gym":
+        options = {}
+        for item in args.option:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise UserError(f"--option {item!r}: expected KEY=VALUE")
+            try:
+                options[key] = tomllib.loads(f"v = {value}")["v"]
+            except tomllib.TOMLDecodeError:
+                options[key] = value
+        system = None if args.system_prompt == "none" else args.system_prompt
+        sizes = [("train", args.train_size, args.seed), ("test", args.test_size, args.seed + 1)]
+        written = [prepare.write_rows(prepare.gym_rows(args.task, size, seed, split, options, system),
+                                      Path(args.out) / f"{split}.parquet") for split, size, seed in sizes if size > 0]
+    else:
+        written = prepare.prepare_shaped(args.kind, args.source, args.out, subset=args.subset, splits=tuple(args.split),
+                                         data_source=args.data_source)
+    import pyarrow.parquet as pq
+
+    for path in written:
+        print(f"{path}: {pq.read_metadata(path).num_rows} rows")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mrl import __version__
     from mrl.config.loader import PATHS_HELP
@@ -299,7 +400,45 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("keys", help="list every job-spec key with its type, default and meaning")
     p.add_argument("prefix", nargs="?", default="", help="only keys starting with this (e.g. rollout.)")
     p.add_argument("--json", action="store_true", help="a JSON list of {key, type, required, default, meaning}")
+    p.add_argument("--verl", action="store_true", help="list verl's keys instead: each with its mrl key and value "
+                                                      "translation, or why mrl has none (the table mrl convert uses)")
     p.set_defaults(func=cmd_keys)
+    p = sub.add_parser("convert", help="turn a verl config (Hydra YAML, a main_ppo command line or script, or both) "
+                                       "into one commented mrl job, and validate it",
+                       description="Turn a verl main_ppo configuration into one commented mrl TOML job: YAML files "
+                                   "first, then Hydra overrides (key=value, +key=value, ++key=value, ~key) given here "
+                                   "or read from a shell script (.sh) that runs verl.trainer.main_ppo. Every verl key "
+                                   "is mapped (values translated) or listed in a comment with the reason it has no "
+                                   "mrl counterpart. Exits 2 naming the values still to supply when the job does "
+                                   "not validate yet.")
+    p.add_argument("items", nargs="+", metavar="YAML|SCRIPT|key=value", help="verl YAML files, a .sh script, overrides")
+    p.add_argument("-o", "--out", metavar="JOB.toml", help="write the job here (default: standard output)")
+    p.add_argument("--all", action="store_true", help="also list the dropped keys (verl's defaults) as comments")
+    p.set_defaults(func=cmd_convert)
+    p = sub.add_parser("data", help="write verl-format parquet (prompt messages, data_source, reward_model.ground_truth, "
+                                    "extra_info) from a local dataset or a reasoning-gym task")
+    data = p.add_subparsers(dest="kind", required=True)
+    for kind, what in (("gsm8k", "GSM8K-shaped (question, answer with '#### n')"),
+                       ("math", "MATH-shaped (problem, solution with a boxed answer)")):
+        q = data.add_parser(kind, help=f"{what}: a local Hugging Face dataset directory or a parquet/jsonl/arrow file")
+        q.add_argument("source", metavar="SRC", help="dataset directory (save_to_disk or hub layout) or data file")
+        q.add_argument("out", metavar="OUT", help="output directory: one <split>.parquet per split")
+        q.add_argument("--split", action="append", default=[], help="only this split (repeatable; default: every split)")
+        q.add_argument("--subset", help="only files under a directory of this name (a hub config; gsm8k: main)")
+        q.add_argument("--data-source", help="the rows' data_source (default: verl's name, which reward.builtin = "
+                                             "'auto' routes to verl's scorer)")
+        q.set_defaults(func=cmd_data)
+    q = data.add_parser("gym", help="rows of a reasoning-gym task (data_source reasoning_gym/<task>)")
+    q.add_argument("task", help="reasoning-gym task, e.g. chain_sum")
+    q.add_argument("out", metavar="OUT", help="output directory: train.parquet and test.parquet")
+    q.add_argument("--train-size", type=int, default=10000, help="training rows (default 10000)")
+    q.add_argument("--test-size", type=int, default=500, help="test rows, from another seed (default 500; 0: none)")
+    q.add_argument("--seed", type=int, default=0, help="train rows use SEED, test rows SEED + 1 (default 0)")
+    q.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="task option (repeatable; VALUE read as TOML, e.g. min_terms=2)")
+    q.add_argument("--system-prompt", default="default",
+                   help="reasoning-gym system prompt name, or 'none' (default: default)")
+    q.set_defaults(func=cmd_data)
     p = sub.add_parser("merge", help="convert a training checkpoint (any TP/PP/EP) into a Hugging Face directory",
                        description="Convert a training checkpoint (any TP/PP/EP) into a Hugging Face model directory; "
                                    "a LoRA checkpoint's adapters are merged into full weights (W + alpha/r BA), or with "
@@ -377,7 +516,12 @@ def main(argv: list[str] | None = None) -> int:
     from mrl.platform.quiet import quiet_known_warnings
 
     quiet_known_warnings()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # only `mrl convert` passes verl's own flags on (a pasted `python3 -m verl.trainer.main_ppo ...`)
+        if args.command != "convert":
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.items = [*args.items, *extra]
     try:
         return args.func(args)
     except UserError as e:

@@ -16,6 +16,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def repo_pythonpath() -> str:
+    """PYTHONPATH for child processes: this checkout first, then what the caller had (on a bare GPU
+    box megatron-core & co. come from a wheel folder on PYTHONPATH: tools/gpu/check.py)."""
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO)]
+    return os.pathsep.join([str(REPO), *rest])
+
+
 def run_torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 300,
                  env: dict | None = None) -> subprocess.CompletedProcess:
     """Launch `script` (a path, or "-m module") on `nproc` local ranks; fail the calling test with
@@ -23,7 +30,7 @@ def run_torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float 
     target = str(script).split() if str(script).startswith("-m ") else [str(script)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *target, *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo_pythonpath(), **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script} exited {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")

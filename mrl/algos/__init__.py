@@ -2,17 +2,21 @@
 
 Semantics reference: docs/algorithms.md. Modules:
 - `advantages`: gae, grpo (Dr.GRPO via norm_by_std=False), rloo, reinforce_pp,
-  reinforce_pp_baseline, remax, token_rewards;
-- `losses`: ppo (dual-clip), gspo, cispo, sapo per-token losses, `aggregate` (loss_agg_mode,
-  split-invariant with global counts), clipped `value` loss;
+  reinforce_pp_baseline, remax, opo, grpo_passk, gpg, gdpo, optimal_token_baseline,
+  tir_optimal_token_baseline, token_rewards;
+- `losses`: ppo (dual-clip), gspo, cispo, sapo, gpg, dppo_tv, dppo_kl, clip_cov, kl_cov, geo_mean,
+  dro, reinforce per-token losses, `aggregate` (loss_agg_mode, split-invariant with global
+  counts), clipped `value` loss;
 - `kl`: k1/abs/k2/k3 and straight-through `+` estimators, KL controllers;
 - `correction`: rollout-correction importance weights (TIS, IcePop-style masking) and mismatch
   metrics;
-- `dapo`: overlong penalty and the dynamic-sampling group filter.
+- `dapo`: overlong penalty and the dynamic-sampling group filter;
+- `rejection` (+ torch-free `rejection_spec`): rollout rejection-sampling masks, verl's presets,
+  PF-PPO resampling.
 """
 import importlib
 
-__all__ = ["advantages", "correction", "dapo", "kl", "losses"]
+__all__ = ["advantages", "correction", "dapo", "kl", "losses", "rejection", "rejection_spec"]
 
 
 def __getattr__(name: str):

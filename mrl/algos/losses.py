@@ -8,8 +8,20 @@
 - `cispo`: Clipped IS-weight Policy Optimization (MiniMax-M1, 2025, arXiv:2506.13585).
 - `sapo`: Soft Adaptive Policy Optimization, sigmoid-gated surrogate (Qwen team 2025,
   arXiv:2511.20347).
+- `gpg`: Group Policy Gradient, plain `-A * lp` (Chu et al. 2025, arXiv:2504.02546).
+- `dppo_tv`, `dppo_kl`: Divergence PPO, a binary total-variation / binary-KL trust region on the
+  sampled token's probability instead of the ratio clip, with a truncated IS weight
+  (arXiv:2602.04879).
+- `clip_cov`, `kl_cov`: Clip-Cov and KL-Cov against entropy collapse, which stop or penalise the
+  tokens whose advantage and log-prob covary most (Cui et al. 2025, arXiv:2505.22617).
+- `geo_mean`: GMPO, geometric mean of clipped token ratios per sequence (Zhao et al. 2025,
+  arXiv:2507.20673).
+- `dro`: Direct Reward Optimization's quadratic proximal penalty instead of a clip
+  (Richemond et al. 2024, arXiv:2405.19107), as verl's `dro`.
+- `reinforce`: REINFORCE with truncated IS weights against the rollout policy, verl's
+  `bypass_mode` with `loss_type = reinforce`.
 - `value`: clipped value loss of PPO's critic.
-- `aggregate`: `loss_agg_mode` reduction (token-mean; seq-mean-token-sum; seq-mean-token-mean;
+- `aggregate`: `loss_agg_mode` reduction (token-mean; token-sum; seq-mean-token-sum; seq-mean-token-mean;
   seq-mean-token-sum-norm of Dr.GRPO, Liu et al. 2025, arXiv:2503.20783), split-invariant over
   micro-batches and data-parallel ranks when given the global counts.
 
@@ -28,13 +40,15 @@ import torch
 
 from ._masked import broadcast_tokens, count, masked_sum, metric_mean, valid
 
-__all__ = ["AGG_MODES", "FORCED_AGG_MODE", "ppo", "gspo", "cispo", "sapo", "aggregate", "value"]
+__all__ = ["AGG_MODES", "FORCED_AGG_MODE", "ppo", "gspo", "cispo", "sapo", "gpg", "dppo_tv", "dppo_kl",
+           "clip_cov", "kl_cov", "geo_mean", "dro", "reinforce", "aggregate", "value"]
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
-FORCED_AGG_MODE = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean"}
-"""Losses whose definition fixes the aggregation (docs/algorithms.md; verl ignores loss_agg_mode for
-these). A trainer aggregates `gspo`/`sapo` per-token losses with this mode, whatever is configured."""
+FORCED_AGG_MODE = {"sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
+"""Losses whose definition fixes the aggregation (docs/algorithms.md; verl 0.9.1 ignores
+loss_agg_mode for these). A trainer aggregates their per-token losses with this mode, whatever is
+configured. GSPO is not among them: verl 0.9.1 aggregates it with the configured mode."""
 
 Count = Union[int, float, torch.Tensor]
 
@@ -118,13 +132,15 @@ def ppo(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: tor
 def gspo(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
          eps_low: float, eps_high: float,
          *, weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO(-token) surrogate per token; aggregate it with `seq-mean-token-mean`.
+    """GSPO(-token) surrogate per token, aggregated with the configured mode (verl 0.9.1 honours
+    `loss_agg_mode`, default token-mean; the paper's GSPO is `seq-mean-token-mean`).
 
     Sequence ratio `log s_i = sum_t m*(lp - lp_old) / |y_i|` (|y_i| = valid tokens, at least 1).
     Token ratio `s_it = exp(min(sg(log s_i) + lp - sg(lp), 10))`: its value is `s_i` for every
     token, its gradient is `s_i * grad lp_t`. Then PPO's clip (no dual clip). With a per-response
     advantage and `seq-mean-token-mean` aggregation the gradient is GSPO's
-    `s_i * A_i * mean_t grad lp_t`, and the whole sequence is clipped or not.
+    `s_i * A_i * mean_t grad lp_t`, and the whole sequence is clipped or not; with token-mean
+    each sequence weighs by its length.
     Metrics as `ppo` (the clip is on `s_i`, so `clipfrac_*` count tokens of clipped sequences).
     """
     _check_eps(eps_low, eps_high)
@@ -199,6 +215,202 @@ def sapo(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: to
     return _finish(-gate * a, ok, zero, w), metrics
 
 
+def gpg(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+        *, weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GPG per token: `L = -A * lp` (no ratio, no clip: the on-policy policy gradient).
+
+    `old_logp` is read for the `approx_kl` metric only (verl's `gpg` returns no metric).
+    """
+    ok, zero, logp, old_logp, a, w = _prepare(logp, old_logp, adv, mask, weights)
+    metrics = {"approx_kl": metric_mean(-torch.clamp(logp - old_logp, -20.0, 20.0), ok)}
+    return _finish(-a * logp, ok, zero, w), metrics
+
+
+def _dppo(logp, old_logp, adv, mask, eps_low, eps_high, clip_c, weights, keep_fn):
+    _check_eps(eps_low, eps_high)
+    if clip_c is not None and not clip_c > 0:
+        raise ValueError(f"clip_c (IS truncation) must be > 0 or None, got {clip_c}")
+    ok, zero, logp, old_logp, a, w = _prepare(logp, old_logp, adv, mask, weights)
+    log_ratio = torch.clamp(logp - old_logp, -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    truncated = (ratio if clip_c is None else torch.clamp(ratio, max=clip_c)).detach()
+    p, p_old = torch.exp(logp.detach()), torch.exp(old_logp)
+    keep = keep_fn(p, p_old, a > 0)
+    loss = torch.where(keep, -a * truncated * logp, zero)
+    truncated_tokens = (ratio > clip_c) & keep if clip_c is not None else torch.zeros_like(ok)
+    metrics = {"clipfrac": metric_mean(~keep, ok), "truncfrac": metric_mean(truncated_tokens, ok),
+               "approx_kl": metric_mean(-log_ratio, ok)}
+    return _finish(loss, ok, zero, w), metrics
+
+
+def dppo_tv(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+            eps_low: float, eps_high: float, clip_c: Optional[float] = 3.0,
+            *, weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO-Binary-TV per token: `L = -A * sg(min(r, clip_c)) * lp` on kept tokens, 0 on dropped ones.
+
+    With `p = exp(lp)`, `p_old = exp(lp_old)`: a token with A > 0 is kept while
+    `p - p_old <= eps_high`, one with A <= 0 while `p - p_old >= -eps_low` (here `eps_*` are
+    total-variation thresholds on the sampled token's probability, not ratio clips). `clip_c`
+    truncates the IS weight (verl reads `clip_ratio_c`, default 3; None: no truncation).
+    Metrics: `clipfrac` (dropped tokens), `truncfrac` (kept tokens whose r > clip_c), `approx_kl`.
+    """
+    def keep(p, p_old, positive):
+        return torch.where(positive, p - p_old <= eps_high, p - p_old >= -eps_low)
+
+    return _dppo(logp, old_logp, adv, mask, eps_low, eps_high, clip_c, weights, keep)
+
+
+def dppo_kl(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+            eps_low: float, eps_high: float, clip_c: Optional[float] = 3.0,
+            *, weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO-Binary-KL per token: as `dppo_tv`, with the binary KL as the divergence.
+
+    `D = p_old*(lp_old - lp) + (1-p_old)*log((1-p_old+1e-8)/(1-p+1e-8))`, the KL between the
+    Bernoulli distributions "sampled token or not". A > 0: kept while `D <= eps_high` or
+    `p <= p_old`; A <= 0: kept while `D <= eps_low` or `p >= p_old` (only moves away from the
+    advantage's direction are bounded).
+    """
+    def keep(p, p_old, positive):
+        lp, lp_old = torch.log(p.clamp(min=1e-30)), torch.log(p_old.clamp(min=1e-30))
+        d = p_old * (lp_old - lp) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+        return torch.where(positive, (d <= eps_high) | (p <= p_old), (d <= eps_low) | (p >= p_old))
+
+    return _dppo(logp, old_logp, adv, mask, eps_low, eps_high, clip_c, weights, keep)
+
+
+def _covariance(a: torch.Tensor, logp: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """`(A - mean A) * (lp - mean lp)` per token, means over the valid tokens of the call, detached."""
+    lp = logp.detach()
+    return (a - metric_mean(a, ok)) * (lp - metric_mean(lp, ok))
+
+
+def clip_cov(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+             eps_low: float, eps_high: float, ratio: float = 0.0002, cov_low: float = 1.0, cov_high: float = 5.0,
+             *, generator: Optional[torch.Generator] = None,
+             weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clip-Cov per token: PPO's clipped surrogate, with the gradient of a few tokens cut.
+
+    `cov_t = (A_t - mean A) * (lp_t - mean lp)` over the valid tokens of the call. Candidates are
+    valid tokens PPO's clip leaves alone with `cov_low < cov_t < cov_high`; `max(int(ratio * N), 1)`
+    of them (N valid tokens), drawn at random (`generator`), get loss 0 (no gradient). No dual
+    clip. Metrics: `clipfrac` (cut tokens, verl's `pg_clipfrac`), `approx_kl`.
+    """
+    _check_eps(eps_low, eps_high)
+    if not ratio > 0:
+        raise ValueError(f"ratio must be > 0, got {ratio}")
+    ok, zero, logp, old_logp, a, w = _prepare(logp, old_logp, adv, mask, weights)
+    log_ratio = torch.clamp(logp - old_logp, -20.0, 20.0)
+    loss, clip_active = _clipped_surrogate(torch.exp(log_ratio), a, eps_low, eps_high)
+    cov = _covariance(a, logp, ok)
+    candidate = ok & ~clip_active & (cov > cov_low) & (cov < cov_high)
+    idx = torch.nonzero(candidate.reshape(-1)).squeeze(-1)
+    n_cut = min(max(int(ratio * int(ok.sum())), 1), idx.numel())
+    if n_cut < idx.numel():
+        perm = torch.randperm(idx.numel(), generator=generator, device="cpu").to(idx.device)
+        idx = idx[perm[:n_cut]]
+    cut = torch.zeros(ok.numel(), dtype=torch.bool, device=ok.device)
+    cut[idx] = True
+    cut = cut.view(ok.shape)
+    metrics = {"clipfrac": metric_mean(cut, ok), "approx_kl": metric_mean(-log_ratio, ok)}
+    return _finish(torch.where(cut, zero, loss), ok, zero, w), metrics
+
+
+def kl_cov(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+           ratio: float = 0.0002, kl_coef: float = 1.0,
+           *, weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL-Cov per token: `L = -A * r`, plus `kl_coef * |lp - lp_old|` on the top-covariance tokens.
+
+    The `max(1, int(N * ratio))` valid tokens with the largest `cov_t` (as `clip_cov`; ties to the
+    earlier token) get the KL penalty; no clip anywhere. Metrics: `abs_kl` (mean |lp - lp_old|,
+    verl's `ppo_kl` for this loss), `klfrac` (penalised tokens).
+    """
+    if not ratio > 0:
+        raise ValueError(f"ratio must be > 0, got {ratio}")
+    ok, zero, logp, old_logp, a, w = _prepare(logp, old_logp, adv, mask, weights)
+    log_ratio = torch.clamp(logp - old_logp, -20.0, 20.0)
+    loss = -a * torch.exp(log_ratio)
+    cov = torch.where(ok, _covariance(a, logp, ok), torch.full_like(a, -torch.inf)).reshape(-1)
+    n_valid = int(ok.sum())
+    picked = torch.zeros(ok.numel(), dtype=torch.bool, device=ok.device)
+    if n_valid:
+        k = max(1, int(n_valid * ratio))
+        order = torch.sort(cov, descending=True, stable=True).indices[:k]
+        picked[order] = True
+    picked = picked.view(ok.shape)
+    loss = torch.where(picked, loss + kl_coef * log_ratio.abs(), loss)
+    metrics = {"abs_kl": metric_mean(log_ratio.abs(), ok), "klfrac": metric_mean(picked, ok)}
+    return _finish(loss, ok, zero, w), metrics
+
+
+def geo_mean(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+             eps_low: float, eps_high: float,
+             *, weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO per token; aggregate with `seq-mean-token-mean` (its sequence loss on every token).
+
+    Token log-ratios `d_t = lp_t - lp_old_t` are clipped to `[-eps_low, eps_high]` (log space)
+    pessimistically: `d'_t = sgn(A_t) * min(sgn(A_t) d_t, sgn(A_t) clip(d_t))`. Sequence ratio
+    `R_i = exp(mean_t d'_t)`, sequence advantage `A_i = mean_t A_t`, sequence loss
+    `-A_i * R_i`, times the geometric mean of the correction `weights` over the sequence when
+    given. The per-token output repeats the sequence loss, so `seq-mean-token-mean` gives the mean
+    over non-empty sequences (verl averages over all rows of its micro-batch).
+    Metrics: `clipfrac_upper` (A > 0, token clipped), `clipfrac_lower` (A < 0), `approx_kl`.
+    """
+    _check_eps(eps_low, eps_high)
+    ok, zero, logp, old_logp, a, w = _prepare(logp, old_logp, adv, mask, weights)
+    d = logp - old_logp
+    d_clip = torch.clamp(d, -eps_low, eps_high)
+    sgn = torch.sign(a)
+    d_min = sgn * torch.minimum(sgn * d, sgn * d_clip)
+    n = count(ok, dim=-1, dtype=d.dtype)
+    seq_ratio = torch.exp(masked_sum(d_min, ok, dim=-1) / (n + 1e-8))
+    seq_adv = masked_sum(a, ok, dim=-1) / (n + 1e-8)
+    seq_loss = -seq_adv * seq_ratio
+    if w is not None:
+        log_w = torch.where(ok, torch.log(w + 1e-10), zero)
+        seq_loss = seq_loss * torch.exp(log_w.sum(-1) / (n + 1e-8))
+    clipped = d != d_clip
+    metrics = {"clipfrac_upper": metric_mean(clipped & (a > 0), ok), "clipfrac_lower": metric_mean(clipped & (a < 0), ok),
+               "approx_kl": metric_mean(-torch.clamp(d, -20.0, 20.0), ok)}
+    return _finish(seq_loss.unsqueeze(-1).expand(ok.shape), ok, zero, None), metrics
+
+
+def dro(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, beta: float = 0.1,
+        *, weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DRO per token: `L = -(A * lp - beta/2 * (lp - lp_old)^2)`.
+
+    The quadratic penalty keeps the update near the sampling policy without a clip (`beta` > 0,
+    verl's `dro_beta`); the log-ratio is not clamped. Metrics: `approx_kl`, `sq_log_ratio`.
+    """
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    ok, zero, logp, old_logp, a, w = _prepare(logp, old_logp, adv, mask, weights)
+    d = logp - old_logp
+    loss = -(a * logp - 0.5 * beta * d * d)
+    metrics = {"approx_kl": metric_mean(-d, ok), "sq_log_ratio": metric_mean(d * d, ok)}
+    return _finish(loss, ok, zero, w), metrics
+
+
+def reinforce(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+              is_level: Optional[str] = None, is_threshold=2.0, is_mode: str = "truncate",
+              *, weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """REINFORCE per token with IS weights to the sampling policy: `L = -sg(w) * A * lp`.
+
+    verl's `bypass_mode` with `loss_type = reinforce`, where `old_logp` is the rollout engine's
+    log-prob. `w = correction.weights(lp, lp_old, mask, is_level, is_threshold, is_mode)` from the
+    *current* log-probs (token or sequence level, truncated or masked); `is_level=None`: w = 1.
+    `weights` (e.g. rejection masks) multiply the loss as in every loss. No clip.
+    Metrics: `approx_kl` (to the sampling policy), `is_weight_mean`.
+    """
+    from .correction import weights as is_weights
+
+    ok, zero, logp, old_logp, a, w = _prepare(logp, old_logp, adv, mask, weights)
+    iw = torch.ones_like(logp) if is_level is None else is_weights(logp.detach(), old_logp, ok, is_level,
+                                                                     is_threshold, is_mode)
+    metrics = {"approx_kl": metric_mean(-torch.clamp(logp - old_logp, -20.0, 20.0), ok),
+               "is_weight_mean": metric_mean(iw, ok)}
+    return _finish(-iw * a * logp, ok, zero, w), metrics
+
+
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: Optional[float] = None,
               global_tokens: Optional[Count] = None, *, global_sequences: Optional[Count] = None,
               dp_size: int = 1) -> torch.Tensor:
@@ -206,6 +418,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: Opti
 
     Modes (`loss_agg_mode`), with L the per-token loss and m the mask:
     - `token-mean`: `sum(m*L) / N_tok`;
+    - `token-sum`: `sum(m*L)`, no normalisation (needs no global count);
     - `seq-mean-token-sum`: `sum_i sum_t m*L / N_seq`;
     - `seq-mean-token-mean`: `sum_i (sum_t m*L / sum_t m) / N_seq`;
     - `seq-mean-token-sum-norm` (Dr.GRPO): `sum_i sum_t m*L / (N_seq * norm)`; `norm` defaults
@@ -244,7 +457,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: Opti
     if int(dp_size) != dp_size or dp_size < 1:
         raise ValueError(f"dp_size must be a positive integer, got {dp_size}")
     needed, given = ("global_tokens", global_tokens) if mode == "token-mean" else ("global_sequences", global_sequences)
-    if dp_size > 1 and given is None:
+    if dp_size > 1 and given is None and mode != "token-sum":
         raise ValueError(f"{mode} with dp_size={dp_size} needs {needed} (the count over the global mini-batch); "
                          "a per-rank count makes the loss depend on the split")
     ok = valid(mask)
@@ -257,6 +470,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: Opti
     if mode == "token-mean":
         loss = masked_sum(per_token, ok) / denominator(count(ok, dtype=dtype), global_tokens)
         return loss * dp_size
+    if mode == "token-sum":
+        return masked_sum(per_token, ok) * dp_size
     seq_sum = masked_sum(per_token, ok, dim=-1)
     seq_tokens = count(ok, dim=-1, dtype=dtype)
     if mode == "seq-mean-token-sum":

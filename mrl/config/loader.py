@@ -147,7 +147,9 @@ def read_spec_file(path: Path, report: Report, chain: tuple[Path, ...] = ()) -> 
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        report.problems.append(f"{shown}: invalid TOML: {e}")
+        hint = ("; a verl config? `mrl convert " + shown + " -o job.toml` writes the mrl job"
+                if path.suffix in (".yaml", ".yml") else "")
+        report.problems.append(f"{shown}: invalid TOML: {e}{hint}")
         return None
     lines = key_lines(text)
     own = {k: Origin(shown, lines.get(k)) for k, _ in _flatten(raw)}
@@ -350,7 +352,10 @@ def build_section(cls, raw: Any, prefix: str, report: Report, valid: list[str]):
     for key in raw:
         if key not in fields:
             dotted = prefix + key
-            report.error(dotted, explain_unknown(dotted, list(fields), valid))
+            if isinstance(raw[key], dict) and raw[key]:
+                _unknown_table(dotted, raw[key], report, valid, list(fields))
+            else:
+                report.error(dotted, explain_unknown(dotted, list(fields), valid))
     values = {}
     buildable = True
     for fname, f in fields.items():
@@ -377,6 +382,24 @@ def build_section(cls, raw: Any, prefix: str, report: Report, valid: list[str]):
             continue
         values[fname] = value
     return cls(**values) if buildable else None
+
+
+def _unknown_table(dotted: str, table: dict, report: Report, valid: list[str], siblings: list[str]) -> None:
+    """An unknown table: one line for it (pointing verl sections to `mrl convert`), then one line per
+    key inside it, each with its suggestion (verl's `[actor_rollout_ref.actor]` -> `actor.optim.lr`)."""
+    from mrl.config.verl_table import verl_table
+
+    if verl_table().rows(dotted + "."):
+        report.error(dotted, "unknown table; it is verl's: `mrl convert` turns a verl config into an mrl job, "
+                             "and each key below names its mrl counterpart")
+    else:
+        report.error(dotted, explain_unknown(dotted, siblings, valid).replace("unknown key", "unknown table", 1))
+    for leaf, value in _flatten(table, dotted + "."):
+        if isinstance(value, dict) and value:
+            continue
+        parent = leaf.rpartition(".")[0]
+        siblings = [k.rsplit(".", 1)[-1] for k in valid if k.rpartition(".")[0] == parent]
+        report.error(leaf, explain_unknown(leaf, siblings, valid))
 
 
 def _about(problem: str, keys: set[str]) -> bool:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from mrl.algos.rejection_spec import expand_preset
 from mrl.config.job import JobSpec
 from mrl.models.facts import builtin_preset, model_facts
 from mrl.reward import function as reward_function
 
-_GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
-_SEQ_MEAN_LOSSES = ("gspo", "sapo")
+_GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk", "gpg", "gdpo", "optimal_token_baseline",
+                     "tir_optimal_token_baseline")
+_SEQ_MEAN_LOSSES = ("sapo", "geo_mean")   # mrl.algos.losses.FORCED_AGG_MODE (importing it would import torch)
 
 
 def _replace(obj, **changes):
@@ -47,7 +49,7 @@ def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
     """Replace derived (`None`) fields by their values. Idempotent."""
     shared = resolve_shared(spec, default_name)
     job = shared["job"]
-    alg = spec.algorithm
+    alg = expand_preset(spec.algorithm)
     if alg.loss_aggregation is None:
         forced = "seq-mean-token-mean" if alg.policy_loss in _SEQ_MEAN_LOSSES else "token-mean"
         alg = _replace(alg, loss_aggregation=forced)
@@ -285,6 +287,10 @@ def check(spec: JobSpec, report) -> None:
     for f in data.train_files:
         if not os.path.exists(f):
             warn("data.train_files", f"{f!r} does not exist on this machine (fine if the job runs elsewhere)")
+    from mrl.reward.sources import auto_source_problems
+
+    for key, message in auto_source_problems(spec.reward, data.train_files + data.val_files, data.source_key):
+        err(key, message)
 
     # --- algorithm
     if alg.advantage in _GROUP_ESTIMATORS and n < 2:
@@ -295,6 +301,34 @@ def check(spec: JobSpec, report) -> None:
     if alg.policy_loss in _SEQ_MEAN_LOSSES and alg.loss_aggregation != "seq-mean-token-mean":
         err("algorithm.loss_aggregation", f"algorithm.policy_loss = {alg.policy_loss!r} is defined with 'seq-mean-token-mean', "
                                           f"got {alg.loss_aggregation!r}")
+    if alg.advantage == "gdpo" and not alg.gdpo_reward_keys:
+        err("algorithm.gdpo_reward_keys", "algorithm.advantage = 'gdpo' normalises each reward component on its own; "
+                                          "list them, e.g. [\"acc\", \"formatted\"]")
+    if alg.advantage == "gdpo" and spec.rollout.partial_rollout_tokens:
+        err("algorithm.advantage", "'gdpo' does not yet carry reward components through partial rollouts; "
+                                   "set rollout.partial_rollout_tokens = 0")
+    if alg.gdpo_reward_keys and alg.advantage != "gdpo":
+        err("algorithm.gdpo_reward_keys", f"only applies to algorithm.advantage = 'gdpo', not {alg.advantage!r}")
+    if alg.gdpo_reward_weights and len(alg.gdpo_reward_weights) != len(alg.gdpo_reward_keys):
+        err("algorithm.gdpo_reward_weights", f"{len(alg.gdpo_reward_weights)} weights for "
+                                             f"{len(alg.gdpo_reward_keys)} algorithm.gdpo_reward_keys")
+    cor = alg.correction
+    if alg.policy_loss == "reinforce" and cor.old_logprobs != "rollout":
+        err("algorithm.correction.old_logprobs", "algorithm.policy_loss = 'reinforce' is verl's bypass mode: its IS weights "
+                                                 "are to the rollout policy; set old_logprobs = 'rollout'")
+    if alg.policy_loss == "reinforce" and cor.normalize:
+        err("algorithm.correction.normalize", "not supported with policy_loss = 'reinforce' (its weights are computed "
+                                              "per micro-batch inside the loss)")
+    if (cor.rejection is None) != (cor.rejection_threshold is None):
+        missing = "rejection_threshold" if cor.rejection is not None else "rejection"
+        err(f"algorithm.correction.{missing}", "rejection sampling needs both correction.rejection and "
+                                               "correction.rejection_threshold")
+    elif cor.rejection is not None:
+        from mrl.algos.rejection_spec import parse_problem
+
+        problem = parse_problem(cor.rejection, cor.rejection_threshold)
+        if problem:
+            err("algorithm.correction.rejection", problem)
     if 0 < alg.dual_clip <= 1:
         err("algorithm.dual_clip", f"must be > 1 (or 0 to disable), got {alg.dual_clip}")
     if alg.loss_norm is not None and alg.loss_aggregation != "seq-mean-token-sum-norm":
@@ -305,7 +339,8 @@ def check(spec: JobSpec, report) -> None:
     cor = alg.correction
     if cor.level != "off" and cor.mode == "mask" and cor.mask_low >= cor.mask_high:
         err("algorithm.correction.mask_low", f"{cor.mask_low} must be below algorithm.correction.mask_high {cor.mask_high}")
-    if cor.old_logprobs == "rollout" and cor.level != "off":
+    if cor.old_logprobs == "rollout" and cor.level != "off" and alg.policy_loss != "reinforce":
+        # (reinforce's IS weights are current/rollout, computed inside the loss)
         err("algorithm.correction.level", "weights old/rollout are all 1 when old_logprobs = 'rollout'; set level = 'off'")
     ds = alg.dynamic_sampling
     if ds.enable:

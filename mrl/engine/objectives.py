@@ -4,7 +4,7 @@ per-token values. Algorithms come from `mrl.algos`; only the plumbing lives here
 - `actor_outputs`: log-probs (and entropy) of the response tokens from TP-sharded logits
   through `mrl_kernels.logprob_entropy` (vocabulary-parallel with `group=`; the vocabulary is
   never gathered).
-- `PolicyObjective`: policy loss (ppo | gspo | cispo | sapo) aggregated with the global counts,
+- `PolicyObjective`: policy loss (`mrl.algos.config.POLICY_LOSSES`) aggregated with the global counts,
   plus the optional KL loss to the reference and entropy bonus.
 - `values_output` / `ValueObjective`: a value head's `[1, T, 1]` output read at the same
   positions as the log-probs (the state before each response token), clipped value loss.
@@ -49,14 +49,40 @@ def response_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float =
     return logp, ent
 
 
+def sum_pi_squared(logits: torch.Tensor, mb: MicroBatch, temperature: float = 1.0,
+                   vocab_size: Optional[int] = None) -> torch.Tensor:
+    """`sum_v pi_v^2` [N] of the response tokens' next-token distributions (the optimal token
+    baseline's variance proxy), from TP-sharded logits: max and the two sums of exponentials are
+    reduced over the TP group, the vocabulary is never gathered."""
+    rows = mb.take(logits)
+    group = _tp_group()
+    if vocab_size is not None:
+        from mrl.models.roles import mask_padded_vocab
+
+        rows = mask_padded_vocab(rows, vocab_size, tp_rank=torch.distributed.get_rank(group) if group else 0)
+    with torch.no_grad():
+        z = rows.float() / temperature
+        top = z.amax(dim=-1)
+        if group is not None:
+            torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+        e = torch.exp(z - top.unsqueeze(-1))
+        sums = torch.stack([e.sum(-1), (e * e).sum(-1)])
+        if group is not None:
+            torch.distributed.all_reduce(sums, group=group)
+        return sums[1] / sums[0].square()
+
+
 def actor_outputs(temperature: float = 1.0, entropy: bool = False, vocab_size: Optional[int] = None,
-                  kernels: str = "auto"):
-    """An `OutputFn` giving `logprobs` (and `entropy`) per response token (old-policy and
-    reference passes)."""
+                  kernels: str = "auto", pi_squared: bool = False):
+    """An `OutputFn` giving `logprobs` (and `entropy`, and `sum_pi_squared` for the optimal token
+    baselines) per response token (old-policy and reference passes)."""
 
     def fn(logits: torch.Tensor, mb: MicroBatch) -> dict[str, torch.Tensor]:
         logp, ent = response_logprobs(logits, mb, temperature, vocab_size=vocab_size, kernels=kernels)
-        return {"logprobs": logp, "entropy": ent} if entropy else {"logprobs": logp}
+        out = {"logprobs": logp, "entropy": ent} if entropy else {"logprobs": logp}
+        if pi_squared:
+            out["sum_pi_squared"] = sum_pi_squared(logits, mb, temperature, vocab_size)
+        return out
 
     return fn
 
@@ -70,12 +96,21 @@ class PolicyObjective:
     generated the responses): the old log-probs are this forward's own, detached. `record(mb,
     logprobs)` receives each micro-batch's detached log-probs (the trainer side of the audit)."""
 
-    loss: str = "ppo"                     # ppo | gspo | cispo | sapo
+    loss: str = "ppo"                     # mrl.algos.config.POLICY_LOSSES
     eps_low: float = 0.2
     eps_high: float = 0.2
-    clip_c: Optional[float] = 3.0         # ppo dual clip; None = off
+    clip_c: Optional[float] = 3.0         # ppo dual clip, dppo IS truncation; None = off
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    kl_cov_coef: float = 1.0
+    dro_beta: float = 0.1
+    is_level: Optional[str] = None        # reinforce: IS weights to the rollout policy (token | sequence)
+    is_threshold: object = 2.0            # reinforce: C (truncate) or (lo, hi) (mask)
+    is_mode: str = "truncate"
     aggregation: str = "token-mean"
     norm: Optional[float] = None          # seq-mean-token-sum-norm divisor
     entropy_coef: float = 0.0
@@ -113,7 +148,7 @@ class PolicyObjective:
             per_token, metrics = losses.sapo(logp, old, b["advantages"], mask, self.sapo_tau_pos,
                                              self.sapo_tau_neg, weights=weights)
         else:
-            raise ValueError(f"unknown policy loss {self.loss!r}")
+            per_token, metrics = self._more(logp, old, b["advantages"], mask, weights, mb)
         mode = losses.FORCED_AGG_MODE.get(self.loss, self.aggregation)
 
         def agg(x):
@@ -133,10 +168,36 @@ class PolicyObjective:
         return total, metrics
 
 
+    def _more(self, logp, old, adv, mask, weights, mb: MicroBatch):
+        """The losses after verl's first four (gpg, dppo_*, *_cov, geo_mean, dro, reinforce)."""
+        from mrl.algos import losses
+
+        if self.loss == "gpg":
+            return losses.gpg(logp, old, adv, mask, weights=weights)
+        if self.loss in ("dppo_tv", "dppo_kl"):
+            return getattr(losses, self.loss)(logp, old, adv, mask, self.eps_low, self.eps_high, self.clip_c,
+                                              weights=weights)
+        if self.loss == "clip_cov":
+            gen = torch.Generator().manual_seed(int(mb.batch["group_index"].sum()) if len(mb.batch) else 0)
+            return losses.clip_cov(logp, old, adv, mask, self.eps_low, self.eps_high, self.clip_cov_ratio,
+                                   self.clip_cov_lb, self.clip_cov_ub, generator=gen, weights=weights)
+        if self.loss == "kl_cov":
+            return losses.kl_cov(logp, old, adv, mask, self.kl_cov_ratio, self.kl_cov_coef, weights=weights)
+        if self.loss == "geo_mean":
+            return losses.geo_mean(logp, old, adv, mask, self.eps_low, self.eps_high, weights=weights)
+        if self.loss == "dro":
+            return losses.dro(logp, old, adv, mask, self.dro_beta, weights=weights)
+        if self.loss == "reinforce":
+            # bypass: `old` is the rollout engine's; the IS weights to it, from the current log-probs,
+            # replace the precomputed correction weights (applying both would count the ratio twice)
+            return losses.reinforce(logp, old, adv, mask, self.is_level, self.is_threshold, self.is_mode)
+        raise ValueError(f"unknown policy loss {self.loss!r}")
+
+
 def _share(mb: MicroBatch, totals: Totals, mode: str) -> torch.Tensor:
     """Factor turning a micro-batch's share of a global mean into a mean over the micro-batch
     (metrics are token-weighted means of per-micro-batch means)."""
-    if mode == "token-mean":
+    if mode in ("token-mean", "token-sum"):
         return totals.tokens / max(mb.loss_tokens, 1)
     non_empty = int(((mb.batch["response_mask"] > 0).sum(-1) > 0).sum())
     return totals.sequences / max(non_empty, 1)

@@ -1,7 +1,11 @@
 """Built-in rule rewards, with the user-function signature `score(prompt, response, ground_truth, extra)`.
 
+`gsm8k`, `math` and `auto_mrl` are mrl's forgiving scorers; `auto` and `verl_*` give verl 0.9.1's
+scores (`mrl.reward.verl_scores`, -1 included), so curves compare with published verl runs.
+
 They run in the reward worker pool like user functions (math parsing can be slow on adversarial
-text), and return a float in [0, 1] or a dict with "score" plus numbers worth logging.
+text), and return a float (in [0, 1], or -1/+1 for verl_math_dapo) or a dict with "score" plus
+numbers worth logging.
 
 | name | rewards |
 | --- | --- |
@@ -12,7 +16,14 @@ text), and return a float in [0, 1] or a dict with "score" plus numbers worth lo
 | `format_boxed` | the response has a non-empty `\\boxed{...}` |
 | `format_answer_tags` | the response has exactly one non-empty `<answer>...</answer>` |
 | `format_think_answer` | the response is `<think>...</think>` then `<answer>...</answer>` and nothing else |
-| `auto` | by each row's data source, with verl's names: `gsm8k`, `math` or `reasoning_gym` (see `SOURCE_RULES`) |
+| `auto` | verl's `default_compute_score`: each row's data source routed to verl's own scorer with verl's scores (`verl_scores.VERL_ROUTES`); `reasoning_gym/<task>` rows by the task's scorer |
+| `auto_mrl` | by each row's data source, mrl's forgiving scorers: `gsm8k`, `math` or `reasoning_gym` (see `SOURCE_RULES`) |
+| `verl_gsm8k` | verl's strict gsm8k: `#### <answer>` exactly as the ground truth's text (`#### 42.0` is not 42), 0 or 1 |
+| `verl_math` | verl's `math_reward` (Hendrycks MATH normalisation of the last boxed answer), 0 or 1 |
+| `verl_math_dapo` | verl's `math_dapo`: the last `Answer:` line, Minerva normalisation, +1 or -1 |
+| `verl_prime_math` | verl's `prime_math` (numina_* data): PRIME's answer, PRM800K's then ToRA's equivalence, 0 or 1 |
+| `verl_geo3k` | verl's `geo3k`: 0.9 for the last boxed answer (mathruler's grader) + 0.1 for `<think>...</think>...\\boxed{}` |
+| `verl_search_r1_qa` | verl's Search-R1 exact match of the last `<answer>` with any `ground_truth["target"]` |
 
 A ground truth a builtin cannot read (a table, a list, text with no number for `gsm8k`, nothing
 math-verify can parse for `math`) raises an error naming it: the reward pool counts it as a reward
@@ -20,8 +31,11 @@ error instead of scoring the response 0 as if it were wrong.
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
+
+from mrl.reward import verl_scores
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _GSM8K = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
@@ -94,7 +108,8 @@ def gsm8k(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
 
 
 def math(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
-    """math-verify equivalence (1/2 = 0.5 = \\frac{1}{2}); the boxed answer wins over other candidates."""
+    """math-verify equivalence (1/2 = 0.5 = \\frac{1}{2}); the last boxed answer wins over other candidates
+    (earlier boxed answers included: the last one is the model's correction)."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     truth = _truth_text(ground_truth, "math").strip()
@@ -103,17 +118,24 @@ def math(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
         gold = parse(truth)
     if not gold:
         raise ValueError(f"math: math-verify cannot parse the ground truth {truth[:80]!r}")
-    answer = parse(response, extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()])
+    boxed = last_boxed(response)   # a self-correction "\\boxed{3} ... \\boxed{4}" answers 4, not {3, 4}
+    answer = (parse(f"$\\boxed{{{boxed}}}$", extraction_config=[LatexExtractionConfig(boxed_match_priority=0)])
+              if boxed is not None and boxed.strip() else None)
+    if not answer:
+        answer = parse(response, extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()])
     correct = float(bool(gold) and bool(answer) and verify(gold, answer))
     return {"score": correct, "acc": correct, "parsed": float(bool(answer))}
 
 
 def reasoning_gym(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
     """The reasoning-gym task's exact scorer. The task and entry come from a generated row's
-    `extra["reasoning_gym"]`; a file row may name the task in its data source ("reasoning_gym/<task>")."""
+    `extra["reasoning_gym"]` or a written row's `extra_info.reasoning_gym` (`mrl data gym`); another file row may name the task in its data source ("reasoning_gym/<task>")."""
     from mrl.data import gym
 
     info = extra.get(gym.EXTRA_KEY) if isinstance(extra, dict) else None
+    written = (extra.get("extra_info") or {}).get(gym.EXTRA_KEY) if isinstance(extra, dict) else None
+    if info is None and isinstance(written, str):   # a row `mrl data gym` wrote: the entry as JSON
+        info = json.loads(written)
     if info is not None:
         task, entry = info["task"], info["entry"]
     else:
@@ -147,10 +169,12 @@ def format_think_answer(prompt: Any, response: str, ground_truth: Any, extra: di
 OUTPUTS: dict[str, tuple[str, ...]] = {
     "exact_match": (), "gsm8k": ("acc", "formatted"), "math": ("acc", "parsed"), "reasoning_gym": ("acc", "tagged"),
     "format_boxed": (), "format_answer_tags": (), "format_think_answer": (),
-    "auto": ("acc", "formatted", "parsed", "tagged"),
+    "auto": ("acc", "tagged"), "auto_mrl": ("acc", "formatted", "parsed", "tagged"),
+    "verl_gsm8k": (), "verl_math": (), "verl_math_dapo": ("acc",), "verl_prime_math": (), "verl_geo3k": (),
+    "verl_search_r1_qa": (),
 }
 
-# data source -> builtin for `auto`: exact names, then prefixes (verl's data_source values).
+# data source -> builtin for `auto_mrl`: exact names, then prefixes (verl's data_source values).
 SOURCE_RULES: tuple[tuple[str, str], ...] = (
     ("openai/gsm8k", "gsm8k"), ("gsm8k", "gsm8k"),
     ("lighteval/MATH", "math"), ("DigitalLearningGmbH/MATH-lighteval", "math"), ("HuggingFaceH4/MATH-500", "math"),
@@ -160,7 +184,7 @@ SOURCE_RULES: tuple[tuple[str, str], ...] = (
 
 
 def builtin_for_source(source: str) -> str | None:
-    """The builtin `auto` uses for a data source: an exact rule, else the longest matching prefix
+    """The builtin `auto_mrl` uses for a data source: an exact rule, else the longest matching prefix
     (case-insensitive: "aime2024", "math_dapo_17k"); None when no rule matches."""
     low = source.lower()
     for name, builtin in SOURCE_RULES:
@@ -170,20 +194,53 @@ def builtin_for_source(source: str) -> str | None:
     return max(prefixes)[1] if prefixes else None
 
 
-def auto(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
-    """The builtin for the row's data source (`builtin_for_source`); an unknown source is an error."""
+def auto_mrl(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
+    """mrl's forgiving builtin for the row's data source (`builtin_for_source`); an unknown source is an error."""
     source = str(extra.get("data_source", "")) if isinstance(extra, dict) else ""
     name = builtin_for_source(source)
     if name is None:
         known = ", ".join(sorted({n for n, _ in SOURCE_RULES}))
-        raise ValueError(f"auto: no builtin reward for data source {source!r} (known: {known}); "
+        raise ValueError(f"auto_mrl: no builtin reward for data source {source!r} (known: {known}); "
                          "name one with reward.builtin or reward.function")
     out = globals()[name](prompt, response, ground_truth, extra)
     return out if isinstance(out, dict) else {"score": float(out)}
 
 
+def _verl(scorer: str):
+    def run(prompt: Any, response: str, ground_truth: Any, extra: dict):
+        return verl_scores.SCORERS[scorer](response, ground_truth)
+
+    run.__name__ = run.__qualname__ = f"verl_{scorer}"
+    run.__doc__ = f"verl's `{scorer}` scorer (`mrl.reward.verl_scores.{scorer}`), whatever the data source."
+    return run
+
+
+verl_gsm8k, verl_math, verl_math_dapo, verl_prime_math, verl_geo3k, verl_search_r1_qa = (
+    _verl(n) for n in ("gsm8k", "math_reward", "math_dapo", "prime_math", "geo3k", "search_r1_qa"))
+
+
+def auto(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
+    """verl's `default_compute_score`: the scorer verl routes the row's data source to
+    (`verl_scores.VERL_ROUTES`), with verl's scores; "reasoning_gym/<task>" rows (which verl does not
+    route) use the task's scorer. `acc` is the score where the scorer returns a number, as in verl's
+    reward loop. A source verl routes to a scorer mrl lacks (code contests) or
+    does not route at all is an error naming it, counted as a reward error."""
+    source = str(extra.get("data_source", "")) if isinstance(extra, dict) else ""
+    if source.startswith("reasoning_gym/"):
+        return reasoning_gym(prompt, response, ground_truth, extra)
+    route = verl_scores.verl_route(source)
+    if route is None:
+        raise ValueError(f"auto: no builtin reward for data source {source!r} (verl's default_compute_score routes "
+                         "none either); name one with reward.builtin or reward.function, or use 'auto_mrl'")
+    if route in verl_scores.UNSUPPORTED:
+        raise ValueError(f"auto: {verl_scores.unsupported_message(source)}")
+    out = verl_scores.SCORERS[route](response, ground_truth)
+    return out if isinstance(out, dict) else {"score": float(out), "acc": float(out)}
+
+
 BUILTINS = ("exact_match", "gsm8k", "math", "reasoning_gym", "format_boxed", "format_answer_tags", "format_think_answer",
-            "auto")
+            "auto", "auto_mrl", "verl_gsm8k", "verl_math", "verl_math_dapo", "verl_prime_math", "verl_geo3k",
+            "verl_search_r1_qa")
 
 
 def builtin_ref(name: str) -> str:

@@ -8,7 +8,8 @@ float32, a non-number) is logged with its sample id, counted by kind in `stats`,
 trainer leaves it out), "fail" raises a `UserError` for the step. Counts in `stats` (see
 `is_count`) add up over batches and data-parallel ranks; the other entries are means.
 
-Functions receive `extra` = the row's extra columns plus "data_source".
+Functions receive `extra` = the row's extra columns plus "data_source"; a verl-convention function
+(`mrl.reward.signature`) receives verl's `data_source, solution_str, ground_truth, extra_info` by name.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from mrl.reward.config import RewardConfig
 from mrl.reward.model import RewardModelScorer
 from mrl.reward.outcome import BadScore, read_score
 from mrl.reward.pool import Call, RewardPool, batch_budget_s
+from mrl.reward.signature import verl_call_kwargs
 from mrl.reward.sources import RewardSource, reward_sources
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,15 @@ def _mean(values: list[float]) -> float:
     return sum(finite) / len(finite) if finite else math.nan
 
 
+def _call(src: RewardSource, smp: RewardSample) -> Call:
+    """The pool call scoring `smp` with rule source `src`, in the source's calling convention."""
+    if src.convention == "verl":
+        return Call(src.ref, (), verl_call_kwargs(src.verl_params, smp.response, smp.ground_truth, smp.data_source,
+                                                 smp.extra, src.kwargs))
+    return Call(src.ref, (smp.prompt, smp.response, smp.ground_truth, {**smp.extra, "data_source": smp.data_source}),
+                src.kwargs)
+
+
 class Rewarder:
     """Scores batches with a fixed set of sources; owns the worker pool (close it, or use `with`)."""
 
@@ -121,8 +132,7 @@ class Rewarder:
 
     def _rule_outcomes(self, samples: Sequence[RewardSample]) -> dict[str, list]:
         rule = [s for s in self.sources if s.kind != "model"]
-        calls = [Call(src.ref, (smp.prompt, smp.response, smp.ground_truth, {**smp.extra, "data_source": smp.data_source}),
-                      src.kwargs) for src in rule for smp in samples]
+        calls = [_call(src, smp) for src in rule for smp in samples]
         outcomes = self.pool.run(calls) if calls else []
         n = len(samples)
         return {src.name: outcomes[i * n:(i + 1) * n] for i, src in enumerate(rule)}

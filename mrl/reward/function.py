@@ -11,6 +11,8 @@ import difflib
 import importlib.util
 from pathlib import Path
 
+from mrl.reward.signature import Convention, Params, Signature, binding_problem, convention, verl_params
+
 SIGNATURE = "score(prompt, response, ground_truth, extra)"
 
 
@@ -40,36 +42,58 @@ def _accepts(fn: ast.FunctionDef | ast.AsyncFunctionDef, n: int) -> bool:
     return a.vararg is not None or required <= n <= positional
 
 
-def static_problem(ref: str, n_args: int | None = 4, signature: str = SIGNATURE) -> str | None:
-    """Why `ref` cannot be the named function, or None if it looks right (`n_args=None`: any
-    arity, for functions called with keyword arguments such as tools)."""
+def _definition(ref: str) -> tuple[str | None, ast.FunctionDef | ast.AsyncFunctionDef | None]:
+    """(why `ref` cannot be a function, None) or (None, its definition; None when it is assigned or
+    imported, so only loading it can tell its parameters)."""
     parts = split_ref(ref)
     if parts is None:
-        return f"{ref!r} is not 'path/to/file.py:function' or 'module:function'"
+        return f"{ref!r} is not 'path/to/file.py:function' or 'module:function'", None
     target, func = parts
     path = source_file(target)
     if path is None:
         what = "file" if target.endswith(".py") else "module"
-        return f"{what} {target!r} not found"
+        return f"{what} {target!r} not found", None
     if not path.is_file():
-        return f"file {target!r} not found"
+        return f"file {target!r} not found", None
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     except UnicodeDecodeError as e:
-        return f"{target} is not UTF-8 text (byte {e.start})"
+        return f"{target} is not UTF-8 text (byte {e.start})", None
     except SyntaxError as e:
-        return f"{target} does not parse: line {e.lineno}: {e.msg}"
+        return f"{target} does not parse: line {e.lineno}: {e.msg}", None
     defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     assigned = {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
     imported = {(a.asname or a.name).split(".")[0] for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
     if func not in defs:
         if func in assigned or func in imported:
-            return None  # defined dynamically; checked when loaded
+            return None, None  # defined dynamically; checked when loaded
         close = difflib.get_close_matches(func, list(defs), n=1)
-        return f"{target} has no function {func!r}" + (f"; did you mean {close[0]!r}?" if close else "")
-    if n_args is not None and not _accepts(defs[func], n_args):
-        return f"{target}:{defs[func].lineno}: {func} must accept {n_args} positional arguments: {signature}"
+        return f"{target} has no function {func!r}" + (f"; did you mean {close[0]!r}?" if close else ""), None
+    return None, defs[func]
+
+
+def static_problem(ref: str, n_args: int | None = 4, signature: str = SIGNATURE) -> str | None:
+    """Why `ref` cannot be the named function, or None if it looks right (`n_args=None`: any
+    arity, for functions called with keyword arguments such as tools)."""
+    problem, fn = _definition(ref)
+    if problem is not None or fn is None:
+        return problem
+    if n_args is not None and not _accepts(fn, n_args):
+        return f"{split_ref(ref)[0]}:{fn.lineno}: {fn.name} must accept {n_args} positional arguments: {signature}"
     return None
+
+
+def reward_call(ref: str, declared: Signature = "auto", kwargs: dict | None = None) -> tuple[str | None, Convention, tuple[str, ...]]:
+    """(problem or None, calling convention, verl arguments to pass) for reward function `ref`
+    under `reward.signature = declared` (see `mrl.reward.signature`), without running it."""
+    problem, fn = _definition(ref)
+    params = Params.of(fn) if fn is not None else None
+    conv = convention(params, declared)
+    if problem is None and params is not None:
+        why = binding_problem(params, conv, kwargs or {})
+        if why is not None:
+            problem = f"{split_ref(ref)[0]}:{fn.lineno}: {fn.name} {why}"
+    return problem, conv, verl_params(params)
 
 
 def load_function(ref: str, what: str = "reward.function"):

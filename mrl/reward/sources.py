@@ -27,10 +27,12 @@ from mrl.errors import UserError
 from mrl.reward import function as reward_function
 from mrl.reward.builtins import builtin_ref
 from mrl.reward.config import Builtin, RewardConfig
+from mrl.reward.signature import VERL_PARAMS, Convention, Signature
 
 BUILTINS = typing.get_args(Builtin)
 KINDS = ("function", "builtin", "model_path")
-SOURCE_KEYS = ("name", *KINDS, "weight", "score_key", "kwargs")
+SOURCE_KEYS = ("name", *KINDS, "weight", "score_key", "kwargs", "signature")
+SIGNATURES = typing.get_args(Signature)
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class RewardSource:
     weight: float = 1.0
     score_key: str = "score"
     kwargs: dict = field(default_factory=dict)
+    convention: Convention = "mrl"  # how a function is called (`mrl.reward.signature`); builtins are mrl's
+    verl_params: tuple[str, ...] = VERL_PARAMS  # the verl arguments passed by name (convention "verl")
 
 
 def _one_source(cfg: RewardConfig) -> dict | None:
@@ -52,7 +56,7 @@ def _one_source(cfg: RewardConfig) -> dict | None:
     kind = set_[0]
     value = getattr(cfg, kind)
     name = {"function": value.rpartition(":")[2], "builtin": value, "model_path": "model"}[kind]
-    return {"name": name, kind: value}
+    return {"name": name, kind: value, **({"signature": cfg.signature} if kind == "function" else {})}
 
 
 def reward_problems(cfg: RewardConfig, check_files: bool = True) -> list[tuple[str, str]]:
@@ -68,6 +72,9 @@ def reward_problems(cfg: RewardConfig, check_files: bool = True) -> list[tuple[s
     elif not cfg.sources and len(single) != 1:
         got = ", ".join(f"reward.{k}" for k in single) or "none"
         problems.append(("reward", f"set exactly one of reward.function, reward.builtin, reward.model_path (got {got})"))
+    if cfg.signature != "auto" and (cfg.sources or single != ["function"]):
+        problems.append(("reward.signature", "applies to reward.function only"
+                         + ("; set signature in the [[reward.sources]] table" if cfg.sources else "")))
     tables = cfg.sources or ([_one_source(cfg)] if len(single) == 1 else [])
     names: set[str] = set()
     models = 0
@@ -95,8 +102,14 @@ def reward_problems(cfg: RewardConfig, check_files: bool = True) -> list[tuple[s
             close = difflib.get_close_matches(value, BUILTINS, n=1)
             problems.append((f"{key}.builtin", f"{value!r} is not a builtin reward ({', '.join(BUILTINS)})"
                              + (f"; did you mean {close[0]!r}?" if close else "")))
-        if kind == "function" and check_files:
-            problem = reward_function.static_problem(value)
+        signature = src.get("signature", "auto")
+        if signature not in SIGNATURES:
+            problems.append((f"{key}.signature", f"{signature!r} is not one of {', '.join(map(repr, SIGNATURES))}"))
+        elif kind != "function" and "signature" in src:
+            problems.append((f"{key}.signature", f"applies to a function, not a {kind}"))
+        elif kind == "function" and check_files:
+            kwargs = src.get("kwargs", cfg.kwargs if not cfg.sources else {})
+            problem = reward_function.reward_call(value, signature, kwargs if isinstance(kwargs, dict) else {})[0]
             if problem:
                 problems.append((f"{key}.function", problem))
         models += kind == "model_path"
@@ -124,7 +137,38 @@ def reward_sources(cfg: RewardConfig, check_files: bool = True) -> tuple[RewardS
         kind = next(k for k in KINDS if k in src)
         kwargs = dict(src.get("kwargs", cfg.kwargs if not cfg.sources else {}))
         ref = builtin_ref(src[kind]) if kind == "builtin" else src[kind]
+        call = reward_function.reward_call(ref, src.get("signature", "auto"), kwargs) if kind == "function" else None
         out.append(RewardSource(name=src["name"], kind="model" if kind == "model_path" else kind, ref=ref,
                                 weight=float(src.get("weight", 1.0)), score_key=src.get("score_key", cfg.score_key),
-                                kwargs=kwargs))
+                                kwargs=kwargs, **({"convention": call[1], "verl_params": call[2]} if call else {})))
     return tuple(out)
+
+
+def auto_source_problems(cfg: RewardConfig, files: tuple[str, ...], source_key: str) -> list[tuple[str, str]]:
+    """(key, message) for each data source in `files` (parquet files that exist here; only their
+    `source_key` column is read) that a `builtin = "auto"` source of `cfg` cannot score because verl
+    scores it with a scorer mrl lacks (a code-execution reward for code contests): one per source."""
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    from mrl.reward.verl_scores import unsupported_message
+
+    if reward_problems(cfg, check_files=False):
+        return []
+    keys = [("reward.builtin" if not cfg.sources else f"reward.sources[{i}].builtin")
+            for i, s in enumerate(reward_sources(cfg, check_files=False)) if s.ref == builtin_ref("auto")]
+    if not keys:
+        return []
+    seen: dict[str, str] = {}
+    for name in files:
+        if not Path(name).is_file():
+            continue
+        try:
+            column = pq.read_table(name, columns=[source_key]).column(0).to_pylist()
+        except Exception:  # noqa: BLE001 - no such column or an unreadable file: the data loader reports it
+            continue
+        for source in dict.fromkeys(str(v) for v in column if v is not None):
+            seen.setdefault(source, name)
+    return [(keys[0], f"{unsupported_message(source)} (rows of {name})")
+            for source, name in seen.items() if unsupported_message(source)]

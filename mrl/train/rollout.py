@@ -143,14 +143,18 @@ def score(run: Run, gen: Generation, items: list, responses: list[Response], n: 
         res = gen.rewarder.score(samples)
         result = dict(scores=res.scores, valid=res.valid,
                       stats={**res.stats, "time/reward_scoring": time.perf_counter() - started})
-        if metric is not None:
-            try:
+        try:
+            if metric is not None:
                 result["filter_values"] = filter_values(res, metric)
-            except UserError as e:   # raised on every rank of the group, after the broadcast
-                result["filter_error"] = str(e)
+            if run.spec.algorithm.gdpo_reward_keys:   # gdpo's components, read by `to_batch`
+                result["components"] = [filter_values(res, k) for k in run.spec.algorithm.gdpo_reward_keys]
+        except UserError as e:   # raised on every rank of the group, after the broadcast
+            result["filter_error"] = str(e)
     result = from_leader(result, gen.mp_group, gen.is_leader, "reward scoring")
     if "filter_error" in result:
         raise UserError(result["filter_error"])
+    for i, r in enumerate(responses if "components" in result else ()):
+        r.info["reward_components"] = [float(c[i]) for c in result["components"]]
     return result
 
 

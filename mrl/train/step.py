@@ -42,8 +42,12 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
     train_started_at = time.time()
     if not reuse:
         with t("old_logprobs"):
-            batch = batch.add(trainer_logprobs=logprobs_of(learner.actor, run, batch,
-                                                           spec.actor.logprob_micro_batch_tokens))
+            if alg.advantage in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+                batch = batch.add(**logprobs_of(learner.actor, run, batch, spec.actor.logprob_micro_batch_tokens,
+                                                pi_squared=True))
+            else:
+                batch = batch.add(trainer_logprobs=logprobs_of(learner.actor, run, batch,
+                                                               spec.actor.logprob_micro_batch_tokens))
             batch = batch.add(old_logprobs=batch["rollout_logprobs" if alg.correction.old_logprobs == "rollout"
                                                  else "trainer_logprobs"])
             metrics.update(audit(batch))
@@ -56,7 +60,7 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
         with t("values"):
             batch = batch.add(values=values_of(run, learner.critic, batch))
     with t("advantages"):
-        batch, m = advantages(run, learner.kl, batch)
+        batch, m = advantages(run, learner.kl, batch, step)
         metrics.update(m)
     if learner.critic is not None:
         with t("critic_update"):
@@ -104,13 +108,16 @@ def staleness(versions: list[int], step: int, max_staleness: int) -> dict[str, f
 
 # ---------------------------------------------------------------------------- stages
 
-def logprobs_of(engine, run: Run, batch: Batch, budget: Optional[int]) -> torch.Tensor:
-    """Per response token log-probs `[B, R]` under `engine`'s model, at the rollout temperature."""
+def logprobs_of(engine, run: Run, batch: Batch, budget: Optional[int], pi_squared: bool = False):
+    """Per response token log-probs `[B, R]` under `engine`'s model, at the rollout temperature;
+    with `pi_squared`, `{"trainer_logprobs", "sum_pi_squared"}` (the optimal token baselines')."""
     from mrl.engine.objectives import actor_outputs
 
     out = engine.forward_only(batch, actor_outputs(run.spec.rollout.temperature, vocab_size=run.hf["vocab_size"],
-                                                   kernels=kernel_backend(run)),
+                                                   kernels=kernel_backend(run), pi_squared=pi_squared),
                               micro_batch_tokens=budget)
+    if pi_squared:
+        return {"trainer_logprobs": out["logprobs"].cpu(), "sum_pi_squared": out["sum_pi_squared"].cpu()}
     return out["logprobs"].cpu()
 
 
@@ -128,7 +135,7 @@ def audit(batch: Batch) -> dict[str, float]:
     return logprob_audit(batch["rollout_logprobs"], batch["trainer_logprobs"], batch["response_mask"])
 
 
-def advantages(run: Run, kl_controller, batch: Batch) -> tuple[Batch, dict]:
+def advantages(run: Run, kl_controller, batch: Batch, step: int = 0) -> tuple[Batch, dict]:
     """Advantages (and returns for the critic) by `algorithm.advantage`, KL in the reward when
     enabled, and rollout-correction weights. Whitening statistics span all DP ranks."""
     from mrl.algos import advantages as adv
@@ -148,6 +155,15 @@ def advantages(run: Run, kl_controller, batch: Batch) -> tuple[Batch, dict]:
         metrics.update({"kl/reward_kl": current, "kl/reward_coef": beta})
         kl_controller.update(current, len(batch) * run.dp)
     token_rewards = adv.token_rewards(scores, mask, kl_tokens, beta)
+    fields: dict[str, torch.Tensor] = {}
+    cor = alg.correction
+    if cor.level != "off":
+        threshold = (cor.mask_low, cor.mask_high) if cor.mode == "mask" else cor.threshold
+        fields["correction_weights"] = correction.weights(batch["trainer_logprobs"], batch["rollout_logprobs"], mask,
+                                                          cor.level, threshold, cor.mode, normalize=cor.normalize,
+                                                          all_reduce=dp_sum)
+        metrics.update({f"correction/{k}": float(v) for k, v in correction.weight_metrics(
+            batch["trainer_logprobs"], batch["rollout_logprobs"], mask, cor.level, threshold, cor.mode).items()})
     returns = None
     if alg.advantage == "gae":
         a, returns = adv.gae(token_rewards, batch["values"], mask, alg.gamma, alg.lam, all_reduce=dp_sum)
@@ -161,22 +177,58 @@ def advantages(run: Run, kl_controller, batch: Batch) -> tuple[Batch, dict]:
         a = adv.reinforce_pp_baseline(scores, batch["group_index"], mask, all_reduce=dp_sum)
     elif alg.advantage == "remax":
         a = adv.remax(token_rewards, batch["greedy_scores"], mask)
+    elif alg.advantage == "opo":
+        a = adv.opo(scores, batch["group_index"], mask).unsqueeze(1) * mask
+    elif alg.advantage == "grpo_passk":
+        a = adv.grpo_passk(scores, batch["group_index"], norm_by_std=alg.norm_by_std).unsqueeze(1) * mask
+    elif alg.advantage == "gpg":
+        a = adv.gpg(scores, batch["group_index"], all_reduce=dp_sum).unsqueeze(1) * mask
+    elif alg.advantage == "gdpo":
+        weights = torch.tensor(alg.gdpo_reward_weights) if alg.gdpo_reward_weights else None
+        a = adv.gdpo(batch["reward_components"], batch["group_index"], mask, weights, norm_by_std=alg.norm_by_std,
+                     all_reduce=dp_sum)
+    elif alg.advantage in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        a, _ = getattr(adv, alg.advantage)(token_rewards, mask, batch["group_index"], batch["old_logprobs"],
+                                           batch["sum_pi_squared"], fields.get("correction_weights"))
     else:
         raise ValueError(f"unknown advantage estimator {alg.advantage!r}")
-    fields = {"advantages": a.float()}
-    if returns is not None:
-        fields["returns"] = returns.float()
-    cor = alg.correction
-    if cor.level != "off":
-        threshold = (cor.mask_low, cor.mask_high) if cor.mode == "mask" else cor.threshold
-        fields["correction_weights"] = correction.weights(batch["trainer_logprobs"], batch["rollout_logprobs"], mask,
-                                                          cor.level, threshold, cor.mode, normalize=cor.normalize,
-                                                          all_reduce=dp_sum)
-        metrics.update({f"correction/{k}": float(v) for k, v in correction.weight_metrics(
-            batch["trainer_logprobs"], batch["rollout_logprobs"], mask, cor.level, threshold, cor.mode).items()})
+    fields.update({"advantages": a.float()} if returns is None else {"advantages": a.float(), "returns": returns.float()})
     valid = mask > 0
     metrics["advantage/mean"] = float((a * valid).sum() / valid.sum().clamp(min=1))
-    return batch.add(**fields), metrics
+    batch = batch.add(**fields)
+    if cor.rejection is not None:
+        batch, m = reject(batch, cor.rejection, cor.rejection_threshold)
+        metrics.update(m)
+    if alg.pf_ppo.enable:
+        batch = pf_ppo(batch, alg.pf_ppo, seed=(run.spec.job.seed, step, torch.distributed.get_rank()
+                                                if torch.distributed.is_initialized() else 0))
+    return batch, metrics
+
+
+def reject(batch: Batch, criteria: str, threshold: str) -> tuple[Batch, dict]:
+    """Rollout rejection sampling (`algorithm.correction.rejection`): rejected tokens leave
+    `response_mask` (the loss and its counts); the mask before is kept as `unrejected_mask`."""
+    from mrl.algos import rejection
+
+    parsed = rejection.parse(criteria, threshold)
+    old, roll, mask = batch["trainer_logprobs"], batch["rollout_logprobs"], batch["response_mask"]
+    keep = rejection.mask(old, roll, mask, parsed)
+    metrics = {f"correction/rejection/{k}": float(v) for k, v in rejection.mask_metrics(old, roll, mask, parsed).items()}
+    tensors = {**batch.tensors, "response_mask": mask * keep.to(mask.dtype), "unrejected_mask": mask}
+    return Batch(tensors, batch.meta), metrics
+
+
+def pf_ppo(batch: Batch, cfg, seed: tuple) -> Batch:
+    """PF-PPO: this rank's responses resampled with replacement by a weight of their scores (after
+    the advantages, as verl). The resampled rows no longer form prompt groups; `group_index` is
+    renumbered in blocks of the original group size so mini-batches split the rows evenly."""
+    from mrl.algos import rejection
+
+    gen = torch.Generator().manual_seed(hash(seed) % (2 ** 62))
+    out = batch.select(rejection.pf_ppo_indices(batch["rewards"], cfg.method, cfg.weight_pow, generator=gen))
+    per_group = max(len(batch) // max(int(batch["group_index"].unique().numel()), 1), 1)
+    blocks = torch.arange(len(out)) // per_group
+    return Batch({**out.tensors, "group_index": blocks.to(out["group_index"].dtype)}, out.meta)
 
 
 def policy_objective(run: Run, record=None):
@@ -184,8 +236,13 @@ def policy_objective(run: Run, record=None):
     from mrl.engine.objectives import PolicyObjective
 
     alg = run.spec.algorithm
+    cor = alg.correction
     return PolicyObjective(loss=alg.policy_loss, eps_low=alg.clip_low, eps_high=alg.clip_high,
                            clip_c=alg.dual_clip or None, sapo_tau_pos=alg.sapo_tau_pos, sapo_tau_neg=alg.sapo_tau_neg,
+                           clip_cov_ratio=alg.clip_cov_ratio, clip_cov_lb=alg.clip_cov_lb, clip_cov_ub=alg.clip_cov_ub,
+                           kl_cov_ratio=alg.kl_cov_ratio, kl_cov_coef=alg.kl_cov_coef, dro_beta=alg.dro_beta,
+                           is_level=None if cor.level == "off" else cor.level, is_mode=cor.mode,
+                           is_threshold=(cor.mask_low, cor.mask_high) if cor.mode == "mask" else cor.threshold,
                            aggregation=alg.loss_aggregation, norm=alg.loss_norm, entropy_coef=alg.entropy_coef,
                            kl_coef=alg.kl_loss.coef if alg.kl_loss.enable else 0.0, kl_estimator=alg.kl_loss.estimator,
                            temperature=run.spec.rollout.temperature, vocab_size=run.hf["vocab_size"],
@@ -252,6 +309,9 @@ def to_batch(run: Run, shard, step: int) -> tuple[Batch, dict[str, float], Optio
         mask = mask * (~truncated).long().unsqueeze(1)
     batch = Batch({**batch.tensors, "response_mask": mask}, {"prompt_item": [it for it in kept_items for _ in range(n)]})
     batch = batch.add(rewards=scores, raw_scores=raw_scores, rollout_logprobs=rollout_lp, truncated=truncated.long())
+    if alg.gdpo_reward_keys:
+        batch = batch.add(reward_components=torch.tensor([r.info["reward_components"] for r in kept_resp],
+                                                         dtype=torch.float32).view(len(kept_resp), -1))
     if shard.greedy_scores is not None:   # ReMax: the baseline produced with the group
         batch = batch.add(greedy_scores=torch.tensor(shard.greedy_scores, dtype=torch.float32).repeat_interleave(n))
     metrics = {

@@ -128,7 +128,7 @@ def test_gspo_aggregated_gradient_is_paper_formula():
     lp = t([[0.3, -0.1, 0.0], [-0.2, 0.1, -0.2]]).requires_grad_(True)
     mask = t([[1, 1, 0], [1, 1, 1]])
     per_token, _ = losses.gspo(lp, torch.zeros_like(lp), t([1.0, 0.5]), mask, 0.2, 0.28)
-    loss = losses.aggregate(per_token, mask, losses.FORCED_AGG_MODE["gspo"])
+    loss = losses.aggregate(per_token, mask, "seq-mean-token-mean")
     (g,) = torch.autograd.grad(loss, lp)
     g0 = -1.0 * math.exp(0.1) / 2 / 2
     g1 = -0.5 * math.exp(-0.1) / 3 / 2

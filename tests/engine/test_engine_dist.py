@@ -38,7 +38,7 @@ def test_gradients_do_not_depend_on_micro_batch_split_dp_tp_or_pp():
     _run("engine_equivalence.py", expect={
         "packed_vs_unpacked_logprobs": 1e-5, "pp2_eval_logprobs": 1e-5, "nan_policies": 0.0,
         **{f"dp2_mb{k}_{what}": g for k in (1, 2, 4) for what in ("grads", "loss", "grad_norm")},
-        "dp2_distributed_optimizer_grad_norm": g, "tp2_grads": g, "tp2_loss": g, "tp2_grad_norm": g,
+        "dp2_distributed_optimizer_grad_norm": g, "tp2_grads": g, "tp2_loss": g, "tp2_grad_norm": g, "tp2_sum_pi_squared": 1e-5,
         "pp2_grads": g, "pp2_loss": g, "pp2_grad_norm": g})
 
 

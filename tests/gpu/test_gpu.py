@@ -3,8 +3,8 @@
 - the engine in bf16 on CUDA: every available attention backend (`varlen`, `flex`, `te` when
   installed) against megatron's dense-mask reference and against the per-sequence `sdpa` path;
 - packed RoPE on CUDA tensors equal to megatron's per-sequence path, with no host synchronisation;
-- `mrl train` of the quickstart on one GPU in bf16 for 20 steps with checkpoints, a resume that
-  continues exactly, and `mrl merge` of the result;
+- `mrl train` of the quickstart on one GPU in bf16 for 20 steps with checkpoints, a resume whose
+  every step logs what the uninterrupted run logged, and `mrl merge` of the result;
 - a smoke run of every benchmark on CUDA.
 
 The Triton kernels' own GPU tests are `tests/kernels` (real Triton on CUDA tensors); `make
@@ -22,14 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_util import REPO, free_port
+from tests.dist_util import REPO, free_port, repo_pythonpath
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU tier needs CUDA")]
 
 
 def _env(**extra) -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": str(free_port()), **extra}
+    return {**os.environ, "PYTHONPATH": repo_pythonpath(), "MASTER_PORT": str(free_port()), **extra}
 
 
 @pytest.fixture(scope="module")
@@ -127,16 +127,35 @@ def test_packed_rope_matches_megatrons_thd_rope_on_cuda_without_host_syncs(dtype
     assert (got.float() - want.float()).abs().max().item() <= tolerance
 
 
+# A plain console line: "step 11/20  reward 0.4531  approx_kl 0.001234  0.21s/step  eta 0:00:02".
+STEP_LINE = re.compile(r"^step (\d+)/\d+  (.*?)  [\d.]+s/step", re.M)
+
+
+def step_headlines(stdout: str) -> dict[int, str]:
+    """step -> the console's headline metrics of that step (reward, KL; 4 significant digits)."""
+    return {int(m.group(1)): m.group(2) for m in STEP_LINE.finditer(stdout)}
+
+
+def quickstart_job(out: Path, device: str = "cuda") -> list[str]:
+    return ["jobs/quickstart_cpu.toml", f"platform.device={device}", "platform.ranks_per_node=1", "parallel.tensor=1",
+            "model.dtype=bfloat16", "tracking.backends=[\"console\"]", "checkpoint.every_steps=10",
+            "checkpoint.keep_last=2", f"job.output_dir={out}", "job.name=run"]
+
+
 def test_quickstart_trains_20_bf16_steps_on_cuda_resumes_and_merges(tmp_path):
-    job = ["jobs/quickstart_cpu.toml", "platform.device=cuda", "platform.ranks_per_node=1", "parallel.tensor=1",
-           "model.dtype=bfloat16", "tracking.backends=[\"console\"]", "checkpoint.every_steps=10",
-           "checkpoint.keep_last=2", f"job.output_dir={tmp_path}", "job.name=run"]
-    _mrl("train", *job, "trainer.total_steps=10")
-    _mrl("train", *job, "trainer.total_steps=20")
+    """20 bf16 steps on cuda with the HF engine, uninterrupted and stopped at 10 + resumed: the
+    resumed run logs the same headline metrics at every step (the console's; no MLflow on a bare
+    GPU box), keeps both checkpoints, and merges to a Hugging Face directory."""
+    whole = step_headlines(_mrl("train", *quickstart_job(tmp_path / "whole"), "trainer.total_steps=20").stdout)
+    job = quickstart_job(tmp_path)
+    first = step_headlines(_mrl("train", *job, "trainer.total_steps=10").stdout)
+    again = step_headlines(_mrl("train", *job, "trainer.total_steps=20").stdout)
+    assert sorted(whole) == list(range(1, 21)) and sorted(first) == list(range(1, 11)), (whole, first)
+    assert {**first, **again} == whole, ({**first, **again}, whole)
     ckpts = sorted(p.name for p in (tmp_path / "run/checkpoints/actor").glob("step_*"))
     assert ckpts == ["step_00000010", "step_00000020"], ckpts
     out = tmp_path / "hf"
-    _mrl("merge", str(tmp_path / "run/checkpoints"), str(out))
+    _mrl("merge", str(tmp_path / "run/checkpoints/actor"), str(out))
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
 
 

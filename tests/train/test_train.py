@@ -46,8 +46,20 @@ ESTIMATORS = {
     "reinforce_pp_baseline": "algorithm.advantage=reinforce_pp_baseline", "remax": "algorithm.advantage=remax",
     "gspo": "algorithm.policy_loss=gspo", "cispo": "algorithm.policy_loss=cispo", "sapo": "algorithm.policy_loss=sapo",
     "kl_loss": "algorithm.kl_loss.enable=true", "correction": "algorithm.correction.level=token",
+    # verl 0.9.1's other estimators and losses, several to a job (each job costs launch time)
+    "opo+dppo_tv+token_sum": "algorithm.advantage=opo algorithm.policy_loss=dppo_tv algorithm.loss_aggregation=token-sum",
+    "gdpo+geo_mean+pf_ppo": "algorithm.advantage=gdpo algorithm.gdpo_reward_keys=[\"score\",\"all_digits\"] "
+                            "algorithm.policy_loss=geo_mean algorithm.pf_ppo.enable=true",
+    "grpo_passk+clip_cov": "algorithm.advantage=grpo_passk algorithm.policy_loss=clip_cov",
+    "gpg+dro": "algorithm.advantage=gpg algorithm.policy_loss=dro",
+    "bypass_pg_geo_rs_token_tis": "algorithm.correction.preset=bypass_pg_geo_rs_token_tis",
+    "optimal_token_baseline+kl_cov": "algorithm.advantage=optimal_token_baseline algorithm.policy_loss=kl_cov "
+                                     "algorithm.correction.level=token",
+    "tir_optimal_token_baseline+dppo_kl": "algorithm.advantage=tir_optimal_token_baseline algorithm.policy_loss=dppo_kl "
+                                          "algorithm.correction.rejection=token_k2 algorithm.correction.rejection_threshold=1",
     "multi_turn": "rollout.multi_turn.enable=true rollout.multi_turn.tools=[\"jobs/tools/calculator.py:calculator\"] "
                   "rollout.multi_turn.max_assistant_turns=2",
+    "verl_reward": "reward.function=tests/train/verl_digits.py:score reward.on_error=fail",
 }
 
 
@@ -60,6 +72,9 @@ def test_every_estimator_and_policy_loss_runs_two_steps(tmp_path):
         assert all(v == v for v in m.values()), (name, m)   # no NaN
         assert m["rollout/logprob_abs_diff_max"] < 1e-4, (name, m["rollout/logprob_abs_diff_max"])
     assert results[list(ESTIMATORS).index("kl_loss")]["actor/kl_loss"] >= 0
+    grpo, verl = results[0], results[list(ESTIMATORS).index("verl_reward")]   # same job, verl-signature reward
+    rewards = {k: v for k, v in grpo.items() if k.startswith("reward/") and "time" not in k and not k.endswith("_s")}
+    assert rewards and {k: verl.get(k) for k in rewards} == rewards
     assert (tmp_path / "run0/checkpoints/actor/latest").is_file()
 
 

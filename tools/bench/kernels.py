@@ -17,13 +17,17 @@ Two sections, each printing time, peak memory and effective bandwidth side by si
 Peak memory is what the variant allocates above its inputs: the CUDA caching allocator's peak on
 GPU, the storage accounting of mrl_kernels.memtrack on CPU. A variant that runs out of GPU memory
 is retried on fewer rows and its time and memory are scaled linearly (marked with *).
-`--sweep` times the Triton kernels over BLOCK_V x num_warps (GPU only).
+`--sweep` times the Triton kernels over BLOCK_V x num_warps (GPU only). `--json PATH` also writes
+every row and the ratios above as JSON (percentages as numbers, null where not measured) for
+tools/gpu/check.py; the printed output is the same.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -287,6 +291,10 @@ def bench_logprob(args, device, dtype, hbm, mrl_name, liger):
         ok = fwd_pct is not None and fwd_pct >= 85 and speed_f is not None and speed_f >= 3
         print(f"target (forward >= 85% HBM and >= 3x eager): {'MET' if ok else 'NOT MET'}")
     del logits
+    return dict(n=n, v=v, dtype=args.dtype, rows=row_dicts(rows), max_err=err, fwd_pct_hbm=fwd_pct,
+                bwd_ms=bwd_ms, bwd_pct_hbm=bwd_pct, eager_over_mrl_fwd=speed_f, eager_over_mrl_fwd_bwd=speed_b,
+                liger_over_mrl_fwd_bwd=ratio(lb.ms if lb else None, mb.ms if mb else None),
+                peak_mrl_over_eager=ratio(mb.peak if mb else None, eb.peak if eb else None))
 
 
 def bench_linear(args, device, dtype, mrl_name, liger):
@@ -344,6 +352,14 @@ def bench_linear(args, device, dtype, mrl_name, liger):
           f"{fmt(ratio(mb.peak if mb else None, lb.peak if lb else None), '.2f')}; time: eager/fused "
           f"{fmt(ratio(eb.ms if eb else None, mb.ms if mb else None), '.2f', 'x')}, liger/fused "
           f"{fmt(ratio(lb.ms if lb else None, mb.ms if mb else None), '.2f', 'x')}")
+    return dict(n=n, v=v, h=h, dtype=args.dtype, rows=row_dicts(rows), peak_fused_over_eager=mem,
+                peak_fused_over_liger=ratio(mb.peak if mb else None, lb.peak if lb else None),
+                eager_over_fused_fwd_bwd=ratio(eb.ms if eb else None, mb.ms if mb else None),
+                liger_over_fused_fwd_bwd=ratio(lb.ms if lb else None, mb.ms if mb else None))
+
+
+def row_dicts(rows: list[Row]) -> list[dict]:
+    return [dataclasses.asdict(r) for r in rows]
 
 
 def liger_note(liger, device):
@@ -398,6 +414,7 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true", help="also sweep Triton BLOCK_V x num_warps (GPU)")
     p.add_argument("--hbm-tbps", type=float, default=None, help="override peak HBM bandwidth (TB/s)")
     p.add_argument("--device", default="cuda" if gpu else "cpu")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the figures to PATH as JSON")
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
@@ -412,12 +429,18 @@ def main(argv=None):
           + f" | torch {torch.__version__} | backend {backend}"
           + (f" | {why}" if why else "")
           + (f" | {os.environ.get(_dispatch.ENV_VAR)} forced" if os.environ.get(_dispatch.ENV_VAR) else ""))
+    figures = dict(device=device.type, device_name=name, hbm_bytes_per_s=hbm, backend=backend,
+                   torch=torch.__version__, liger=bool(liger), liger_note=why or liger_note(liger, device),
+                   logprob=None, linear=None)
     if args.section in ("all", "logprob"):
-        bench_logprob(args, device, dtype, hbm, mrl_name, liger)
+        figures["logprob"] = bench_logprob(args, device, dtype, hbm, mrl_name, liger)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.section in ("all", "linear"):
-        bench_linear(args, device, dtype, mrl_name, liger)
+        figures["linear"] = bench_linear(args, device, dtype, mrl_name, liger)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
     if args.sweep:
         if device.type == "cuda" and backend == "triton":
             sweep(args, device, dtype, hbm)

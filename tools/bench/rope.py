@@ -25,10 +25,12 @@ memory traffic dominates and mrl is 1.1-1.7x faster (it varies with the machine'
 math made negligible (`--heads 1 --head-dim 8`), what is left is megatron's per-sequence host
 work: 5.4 ms vs 0.74 ms per layer at 256 sequences, 22 ms vs 0.82 ms at 1024 (`--sequences 1024`).
 On CUDA megatron's path also waits for the device (`cu_seqlens.tolist()`) for q and for k.
+`--json PATH` also writes the times and ratios as JSON (for tools/gpu/check.py).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -80,6 +82,7 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--json", metavar="PATH", default=None, help="also write the figures to PATH as JSON")
     args = ap.parse_args()
     if not 1 <= args.sequences <= args.tokens:
         ap.error("--sequences must be between 1 and --tokens")
@@ -126,6 +129,12 @@ def main():
         print(f"  {name:<28} {sec * 1e3:9.3f} ms  {base / sec:6.1f}x")
     print(f"  ratio megatron / mrl: {base / results['mrl +tables']:.1f}x with tables per layer, "
           f"{base / results['mrl rotate']:.1f}x per layer after the first")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=device.type, dtype=str(dtype).removeprefix("torch."), tokens=t,
+                           sequences=len(lengths), max_abs_diff=diff, ms={k: v * 1e3 for k, v in results.items()},
+                           megatron_over_mrl_with_tables=base / results["mrl +tables"],
+                           megatron_over_mrl_rotate=base / results["mrl rotate"]), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,14 @@ recompute is not credited). Runs on one rank; start it directly or under torchru
     python tools/bench/train_step.py --shape 370m --device cuda        # ~370M Llama-shaped model
     python tools/bench/train_step.py --shape qwen2.5-1.5b --device cuda --micro-batch-tokens 8192
     python tools/bench/train_step.py --shape qwen2.5-7b --device cuda --recompute selective
+
+`--json PATH` also writes the figures (shares of the step as fractions, MFU as a fraction or null
+off CUDA) for tools/gpu/check.py.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import time
@@ -90,6 +94,8 @@ def main():
     ap.add_argument("--response-len", type=int, default=None)
     ap.add_argument("--micro-batch-tokens", type=int, default=None)
     ap.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up step)")
+    ap.add_argument("--json", metavar="PATH", default=None,
+                    help="also write the figures to PATH as JSON (the printed output is unchanged)")
     args = ap.parse_args()
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT="29533").items():
@@ -157,12 +163,25 @@ def main():
         print(f"  outside model math (packing + loss + optimizer bookkeeping): "
               f"{(pack_s + loss_s + opt_step) / step_s:.2%}")
         print(f"  peak memory {peak_memory_gib(cuda):.2f} GiB ({'CUDA allocator' if cuda else 'host RSS'})")
+        figures = dict(device=args.device, device_name="cpu", shape="370m" if args.big else args.shape,
+                       params=params, dtype=dtype, attention=model.mrl_attention, recompute=args.recompute,
+                       responses=responses, tokens_per_step=tokens, micro_batches=int(m["micro_batches"]),
+                       micro_batch_tokens=budget, step_ms=step_s * 1e3, tokens_per_s=tokens / step_s,
+                       share_packing=pack_s / step_s, share_loss=loss_s / step_s,
+                       share_optimizer=opt_step / step_s, share_model=math_s / step_s,
+                       share_outside_model_math=(pack_s + loss_s + opt_step) / step_s,
+                       peak_memory_gib=peak_memory_gib(cuda), model_tflops=None, peak_tflops=None, mfu=None)
         if cuda:
             name = torch.cuda.get_device_name()
             peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
             flops = 6 * params * tokens / step_s
             mfu = f"{flops / peak:.1%} of {peak / 1e12:.0f} TFLOP/s bf16" if peak else "peak unknown"
             print(f"  {name}: {flops / 1e12:.1f} TFLOP/s model math (6 x params x tokens), MFU {mfu}")
+            figures.update(device_name=name, model_tflops=flops / 1e12, peak_tflops=peak / 1e12 if peak else None,
+                           mfu=flops / peak if peak else None)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(figures, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,13 @@ Builds a Qwen2-shaped model with random weights, then times, side by side in one
   consumed as it streams, optionally packed into `--bucket-mb` buckets;
 - copy: a plain `torch.cat` of the same parameters into one flat buffer (the floor any export
   must pay to produce the same bytes once).
-Prints GB/s of the exported bytes for both and the ratio export/copy.
+Prints GB/s of the exported bytes for both and the ratio export/copy (`--json PATH` also writes
+them as JSON, for tools/gpu/check.py).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -52,6 +54,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--json", metavar="PATH", default=None, help="also write the figures to PATH as JSON (rank 0)")
     a = ap.parse_args()
 
     from mrl.models.megatron import complete_hf_config
@@ -108,6 +111,13 @@ def main() -> None:
             print(f"   {name:7s} {nbytes / 1e6:8.0f} MB  {t * 1e3:8.1f} ms  {nbytes / t / 1e9:6.2f} GB/s")
         (te, be), (tc, bc) = results["export"], results["copy"]
         print(f"   ratio export/copy throughput: {(be / te) / (bc / tc):.2f}")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(dict(device=a.device, dtype=a.dtype, params=n_params, layers=a.layers, tp=a.tp,
+                               bucket_mb=a.bucket_mb, **{f"{k}_{q}": v for k, (t, nbytes) in results.items()
+                                                         for q, v in (("ms", t * 1e3), ("bytes", nbytes),
+                                                                      ("gbps", nbytes / t / 1e9))},
+                               export_over_copy=(be / te) / (bc / tc)), f, indent=1)
     teardown()
 
 

@@ -85,6 +85,13 @@ def main():
     ctx = C.up(tensor=2)  # DP = 1
     eng = E.actor_engine(params0)
     full_lengths = [batch.sequence_lengths.tolist()]
+    # sum_v pi_v^2 (the optimal token baselines') from vocabulary-parallel logits == the full softmax's
+    got = eng.forward_only(batch, actor_outputs(pi_squared=True),
+                           micro_batch_tokens=E.budget_for(full_lengths, 2))["sum_pi_squared"]
+    with torch.no_grad():
+        exp = E.naive_per_token(ref, batch, lambda logits, pos, labels: torch.softmax(logits.float(), -1)[pos]
+                                .square().sum(-1))
+    C.report("tp2_sum_pi_squared", C.check("sum pi^2 (tp2)", got, exp, tol=1e-5))
     m = eng.forward_backward(batch, OBJ, micro_batch_tokens=E.budget_for(full_lengths, 2))
     tp_rank = ctx.layout.tp_rank
     worst = max(C.check(f"grad {n} (tp2)", g, C.shard(n, want[n], 2, tp_rank, num_query_groups=SPEC.num_query_groups),

@@ -1,0 +1,60 @@
+"""verl 0.9.1 algorithm names in the spec: defaults, presets written out, and combinations accepted."""
+from mrl.config.loader import load
+
+
+def test_gspo_defaults_to_token_mean_and_accepts_any_aggregation(write_job):
+    spec, _ = load(write_job({"algorithm": {"policy_loss": "gspo"}}))
+    assert spec.algorithm.loss_aggregation == "token-mean"       # verl 0.9.1's default for every loss
+    spec, _ = load(write_job({"algorithm": {"policy_loss": "gspo", "loss_aggregation": "seq-mean-token-mean"}}))
+    assert spec.algorithm.loss_aggregation == "seq-mean-token-mean"
+    spec, _ = load(write_job({"algorithm": {"policy_loss": "geo_mean"}}))
+    assert spec.algorithm.loss_aggregation == "seq-mean-token-mean"
+
+
+def test_preset_is_written_out(write_job):
+    spec, _ = load(write_job({"algorithm": {"correction": {"preset": "bypass_pg_geo_rs_token_tis"}}}))
+    alg = spec.algorithm
+    assert alg.policy_loss == "reinforce" and alg.correction.old_logprobs == "rollout"
+    assert (alg.correction.level, alg.correction.rejection, alg.correction.rejection_threshold) == \
+        ("token", "seq_mean_k1", "0.999_1.001")
+    assert alg.correction.preset is None
+    # a field the job sets keeps its value
+    spec, _ = load(write_job({"algorithm": {"correction": {"preset": "decoupled_k3_rs", "rejection_threshold": "0.02"}}}))
+    assert (spec.algorithm.correction.level, spec.algorithm.correction.rejection,
+            spec.algorithm.correction.rejection_threshold) == ("off", "seq_mean_k3", "0.02")
+    assert spec.algorithm.policy_loss == "ppo" and spec.algorithm.correction.old_logprobs == "recompute"
+
+
+def test_new_names_validate(write_job, cli):
+    for patch in ({"advantage": "gdpo", "gdpo_reward_keys": ["acc", "formatted"], "gdpo_reward_weights": [1.0, 0.5]},
+                  {"advantage": "opo", "policy_loss": "dppo_kl"}, {"advantage": "gpg", "policy_loss": "gpg"},
+                  {"advantage": "grpo_passk", "policy_loss": "clip_cov", "loss_aggregation": "token-sum"},
+                  {"policy_loss": "kl_cov", "kl_loss": {"enable": True, "estimator": "abs+"}},
+                  {"policy_loss": "dro", "pf_ppo": {"enable": True, "method": "max_min"}},
+                  {"policy_loss": "reinforce", "correction": {"old_logprobs": "rollout", "level": "sequence"}},
+                  {"correction": {"rejection": "token_k1,seq_max_k2", "rejection_threshold": "0.5_2,0.1"}}):
+        rc, out, err = cli("validate", write_job({"algorithm": patch}))
+        assert rc == 0, (patch, out, err)
+
+
+def test_keys_algorithm_lists_every_verl_name(cli):
+    import json
+
+    from mrl.algos.config import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, REJECTION_PRESETS
+
+    rc, out, _ = cli("keys", "algorithm", "--json")
+    types = {r["key"]: r["type"] for r in json.loads(out)}
+    assert rc == 0
+    expected = {"algorithm.advantage": ("opo", "grpo_passk", "gpg", "gdpo", "optimal_token_baseline",
+                                        "tir_optimal_token_baseline"),
+                "algorithm.policy_loss": ("dppo_tv", "dppo_kl", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "reinforce"),
+                "algorithm.loss_aggregation": ("token-sum",),
+                "algorithm.kl_loss.estimator": ("kl", "k1+", "abs+", "low_var_kl+", "kl+", "mse+"),
+                "algorithm.correction.preset": ("bypass_pg_geo_rs_token_tis", "decoupled_k3_rs")}
+    for key, names in expected.items():
+        for name in names:
+            assert repr(name) in types[key], (key, name)
+    for key, names in {"algorithm.advantage": ADVANTAGES, "algorithm.policy_loss": POLICY_LOSSES,
+                       "algorithm.loss_aggregation": LOSS_AGGREGATIONS, "algorithm.kl_reward.estimator": KL_ESTIMATORS,
+                       "algorithm.correction.preset": REJECTION_PRESETS}.items():
+        assert all(repr(n) in types[key] for n in names), key
