@@ -253,9 +253,9 @@ def _disk_full(path: Path, need_bytes: int) -> bool:
 def _write_manifest(tmp: Path, step: int, has_optimizer: bool) -> None:
     """Hash every file of the finished save (each rank a share) and write the manifest on rank 0."""
     rank, world = _world()
-    names = broadcast_object(manifest.listed_files(tmp) if rank == 0 else None, "checkpoint manifest")
+    names = broadcast_object(manifest.listed_files(tmp) if rank == 0 else None, "checkpoint save")
     mine = {rel: manifest.file_entry(tmp / rel) for rel in names[rank::world]}
-    everyone = gather_objects(mine, "checkpoint manifest")
+    everyone = gather_objects(mine, "checkpoint save")
     if rank == 0:
         files = {k: v for part in everyone for k, v in part.items()}
         manifest.write(tmp, files, step=step, optimizer=has_optimizer)
@@ -363,7 +363,7 @@ def verify(ckpt: str | Path) -> Optional[str]:
         files, problem = {}, str(e)
     names = sorted(files)
     mine = None if problem else manifest.problem_in(ckpt, {k: files[k] for k in names[rank::world]})
-    found = [p for p in gather_objects(problem or mine, "checkpoint verification") if p]
+    found = [p for p in gather_objects(problem or mine, "checkpoint load") if p]
     return found[0] if found else None
 
 
