@@ -17,6 +17,7 @@ older checkpoints hold, so they still resume and merge:
 | queued rollouts | "rollout_queue" | RL, separate | resume (`mrl.train.codec`) |
 | model facts | "hf_config", "model_path", "tokenizer", "dtype", "spec_toml" | RL, SFT | `mrl merge` |
 | adapters | "lora" | SFT | `mrl merge` |
+| reward files | "reward_files" | RL | resume (`mrl.checkpoint.compat`: a changed reward file is a warning) |
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ class RunState:
     rollout_queue: list = field(default_factory=list)   # rollouts queued for later steps (encoded)
     model: ModelFacts = field(default_factory=ModelFacts)
     lora: Optional[dict] = None                # adapter settings (SFT)
+    reward_files: Optional[dict] = None        # hashes of the reward files that scored it (RL; resume warns on a change)
 
     def to_extra(self) -> dict:
         out = {"hf_config": self.model.hf_config, "model_path": self.model.model_path,
@@ -71,7 +73,8 @@ class RunState:
                     "actor_updates": self.actor_updates})
         if self.trainer != "rl":
             out["trainer"] = self.trainer
-        optional = {"kl_coef": self.kl_coef, "critic_updates": self.critic_updates, "lora": self.lora}
+        optional = {"kl_coef": self.kl_coef, "critic_updates": self.critic_updates, "lora": self.lora,
+                    "reward_files": self.reward_files}
         out.update({k: v for k, v in optional.items() if v is not None})
         if self.trainer == "rl":
             out["rollout_carry"] = self.rollout_carry or {}
@@ -86,7 +89,8 @@ class RunState:
                    sampler=extra.get("sampler"), tracking_run_id=extra.get("mlflow_run_id"),
                    actor_updates=extra.get("actor_updates"), critic_updates=extra.get("critic_updates"),
                    kl_coef=extra.get("kl_coef"), rollout_carry=extra.get("rollout_carry"),
-                   rollout_queue=list(extra.get("rollout_queue") or []), model=facts, lora=extra.get("lora"))
+                   rollout_queue=list(extra.get("rollout_queue") or []), model=facts, lora=extra.get("lora"),
+                   reward_files=extra.get("reward_files"))
 
 
 def save_run(root: Path, step: int, engine, state: RunState, checkpoint, *, with_optimizer: bool,

@@ -162,7 +162,11 @@ def _resume(r: SFTRun):
     """(last completed step, its run state) or (0, None) for a fresh start."""
     from mrl.checkpoint.run_state import resume_run
 
-    start, state = resume_run(Path(r.spec.checkpoint.dir), r.engine, r.spec.checkpoint, trainer="sft")
+    from mrl.checkpoint.compat import before_load
+
+    # another model: one line before megatron reads a tensor
+    start, state = resume_run(Path(r.spec.checkpoint.dir), r.engine, r.spec.checkpoint, trainer="sft",
+                              before_load=lambda found: before_load(found, r.hf))
     if state is not None:
         r.sampler.load_state_dict(state.sampler)
     return start, state
@@ -186,10 +190,14 @@ def sft(spec) -> dict[str, float]:
                              state.estimated_bytes(r.engine.chunks, with_optimizer=spec.checkpoint.save_optimizer),
                              "checkpoint.dir")
         start, saved = _resume(r)
+        from mrl.tracking.origin import tracking_start
+
+        # load_from another run: a new run
+        resume_run_id, origin = tracking_start(spec, start, saved.to_extra() if saved is not None else {})
         tracker = life.tracker = Tracker(spec.tracking, run_dir=run_dir_of(spec), total_steps=r.total_steps,
-                                         rank=r.ctx.rank, resume_run_id=saved.tracking_run_id if saved else None, start_step=start,
-                                         log_every_steps=spec.sft.log_every_steps)
-        if start == 0:
+                                         rank=r.ctx.rank, resume_run_id=resume_run_id, start_step=start,
+                                         log_every_steps=spec.sft.log_every_steps, origin=origin)
+        if start == 0 or origin:   # a new MLflow run
             tracker.log_spec(spec)
             tracker.log_params({f"data/{k}": v for k, v in r.train.stats.items()})
         elif start >= r.total_steps:

@@ -42,8 +42,12 @@ def checkpoint_root(spec: JobSpec) -> Path:
 def _resume(run: Run, learner: Learner) -> tuple[int, Optional[RunState]]:
     """(last completed step, its run state) or (0, None) for a fresh start; restores the KL
     controller (the engines' update counts are restored with their weights)."""
+    from mrl.checkpoint.compat import before_load
+
     companions = {"critic": learner.critic} if learner.critic is not None else None
-    start, state = resume_run(checkpoint_root(run.spec), learner.actor, run.spec.checkpoint, companions=companions)
+    # another model: one line; a changed reward file: a warning
+    start, state = resume_run(checkpoint_root(run.spec), learner.actor, run.spec.checkpoint, companions=companions,
+                              before_load=lambda found: before_load(found, run.hf, run.spec.reward))
     if state is not None and state.kl_coef is not None and learner.kl is not None:
         learner.kl.value = state.kl_coef
     return start, state
@@ -51,9 +55,12 @@ def _resume(run: Run, learner: Learner) -> tuple[int, Optional[RunState]]:
 
 def _save(run: Run, learner: Learner, rollouts, step: int, tracker_run_id) -> None:
     spec = run.spec
+    from mrl.checkpoint.compat import job_reward_files
+
     state = RunState(**rollouts.state(step), tracking_run_id=tracker_run_id, actor_updates=learner.actor.steps,
                      critic_updates=learner.critic.steps if learner.critic is not None else None,
-                     kl_coef=learner.kl.value if learner.kl is not None else None, model=ModelFacts.of(spec, run.hf))
+                     kl_coef=learner.kl.value if learner.kl is not None else None, model=ModelFacts.of(spec, run.hf),
+                     reward_files=job_reward_files(spec.reward))
     save_run(checkpoint_root(spec), step, learner.actor, state, spec.checkpoint,
              with_optimizer=spec.checkpoint.save_optimizer,
              companions={"critic": learner.critic} if learner.critic is not None else None)
@@ -94,8 +101,12 @@ def train(spec: JobSpec) -> dict[str, float]:
         _check_disk(spec, learner)
         start, saved = _resume(run, learner)
         restored = rollouts.load_state(saved, start) if saved is not None else ""
+        from mrl.tracking.origin import tracking_start
+
+        # load_from another run: a new run
+        resume_run_id, origin = tracking_start(spec, start, saved.to_extra() if saved is not None else {})
         life.tracker = Tracker.from_spec(spec, total_steps=run.total_steps, rank=run.ctx.rank,
-                                         resume_run_id=saved.tracking_run_id if saved else None, start_step=start)
+                                         resume_run_id=resume_run_id, start_step=start, origin=origin)
         last = _train(run, learner, prompts, rollouts, samples, life.tracker, start, restored)
         life.finished(export_steps=run.total_steps)
         return last
