@@ -16,8 +16,8 @@ text; math_dapo gives -1 to a wrong or missing `Answer:` line); mrl's forgiving 
 | `search_r1_qa` | `search_r1_like_qa_em.py` | 1 when the last `<answer>` matches a target after SQuAD normalisation (1/4 with more than 10 answer tags), else 0 |
 
 Where verl would compare a table with text (a misconfigured answer column), these raise instead:
-the reward pool counts an error, never a silent 0. verl routes code contests to a sandbox: those
-rows are reward errors that say so (`UNSUPPORTED`).
+the reward pool counts an error, never a silent 0. verl routes code contests to a sandbox
+(sandbox_fusion or prime_code); `auto` sends them to mrl's sandboxed `code` builtin.
 """
 from __future__ import annotations
 
@@ -206,10 +206,9 @@ VERL_ROUTES: dict[str, str] = {
 VERL_PREFIX_ROUTES = (("aime", "math_dapo"),)
 CODE_SOURCE_PREFIXES = ("livecodebench",)   # code data verl scores only through a sandbox reward
 
-UNSUPPORTED = {
-    "code": "needs a code-execution reward (verl runs its tests in sandbox_fusion or prime_code), which mrl does not "
-            "have yet; score it with reward.function",
-}
+# Routes verl has and mrl scores with no scorer of its own (none now: code contests go to the sandboxed
+# `code` builtin, `mrl.reward.code`); a route named here is a reward error saying why.
+UNSUPPORTED: dict[str, str] = {}
 
 
 def verl_route(data_source: str) -> str | None:
