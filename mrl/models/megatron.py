@@ -24,7 +24,7 @@ from mrl.platform.config import ParallelConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from mrl.platform.device import DTYPES as _DTYPES
 
 
 def hf_config(model: ModelConfig) -> dict[str, Any]:

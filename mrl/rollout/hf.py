@@ -18,7 +18,7 @@ from mrl.rollout.engine import RolloutEngine, WeightStream
 from mrl.rollout.logprobs import process_logits, reported_logprobs
 from mrl.rollout.types import Response, Sampling, prompt_seed, resolve_prompt_seeds
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from mrl.platform.device import DTYPES as _DTYPES
 
 
 def eos_ids_of(model) -> tuple[int, ...]:

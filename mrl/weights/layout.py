@@ -14,7 +14,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from mrl.errors import UserError
-from mrl.weights.tables import BUFFER_SUFFIXES, LORA_ADAPTERS, Rule, table_for
+from mrl.weights.tables import BUFFER_SUFFIXES, LORA_ADAPTERS, Rule, is_adapter_name, table_for
 from mrl.weights.transforms import ModelDims, Transform
 
 _LAST = 10**9
@@ -99,8 +99,6 @@ def local_placements(chunks: Iterable[torch.nn.Module], hf: dict[str, Any], *,
     A parameter no row matches is an error naming it: a table gap must never drop weights.
     """
     from megatron.core import parallel_state as ps
-
-    from mrl.models.lora import is_adapter_name
 
     ep_rank = ps.get_expert_model_parallel_rank()
     out: list[Placement] = []

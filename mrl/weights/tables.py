@@ -153,6 +153,11 @@ def _adapter_rows(linear: str, hf_module: str) -> tuple[tuple[str, str], ...]:
     return tuple((f"{linear}.lora.{m}.{hf_module.rsplit('.', 1)[1]}", f"{hf_module}.lora_{m}.weight") for m in "AB")
 
 
+def is_adapter_name(name: str) -> bool:
+    """Whether a megatron parameter name is a LoRA adapter's (`mrl.models.lora`)."""
+    return ".lora.A." in name or ".lora.B." in name or name.startswith("lora.")
+
+
 LORA_ADAPTERS = _rules(
     *_adapter_rows(f"{_A}.linear_qkv", f"{_HA}.q_proj"),
     *_adapter_rows(f"{_A}.linear_qkv", f"{_HA}.k_proj"),
