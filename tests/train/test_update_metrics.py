@@ -22,7 +22,8 @@ def test_means_of_the_records_without_the_pass_index():
         def __len__(self):
             return 4
 
-    section = SimpleNamespace(mini_batch_prompts=2, micro_batch_tokens=64, epochs=2)
-    out = update(engine, B(batch), section, objective=None, step=1, name="actor")
+    section = SimpleNamespace(micro_batch_tokens=64)
+    plan = SimpleNamespace(epochs=2, mini_batches_of=lambda prompts: 1)
+    out = update(engine, B(batch), section, plan, objective=None, step=1, name="actor")
     assert out == {"actor/pg_loss": 2.0, "actor/grad_norm": 3.5, "actor/grad_norm_max": 5.0, "actor/updates": 2.0}
     assert engine.kw["epochs"] == 2 and engine.kw["mini_batches"] == 1
