@@ -1,6 +1,7 @@
 """Property tests (hypothesis): identities the estimators, weights and losses must satisfy."""
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -84,14 +85,26 @@ def test_whitened_advantages_have_masked_mean_zero_and_unbiased_var_one(seed, b,
     gen, mask = random_batch(seed, b, n)
     rewards = torch.randn(b, n, generator=gen, dtype=F64)
     values = torch.randn(b, n, generator=gen, dtype=F64)
-    for a in (advantages.reinforce_pp(rewards, mask, gamma), advantages.gae(rewards, values, mask, gamma, 0.9)[0]):
+    # The raw values before whitening: REINFORCE++'s returns (a masked token passes G through),
+    # GAE's advantages with whitening off.
+    ok = mask.bool()
+    running, returns = torch.zeros(b, dtype=F64), torch.zeros(b, n, dtype=F64)
+    for t in reversed(range(n)):
+        running = torch.where(ok[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = running
+    raw_gae = advantages.gae(rewards, values, mask, gamma, 0.9, whiten=False)[0]
+    for a, raw in ((advantages.reinforce_pp(rewards, mask, gamma), returns),
+                   (advantages.gae(rewards, values, mask, gamma, 0.9)[0], raw_gae)):
         sel = mask.bool()
         assert (a[~sel] == 0).all()
         if sel.sum() >= 2:
             x = a[sel]
             assert abs(x.mean().item()) < 1e-9
             var = x.var(unbiased=True).item()
-            assert var < 1 + 1e-9 and (var > 1 - 1e-4 or var < 1e-6)  # 1, unless the raw values were constant
+            r = raw[sel].var(unbiased=True).item()
+            # (x - mean) * rsqrt(r + 1e-8) has variance r / (r + 1e-8): 1 unless the raw values
+            # were (nearly) constant
+            assert var == pytest.approx(r / (r + 1e-8), rel=1e-9, abs=1e-12)
 
 
 @FAST
