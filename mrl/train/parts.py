@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from mrl.rollout.engine import RolloutEngine
     from mrl.rollout.multi_turn import MultiTurnRollout
     from mrl.rollout.plan import EngineGroups
+    from mrl.rollout.weight_channel import ColocatedChannel
     from mrl.train.build import PrecomputedScores
     from mrl.train.partial import ShardCarry
     from mrl.weights.hf_export import Exporter
@@ -84,6 +85,7 @@ class Generation:
     is_leader: bool = True
     weights_key: Optional[int] = None   # actor updates the engine's weights reflect (None: none loaded)
     version: int = 0                # policy version of the engine's weights (trainer steps completed)
+    channel: Optional["ColocatedChannel"] = None   # colocated hf: checksummed full / delta syncs
 
 
 @dataclass
