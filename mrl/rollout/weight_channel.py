@@ -110,6 +110,7 @@ class ColocatedChannel:
         self.transit = transit or (lambda messages: messages)
         self.syncs = 0
         self.last: Optional[SyncStats] = None
+        self.reported: Optional[SyncStats] = None   # the stats `channel_metrics` returned last
 
     @classmethod
     def from_config(cls, engine: RolloutEngine, config, group: str = "0") -> "ColocatedChannel":
@@ -134,3 +135,12 @@ class ColocatedChannel:
             stats.verified = True
         self.last = stats
         return sent
+
+
+def channel_metrics(channel: Optional[ColocatedChannel]) -> dict[str, float]:
+    """`weight_sync/*` metrics of the sync since the last call (none when nothing was sent since,
+    or where this rank holds no engine)."""
+    if channel is None or channel.last is None or channel.reported is channel.last:
+        return {}
+    channel.reported = channel.last
+    return channel.last.metrics()

@@ -58,6 +58,7 @@ import torch.distributed as dist
 from mrl.errors import CollectiveTimeout
 from mrl.platform.bridge import Bridge
 from mrl.rollout.types import Response
+from mrl.rollout.weight_channel import channel_metrics
 from mrl.train.parts import Generation, Learner, Prompts, Run
 from mrl.train.rollout import ShardRollout, StepRollout, dp_min, produce, release_engine, sync_weights
 
@@ -98,7 +99,7 @@ class ColocatedRollouts:
             sync_weights(self.gen, self.learner, version=step - 1)
         with t("rollout"):
             rollout = produce(self.run, self.gen, self.prompts, step, dp_min, reward_model=self.learner.reward_model)
-        return rollout.shards[self.run.ctx.dp_rank], {}
+        return rollout.shards[self.run.ctx.dp_rank], channel_metrics(self.gen.channel)
 
     def greedy_baseline(self, batch, step: int) -> torch.Tensor:
         """ReMax: the score of one greedy response per prompt, per response `[B]`."""

@@ -97,12 +97,15 @@ class SyncStats:
     seconds_checksums: float = 0.0    # sender and receiver checksums
     seconds_verify: float = 0.0       # periodic full verification
     verified: bool = False
+    compared: bool = False            # delta mode: elements_changed was measured (full mode sends all)
 
     def metrics(self) -> dict[str, float]:
-        return {"weight_sync/bytes": float(self.bytes_sent), "weight_sync/bytes_full": float(self.bytes_full),
-                "weight_sync/full": float(self.full), "weight_sync/tensors_sent": float(self.tensors_sent),
-                "weight_sync/changed_fraction": self.elements_changed / max(self.elements, 1),
-                "weight_sync/checksum_s": self.seconds_checksums, "weight_sync/verify_s": self.seconds_verify}
+        out = {"weight_sync/bytes": float(self.bytes_sent), "weight_sync/bytes_full": float(self.bytes_full),
+               "weight_sync/full": float(self.full), "weight_sync/tensors_sent": float(self.tensors_sent),
+               "weight_sync/checksum_s": self.seconds_checksums, "weight_sync/verify_s": self.seconds_verify}
+        if self.compared:
+            out["weight_sync/changed_fraction"] = self.elements_changed / max(self.elements, 1)
+        return out
 
 
 def _index_dtype(numel: int) -> torch.dtype:
@@ -139,6 +142,7 @@ class WeightSender:
         full = self.mode == "full" or not self.held
         stats = stats if stats is not None else SyncStats(version=version, full=full)
         stats.full = full
+        stats.compared = self.mode == "delta" and not full
         names: list[list[str]] = []
         items: list[Item] = []
         size = 0

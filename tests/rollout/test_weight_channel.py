@@ -191,3 +191,23 @@ def test_delta_with_vllm_or_separate_ranks_is_a_spec_error():
     (key, msg), = weight_sync_problems(RolloutConfig(engine="vllm", weight_sync=delta))
     assert key == "rollout.weight_sync.mode" and "colocated hf" in msg
     assert weight_sync_problems(RolloutConfig(engine="hf", placement="separate", ranks=1, weight_sync=delta))
+
+
+@pytest.mark.parametrize("level,second_full", [(1, False), (2, True)])
+def test_the_train_loop_syncs_full_after_a_level_2_sleep_and_delta_otherwise(level, second_full):
+    from types import SimpleNamespace
+
+    from mrl.train.parts import Generation, Learner
+    from mrl.train.rollout import release_engine, sync_weights
+
+    engine = _engine()
+    trainer = Trainer(_shapes(engine))
+    learner = Learner(actor=SimpleNamespace(steps=0), exporter=SimpleNamespace(stream=lambda targets: trainer.stream()))
+    gen = Generation(engine=engine, channel=ColocatedChannel(engine, mode="delta"))
+    sync_weights(gen, learner, 0)
+    assert gen.channel.last.full
+    release_engine(gen, level)
+    trainer.step()
+    learner.actor.steps += 1
+    sync_weights(gen, learner, 1)
+    assert gen.channel.last.full is second_full and gen.channel.last.version == 1
