@@ -200,3 +200,43 @@ class WeightSender:
             if sparse.nbytes < tensor.numel() * tensor.element_size():
                 return sparse
         return Item(name, shape, tensor)
+
+
+def pack(msg: Bucket | End) -> tuple[bytes, Optional[torch.Tensor]]:
+    """A message as (pickled header, one flat uint8 buffer of its payloads or None) for a byte
+    transport such as the trainer/rollout bridge (one object broadcast, one tensor broadcast).
+    The checksums travel in the header, so the receiver checks what the buffer delivered."""
+    import pickle
+
+    if isinstance(msg, End):
+        return pickle.dumps(("end", msg.version, msg.buckets, msg.full)), None
+    meta, parts = [], []
+    for it in msg.items:
+        tensors = [it.values] + ([it.indices] if it.indices is not None else [])
+        meta.append((it.name, it.shape, it.checksum,
+                     [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]))
+        for t in tensors:   # each payload starts 8-byte aligned, so the receiver can view it in place
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+            parts += [raw, torch.zeros(-raw.numel() % 8, dtype=torch.uint8)]
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return pickle.dumps(("bucket", msg.version, msg.index, meta)), flat
+
+
+def unpack(header: bytes, flat: Optional[torch.Tensor]) -> Bucket | End:
+    """The inverse of `pack` (views into `flat`; nothing is checked here: the receiver checks)."""
+    import pickle
+
+    kind, version, *rest = pickle.loads(header)
+    if kind == "end":
+        return End(version, rest[0], rest[1])
+    index, meta = rest
+    items, offset = [], 0
+    for name, shape, sums, tensors in meta:
+        views = []
+        for t_shape, dtype in tensors:
+            dt = getattr(torch, dtype)
+            n = torch.Size(t_shape).numel() * torch.empty((), dtype=dt).element_size()
+            views.append(flat[offset:offset + n].view(dt).reshape(t_shape))
+            offset += n + (-n % 8)
+        items.append(Item(name, shape, views[0], indices=views[1] if len(views) > 1 else None, checksum=sums))
+    return Bucket(version, index, items)

@@ -211,3 +211,20 @@ def test_the_train_loop_syncs_full_after_a_level_2_sleep_and_delta_otherwise(lev
     learner.actor.steps += 1
     sync_weights(gen, learner, 1)
     assert gen.channel.last.full is second_full and gen.channel.last.version == 1
+
+
+def test_buckets_survive_the_byte_wire_and_a_flipped_wire_byte_is_caught():
+    from mrl.weights.delta import pack, unpack
+
+    engine = _engine()
+    trainer = Trainer(_shapes(engine))
+    sender = WeightSender(mode="delta", bucket_bytes=50_000)
+    list(sender.encode(trainer.stream(), 0))
+    trainer.step()
+    wire = [pack(m) for m in sender.encode(trainer.stream(), 1)]
+    back = [unpack(h, f) for h, f in wire]
+    assert isinstance(back[-1], End) and any(it.sparse for b in back[:-1] for it in b.items)
+    assert all(it.payload_checksum() == it.checksum for b in back[:-1] for it in b.items)
+    wire[0][1][7] ^= 0x01    # one byte of the first buffer, as a broken link would
+    bad = unpack(*wire[0])
+    assert any(it.payload_checksum() != it.checksum for it in bad.items)
