@@ -276,6 +276,18 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_track(args) -> int:
+    """`mrl track replay RUN_DIR`: write the tracker writes a run dropped into its MLflow store."""
+    import logging
+
+    from mrl.tracking.journal import replay
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    report = replay(args.run_dir, tracking_uri=args.tracking_uri)
+    print(report.summary())
+    return 1 if report.failed else 0
+
+
 LAUNCHABLE = ("train", "sft", "preflight", "validate")  # subcommands that run on every rank
 
 
@@ -360,7 +372,7 @@ def cmd_data(args) -> int:
     import pyarrow.parquet as pq
 
     for path in written:
-        print(f"{path}: {pq.read_metadata(path).num_rows} rows")
+        print(f"{path}: {pq.ParquetFile(path).metadata.num_rows} rows")
     return 0
 
 
@@ -426,6 +438,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "and/or metric keys or globs (actor/grad_norm, reward/score/*)")
     p.add_argument("--out", metavar="DIR", default="compare", help="directory for the PNG plots (default: compare)")
     p.set_defaults(func=cmd_compare)
+    p = sub.add_parser("track", help="tracking upkeep: `mrl track replay RUN_DIR` writes the MLflow writes a run "
+                                     "dropped (its store was locked, read-only or down) from RUN_DIR/tracking_dropped.jsonl")
+    p.add_argument("action", choices=("replay",), help="replay: write the dropped writes into the store")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (<job.output_dir>/<job.name>)")
+    p.add_argument("--tracking-uri", metavar="URI", default=None,
+                   help="write to this MLflow store instead of the one each record names")
+    p.set_defaults(func=cmd_track)
     p = sub.add_parser("launch", help="run a one-machine job under torchrun with the job's platform.ranks_per_node "
                                       "(multi-node jobs: launch/slurm.sh)")
     p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")

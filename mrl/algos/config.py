@@ -5,7 +5,7 @@ do not read this config (they are pure). The trainer passes these values in.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from mrl.algos.rejection_spec import PRESETS
 from mrl.config.schema import option, section
@@ -56,8 +56,9 @@ class CorrectionConfig:
     old_logprobs: Literal["recompute", "rollout"] = option("recompute", help="recompute old log-probs with the trainer, or use the engine's (bypass)")
     rejection: Optional[str] = option(None, help="rejection sampling criteria, comma-separated: token_k1|k2|k3, seq_sum_k1|k2|k3, "
                                                  "seq_mean_k1|k2|k3, seq_max_k2|k3 (verl's rollout_rs); none = off")
-    rejection_threshold: Optional[str] = option(None, help="one per criterion or one for all: k1 'lower_upper' ratios (or 'upper'), "
-                                                           "others an upper bound (verl's rollout_rs_threshold)")
+    rejection_threshold: Optional[Union[float, str]] = option(None, help="a number, or one spec per criterion or one for all: k1 "
+                                                                        "'lower_upper' ratios (or 'upper'), others an upper bound "
+                                                                        "(verl's rollout_rs_threshold)")
     preset: Optional[Literal[REJECTION_PRESETS]] = option(None, help="a verl RolloutCorrectionConfig preset by name; sets level, "
                                                                      "threshold, rejection, old_logprobs and (for bypass_pg_*) policy_loss")
 
@@ -105,14 +106,14 @@ class AlgorithmConfig:
     policy_loss: Literal[POLICY_LOSSES] = option("ppo", help="policy loss")
     clip_low: float = option(0.2, ge=0, lt=1, help="ratio clip below 1 (eps_low)")
     clip_high: float = option(0.2, ge=0, help="ratio clip above 1 (eps_high; DAPO clip-higher 0.28)")
-    dual_clip: float = option(3.0, ge=0, help="dual-clip constant c > 1 for A < 0 (ppo); 0 disables")
+    dual_clip: float = option(3.0, ge=0, help="dual-clip constant c > 1 for A < 0 (ppo), ratio cap (dppo_tv, dppo_kl); 0 disables (verl's clip_ratio_c)")
     sapo_tau_pos: float = option(1.0, gt=0, help="SAPO temperature for A > 0")
     sapo_tau_neg: float = option(1.05, gt=0, help="SAPO temperature for A <= 0")
     clip_cov_ratio: float = option(0.0002, gt=0, help="clip_cov: fraction of tokens whose gradient is cut")
     clip_cov_lb: float = option(1.0, help="clip_cov: lowest covariance of a cut token")
     clip_cov_ub: float = option(5.0, help="clip_cov: highest covariance of a cut token")
     kl_cov_ratio: float = option(0.0002, gt=0, help="kl_cov: fraction of tokens given the KL penalty")
-    kl_cov_coef: float = option(1.0, ge=0, help="kl_cov: coefficient of |lp - lp_old| (verl's ppo_kl_coef)")
+    kl_cov_coef: float = option(0.1, ge=0, help="kl_cov: coefficient of |lp - lp_old| (verl's ppo_kl_coef, default 0.1 as verl's config)")
     dro_beta: float = option(0.1, gt=0, help="dro: quadratic penalty coefficient")
     loss_aggregation: Optional[Literal[LOSS_AGGREGATIONS]] = option(None, help="token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (default: token-mean; sapo/geo_mean force seq-mean-token-mean)")
     loss_norm: Optional[float] = option(None, gt=0, help="seq-mean-token-sum-norm divisor (default: rollout.max_response_tokens)")

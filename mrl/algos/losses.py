@@ -418,7 +418,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: Opti
 
     Modes (`loss_agg_mode`), with L the per-token loss and m the mask:
     - `token-mean`: `sum(m*L) / N_tok`;
-    - `token-sum`: `sum(m*L)`, no normalisation (needs no global count);
+    - `token-sum`: `sum(m*L)`, no normalisation (needs no global count; verl PR #7197 defines it the
+      same way: the local masked sum times dp_size, below);
     - `seq-mean-token-sum`: `sum_i sum_t m*L / N_seq`;
     - `seq-mean-token-mean`: `sum_i (sum_t m*L / sum_t m) / N_seq`;
     - `seq-mean-token-sum-norm` (Dr.GRPO): `sum_i sum_t m*L / (N_seq * norm)`; `norm` defaults

@@ -12,8 +12,8 @@ rank 0 fsyncs, renames and moves `latest`, then prunes to `keep_last`. Integrity
 SHA-256; `verify` checks it before a load, and `find_resumable` skips a damaged newest
 checkpoint for the newest intact one, saying in one line what was wrong. Nothing is unpickled
 into arbitrary objects: RNG states are tensors and numbers, read with `weights_only=True`;
-megatron reads `common.pt` with torch's default `weights_only=True`; torch's `.metadata` is
-checked by a restricted unpickler before torch's reader (plain pickle) sees it. Collective: every rank
+`common.pt` and torch's `.metadata` are read by `mrl.checkpoint.trust`'s restricted readers
+(after the manifest check) before megatron's and torch's readers (plain pickle) see them. Collective: every rank
 calls `save`/`load` (torch_dist saving starts a helper process: scripts need a `__main__` guard,
 and `psutil` must be installed or the save hangs).
 """
@@ -23,7 +23,6 @@ import dataclasses
 import errno
 import logging
 import os
-import pickle
 import random
 import shutil
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from mrl.checkpoint import manifest, store
+from mrl.checkpoint import manifest, store, trust
 from mrl.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -457,31 +456,6 @@ def find_resumable(root: str | Path, *, must: bool = False, warn=None, companion
         return None
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles torch_dist's `.metadata` (torch's checkpoint reader uses plain `pickle.load`)
-    refusing every global a checkpoint's metadata never holds: a crafted file cannot run code."""
-
-    _EXACT = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
-
-    def find_class(self, module: str, name: str):
-        plain = (module.startswith("torch.distributed.checkpoint.") or (module, name) in self._EXACT
-                 or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                      (torch.dtype, torch.layout, torch.memory_format))))
-        if not plain:
-            raise pickle.UnpicklingError(f"refers to {module}.{name}")
-        return super().find_class(module, name)
-
-
-def _check_dcp_metadata(ckpt: Path) -> None:
-    """Refuse a `.metadata` that is more than checkpoint metadata, before torch unpickles it."""
-    try:
-        with open(ckpt / ".metadata", "rb") as f:
-            _MetadataUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
-        raise UserError(f"checkpoint {ckpt}: .metadata is not plain checkpoint metadata and was not loaded "
-                        f"({str(e)[:160] or type(e).__name__})") from None
-
-
 _SAID_NO_OPTIMIZER: set[str] = set()
 
 
@@ -510,7 +484,8 @@ def load(path: str | Path, *, chunks: list, optimizer=None, scheduler=None, load
             optimizer = None
         if optimizer is not None:
             _ensure_optimizer_state(optimizer)
-        _check_dcp_metadata(ckpt)
+        trust.read_dcp_metadata(ckpt)   # both pickles through restricted readers before megatron/torch see them
+        trust.read_common(ckpt)
         state = _sharded_state(chunks, optimizer, loading=True)  # common entries come back from the file
         loaded = dist_checkpointing.load(state, str(ckpt), sharded_strategy=_strategies(ckpt, loading=True))
         for i, c in enumerate(chunks):

@@ -25,7 +25,7 @@ from typing import Optional
 from mrl.errors import UserError
 
 __all__ = ["step_name", "tmp_path", "fsync_tree", "commit", "write_latest", "latest", "checkpoints",
-           "prune", "remove_stale_tmp", "step_of", "check_writable"]
+           "prune", "remove_stale_tmp", "root_containing", "step_of", "check_writable", "pointed"]
 
 LATEST = "latest"
 _STEP = re.compile(r"^step_(\d{8,})$")
@@ -98,25 +98,68 @@ def commit(root: Path, tmp: Path, step: int) -> Path:
     return final
 
 
+def _inside(root: Path, path: Path) -> bool:
+    """`path` is a directory of `root` itself once symlinks are followed (not a link out of it)."""
+    try:
+        return path.resolve().parent == root.resolve()
+    except (OSError, RuntimeError):
+        return False
+
+
 def checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest step first."""
+    """Complete checkpoints under `root`, oldest step first (a `step_*` symlink leading out of
+    `root` is not one of them)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(step_of(p), p) for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
+    found = [(step_of(p), p) for p in root.iterdir()
+             if p.is_dir() and step_of(p) is not None and _inside(root, p)]
     return [p for _, p in sorted(found)]
 
 
-def latest(root: Path) -> Optional[Path]:
-    """The checkpoint `latest` names; without a pointer, the highest complete step; None if none."""
+def pointed(root: Path) -> Optional[Path]:
+    """The path `root/latest` names, or None without a pointer. The pointer may name only a
+    `step_XXXXXXXX` directory inside `root`: an absolute path, `..`, any other name, or a step
+    that is a symlink leading out of `root` is a one-line `UserError` (a run resuming from a
+    foreign checkpoint would load and then log over someone else's state)."""
     root = Path(root)
     pointer = root / LATEST
-    if pointer.is_file():
-        target = root / pointer.read_text().strip()
-        if step_of(target) is not None and target.is_dir():
-            return target
+    if not pointer.is_file():
+        return None
+    try:
+        raw = pointer.read_bytes()[:4096].decode("utf-8", "replace").strip()
+    except OSError as e:
+        raise UserError(f"checkpoint: {pointer} cannot be read ({e.strerror or e})") from None
+    target = root / raw
+    if step_of(Path(raw)) is None or raw != Path(raw).name:
+        raise UserError(f"checkpoint: {pointer} names {raw[:200]!r}; a `latest` may only name a step_XXXXXXXX "
+                        f"directory inside {root} (refused, nothing was loaded)")
+    if target.is_symlink() and not _inside(root, target):
+        raise UserError(f"checkpoint: {pointer} names {raw!r}, a symlink leading out of {root} to "
+                        f"{target.resolve()} (refused, nothing was loaded)")
+    return target
+
+
+def latest(root: Path) -> Optional[Path]:
+    """The checkpoint `latest` names; without a pointer (or one naming a step not on disk), the
+    highest complete step; None if none. A pointer leading out of `root` is a `UserError` (`pointed`)."""
+    root = Path(root)
+    target = pointed(root)
+    if target is not None and target.is_dir():
+        return target
     found = checkpoints(root)
     return found[-1] if found else None
+
+
+def root_containing(path: Path) -> Optional[Path]:
+    """The checkpoint root `path` is or lies inside (a directory with a `latest` pointer or a
+    complete `step_*` checkpoint), None when it is outside every root. What is written there
+    belongs to the checkpoints: retention deletes it, or a `step_*` name takes a slot."""
+    p = Path(path).resolve()
+    for cand in (p, *p.parents):
+        if (cand / LATEST).is_file() or checkpoints(cand):
+            return cand
+    return None
 
 
 def remove_stale_tmp(root: Path) -> list[Path]:

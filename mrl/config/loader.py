@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -124,6 +125,39 @@ def _merge(base: dict, child: dict) -> dict:
     return out
 
 
+MAX_SPEC_BYTES = 1 << 20   # a job file (or a file it extends) larger than this is refused unread
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
+def file_problem(path: Path) -> str | None:
+    """Why `path` cannot be a job file without reading it (not a regular file: a FIFO would
+    block, /dev/zero never ends; larger than `MAX_SPEC_BYTES`), or None."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None   # the reader says what is wrong (missing, unreadable)
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+        return f"is {kind}, not a regular file (job files are read only from regular files)"
+    if st.st_size > MAX_SPEC_BYTES:
+        return f"is {st.st_size} bytes; a job file may be at most {MAX_SPEC_BYTES} bytes"
+    return None
+
+
+def _read_bounded(path: Path) -> str:
+    """The UTF-8 text of the regular file `path`, opened without blocking and read to at most
+    `MAX_SPEC_BYTES` (it may not have turned into something else since `file_problem`)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(0, "not a regular file")
+        data = f.read(MAX_SPEC_BYTES + 1)
+    if len(data) > MAX_SPEC_BYTES:
+        raise OSError(0, f"more than {MAX_SPEC_BYTES} bytes")
+    return data.decode("utf-8")
+
+
 def read_spec_file(path: Path, report: Report, chain: tuple[Path, ...] = ()) -> dict | None:
     """Raw dict of `path` with its `extends` chain merged in (child wins); records origins."""
     path = path.resolve()
@@ -132,8 +166,12 @@ def read_spec_file(path: Path, report: Report, chain: tuple[Path, ...] = ()) -> 
         cycle = " -> ".join(_display(p) for p in (*chain, path))
         report.error("extends", f"extends cycle: {cycle}", Origin(_display(chain[-1])))
         return None
+    problem = file_problem(path)
+    if problem:
+        report.problems.append(f"{shown}: {problem}")
+        return None
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _read_bounded(path)
     except UnicodeDecodeError as e:
         report.problems.append(f"{shown}: not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); "
                                "save the job file as UTF-8")
@@ -165,6 +203,10 @@ def read_spec_file(path: Path, report: Report, chain: tuple[Path, ...] = ()) -> 
     if not base_path.exists():
         report.error("extends", f"file {base_name!r} not found (looked for {_display(base_path)})", here)
         return None
+    problem = file_problem(base_path)
+    if problem:
+        report.error("extends", f"{base_name!r} {problem}", here)
+        return None
     base = read_spec_file(base_path, report, (*chain, path))
     if base is None:
         return None
@@ -190,6 +232,9 @@ def _field_at(cls, dotted: str):
     return None
 
 
+_PLAIN_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
 def _parse_override_value(text: str, tp: Any) -> Any:
     """Coerce a command-line string to the schema type `tp` (best effort; convert() checks)."""
     inner = schema.optional_inner(tp)
@@ -198,6 +243,13 @@ def _parse_override_value(text: str, tp: Any) -> Any:
             return None
         tp = inner
     stripped = text.strip()
+    members = schema.union_members(tp)
+    if members is not None and str in members:
+        # a number or a name (e.g. a rejection threshold: 0.01 or "0.5_2.0"): only a plain decimal
+        # is a number, since TOML would read 0.5_2 as 0.52
+        if float in members and _PLAIN_NUMBER.fullmatch(stripped):
+            return float(stripped)
+        return _parse_override_value(text, str)
     is_tuple = typing.get_origin(tp) is tuple
     literal_strs = typing.get_origin(tp) is typing.Literal and all(isinstance(a, str) for a in typing.get_args(tp))
     if tp is str or literal_strs:

@@ -70,11 +70,20 @@ def is_section(tp: Any) -> bool:
 
 
 def optional_inner(tp: Any) -> Any | None:
-    """X for Optional[X], else None."""
+    """X for Optional[X] (Union[A, B] for Optional[Union[A, B]]), else None."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1 and len(typing.get_args(tp)) == 2:
-            return args[0]
+        every = typing.get_args(tp)
+        args = [a for a in every if a is not type(None)]
+        if len(args) < len(every):
+            return args[0] if len(args) == 1 else typing.Union[tuple(args)]
+    return None
+
+
+def union_members(tp: Any) -> tuple | None:
+    """(A, B, ...) for a union of values without None (e.g. Union[float, str]: a number or a name,
+    tried in that order), else None."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) not in typing.get_args(tp):
+        return typing.get_args(tp)
     return None
 
 
@@ -102,6 +111,9 @@ def describe(tp: Any) -> str:
     inner = optional_inner(tp)
     if inner is not None:
         return f"{describe(inner)} or none"
+    members = union_members(tp)
+    if members is not None:
+        return " or ".join(describe(m) for m in members)
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
@@ -147,6 +159,14 @@ def convert(value: Any, tp: Any) -> Any:
         return None if value is None else convert(value, inner)
     if value is None:
         raise ValueProblem(f"must be {describe(tp)}, not none")
+    members = union_members(tp)
+    if members is not None:   # the first member the value fits
+        for member in members:
+            try:
+                return convert(value, member)
+            except ValueProblem:
+                continue
+        raise ValueProblem(f"must be {describe(tp)}, got {kind_of(value)}")
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
         choices = typing.get_args(tp)

@@ -292,9 +292,24 @@ def check(spec: JobSpec, report) -> None:
         err("data.generator", "set either data.generator or data.train_files, not both")
     if not data.train_files and data.generator is None:
         err("data.train_files", "no prompts: set data.train_files or data.generator")
+    from mrl.data.parquet import schema_problem
+    from mrl.data.rows import Columns
+
+    columns = Columns(prompt=data.prompt_key, answer=data.answer_key, source=data.source_key)
     for f in data.train_files:
         if not os.path.exists(f):
             warn("data.train_files", f"{f!r} does not exist on this machine (fine if the job runs elsewhere)")
+        elif problem := schema_problem(f, columns):
+            err("data.train_files", problem)
+    # Validation files are read only at the first validation: a bad one would end the run there,
+    # after a whole interval of training. Missing is an error unless the training files are
+    # missing too (a job written for another machine, said above).
+    here = bool(data.generator) or any(os.path.exists(f) for f in data.train_files)
+    for f in data.val_files:
+        if not os.path.exists(f) and not here:
+            warn("data.val_files", f"{f!r} does not exist on this machine (fine if the job runs elsewhere)")
+        elif problem := schema_problem(f, columns):
+            err("data.val_files", problem + " (the run would fail at its first validation, after training up to it)")
     from mrl.reward.sources import auto_source_problems
 
     for key, message in auto_source_problems(spec.reward, data.train_files + data.val_files, data.source_key):

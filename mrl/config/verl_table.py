@@ -54,7 +54,8 @@ class VerlTable:
     read_only_when: dict[str, str] = field(default_factory=dict)   # key prefix -> verl key that must be set
 
     def condition(self, key: str) -> str | None:
-        """The verl key that must be true (non-zero) for verl to read `key`, or None."""
+        """The verl key that must be true (non-zero) for verl to read `key`, or "key=a|b" when it
+        must have one of these values; None when verl always reads `key`."""
         best = max((p for p in self.read_only_when if key.startswith(p)), key=len, default=None)
         return None if best is None else self.read_only_when[best]
 

@@ -99,16 +99,21 @@ def sleep_level(m: Mapping, key: str, cfg: dict) -> Translation:
 
 def reward_function(m: Mapping, key: str, cfg: dict) -> Translation:
     """`path:name` of verl's custom reward function; with none (and no reward model) verl scores
-    with its default_compute_score by data source: mrl's builtin "auto" (an entry whose second
-    target is reward.builtin says so)."""
+    with its default_compute_score by data source: mrl's builtin "auto" (when the entry lists
+    reward.builtin among its targets). verl calls the function with its own arguments
+    (data_source, solution_str, ground_truth, extra_info): an entry that lists reward.signature
+    sets it to "verl", so the function is called that way whatever its parameter names."""
     path = cfg.get(m.params["path"])
     if not path:
         others = [k for k in ("custom_reward_function.path", "reward_model.reward_fn.path") if cfg.get(k)]
-        if len(m.targets) > 1 and not others and not cfg.get("reward_model.enable"):
-            return Translation({m.targets[1]: "auto"}, note="no custom reward function: verl scores by data source")
+        if "reward.builtin" in m.targets and not others and not cfg.get("reward_model.enable"):
+            return Translation({"reward.builtin": "auto"}, note="no custom reward function: verl scores by data source")
         return _skip(f"{m.params['path']} is not set")
     name = cfg.get(m.params["name"]) or "compute_score"
-    return Translation({m.target: f"{path}:{name}"})
+    out = {m.target: f"{path}:{name}"}
+    if "reward.signature" in m.targets:
+        out["reward.signature"] = "verl"
+    return Translation(out, note="called as verl calls it" if "reward.signature" in m.targets else "")
 
 
 def when(m: Mapping, key: str, cfg: dict) -> Translation:
@@ -204,6 +209,12 @@ def translate(m: Mapping, key: str, cfg: dict, condition: str | None = None) -> 
     for prefix, (active, why) in GATES.items():
         if key.startswith(prefix) and not active(cfg):
             return _skip(why)
-    if condition is not None and condition != key and not cfg.get(condition):
-        return _skip(f"verl reads it only when {condition} is set (it is {cfg.get(condition)!r})")
+    if condition is not None:
+        flag, _, wanted = condition.partition("=")
+        value = cfg.get(flag)
+        if wanted:   # "key=a|b": verl reads it only when key is one of these values (true/false in lower case)
+            if (str(value).lower() if isinstance(value, bool) else str(value)) not in wanted.split("|"):
+                return _skip(f"verl reads it only when {flag} is {' or '.join(wanted.split('|'))} (it is {value!r})")
+        elif flag != key and not value:
+            return _skip(f"verl reads it only when {flag} is set (it is {value!r})")
     return RULES[m.rule](m, key, cfg)

@@ -23,6 +23,10 @@ class DataConfig:
     max_prompt_tokens: int = option(512, ge=1, help="longest prompt, in tokens")
     prompt_overflow: Literal["error", "drop", "truncate_left"] = option("drop", help="what to do with a longer prompt")
     chat_template: bool = option(True, help="apply the tokenizer's chat template to prompts")
+    special_tokens_in_text: Literal["error", "escape", "allow"] = option(
+        "escape", help="a prompt holding a special token's text (e.g. <|im_end|>): escape tokenizes it as plain text, "
+                       "error stops the run naming the row, allow makes it the special token; escaped/allowed prompts "
+                       "are counted (data/prompts_special_text_*)")
     system_prompt: Optional[str] = option(None, help="system message prepended to chat prompts")
     shuffle: bool = option(True, help="shuffle prompts every epoch (resumable)")
     seed: Optional[int] = option(None, ge=0, le=SEED_MAX, help="sampler seed (default: job.seed)")

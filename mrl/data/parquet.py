@@ -12,6 +12,25 @@ from mrl.data.rows import Columns, PromptRow, rows_from_records, verl_answer_key
 from mrl.errors import UserError
 
 
+def schema_problem(name: str, columns: Columns, *, require_answer: bool = True) -> str | None:
+    """Why the parquet file `name` cannot give prompt rows (missing, unreadable, no prompt or
+    answer column), read from its schema alone; None when it can. `mrl validate` runs it on
+    every data file, so a bad validation file fails before training, not at the first validation."""
+    path = Path(name)
+    if not path.is_file():
+        return f"{name!r} does not exist"
+    try:
+        names = pq.read_schema(path).names
+    except (pa.ArrowInvalid, OSError) as e:
+        return f"{name!r} is not a readable parquet file ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    answer = verl_answer_key(columns.answer, names)
+    needed = [(columns.prompt, "data.prompt_key")] + ([(answer, "data.answer_key")] if require_answer else [])
+    for col, key in needed:
+        if col not in names and col.split(".")[0] not in names:
+            return f"{name!r} has no column {col!r} ({key}); columns: {', '.join(names)}"
+    return None
+
+
 def read_parquet_rows(
     files: tuple[str, ...] | list[str],
     *,

@@ -57,15 +57,32 @@ def fit_length(ids: list[int], max_tokens: int, overflow: Overflow, origin: str)
 
 def tokenize_rows(rows: list[PromptRow], tokenizer: Any, *, max_prompt_tokens: int, overflow: Overflow,
                   chat_template: bool, system_prompt: str | None = None,
-                  stats: Counter | None = None) -> PromptDataset:
-    """Render and tokenize `rows`; `stats` (rows counters from loading) gains the prompt counters."""
+                  stats: Counter | None = None, special_tokens_in_text: str = "escape") -> PromptDataset:
+    """Render and tokenize `rows`; `stats` (rows counters from loading) gains the prompt counters.
+    Special-token text in a row follows `special_tokens_in_text` (`mrl.data.special`)."""
+    from mrl.data import special
+
     counts = Counter(stats or {})
     counts.update({"prompts_overlong_dropped": 0, "prompts_truncated": 0})
+    specials = special.special_strings(tokenizer)
     items: list[PromptItem] = []
     for row in rows:
-        text = render_prompt(row.prompt, tokenizer, chat_template=chat_template, system_prompt=system_prompt,
-                             origin=row.origin)
-        ids = encode_prompt(text, tokenizer, chat_template=chat_template)
+        found = special.special_in(row.prompt, specials) if specials else []
+        if found and special_tokens_in_text == "error":
+            raise special.refuse(row.origin, found)
+        if found and special_tokens_in_text == "escape":
+            counts["prompts_special_text_escaped"] += 1
+            marked, pieces = special.mark(row.prompt, specials)
+            rendered = render_prompt(marked, tokenizer, chat_template=chat_template, system_prompt=system_prompt,
+                                     origin=row.origin)
+            text = special.unmark(rendered, pieces)
+            ids = special.encode_escaped(rendered, pieces, tokenizer, add_special_tokens=not chat_template)
+        else:
+            if found:
+                counts["prompts_special_text_allowed"] += 1
+            text = render_prompt(row.prompt, tokenizer, chat_template=chat_template, system_prompt=system_prompt,
+                                 origin=row.origin)
+            ids = encode_prompt(text, tokenizer, chat_template=chat_template)
         fitted = fit_length(ids, max_prompt_tokens, overflow, row.origin)
         if fitted is None:
             counts["prompts_overlong_dropped"] += 1

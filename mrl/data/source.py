@@ -69,7 +69,8 @@ def load_prompts(cfg: DataConfig, tokenizer: Any, split: Literal["train", "val"]
     if split == "val" and cfg.val_prompts is not None:
         rows = rows[:cfg.val_prompts]
     dataset = tokenize_rows(rows, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, overflow=cfg.prompt_overflow,
-                            chat_template=cfg.chat_template, system_prompt=cfg.system_prompt, stats=stats)
+                            chat_template=cfg.chat_template, system_prompt=cfg.system_prompt, stats=stats,
+                            special_tokens_in_text=cfg.special_tokens_in_text)
     if not dataset.items:
         raise UserError(f"no {split} prompts left after filtering: {dataset.stats}")
     return dataset

@@ -102,7 +102,7 @@ class PolicyObjective:
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
-    kl_cov_coef: float = 1.0
+    kl_cov_coef: float = 0.1
     dro_beta: float = 0.1
     is_level: Optional[str] = None        # reinforce: IS weights to the rollout policy (token | sequence)
     is_threshold: object = 2.0            # reinforce: C (truncate) or (lo, hi) (mask)

@@ -72,6 +72,12 @@ class MergeReport:
 
 
 def _check_out(out: Path) -> None:
+    from mrl.checkpoint.store import root_containing
+
+    root = root_containing(out)
+    if root is not None:
+        raise UserError(f"merge: output {out} is inside the checkpoint root {root} (checkpoint retention would delete "
+                        "it, or it would take a checkpoint's place); write the merged model outside it")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"merge: output {out} already exists and is not empty")
 

@@ -4,7 +4,9 @@ A checkpoint is given as a root (`<run>/checkpoints/actor`, resolved through its
 pointer) or as one `step_XXXXXXXX` directory. Everything `mrl merge` needs to rebuild the model
 comes from the checkpoint's common state (`extra`, written by the training loop) and from the
 torch_dist tensor metadata (global shapes and dtypes), so a malformed or partial checkpoint is
-reported in one line before any model is built.
+reported in one line before any model is built. The checkpoint is checked against its manifest
+and both pickled files are read by `mrl.checkpoint.trust`'s restricted readers first: a crafted
+checkpoint runs no code.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from mrl.checkpoint import store
+from mrl.checkpoint import store, trust
 from mrl.errors import UserError
 
 # Files every complete torch_dist checkpoint written by `mrl.checkpoint.state.save` has.
@@ -64,10 +66,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
                         "pass the checkpoint root or a complete step_* directory")
     if store.step_of(path) is None and not (path / "metadata.json").is_file():
         pointer = path / store.LATEST
-        if pointer.is_file():
-            target = path / pointer.read_text().strip()
-            if store.step_of(target) is None or not target.is_dir():
-                raise UserError(f"merge: {pointer} names {pointer.read_text().strip()!r}, which is not a "
+        target = store.pointed(path)   # a pointer out of the root is refused there
+        if target is not None:
+            if not target.is_dir():
+                raise UserError(f"merge: {pointer} names {target.name!r}, which is not a "
                                 "checkpoint directory here")
             path = target
         else:
@@ -93,25 +95,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return path
 
 
-def _load_common(path: Path) -> dict:
-    from megatron.core import dist_checkpointing
-
-    try:
-        return dist_checkpointing.load_common_state_dict(str(path))
-    except Exception as e:  # noqa: BLE001 - any unreadable common.pt is the same user-facing problem
-        raise UserError(f"merge: checkpoint {path}: common.pt is unreadable ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
-
-
-def _model_tensors(path: Path) -> dict:
-    """ShardedTensor key -> unsharded metadata (global shape, dtype) of the model's tensors."""
-    from megatron.core import dist_checkpointing
-
-    try:
-        meta = dist_checkpointing.load_tensors_metadata(str(path))
-    except Exception as e:  # noqa: BLE001
-        raise UserError(f"merge: checkpoint {path}: tensor metadata is unreadable ({type(e).__name__})") from None
-    return {k: v for k, v in meta.items() if not k.startswith("optimizer.")}
+def _model_tensors(path: Path) -> dict[str, trust.TensorShape]:
+    """ShardedTensor key -> global shape and dtype of the model's tensors, from `.metadata` read
+    by the restricted unpickler (never by torch's reader: that is a plain `pickle.load`)."""
+    return {k: v for k, v in trust.tensor_shapes(path).items() if not k.startswith("optimizer.")}
 
 
 def inspect(path: str | Path, *, model: Optional[str] = None) -> CheckpointInfo:
@@ -124,7 +111,9 @@ def inspect(path: str | Path, *, model: Optional[str] = None) -> CheckpointInfo:
     from mrl.models.config import ModelConfig
 
     step_dir = resolve_checkpoint(path)
-    common = _load_common(step_dir)
+    trust.require(step_dir, "merge")     # its bytes are the ones saved, before any of them is unpickled
+    common = trust.read_common(step_dir)
+    tensors = _model_tensors(step_dir)
     extra = dict(common.get("extra") or {})
     if model is not None:
         hf = model_hf_config(ModelConfig(path=model))
@@ -135,7 +124,6 @@ def inspect(path: str | Path, *, model: Optional[str] = None) -> CheckpointInfo:
     else:
         raise UserError(f"merge: checkpoint {step_dir} does not record its model (no hf_config in its state); "
                         "pass --model with the job's model.path")
-    tensors = _model_tensors(step_dir)
     lora, seed = _lora_of(extra)
     layout = dict(common.get("layout") or {})
     role = extra.get("role") or ("critic" if _has_value_head(tensors) else "actor")

@@ -288,6 +288,12 @@ def _base_store(launch: LaunchEnv, init_timeout_s: float) -> dist.Store:
     return store
 
 
+def launch_store() -> tuple[Optional[dist.Store], str]:
+    """The launch's key-value store (None in a one-process run) and a key prefix unique to the
+    current process-group generation, for agreements outside any collective (the run lock)."""
+    return _STATE.base_store, f"mrl/pg{_STATE.generation}"
+
+
 def destroy_process_group() -> None:
     """Tear down the default process group (idempotent)."""
     if dist.is_available() and dist.is_initialized():

@@ -99,7 +99,8 @@ class Rewarder:
 
     def __init__(self, sources: Sequence[RewardSource], *, on_error: OnError = "zero", workers: int = 4,
                  timeout_s: float = 30.0, model_scorer: RewardModelScorer | None = None,
-                 start_method: str = "spawn", memory_mb: int = 0, max_output_bytes: int | None = None):
+                 start_method: str = "spawn", memory_mb: int = 0, max_output_bytes: int | None = None,
+                 env_allow: Sequence[str] = (), protect_dirs: Sequence[str] = ()):
         self.sources = tuple(sources)
         self.on_error = on_error
         self.model_scorer = model_scorer
@@ -107,8 +108,10 @@ class Rewarder:
             raise ValueError("a model reward source needs a RewardModelScorer")
         refs = [s.ref for s in self.sources if s.kind != "model"]
         self.pool = RewardPool(refs, workers=workers, timeout_s=timeout_s, start_method=start_method,
-                               memory_mb=memory_mb, max_output_bytes=max_output_bytes) if refs else None
+                               memory_mb=memory_mb, max_output_bytes=max_output_bytes, env_allow=tuple(env_allow),
+                               protect_dirs=tuple(protect_dirs)) if refs else None
         self._replaced = self._truncated = 0
+        self._renamed: set[str] = set()   # reward metrics renamed apart from mrl's own (said once each)
 
     def scoring_budget_s(self, responses: int) -> float:
         """The longest `score` of `responses` responses takes (every call up to its timeout)."""
@@ -118,7 +121,8 @@ class Rewarder:
     @classmethod
     def from_config(cls, cfg: RewardConfig, model_scorer: RewardModelScorer | None = None, **kw) -> "Rewarder":
         return cls(reward_sources(cfg), on_error=cfg.on_error, workers=cfg.workers, timeout_s=cfg.timeout_s,
-                   model_scorer=model_scorer, memory_mb=cfg.memory_mb, max_output_bytes=cfg.max_output_bytes, **kw)
+                   model_scorer=model_scorer, memory_mb=cfg.memory_mb, max_output_bytes=cfg.max_output_bytes,
+                   env_allow=cfg.env_allow, **kw)
 
     def __enter__(self) -> "Rewarder":
         return self
@@ -200,7 +204,13 @@ class Rewarder:
         for (name, kind), c in counts.items():
             stats[f"reward/{name}/errors/{kind}"] = float(c)
         for key, values in metrics.items():
-            stats[f"reward/{key}"] = _mean(values)
+            name = f"reward/{key}"
+            if name in stats:   # a reward's own metric named like mrl's (`mean`, `errors/...`): kept apart
+                name = f"reward/{key}_metric"
+                if key not in self._renamed:
+                    self._renamed.add(key)
+                    log.warning("reward metric %r is named like mrl's %r; logged as %r", key, f"reward/{key}", name)
+            stats[name] = _mean(values)
         stats["reward/workers_replaced"] = float(self._replaced)
         stats["reward/output_truncated_calls"] = float(self._truncated)
         return RewardResult(scores=totals, valid=valid, source_scores=source_scores, metrics=metrics,

@@ -29,5 +29,6 @@ class RewardConfig:
     timeout_s: float = option(30.0, gt=0, help="a call that takes longer is killed and scored on_error")
     memory_mb: int = option(4096, ge=0, help="address space per reward process in MiB (RLIMIT_AS); a call past it fails as 'memory'; 0 = no limit")
     max_output_bytes: int = option(4096, ge=0, help="stdout/stderr a reward call may print; the rest is dropped and counted (reward/output_truncated_calls)")
+    env_allow: tuple[str, ...] = option((), help="environment variables reward workers may see besides the default allowlist (names or shell patterns, e.g. ['OPENAI_API_KEY', 'MY_*']); tokens, keys, secrets and tracking credentials are hidden otherwise")
     on_error: Literal["zero", "drop", "fail"] = option("zero", help="a call that raises, hangs, crashes or returns NaN or a non-number is counted and scores 0 (zero), is left out of the update (drop), or fails the step (fail)")
     micro_batch_tokens: Optional[int] = option(None, ge=1, help="reward model token budget per forward")

@@ -133,4 +133,22 @@ def load_function(ref: str, what: str = "reward.function"):
     fn = getattr(module, func, None)
     if not callable(fn):
         raise UserError(f"{what}: {target} has no function {func!r}")
-    return fn
+    return awaited(fn)
+
+
+def awaited(fn):
+    """`fn` itself, or for an `async def` function a plain one that runs its coroutine to the end
+    (each call in a fresh event loop): callers call user functions synchronously, and an
+    un-awaited coroutine is not a score."""
+    import asyncio
+    import functools
+    import inspect
+
+    if not inspect.iscoroutinefunction(fn):
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+
+    return run

@@ -18,6 +18,14 @@ stdout/stderr per call (the user's prints and their subprocesses'; the rest is d
 counted in `truncated_calls`). Workers die with the process that started them (PR_SET_PDEATHSIG),
 so a trainer killed outright leaves no reward processes behind.
 
+Least privilege (`mrl.reward.sandbox`): a worker starts with an allowlisted environment (no
+tokens, keys, secrets or tracking credentials unless `reward.env_allow` names them), in its own
+session, as a subreaper whose whole process tree (double-forked daemons included) is killed with
+it, with the run and checkpoint directories unwritable where Landlock exists, and with a private
+`TMPDIR`. Results come back as plain data: the worker turns a return value into JSON (numbers,
+strings, lists, dicts; any other object becomes its description) and the trainer decodes JSON of
+at most `MAX_REPLY_BYTES`, so nothing a reward returns is unpickled in the trainer.
+
 `run(calls)` also bounds the whole batch: `batch_budget_s(len(calls))` is the time it can take
 when every call runs up to its timeout; calls still unfinished past it get "timeout" outcomes.
 So a peer rank waiting for this batch can wait in a stage whose timeout covers that budget.
@@ -25,12 +33,16 @@ So a peer rank waiting for this batch can wait in a stage whose timeout covers t
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import math
 import multiprocessing as mp
+import numbers
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import termios
 import threading
 import time
@@ -42,11 +54,40 @@ from typing import Any
 
 from mrl.errors import UserError
 from mrl.platform.lifetime import die_with_parent
+from mrl.reward import sandbox
 
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 120.0  # a worker that cannot import its functions in this long is a broken set-up
 _THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")  # one call, one thread
+MAX_REPLY_BYTES = 16 << 20   # a worker's reply beyond this is an error, not decoded
+_PLAIN_DEPTH = 32
+
+
+def plain(value: Any, depth: int = 0) -> Any:
+    """`value` as JSON-ready plain data: numbers (numpy and torch scalars and subclasses become
+    int/float), strings, None, lists and dicts with string keys. Any other object becomes a
+    short description string (a score that is one is "not_a_number"); nesting deeper than
+    `_PLAIN_DEPTH` is a `ValueError`. Runs in the worker, inside the call's timeout."""
+    if depth > _PLAIN_DEPTH:
+        raise ValueError(f"nested deeper than {_PLAIN_DEPTH} levels")
+    if value is None or type(value) in (bool, str):
+        return value
+    if getattr(value, "shape", None) == () and hasattr(value, "item"):   # 0-d numpy / torch
+        value = value.item()
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v, depth + 1) for v in value]
+    return f"<{type(value).__name__}>"
 
 
 @dataclass(frozen=True)
@@ -64,7 +105,7 @@ class Outcome:
 
     Kinds: "exception" (the function raised), "timeout" (killed after `timeout_s`, or the batch's
     budget ran out), "crash" (the worker died, e.g. a segfault or `os._exit`), "memory" (the call
-    ran out of `memory_mb`), "unpicklable" (the value could not be sent back). `output_dropped`:
+    ran out of `memory_mb`), "unpicklable" (the value could not be sent back as plain JSON data). `output_dropped`:
     bytes of the call's output beyond `max_output_bytes`.
     """
 
@@ -135,11 +176,22 @@ class _OutputCap:
             return self.dropped
 
 
-def _worker_main(conn, refs: tuple[str, ...], memory_mb: int = 0, max_output_bytes: int | None = None) -> None:
-    """Worker process: apply the limits, import the functions, report ready, then serve calls
-    until the pipe closes."""
-    os.setpgrp()  # own process group: a kill on timeout also reaches the user's subprocesses
+def _send(conn, message) -> None:
+    conn.send_bytes(json.dumps(message, allow_nan=True).encode())
+
+
+def _worker_main(conn, refs: tuple[str, ...], memory_mb: int = 0, max_output_bytes: int | None = None,
+                 env: dict | None = None, protect: tuple[str, ...] = ()) -> None:
+    """Worker process: drop privileges (environment, writable directories), apply the limits,
+    import the functions, report ready, then serve calls until the pipe closes."""
+    if os.getsid(0) != os.getpid():
+        os.setpgrp()  # own process group (spawned workers lead their own session already)
     die_with_parent()
+    sandbox.become_subreaper()   # a reward's double-forked daemon stays in this tree (killed with it)
+    if env is not None:          # spawned workers start with it; a forked one drops the rest here
+        os.environ.clear()
+        os.environ.update(env)
+    unenforced = sandbox.deny_writes(protect)
     for key in _THREAD_ENV:
         os.environ.setdefault(key, "1")
     if memory_mb:
@@ -154,16 +206,16 @@ def _worker_main(conn, refs: tuple[str, ...], memory_mb: int = 0, max_output_byt
     try:
         functions = {ref: load_function(ref) for ref in refs}
     except MemoryError:
-        conn.send(("setup_error", f"importing them needs more than reward.memory_mb = {memory_mb} MiB"))
+        _send(conn, ("setup_error", f"importing them needs more than reward.memory_mb = {memory_mb} MiB"))
         return
     except BaseException as e:  # noqa: BLE001 - reported to the parent as a set-up error
         where = ""
         tb = traceback.extract_tb(e.__traceback__)
         if tb:
             where = f" ({os.path.basename(tb[-1].filename)}:{tb[-1].lineno})"
-        conn.send(("setup_error", f"{type(e).__name__}: {e}{where}"))
+        _send(conn, ("setup_error", f"{type(e).__name__}: {e}{where}"))
         return
-    conn.send(("ready", None))
+    _send(conn, ("ready", unenforced))
     while True:
         try:
             task_id, ref, args, kwargs = conn.recv()
@@ -173,7 +225,11 @@ def _worker_main(conn, refs: tuple[str, ...], memory_mb: int = 0, max_output_byt
             cap.start_call()
         try:
             value = functions[ref](*args, **kwargs)
-            reply = [task_id, None, value, 0]
+            try:
+                reply = [task_id, None, plain(value), 0]
+            except Exception as e:  # noqa: BLE001 - nested too deep, or a number whose conversion raises
+                reply = [task_id, "unpicklable", f"returned a {type(value).__name__} that cannot be sent back as "
+                                                 f"plain data: {type(e).__name__}: {str(e)[:160]}", 0]
         except MemoryError:
             reply = [task_id, "memory", f"MemoryError: the call needed more than reward.memory_mb = {memory_mb} MiB", 0]
         except Exception as e:  # noqa: BLE001 - any user error becomes an outcome
@@ -182,10 +238,13 @@ def _worker_main(conn, refs: tuple[str, ...], memory_mb: int = 0, max_output_byt
         if cap is not None:
             reply[3] = cap.drain()
         try:
-            conn.send(tuple(reply))
-        except Exception as e:  # noqa: BLE001 - e.g. the value cannot be pickled
-            conn.send((task_id, "unpicklable", f"returned a {type(reply[2]).__name__} that cannot be sent back: {e}",
-                       reply[3]))
+            data = json.dumps(reply, allow_nan=True).encode()
+            if len(data) > MAX_REPLY_BYTES:
+                raise ValueError(f"{len(data)} bytes of JSON, more than {MAX_REPLY_BYTES}")
+        except (ValueError, TypeError, RecursionError) as e:   # e.g. an int of more than 4300 digits
+            data = json.dumps([task_id, "unpicklable", f"returned a {type(reply[2]).__name__} that cannot be sent "
+                                                       f"back as plain data: {str(e)[:160]}", reply[3]]).encode()
+        conn.send_bytes(data)
 
 
 def batch_budget_s(calls: int, workers: int, timeout_s: float, ready_timeout_s: float = READY_TIMEOUT_S) -> float:
@@ -197,9 +256,14 @@ def batch_budget_s(calls: int, workers: int, timeout_s: float, ready_timeout_s: 
 
 
 class _Worker:
-    def __init__(self, ctx, refs: tuple[str, ...], limits: tuple):
+    def __init__(self, ctx, refs: tuple[str, ...], limits: tuple, env: dict, protect: tuple[str, ...]):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_worker_main, args=(child, refs, *limits), daemon=True, name="mrl-reward")
+        args = (child, refs, *limits, env, protect)
+        if ctx.get_start_method() == "spawn":   # exec'd with `env` only: the trainer's secrets never reach it
+            self.process = sandbox.CleanEnvProcess(target=_worker_main, args=args, daemon=True, name="mrl-reward")
+            self.process.env = env
+        else:
+            self.process = ctx.Process(target=_worker_main, args=args, daemon=True, name="mrl-reward")
         self.process.start()
         child.close()
         self.ready = False
@@ -208,12 +272,26 @@ class _Worker:
         self.started = 0.0
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            self.process.kill()
+        """Kill the worker with everything it started (its group, and daemons that left it)."""
+        pid = self.process.pid
+        if pid is not None and self.process.exitcode is None:   # not reaped yet: the pid is still its own
+            sandbox.kill_tree(pid)
+        elif pid is not None:   # it died by itself: what is left of its group
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self.process.join(timeout=5)
         self.conn.close()
+
+    def receive(self) -> tuple:
+        """The next message, decoded from JSON (never unpickled); `EOFError` past `MAX_REPLY_BYTES`."""
+        try:
+            return tuple(json.loads(self.conn.recv_bytes(MAX_REPLY_BYTES)))
+        except (OSError, ValueError) as e:   # too long, or not JSON: the call fails as a crash
+            sandbox.kill_tree(self.process.pid)
+            self.process.join(timeout=5)
+            raise EOFError(f"unreadable reply ({e})") from None
 
 
 class RewardPool:
@@ -227,7 +305,8 @@ class RewardPool:
 
     def __init__(self, refs: list[str] | tuple[str, ...], *, workers: int = 4, timeout_s: float = 30.0,
                  start_method: str = "spawn", memory_mb: int = 0, max_output_bytes: int | None = None,
-                 ready_timeout_s: float = READY_TIMEOUT_S):
+                 ready_timeout_s: float = READY_TIMEOUT_S, env_allow: tuple[str, ...] = (),
+                 protect_dirs: tuple[str, ...] = ()):
         self.refs = tuple(dict.fromkeys(refs))
         self.timeout_s = timeout_s
         self.ready_timeout_s = ready_timeout_s
@@ -236,7 +315,14 @@ class RewardPool:
         self.memory_mb, self.max_output_bytes = memory_mb, max_output_bytes
         self._limits = (memory_mb, max_output_bytes)
         self._ctx = mp.get_context(start_method)
-        self._workers = [_Worker(self._ctx, self.refs, self._limits) for _ in range(workers)]
+        self._tmp = tempfile.mkdtemp(prefix="mrl-reward-")   # the workers' TMPDIR (writable under Landlock)
+        self._env = sandbox.worker_env(env_allow) | {"TMPDIR": self._tmp, "TEMP": self._tmp, "TMP": self._tmp}
+        self._protect = tuple(str(p) for p in protect_dirs if p)
+        self.unprotected: str | None = None   # why the protected directories are writable after all
+        self._workers = [self._new_worker() for _ in range(workers)]
+
+    def _new_worker(self) -> _Worker:
+        return _Worker(self._ctx, self.refs, self._limits, self._env, self._protect)
 
     @property
     def workers(self) -> int:
@@ -259,11 +345,12 @@ class RewardPool:
         for w in self._workers:
             w.kill()
         self._workers = []
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
     def _replace(self, w: _Worker) -> _Worker:
         w.kill()
         self.replacements += 1
-        fresh = _Worker(self._ctx, self.refs, self._limits)
+        fresh = self._new_worker()
         self._workers[self._workers.index(w)] = fresh
         return fresh
 
@@ -274,6 +361,9 @@ class RewardPool:
                 self.close()
                 raise UserError(f"{self._what()} cannot be loaded: {detail}")
             w.ready = True
+            if detail and self.unprotected is None and self._protect:
+                self.unprotected = detail
+                log.warning("reward workers can write into the run and checkpoint directories: %s", detail)
             return
         task_id, error, payload, dropped = message
         if task_id == w.task:
@@ -326,7 +416,7 @@ class RewardPool:
                 handled.add(id(w))
                 try:
                     while w.conn.poll():
-                        self._on_message(w, w.conn.recv(), results, now)
+                        self._on_message(w, w.receive(), results, now)
                 except (EOFError, OSError):
                     pass
                 if not w.process.is_alive() or obj is w.process.sentinel:

@@ -181,6 +181,9 @@ def _resume(r: SFTRun) -> tuple[int, dict]:
         if ck.resume == "must" or ck.load_from:
             raise UserError(f"checkpoint{'.load_from' if ck.load_from else '.resume'}: no checkpoint in {root}")
         return 0, {}
+    from mrl.checkpoint.compat import before_load
+
+    before_load(found, r.hf)   # another model: one line before megatron reads a tensor
     loaded = state.load(found, chunks=r.engine.chunks, optimizer=r.engine.optimizer, scheduler=r.engine.scheduler,
                         verified=True)
     extra = loaded.extra
@@ -210,10 +213,13 @@ def sft(spec) -> dict[str, float]:
                              state.estimated_bytes(r.engine.chunks, with_optimizer=spec.checkpoint.save_optimizer),
                              "checkpoint.dir")
         start, extra = _resume(r)
+        from mrl.tracking.origin import tracking_start
+
+        resume_run_id, origin = tracking_start(spec, start, extra)   # load_from another run: a new run
         tracker = life.tracker = Tracker(spec.tracking, run_dir=run_dir_of(spec), total_steps=r.total_steps,
-                                         rank=r.ctx.rank, resume_run_id=extra.get("mlflow_run_id"), start_step=start,
-                                         log_every_steps=spec.sft.log_every_steps)
-        if start == 0:
+                                         rank=r.ctx.rank, resume_run_id=resume_run_id, start_step=start,
+                                         log_every_steps=spec.sft.log_every_steps, origin=origin)
+        if start == 0 or origin:   # a new MLflow run
             tracker.log_spec(spec)
             tracker.log_params({f"data/{k}": v for k, v in r.train.stats.items()})
         elif start >= r.total_steps:

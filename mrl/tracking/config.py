@@ -15,4 +15,8 @@ class TrackingConfig:
     experiment: str = option("mrl", help="MLflow experiment")
     run_name: Optional[str] = option(None, help="MLflow run name (default: job.name)")
     tracking_uri: Optional[str] = option(None, help="MLflow URI (default: sqlite:///<job.output_dir>/<job.name>/mlflow.db)")
-    tags: dict[str, str] = option(factory=dict, help="tags attached to the run")
+    tags: dict[str, str] = option(factory=dict, help="tags attached to the run (keys MLflow rejects, e.g. with @, are "
+                                                     "renamed, said once)")
+    retry_s: float = option(30.0, ge=0, help="how long a failed MLflow write (store locked, read-only, down) is retried "
+                                            "with backoff before it is dropped, counted (tracking/dropped_writes) and "
+                                            "kept in <run dir>/tracking_dropped.jsonl for `mrl track replay`")

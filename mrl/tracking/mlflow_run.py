@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from mrl.errors import UserError
+from mrl.tracking.names import NameMap
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _sqlite_path(uri: str) -> Path | None:
+    """The database file of a local sqlite URI (`sqlite:///PATH`, or SQLite's URI form
+    `sqlite:///file:PATH?mode=ro&uri=true`); None for other stores."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///"):]
+    if path.startswith("file:"):
+        path = path[len("file:"):].split("?", 1)[0]
+    return Path(path)
+
+
 def _sqlite_dir(uri: str) -> Path | None:
-    return Path(uri[len("sqlite:///"):]).parent if uri.startswith("sqlite:///") else None
+    path = _sqlite_path(uri)
+    return path.parent if path is not None else None
 
 
 def source_tags(cwd: str | os.PathLike | None = None) -> dict[str, str]:
@@ -71,10 +84,13 @@ class MlflowRun:
     """A run in `experiment` at `tracking_uri`; `run_id` re-attaches to an existing run (resume)."""
 
     def __init__(self, tracking_uri: str, experiment: str, run_name: str, *, run_id: str | None = None,
-                 tags: Mapping[str, str] | None = None):
+                 tags: Mapping[str, str] | None = None, names: NameMap | None = None):
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
+        self.names = names or NameMap()   # keys MLflow would reject are renamed (said once)
+        # its own report of a failed database write is a traceback per try: the caller says it once
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
         self.client = MlflowClient(tracking_uri=tracking_uri)
         self.tracking_uri = tracking_uri
         if run_id is not None:
@@ -133,7 +149,7 @@ class MlflowRun:
         store_dir = _sqlite_dir(self.tracking_uri)
         if store_dir is None:
             return 0
-        with contextlib.closing(sqlite3.connect(self.tracking_uri[len("sqlite:///"):], timeout=60)) as db, db:
+        with contextlib.closing(sqlite3.connect(_sqlite_path(self.tracking_uri), timeout=60)) as db, db:
             removed = db.execute("DELETE FROM metrics WHERE run_uuid = ? AND step > ?", (self.run_id, step)).rowcount
             if removed:   # latest_metrics: the newest remaining row of each key (MLflow's order)
                 latest: dict[str, tuple] = {}
@@ -153,13 +169,14 @@ class MlflowRun:
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         from mlflow.entities import RunTag
 
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in self.names.keys(tags).items()])
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Log params. MLflow params are immutable: on a resumed run, keys already logged with the same
         value are skipped, and changed ones are kept as they were and listed in the `mrl.resume_changed_params` tag."""
         from mlflow.entities import Param
 
+        params = self.names.keys(params)
         new = {k: str(v) for k, v in params.items() if k not in self._logged_params}
         changed = sorted(k for k, v in params.items() if k in self._logged_params and self._logged_params[k] != str(v))
         if changed:
@@ -171,13 +188,13 @@ class MlflowRun:
             self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in items[i:i + PARAMS_PER_BATCH]])
         self._logged_params.update(new)
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int, *, timestamp_ms: int | None = None) -> None:
         """Every metric at `step`. Non-numeric values are skipped; NaN is stored as NaN."""
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
+        now = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
         items = []
-        for k, v in metrics.items():
+        for k, v in self.names.keys(metrics).items():
             try:
                 value = float(v)
             except (TypeError, ValueError):
@@ -185,6 +202,9 @@ class MlflowRun:
             items.append(Metric(k, value if not math.isinf(value) else math.copysign(1e308, value), now, step))
         for i in range(0, len(items), METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=items[i:i + METRICS_PER_BATCH])
+
+    def log_table(self, columns: Mapping[str, list], artifact_file: str) -> None:
+        self.client.log_table(self.run_id, data=dict(columns), artifact_file=artifact_file)
 
     def log_text(self, text: str, artifact_path: str) -> None:
         self.client.log_text(self.run_id, text, artifact_path)

@@ -7,19 +7,30 @@
     tracker.finish()                           # or finish("FAILED")
 
 Save `tracker.run_id` in the checkpoint; passing it back as `resume_run_id` re-attaches to the
-same MLflow run, so a resumed job continues one run. On every other rank all methods do nothing.
+same MLflow run, so a resumed job continues one run. `origin` (a `checkpoint.load_from` start)
+makes a new run tagged with the checkpoint it started from. On every other rank all methods do
+nothing.
+
+Tracking never kills training: keys MLflow rejects are renamed (`mrl.tracking.names`), and every
+MLflow write goes through a `WriteGuard` (`mrl.tracking.journal`): retried with backoff, then
+dropped with a counted warning into `<run dir>/tracking_dropped.jsonl` for `mrl track replay`.
+The count is the metric `tracking/dropped_writes` of the steps after a drop.
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import IO, Any, Mapping
 
 from mrl.config.dump import to_toml
+from mrl.errors import UserError
 from mrl.tracking.config import TrackingConfig
 from mrl.tracking.console import ConsoleProgress
+from mrl.tracking.journal import WriteGuard
+from mrl.tracking.names import NameMap
 from mrl.tracking.mlflow_run import MlflowRun, default_tracking_uri, ensure_store_dir, source_tags
 from mrl.tracking.params import spec_params
 
@@ -31,18 +42,33 @@ def run_dir_of(spec: Any) -> Path:
     return Path(spec.job.output_dir) / spec.job.name
 
 
+def _numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The values that are numbers, as floats (a journal record must be plain JSON)."""
+    out = {}
+    for k, v in metrics.items():
+        try:
+            out[k] = float(v)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
 class Tracker:
     """Console progress and/or MLflow as `cfg.backends` says; a no-op on ranks other than 0."""
 
     def __init__(self, cfg: TrackingConfig, *, run_dir: str | os.PathLike, total_steps: int, rank: int | None = None,
                  resume_run_id: str | None = None, start_step: int = 0, stream: IO[str] | None = None,
-                 force_terminal: bool | None = None, log_every_steps: int = 1):
+                 force_terminal: bool | None = None, log_every_steps: int = 1,
+                 origin: Mapping[str, str] | None = None):
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self._stream = stream
         self.console: ConsoleProgress | None = None
         self.mlflow: MlflowRun | None = None
         self.tensorboard = None   # torch.utils.tensorboard.SummaryWriter
         self._run_id: str | None = None
+        self._target: dict[str, Any] = {}   # where MLflow writes go (journal records name it)
+        self.guard = WriteGuard(run_dir, retry_s=cfg.retry_s, say=self.message)
+        self.names = NameMap(self.message)   # MLflow-legal keys, each renamed key said once
         if self.rank != 0:
             return
         if "mlflow" in cfg.backends:
@@ -51,14 +77,30 @@ class Tracker:
             from mrl.tracking.environment import environment_tags, mrl_source_dir
 
             # the environment of this start (a resumed run records the one it resumed on)
-            tags = {**source_tags(mrl_source_dir()), **environment_tags(), **cfg.tags}
-            self.mlflow = MlflowRun(uri, cfg.experiment, cfg.run_name or Path(run_dir).name, run_id=resume_run_id,
-                                    tags=tags)
-            self._run_id = self.mlflow.run_id
-            if resume_run_id is not None:
-                self.mlflow.set_tags({"mrl.resumed_at_step": str(start_step)})
-                self.mlflow.forget_steps_after(start_step)   # steps logged after the checkpoint are re-run
-            self.mlflow.end_stale_runs()
+            tags = self.names.keys({**source_tags(mrl_source_dir()), **environment_tags(), **cfg.tags, **(origin or {})})
+            name = cfg.run_name or Path(run_dir).name
+            self._target = {"tracking_uri": uri, "experiment": cfg.experiment, "run_name": name, "run_id": resume_run_id}
+
+            def start():
+                try:
+                    self.mlflow = MlflowRun(uri, cfg.experiment, name, run_id=resume_run_id, tags=tags, names=self.names)
+                except UserError as e:   # the checkpoint's run is not in this store (moved, deleted)
+                    self.message(f"tracking: {e}; this run's metrics go to a new MLflow run")
+                    self.mlflow = MlflowRun(uri, cfg.experiment, name, tags={**tags, "mrl.missing_run_id": resume_run_id},
+                                            names=self.names)
+
+            if not self._write("the start of the MLflow run", start, "start", values=tags):
+                self.message("tracking: MLflow is unreachable; this run's metrics go to "
+                             f"{self.guard.journal} (replay them with `mrl track replay {run_dir}`)")
+            if self.mlflow is not None:
+                self._run_id = self._target["run_id"] = self.mlflow.run_id
+                if resume_run_id is not None and self.mlflow.run_id == resume_run_id:
+                    self._write("the resume tag", lambda: self.mlflow.set_tags({"mrl.resumed_at_step": str(start_step)}),
+                                "tags", values={"mrl.resumed_at_step": str(start_step)})
+                    # steps logged after the checkpoint are re-run
+                    self._write("the removal of re-run steps", lambda: self.mlflow.forget_steps_after(start_step),
+                                "forget_after", step=start_step)
+                self._write("the end of stale runs", self.mlflow.end_stale_runs, "none")
         if "tensorboard" in cfg.backends:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -76,9 +118,26 @@ class Tracker:
         """A tracker for a resolved job spec, with the run directory `<job.output_dir>/<job.name>`."""
         tracker = cls(spec.tracking, run_dir=run_dir_of(spec), total_steps=total_steps,
                       log_every_steps=spec.trainer.log_every_steps, **kw)
-        if tracker.mlflow is not None and spec.job.description:
-            tracker.mlflow.set_tags({"mlflow.note.content": spec.job.description})   # the UI's run description
+        if spec.job.description:   # the UI's run description
+            tracker.set_tags({"mlflow.note.content": spec.job.description})
+        if kw.get("origin"):   # a new run from another run's checkpoint: its own spec params
+            tracker.log_spec(spec)
         return tracker
+
+    def _write(self, what: str, fn, op: str, **record) -> bool:
+        """An MLflow write `fn` through the guard, kept as the journal record `{op, target, **record}`
+        when dropped (`op` "none": nothing to keep). With no MLflow run (its start was dropped)
+        everything but the start goes straight to the journal. True when it was written."""
+        if not self._target:
+            return True
+        full = {"op": op, **self._target, **record} if op != "none" else None
+        if self.mlflow is None and op != "start":
+            return self.guard.drop(what, full)
+        return self.guard.write(what, fn, full)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        tags = {self.names.name(k): str(v) for k, v in tags.items()}
+        self._write("tags", lambda: self.mlflow.set_tags(tags), "tags", values=tags)
 
     def start_lines(self, run_dir) -> list[str]:
         """Where this run's files are, and the command that shows its metrics."""
@@ -97,14 +156,15 @@ class Tracker:
         return self._run_id
 
     def log_params(self, params: Mapping[str, Any]) -> None:
-        if self.mlflow is not None:
-            self.mlflow.log_params(params)
+        params = {self.names.name(k): str(v) for k, v in params.items()}
+        self._write("params", lambda: self.mlflow.log_params(params), "params", values=params)
 
     def log_spec(self, spec: Any) -> None:
         """The resolved spec as dotted-key params and as the `spec.toml` artifact."""
-        if self.mlflow is not None:
-            self.mlflow.log_params(spec_params(spec))
-            self.mlflow.log_text(to_toml(spec), "spec.toml")
+        self.log_params(spec_params(spec))
+        text = to_toml(spec)
+        self._write("the spec.toml artifact", lambda: self.mlflow.log_text(text, "spec.toml"), "text", text=text,
+                    artifact="spec.toml")
 
     def stage(self, name: str) -> None:
         if self.console is not None:
@@ -113,8 +173,11 @@ class Tracker:
     def log_metrics(self, metrics: Mapping[str, float], step: int, *, console: bool = True) -> None:
         """Every metric of `step` to MLflow, and the step line/bar to the console (`console=False`:
         MLflow only, for what a step measures after its line, e.g. the checkpoint's time)."""
-        if self.mlflow is not None:
-            self.mlflow.log_metrics(metrics, step)
+        if self.rank == 0 and self.guard.dropped_writes:
+            metrics = {**metrics, "tracking/dropped_writes": float(self.guard.dropped_writes)}
+        values = self.names.keys(_numbers(metrics)) if self._target else {}
+        self._write(f"metrics of step {step}", lambda: self.mlflow.log_metrics(values, step), "metrics", step=step,
+                    values=values, time_ms=int(time.time() * 1000))
         if self.tensorboard is not None:
             for name, value in metrics.items():
                 self.tensorboard.add_scalar(name, float(value), step)
@@ -125,8 +188,9 @@ class Tracker:
     def log_samples(self, split: str, columns: Mapping[str, list]) -> None:
         """Append sample generations (`mrl.tracking.samples.sample_rows`) to the run's
         `samples/<split>.json` table."""
-        if self.mlflow is not None:
-            self.mlflow.client.log_table(self.mlflow.run_id, data=dict(columns), artifact_file=f"samples/{split}.json")
+        columns, artifact = {k: list(v) for k, v in columns.items()}, f"samples/{split}.json"
+        self._write(f"{split} samples", lambda: self.mlflow.log_table(columns, artifact), "table", columns=columns,
+                    artifact=artifact)
 
     def message(self, text: str) -> None:
         if self.console is not None:
@@ -139,8 +203,9 @@ class Tracker:
         if self.console is not None:
             self.console.close()
             self.console = None
-        if self.mlflow is not None:
-            self.mlflow.finish(status)
+        if self._target:
+            self._write(f"the run's end ({status})", lambda: self.mlflow.finish(status), "finish", status=status)
+            self._target = {}
             self.mlflow = None
         if self.tensorboard is not None:
             self.tensorboard.close()

@@ -239,7 +239,9 @@ def build_generation(spec: JobSpec, ctx, tokenizer, *, reward_model=None) -> Gen
 
         if reward_model is not None:
             gen.rm_scores = PrecomputedScores()
-        gen.rewarder = Rewarder.from_config(spec.reward, model_scorer=gen.rm_scores)
+        run_dir = Path(spec.job.output_dir) / spec.job.name   # unwritable from reward workers (Landlock)
+        gen.rewarder = Rewarder.from_config(spec.reward, model_scorer=gen.rm_scores,
+                                            protect_dirs=(str(run_dir), spec.checkpoint.dir))
     return gen
 
 

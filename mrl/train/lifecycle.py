@@ -1,5 +1,7 @@
 """The life of a run on one rank, shared by `mrl train` and `mrl sft`: how it ends.
 
+- The run directory is locked first (`mrl.checkpoint.lock`): a second launch of the same job
+  fails in one line before it touches a checkpoint or the MLflow store.
 - SIGTERM (torchrun, Slurm, `kill`) raises `SystemExit(143)` in the main thread, so the run
   unwinds like Ctrl-C instead of dying mid-write.
 - The run's status is FINISHED when the body said so (`Lifecycle.finished()`), KILLED on Ctrl-C or
@@ -51,9 +53,14 @@ def run_lifecycle(spec, *, rank: int, checkpoint_root: Path,
     checkpoints the export reads."""
     from mrl.platform import teardown
 
+    from mrl.checkpoint.lock import hold_run_lock
+    from mrl.tracking.tracker import run_dir_of
+
     life = Lifecycle()
     previous = terminate_by_exit()
+    lock = None
     try:
+        lock = hold_run_lock(run_dir_of(spec), rank)
         yield life
     except (KeyboardInterrupt, SystemExit):   # Ctrl-C, or SIGTERM from torchrun, Slurm or kill
         life.status = "KILLED"
@@ -66,9 +73,13 @@ def run_lifecycle(spec, *, rank: int, checkpoint_root: Path,
             signal.signal(signal.SIGTERM, previous)
         if life.tracker is not None:
             life.tracker.finish(life.status)
-        close()
-        teardown()
-        if life.status == "FINISHED" and spec.checkpoint.save_hf_at_end and life.export_steps is not None:
-            from mrl.train.export import export_hf
+        try:
+            close()
+            teardown()
+            if life.status == "FINISHED" and spec.checkpoint.save_hf_at_end and life.export_steps is not None:
+                from mrl.train.export import export_hf
 
-            export_hf(spec, checkpoint_root, life.export_steps, rank=rank)
+                export_hf(spec, checkpoint_root, life.export_steps, rank=rank)
+        finally:
+            if lock is not None:
+                lock.release()

@@ -51,6 +51,9 @@ def _resume(run: Run, learner: Learner) -> tuple[int, dict]:
             raise UserError(f"checkpoint{'.load_from' if ck.load_from else '.resume'}: no checkpoint in {root}"
                             + (" (checkpoint.resume = 'must')" if not ck.load_from else ""))
         return 0, {}
+    from mrl.checkpoint.compat import before_load
+
+    before_load(found, run.hf, run.spec.reward)   # another model: one line; a changed reward file: a warning
     actor = learner.actor
     loaded = state.load(found, chunks=actor.chunks, optimizer=actor.optimizer, scheduler=actor.scheduler, verified=True)
     if learner.critic is not None:
@@ -86,7 +89,10 @@ def _save(run: Run, learner: Learner, rollouts, step: int, tracker_run_id) -> No
     # What `mrl merge` needs to rebuild the model without the job file.
     model = {"hf_config": run.hf, "model_path": spec.model.path, "tokenizer": spec.model.tokenizer,
              "dtype": spec.model.dtype, "spec_toml": to_toml(spec)}
-    extra = {**position, "mlflow_run_id": tracker_run_id, "actor_updates": learner.actor.steps, **model, "role": "actor"}
+    from mrl.checkpoint.compat import job_reward_files
+
+    extra = {**position, "mlflow_run_id": tracker_run_id, "actor_updates": learner.actor.steps, **model, "role": "actor",
+             "reward_files": job_reward_files(spec.reward)}
     if learner.kl is not None:
         extra["kl_coef"] = learner.kl.value
     if learner.critic is not None:
@@ -174,8 +180,11 @@ def train(spec: JobSpec) -> dict[str, float]:
         _check_disk(spec, learner)
         start, extra = _resume(run, learner)
         restored = rollouts.load_state(extra, start) if extra else ""
+        from mrl.tracking.origin import tracking_start
+
+        resume_run_id, origin = tracking_start(spec, start, extra)   # load_from another run: a new run
         life.tracker = Tracker.from_spec(spec, total_steps=run.total_steps, rank=run.ctx.rank,
-                                         resume_run_id=extra.get("mlflow_run_id"), start_step=start)
+                                         resume_run_id=resume_run_id, start_step=start, origin=origin)
         last = _train(run, learner, generation, prompts, rollouts, life.tracker, start, restored)
         life.finished(export_steps=run.total_steps)
         return last

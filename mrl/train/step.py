@@ -186,7 +186,7 @@ def advantages(run: Run, kl_controller, batch: Batch, step: int = 0) -> tuple[Ba
     return batch, metrics
 
 
-def reject(batch: Batch, criteria: str, threshold: str) -> tuple[Batch, dict]:
+def reject(batch: Batch, criteria: str, threshold: str | float) -> tuple[Batch, dict]:
     """Rollout rejection sampling (`algorithm.correction.rejection`): rejected tokens leave
     `response_mask` (the loss and its counts); the mask before is kept as `unrejected_mask`."""
     from mrl.algos import rejection

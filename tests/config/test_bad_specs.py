@@ -293,3 +293,31 @@ def test_invalid_toml(write_job, cli):
 def test_missing_job_file(tmp_path, cli):
     rc, _, err = cli("validate", tmp_path / "absent.toml")
     assert rc == 2 and "absent.toml: job file not found" in err
+
+
+@pytest.mark.parametrize("target", ["fifo", "/dev/zero", "/dev/urandom", "dir", "big"])
+def test_extends_reads_only_bounded_regular_files(tmp_path, cli, target):
+    import os
+    import time
+
+    if target == "fifo":
+        os.mkfifo(tmp_path / "base.toml")   # opening it would block until a writer came
+        name = "base.toml"
+    elif target == "dir":
+        (tmp_path / "base.toml").mkdir()
+        name = "base.toml"
+    elif target == "big":
+        (tmp_path / "base.toml").write_text("# x\n" * (1 << 19))   # 2 MiB of comments
+        name = "base.toml"
+    else:
+        name = target
+    (tmp_path / "a.toml").write_text(f'extends = "{name}"\n')
+    t0 = time.monotonic()
+    rc, _, err = cli("validate", tmp_path / "a.toml")
+    assert rc == 2 and time.monotonic() - t0 < 10
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and ("not a regular file" in lines[0] or "at most" in lines[0]), err
+    # the job file itself is held to the same rule
+    if target in ("fifo", "/dev/zero"):
+        rc, _, err = cli("validate", tmp_path / name if target == "fifo" else name)
+        assert rc == 2 and "not a regular file" in err, err

@@ -333,7 +333,7 @@ def test_table_entries_are_well_formed():
     assert not [k for k, m in table.mapped.items() if m.rule not in RULES]
     defaults = verl_defaults() | verl_defaults(megatron=True)
     known = set(defaults) | set(table.mapped)   # DAPO recipe keys are not in main_ppo's defaults
-    assert not [c for c in table.read_only_when.values() if c not in known]
+    assert not [c for c in table.read_only_when.values() if c.partition("=")[0] not in known]   # "key=a|b": values
     for m in table.mapped.values():   # a rule's parameters name verl keys
         assert not [v for v in m.params.values()
                     if isinstance(v, str) and v not in defaults and not v.startswith("reward_model.reward_fn")]
@@ -418,3 +418,100 @@ def test_validating_a_verl_yaml_points_to_convert(cli, tmp_path):
     src.write_text(GRPO_YAML)
     rc, _, err = cli("validate", src)
     assert rc == 2 and "invalid TOML" in err and f"`mrl convert {src} -o job.toml`" in err
+
+
+# ---- verl 0.9.1 algorithms ---------------------------------------------------------------------
+
+# RolloutCorrectionConfig.bypass_pg_geo_rs_token_tis() written out (a preset is a Python constructor
+# in verl: a config carries its fields), with PF-PPO and GDPO.
+PRESET_PF_GDPO = ["algorithm.adv_estimator=gdpo", "+algorithm.gdpo_reward_keys=[acc,formatted]",
+                  "+algorithm.gdpo_reward_weights=[1.0,0.5]",
+                  "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
+                  "algorithm.rollout_correction.rollout_rs_threshold='0.999_1.001'",
+                  "algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=reinforce",
+                  "algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=max_min",
+                  "actor_rollout_ref.actor.kl_loss_type=low_var_kl+", "actor_rollout_ref.actor.use_kl_loss=true"]
+# decoupled_k3_rs() (a float threshold) with clip_cov; kl_cov's parameters are not read with it.
+K3_CLIP_COV = ["algorithm.adv_estimator=grpo_passk", "algorithm.rollout_correction.rollout_rs=seq_mean_k3",
+               "algorithm.rollout_correction.rollout_rs_threshold=0.01",
+               "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
+               "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.001",
+               "actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.5", "algorithm.kl_penalty=k1+",
+               "algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.loss_agg_mode=token-sum"]
+DPPO = ["algorithm.adv_estimator=opo", "actor_rollout_ref.actor.policy_loss.loss_mode=dppo_tv",
+        "actor_rollout_ref.actor.clip_ratio_c=5.0", "algorithm.rollout_correction.rollout_is=sequence"]
+
+
+def _verl_command(tmp_path, extra):
+    return [*extra, "actor_rollout_ref.model.path=builtin:tiny-qwen2", f"data.train_files={_data(tmp_path)}",
+            "actor_rollout_ref.rollout.n=4", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
+
+
+@pytest.mark.parametrize("name, extra", [("preset_pf_gdpo", PRESET_PF_GDPO), ("k3_clip_cov", K3_CLIP_COV),
+                                         ("dppo", DPPO)])
+def test_verl_algorithms_convert_into_jobs_that_validate(cli, tmp_path, name, extra):
+    out = tmp_path / f"{name}.toml"
+    rc, _, err = cli("convert", *_verl_command(tmp_path, extra), "-o", out)
+    assert rc == 0, err
+    rc, _, err = cli("validate", out)
+    assert rc == 0, err
+
+
+def test_a_verl_preset_converts_to_what_mrl_s_preset_means(tmp_path):
+    """The fields of verl's bypass_pg_geo_rs_token_tis() convert to the algorithm that mrl's
+    correction.preset of that name resolves to."""
+    from mrl.algos.config import AlgorithmConfig, CorrectionConfig
+    from mrl.algos.rejection_spec import expand_preset
+    from mrl.config.loader import load
+
+    src = tmp_path / "job.toml"
+    src.write_text(render(convert([], _verl_command(tmp_path, PRESET_PF_GDPO))))
+    alg = load(src)[0].algorithm
+    preset = expand_preset(AlgorithmConfig(correction=CorrectionConfig(preset="bypass_pg_geo_rs_token_tis")))
+    assert (alg.policy_loss, alg.correction) == (preset.policy_loss, preset.correction)
+    assert (alg.advantage, alg.gdpo_reward_keys, alg.gdpo_reward_weights) == ("gdpo", ("acc", "formatted"), (1.0, 0.5))
+    assert alg.pf_ppo.enable and alg.pf_ppo.method == "max_min"
+    assert alg.kl_loss.estimator == "low_var_kl+"                # verl's own KL names pass through
+
+
+def test_verl_algorithm_values_are_translated():
+    conv = convert([], K3_CLIP_COV)
+    v = {k: c.value for k, c in conv.values.items()}
+    assert v["algorithm.correction.rejection"] == "seq_mean_k3" and v["algorithm.correction.rejection_threshold"] == 0.01
+    assert v["algorithm.policy_loss"] == "clip_cov" and v["algorithm.clip_cov_ratio"] == 0.001
+    assert v["algorithm.loss_aggregation"] == "token-sum" and v["algorithm.kl_reward.estimator"] == "k1+"
+    assert "algorithm.kl_cov_ratio" not in v and "algorithm.kl_cov_coef" not in v   # read only with kl_cov
+    assert ("actor_rollout_ref.actor.policy_loss.kl_cov_ratio" in [k for k, _, _ in conv.not_read])
+    assert "algorithm.correction.old_logprobs" not in v          # bypass_mode false = mrl's recompute
+    assert "algorithm.pf_ppo.method" not in v                    # use_pf_ppo false: not read
+    conv = convert([], ["actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov", "algorithm.adv_estimator=grpo_vectorized"])
+    v = {k: c.value for k, c in conv.values.items()}
+    assert "algorithm.kl_cov_coef" not in v   # verl's default ppo_kl_coef 0.1 is mrl's default: dropped as such
+    assert ("actor_rollout_ref.actor.policy_loss.ppo_kl_coef", 0.1, "verl's default, = algorithm.kl_cov_coef default") \
+        in conv.dropped
+    assert v["algorithm.advantage"] == "grpo"
+    conv = convert([], DPPO)
+    v = {k: c.value for k, c in conv.values.items()}
+    assert (v["algorithm.policy_loss"], v["algorithm.correction.level"], v["algorithm.dual_clip"]) == \
+        ("dppo_tv", "sequence", 5.0)
+    # in bypass mode verl's loss is loss_type's (ppo_clip by default): loss_mode is not read
+    conv = convert([], [*DPPO, "algorithm.rollout_correction.bypass_mode=true"])
+    v = {k: c.value for k, c in conv.values.items()}
+    assert v["algorithm.correction.old_logprobs"] == "rollout" and "algorithm.policy_loss" not in v   # mrl's ppo
+    assert [k for k, _, _ in conv.not_read] == ["actor_rollout_ref.actor.policy_loss.loss_mode"]
+
+
+def test_a_custom_reward_function_is_called_with_verl_s_arguments(cli, tmp_path):
+    """verl calls compute_score(data_source=, solution_str=, ground_truth=, extra_info=) by name, also
+    a function that takes only **kwargs (which mrl's auto detection cannot tell from parameter
+    names): the converted job says reward.signature = "verl" and validates."""
+    fn = tmp_path / "my_reward.py"
+    fn.write_text("def my_score(**kwargs):\n    return float(kwargs['ground_truth'] in kwargs['solution_str'])\n")
+    command = _verl_command(tmp_path, [f"custom_reward_function.path={fn}", "custom_reward_function.name=my_score"])
+    conv = convert([], command)
+    assert conv.values["reward.function"].value == f"{fn}:my_score"
+    assert conv.values["reward.signature"].value == "verl" and "reward.builtin" not in conv.values
+    out = tmp_path / "job.toml"
+    rc, _, err = cli("convert", *command, "-o", out)
+    assert rc == 0, err
+    assert tomllib.loads(out.read_text())["reward"]["signature"] == "verl"

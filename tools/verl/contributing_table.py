@@ -19,8 +19,12 @@ def tables() -> dict[str, str]:
     def how(m):
         also = f"also `{'`, `'.join(m.targets[1:])}`" if len(m.targets) > 1 else ""
         return "; ".join(x for x in (also, _describe(m).replace("|", "/")) if x)
+
+    def when(condition):   # "key" (set) or "key=a|b" (one of these values): no "|" inside a table cell
+        flag, _, wanted = condition.partition("=")
+        return f"`{flag}`" + (" is " + " or ".join(f"`{v}`" for v in wanted.split("|")) if wanted else "")
     return {
-        "| verl keys | read only when |": "\n".join(f"| `{k}*` | `{v}` |" for k, v in t.read_only_when.items()),
+        "| verl keys | read only when |": "\n".join(f"| `{k}*` | {when(v)} |" for k, v in t.read_only_when.items()),
         "| verl key | mrl key | value translation |": "\n".join(f"| `{k}` | `{m.target}` | {how(m)} |"
                                                            for k, m in t.mapped.items()),
         "| verl key | why |": "\n".join([*(f"| `{k}` | {r} |" for k, r in t.not_applicable.items()),
