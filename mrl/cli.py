@@ -28,20 +28,18 @@ def summary(spec) -> str:
         from mrl.sft.config import summary as sft_summary
 
         return sft_summary(spec)
-    from mrl.rollout.layout import trainer_world
+    from mrl.train.plan import step_plan
 
-    p, par, d, r = spec.platform, spec.parallel, spec.data, spec.rollout
-    world = trainer_world(r, p.world_size)
-    dp = par.data_parallel(world)
-    responses = d.prompts_per_step * r.responses_per_prompt
-    mini = spec.actor.mini_batch_prompts
-    split = (f"world {p.world_size} = {r.ranks} rollout + {world} training ranks; " if r.placement == "separate" else "")
+    p, par, r = spec.platform, spec.parallel, spec.rollout
+    plan = step_plan(spec)
+    world, dp, actor = plan.trainer_world, plan.dp, plan.actor
+    split = (f"world {p.world_size} = {r.ranks} rollout + {world} training ranks; " if plan.separate else "")
     return (f"{split}{'training ' if split else ''}world {world} = DP {dp} x TP {par.tensor} x PP {par.pipeline} x CP {par.context}"
             + (f" (EP {par.expert})" if par.expert > 1 else "")
-            + f"; {d.prompts_per_step} prompts x {r.responses_per_prompt} = {responses} responses/step"
-            + f"; {d.prompts_per_step // mini} optimizer step(s) of {mini} prompts x {spec.actor.epochs} epoch(s)"
+            + f"; {plan.prompts_per_step} prompts x {plan.responses_per_prompt} = {plan.responses_per_step} responses/step"
+            + f"; {actor.mini_batches} optimizer step(s) of {actor.prompts} prompts x {actor.epochs} epoch(s)"
             + f"; {spec.algorithm.advantage}/{spec.algorithm.policy_loss} on {r.engine}"
-            + (f", max staleness {r.max_staleness}" if r.placement == "separate" else ""))
+            + (f", max staleness {r.max_staleness}" if plan.separate else ""))
 
 
 def cmd_validate(args) -> int:

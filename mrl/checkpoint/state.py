@@ -33,6 +33,7 @@ import torch
 
 from mrl.checkpoint import manifest, store, trust
 from mrl.errors import UserError
+from mrl.platform.collectives import broadcast_object, gather_objects
 
 log = logging.getLogger(__name__)
 
@@ -221,19 +222,6 @@ def _world() -> tuple[int, int]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
-def _gather(obj) -> list:
-    """`obj` from every rank, in rank order (all ranks)."""
-    out = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
-def _from_rank0(obj):
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _no_space(e: BaseException) -> bool:
     """Whether `e` (or anything in its chain, or its message: megatron re-raises writer errors
     as text) is 'No space left on device'."""
@@ -264,9 +252,9 @@ def _disk_full(path: Path, need_bytes: int) -> bool:
 def _write_manifest(tmp: Path, step: int, has_optimizer: bool) -> None:
     """Hash every file of the finished save (each rank a share) and write the manifest on rank 0."""
     rank, world = _world()
-    names = _from_rank0(manifest.listed_files(tmp) if rank == 0 else None)
+    names = broadcast_object(manifest.listed_files(tmp) if rank == 0 else None, "checkpoint save")
     mine = {rel: manifest.file_entry(tmp / rel) for rel in names[rank::world]}
-    everyone = _gather(mine)
+    everyone = gather_objects(mine, "checkpoint save")
     if rank == 0:
         files = {k: v for part in everyone for k, v in part.items()}
         manifest.write(tmp, files, step=step, optimizer=has_optimizer)
@@ -374,7 +362,7 @@ def verify(ckpt: str | Path) -> Optional[str]:
         files, problem = {}, str(e)
     names = sorted(files)
     mine = None if problem else manifest.problem_in(ckpt, {k: files[k] for k in names[rank::world]})
-    found = [p for p in _gather(problem or mine) if p]
+    found = [p for p in gather_objects(problem or mine, "checkpoint load") if p]
     return found[0] if found else None
 
 

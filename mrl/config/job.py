@@ -1,19 +1,16 @@
 """The job spec root: one section per component, plus the `job` section itself."""
 from __future__ import annotations
 
-from mrl.actor.config import ActorConfig
 from mrl.algos.config import AlgorithmConfig
 from mrl.checkpoint.config import CheckpointConfig
 from mrl.config.schema import SEED_MAX, option, section
-from mrl.critic.config import CriticConfig
 from mrl.data.config import DataConfig
 from mrl.models.config import ModelConfig
 from mrl.platform.config import ParallelConfig, PlatformConfig
-from mrl.ref.config import RefConfig
 from mrl.reward.config import RewardConfig
 from mrl.rollout.config import RolloutConfig
 from mrl.tracking.config import TrackingConfig
-from mrl.trainer.config import TrainerConfig
+from mrl.train.config import ActorConfig, CriticConfig, RefConfig, TrainerConfig
 
 
 @section

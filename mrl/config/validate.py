@@ -228,7 +228,6 @@ def check(spec: JobSpec, report) -> None:
     """Report every cross-field problem of a resolved spec."""
     err, warn = report.error, report.warn
     plat, par, data, roll, alg = spec.platform, spec.parallel, spec.data, spec.rollout, spec.algorithm
-    world_txt = training_world(spec)[1]
 
     dp, facts = check_shared(spec, report)
     if facts is not None:
@@ -241,21 +240,15 @@ def check(spec: JobSpec, report) -> None:
     n = roll.responses_per_prompt
     prompts = data.prompts_per_step
     seq_tokens = data.max_prompt_tokens + roll.max_response_tokens
-    mini_batches = [("actor", spec.actor.mini_batch_prompts)]
     budgets = [("actor.micro_batch_tokens", spec.actor.micro_batch_tokens),
                ("actor.logprob_micro_batch_tokens", spec.actor.logprob_micro_batch_tokens),
                ("ref.micro_batch_tokens", spec.ref.micro_batch_tokens)]
     if spec.critic.enable:
-        mini_batches.append(("critic", spec.critic.mini_batch_prompts))
         budgets.append(("critic.micro_batch_tokens", spec.critic.micro_batch_tokens))
-    for owner, mini in mini_batches:
-        key = f"{owner}.mini_batch_prompts"
-        if prompts % mini:
-            err(key, f"{mini} does not divide data.prompts_per_step {prompts}")
-        if dp and (mini * n) % dp:
-            err(key, f"{mini} prompts x rollout.responses_per_prompt {n} = {mini * n} responses per mini-batch do not "
-                     f"split evenly over data-parallel size {dp} ({world_txt} / (tensor {par.tensor} x pipeline "
-                     f"{par.pipeline} x context {par.context}))")
+    from mrl.train.plan import plan_problems   # the step plan mrl train resolves
+
+    for key, message in plan_problems(spec):
+        err(key, message)
     for key, tokens in budgets:
         if tokens is not None and tokens * par.context < seq_tokens:
             err(key, f"{tokens} tokens x context {par.context} cannot hold one sequence of data.max_prompt_tokens "
@@ -266,8 +259,7 @@ def check(spec: JobSpec, report) -> None:
 
     for key, message in rollout_layout_problems(roll, plat.world_size, facts, plat.device):
         err(key, message)
-    from mrl.train.partial import partial_problems   # the rules mrl train applies
-    from mrl.train.placement import separate_problems
+    from mrl.train.placement import partial_problems, separate_problems   # the rules mrl train applies
 
     for key, message in separate_problems(spec) + partial_problems(spec):
         err(key, message)

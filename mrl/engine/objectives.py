@@ -12,7 +12,7 @@ per-token values. Algorithms come from `mrl.algos`; only the plumbing lives here
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -90,7 +90,11 @@ def actor_outputs(temperature: float = 1.0, entropy: bool = False, vocab_size: O
 @dataclasses.dataclass(frozen=True)
 class PolicyObjective:
     """The actor's `LossFn`. Reads `old_logprobs`, `advantages` and `response_mask` (plus
-    `ref_logprobs` with a KL loss and `correction_weights` when present) from the micro-batch."""
+    `ref_logprobs` with a KL loss and `correction_weights` when present) from the micro-batch.
+
+    Without `old_logprobs` the update is on-policy (one optimizer step on the weights that
+    generated the responses): the old log-probs are this forward's own, detached. `record(mb,
+    logprobs)` receives each micro-batch's detached log-probs (the trainer side of the audit)."""
 
     loss: str = "ppo"                     # mrl.algos.config.POLICY_LOSSES
     eps_low: float = 0.2
@@ -115,6 +119,7 @@ class PolicyObjective:
     temperature: float = 1.0
     vocab_size: Optional[int] = None      # mask Megatron's vocabulary padding beyond it
     kernels: str = "auto"                 # "torch": the twins (model.use_fused_kernels = false)
+    record: Optional[Callable] = dataclasses.field(default=None, compare=False)
 
     def __call__(self, logits: torch.Tensor, mb: MicroBatch, totals: Totals):
         from mrl.algos import kl, losses
@@ -122,23 +127,28 @@ class PolicyObjective:
         logp_flat, ent_flat = response_logprobs(logits, mb, self.temperature, vocab_size=self.vocab_size,
                                                 kernels=self.kernels)
         logp, ent = mb.to_padded(logp_flat), mb.to_padded(ent_flat)
+        if self.record is not None:
+            self.record(mb, logp.detach())
         b = mb.batch
         mask = b["response_mask"]
         weights = b.get("correction_weights")
+        old = b.get("old_logprobs")
+        if old is None:
+            old = logp.detach()
         if self.loss == "ppo":
-            per_token, metrics = losses.ppo(logp, b["old_logprobs"], b["advantages"], mask, self.eps_low,
+            per_token, metrics = losses.ppo(logp, old, b["advantages"], mask, self.eps_low,
                                             self.eps_high, self.clip_c, weights=weights)
         elif self.loss == "gspo":
-            per_token, metrics = losses.gspo(logp, b["old_logprobs"], b["advantages"], mask, self.eps_low,
+            per_token, metrics = losses.gspo(logp, old, b["advantages"], mask, self.eps_low,
                                              self.eps_high, weights=weights)
         elif self.loss == "cispo":
-            per_token, metrics = losses.cispo(logp, b["old_logprobs"], b["advantages"], mask, self.eps_low,
+            per_token, metrics = losses.cispo(logp, old, b["advantages"], mask, self.eps_low,
                                               self.eps_high, weights=weights)
         elif self.loss == "sapo":
-            per_token, metrics = losses.sapo(logp, b["old_logprobs"], b["advantages"], mask, self.sapo_tau_pos,
+            per_token, metrics = losses.sapo(logp, old, b["advantages"], mask, self.sapo_tau_pos,
                                              self.sapo_tau_neg, weights=weights)
         else:
-            per_token, metrics = self._more(logp, b["old_logprobs"], b["advantages"], mask, weights, mb)
+            per_token, metrics = self._more(logp, old, b["advantages"], mask, weights, mb)
         mode = losses.FORCED_AGG_MODE.get(self.loss, self.aggregation)
 
         def agg(x):

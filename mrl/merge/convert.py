@@ -31,7 +31,7 @@ from mrl.merge.writer import ShardWriter, parse_size, save_tensors
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from mrl.platform.device import DTYPES
 # Verification is on by default below this many parameters (it holds a second, float32 model).
 VERIFY_DEFAULT_MAX_PARAMS = 2_000_000_000
 

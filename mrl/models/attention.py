@@ -163,6 +163,7 @@ class PackedCoreAttention(torch.nn.Module):
 
     def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 k_channels: Optional[int] = None, v_channels: Optional[int] = None,
                  cp_comm_type: Optional[str] = None, pg_collection=None):
         super().__init__()
         self.config = config
@@ -239,14 +240,38 @@ def layer_specs(config, backend: str, *, vp_stage: Optional[int] = None):
     if backend == "te":
         return specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
                                                 vp_stage=vp_stage)
+    mla = bool(getattr(config, "multi_latent_attention", False))
+    if mla:   # megatron's local MLA spec asks its backend for a `linear()` the local backend lacks:
+        config = copy.copy(config)   # build the plain local spec, then put MLA in (`_mla_attention`)
+        config.multi_latent_attention = False
     block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                              vp_stage=vp_stage)
     attention = None if backend == REFERENCE else core_attention_class(backend)
-    layers = [_own_layer(spec, attention) for spec in block.layer_specs]
+    layers = [_own_layer(spec, attention, mla=mla) for spec in block.layer_specs]
     return dataclasses.replace(block, layer_specs=layers, layer_norm=RMSNorm)
 
 
-def _own_layer(spec, attention):
+def _mla_attention(attention):
+    """Multi-latent attention (DeepSeek-V3) from local modules: the down projections are column-
+    parallel (megatron gathers their output over TP before the norms), the up projections column-
+    parallel by heads, the latent norms `RMSNorm`s in the model dtype, RoPE megatron's own (per
+    sequence on packed rows; MLA rotates only the `qk_pos_emb_head_dim` part), core attention mrl's
+    backend (q/k head dim != v head dim is fine for every backend)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                      submodules=MLASelfAttentionSubmodules(
+                          linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+                          linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+                          linear_kv_up_proj=ColumnParallelLinear, core_attention=attention or DotProductAttention,
+                          linear_proj=RowParallelLinear, q_layernorm=RMSNorm, kv_layernorm=RMSNorm))
+
+
+def _own_layer(spec, attention, *, mla: bool = False):
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.identity_op import IdentityOp
 
@@ -256,6 +281,9 @@ def _own_layer(spec, attention):
     sub = spec.submodules
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
+    if mla:
+        sub.self_attention = _mla_attention(attention)
+        return spec
     attn = sub.self_attention.submodules
     if attention is not None:
         if sub.self_attention.module is not SelfAttention:

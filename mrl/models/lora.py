@@ -213,6 +213,10 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, seed: int = 0) -> tor
 
     tp_rank, tp_size = _tp()
     wanted = set(cfg.target_modules)
+    qkv = sorted(wanted & {"q_proj", "k_proj", "v_proj"})
+    if qkv and getattr(getattr(model, "config", None), "multi_latent_attention", False):
+        raise UserError(f"LoRA: target_modules {qkv} on multi-latent attention (deepseek_v3): its q/k/v come from "
+                        "latent projections (q_a/q_b, kv_a/kv_b) that LoRA does not adapt yet; target o_proj")
     for p in model.parameters():
         p.requires_grad_(False)
     found = 0
@@ -292,10 +296,6 @@ def merged_weight(param: torch.nn.Parameter) -> torch.Tensor:
     return fn() if fn is not None else param.detach()
 
 
-def is_adapter_name(name: str) -> bool:
-    return ".lora.A." in name or ".lora.B." in name or name.startswith("lora.")
-
-
 def has_lora(chunks: Iterable[torch.nn.Module]) -> bool:
     from mrl.weights.layout import unwrap
 
@@ -322,6 +322,8 @@ def adapters_only_checkpoints(model: torch.nn.Module) -> torch.nn.Module:
     """Make `model`'s checkpoints hold its adapters only: its `sharded_state_dict` keeps the adapter
     entries and `load_state_dict` reports only missing adapters (the frozen base comes from
     `model.path`, which the checkpoint records). In place; returns `model`."""
+    from mrl.weights.tables import is_adapter_name   # the adapters' parameter names, with their table
+
     full_sd = model.sharded_state_dict
     full_load = model.load_state_dict
 

@@ -2,7 +2,9 @@
 
 Supported decoder families: Llama/Mistral (RMSNorm, SwiGLU, RoPE, GQA), Qwen2 (plus QKV bias),
 Qwen3 (plus QK-norm), Qwen3-MoE (plus routed experts, softmax router, top-k optionally
-renormalised, dense MLPs in `mlp_only_layers`) and Mixtral (routed experts, renormalised top-k).
+renormalised, dense MLPs in `mlp_only_layers`), Qwen2-MoE (Qwen2 attention with QKV bias, the
+Qwen3-MoE router, plus a shared expert scaled by a sigmoid gate) and Mixtral (routed experts,
+renormalised top-k).
 RoPE uses the checkpoint's inverse frequencies as `transformers` computes them (default,
 linear and llama3 scaling).
 Weights here are random (megatron's init); loading Hugging Face weights is the weight-mapping
@@ -20,9 +22,9 @@ from mrl.models.config import ModelConfig
 from mrl.models.facts import BUILTIN_PRESETS, builtin_preset, find_hf_config
 from mrl.platform.config import ParallelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from mrl.platform.device import DTYPES as _DTYPES
 
 
 def hf_config(model: ModelConfig) -> dict[str, Any]:
@@ -89,6 +91,16 @@ def moe_layer_pattern(hf: dict[str, Any]) -> list[int] | None:
     return None if all(pattern) else pattern
 
 
+def shared_experts(hf: dict[str, Any]) -> dict[str, Any]:
+    """TransformerConfig fields for an MoE layer's always-on shared expert: Qwen2-MoE's one
+    `shared_expert` of `shared_expert_intermediate_size`, scaled by `sigmoid(shared_expert_gate(x))`
+    (megatron's `moe_shared_expert_gate`, the same formula)."""
+    if hf.get("model_type") == "qwen2_moe" and hf.get("shared_expert_intermediate_size"):
+        return dict(moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
+                    moe_shared_expert_gate=True)
+    return {}
+
+
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, multiple: int = 128) -> int:
     """Vocabulary padded so every TP rank holds an equal, aligned slice (as Megatron training does)."""
     step = multiple * tensor_parallel
@@ -138,7 +150,8 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+        add_qkv_bias=(model_type == "qwen2" or bool(hf.get("attention_bias", False))
+                      or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)))),
         qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -168,7 +181,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
     elif recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     experts = hf.get("num_experts") or hf.get("num_local_experts")
-    if experts:
+    if experts and model_type != "deepseek_v3":
         pattern = moe_layer_pattern(hf)
         if pattern is not None:
             kwargs.update(moe_layer_freq=pattern)
@@ -185,8 +198,97 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
             moe_grouped_gemm=te,
             moe_permute_fusion=False,
         )
+        kwargs.update(shared_experts(hf))
+    if model_type == "deepseek_v3":
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        kwargs.update(deepseek_v3_fields({**hf, "_tensor_parallel": parallel.tensor}),
+                      moe_grouped_gemm=te, moe_permute_fusion=False)
+        kwargs.update(overrides)
+        return MLATransformerConfig(**kwargs)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def deepseek_v3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """MLATransformerConfig fields for DeepSeek-V3 / R1 (`hf` may carry `_tensor_parallel`, checked
+    against the MLA down projections' rows).
+
+    Multi-latent attention: q through a rank-`q_lora_rank` bottleneck with its RMSNorm (or one
+    projection when `q_lora_rank` is null), k/v from a rank-`kv_lora_rank` latent plus one shared
+    `qk_rope_head_dim` RoPE key; RoPE on the interleaved pairs (`rope_interleave`, megatron's MLA
+    convention). MoE: sigmoid scores, top-k chosen on scores plus the checkpoint's
+    `e_score_correction_bias` (megatron's expert bias, kept fixed: `moe_router_bias_update_rate`
+    0, RL does not re-balance) within the `topk_group` best of `n_group` groups (a group's score is
+    the sum of its top 2), weights renormalised and scaled by `routed_scaling_factor`; shared
+    experts of `n_shared_experts x moe_intermediate_size`; the first `first_k_dense_replace`
+    layers dense.
+    """
+    if not hf.get("rope_interleave", True):
+        raise UserError("model.path: deepseek_v3 with rope_interleave = false is not supported (megatron's MLA "
+                        "rotates interleaved pairs)")
+    if not hf.get("norm_topk_prob", True):
+        raise UserError("model.path: deepseek_v3 with norm_topk_prob = false is not supported (megatron "
+                        "renormalises sigmoid top-k weights)")
+    tp = int(hf.get("_tensor_parallel", 1))
+    for name, rows in (("q_lora_rank", hf.get("q_lora_rank") or 0),
+                       ("kv_lora_rank + qk_rope_head_dim", hf["kv_lora_rank"] + hf["qk_rope_head_dim"])):
+        if rows % tp:
+            raise UserError(f"parallel.tensor: {tp} does not divide deepseek_v3's {name} ({rows}), the rows of a "
+                            "column-parallel MLA down projection")
+    rope = rope_parameters(hf)
+    fields: dict[str, Any] = dict(
+        multi_latent_attention=True,
+        qk_layernorm=True,   # the latent norms: Transformer Engine's spec fuses them into the up projections
+        q_lora_rank=hf.get("q_lora_rank"),
+        kv_lora_rank=hf["kv_lora_rank"],
+        qk_head_dim=hf["qk_nope_head_dim"],
+        qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+        kv_channels=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
+        num_query_groups=hf["num_attention_heads"],
+        rotary_base=float(rope["rope_theta"]),
+        rotary_scaling_factor=1.0,
+        mscale=1.0,
+        mscale_all_dim=0.0,
+    )
+    if rope["rope_type"] == "default":
+        fields.update(rope_type="rope")
+    elif rope["rope_type"] == "yarn":
+        fields.update(rope_type="yarn", rotary_scaling_factor=float(rope["factor"]),
+                      original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                      beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+                      mscale=float(rope.get("mscale") or 1.0), mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
+    else:
+        raise UserError(f"model.path: RoPE type {rope['rope_type']!r} is not supported for deepseek_v3 "
+                        "(default, yarn)")
+    experts = hf.get("n_routed_experts")
+    if experts:
+        topk, groups, group_topk = hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1
+        if groups > 1 and topk != 2 * group_topk:
+            raise UserError(f"model.path: deepseek_v3 group-limited routing needs num_experts_per_tok = 2 x topk_group "
+                            f"(a group scores its top 2 experts; megatron scores top num_experts_per_tok / topk_group), "
+                            f"got {topk} and {group_topk}")
+        dense = hf.get("first_k_dense_replace") or 0
+        fields.update(
+            num_moe_experts=experts,
+            moe_router_topk=topk,
+            moe_ffn_hidden_size=hf["moe_intermediate_size"],
+            moe_layer_freq=[0 if i < dense else 1 for i in range(hf["num_hidden_layers"])],
+            moe_router_score_function="sigmoid",
+            moe_router_pre_softmax=False,
+            moe_router_enable_expert_bias=True,
+            moe_router_bias_update_rate=0.0,
+            moe_router_num_groups=groups if groups > 1 else None,
+            moe_router_group_topk=group_topk if groups > 1 else None,
+            moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+        )
+        if hf.get("n_shared_experts"):
+            fields.update(moe_shared_expert_intermediate_size=hf["n_shared_experts"] * hf["moe_intermediate_size"])
+    return fields
 
 
 def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_multiple: int = 128,

@@ -11,8 +11,6 @@ import dataclasses
 import logging
 import math
 
-import torch
-
 __all__ = ["NonFiniteError", "StepOutcome", "guarded_step"]
 
 log = logging.getLogger(__name__)
@@ -33,18 +31,6 @@ def _inner(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
-def _agree(flag: bool) -> bool:
-    """True on every rank when it is True on any rank."""
-    if not torch.distributed.is_initialized():
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0])
-    backend = torch.distributed.get_backend()
-    if backend == "nccl":
-        t = t.cuda()
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item() > 0)
-
-
 def guarded_step(optimizer, scheduler, *, loss: float, clip: float, policy: str, where: str) -> StepOutcome:
     """Update the parameters from the accumulated gradients unless the loss or the gradient norm
     is NaN/inf; then `policy` 'skip' drops this update (gradients discarded, schedule not
@@ -58,7 +44,9 @@ def guarded_step(optimizer, scheduler, *, loss: float, clip: float, policy: str,
     lr = float(optimizer.param_groups[0]["lr"])
     found_inf = optimizer.prepare_grads()
     grad_norm = float(optimizer.get_grad_norm())
-    bad = _agree(bool(found_inf) or not math.isfinite(loss) or not math.isfinite(grad_norm))
+    from mrl.platform.collectives import world_any
+
+    bad = world_any(bool(found_inf) or not math.isfinite(loss) or not math.isfinite(grad_norm), "non-finite check")
     if bad:
         what = f"{where}: non-finite loss {loss} / gradient norm {grad_norm}"
         if policy == "stop":

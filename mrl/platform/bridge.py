@@ -69,7 +69,7 @@ class Bridge:
                  weights_backend: str = "gloo", device: Optional[torch.device] = None):
         self.split = split
         self.rank = rank                      # global rank
-        self.store = dist.PrefixStore("bridge/live", store)   # heartbeats (mrl.train.queue)
+        self.store = dist.PrefixStore("bridge/live", store)   # heartbeats (mrl.train.liveness)
         self.timeout_s = float(timeout_s)
         self.device = device if weights_backend == "nccl" else torch.device("cpu")
         timeout = datetime.timedelta(seconds=timeout_s)

@@ -46,6 +46,8 @@ Mechanisms, narrowest first:
 | 23 | `dist_checkpointing/strategies/state_dict_saver.py`, `strategies/filesystem_async.py` | `device='cuda'`, `current_device()`, `torch.cuda.synchronize()` | view | checkpoint |
 | 24 | `dist_checkpointing/strategies/fully_parallel.py` | `torch.cuda.synchronize()`, `current_device()` | view | checkpoint |
 | 25 | `dist_checkpointing/exchange_utils.py` `exchange_loaded_tensors_broadcast` (fully-parallel load) | `.cuda()` | mode | checkpoint |
+| 26 | `transformer/multi_latent_attention.py` `MultiLatentAttention.__init__` | `HAVE_TE` is True without Transformer Engine (megatron's TE extension imports with placeholder classes), then `isinstance(linear_proj, TELinear)` on a placeholder is a TypeError (a 0.16.1 bug that hits cuda without TE too) | replacement: `HAVE_TE = False` when `transformer_engine` does not import (also `apply_megatron_fixes()`) | deepseek_v3 weights tests |
+| 27 | `models/common/embeddings/yarn_rotary_pos_embedding.py` `YarnRotaryEmbedding` (MLA with yarn RoPE, DeepSeek-V3's) | `torch.cuda.current_device()` | view | deepseek_v3 yarn weights test |
 
 Every row is necessary: removing any one patch makes the test named in the last column fail
 (checked by ablation when the layer was written).
@@ -269,6 +271,7 @@ _VIEW = _TorchView(torch)
 VIEW_MODULES = (
     "megatron.core.utils",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
     "megatron.core.transformer.utils",
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.tensor_parallel.layers",
@@ -444,15 +447,22 @@ def _numpy_splits(orig):
 
 
 def apply_megatron_fixes() -> None:
-    """Fix megatron-core 0.16.1 bugs that are not CPU-specific (row 19); safe on any platform.
+    """Fix megatron-core 0.16.1 bugs that are not CPU-specific (rows 19, 26); safe on any platform.
 
     `moe_utils` names `te_general_gemm` only when Transformer Engine imports, then tests
     `te_general_gemm is not None`, a NameError without TE (the router's gating linear).
+    `multi_latent_attention` sets `HAVE_TE` from importing megatron's TE extension, which imports
+    without TE (placeholder classes), then calls `isinstance(..., TELinear)` on a placeholder.
     """
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
 
 
 # --------------------------------------------------------------------------- patch registry
@@ -534,6 +544,16 @@ def _te_gemm_patch() -> Callable[[], None]:
     return _set_attr(moe_utils, "te_general_gemm", None)
 
 
+def _mla_te_patch() -> Callable[[], None]:
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return lambda: None
+    return _set_attr(multi_latent_attention, "HAVE_TE", False)
+
+
 def _splits_patch() -> Callable[[], None]:
     from megatron.core.transformer.moe import token_dispatcher
 
@@ -546,6 +566,7 @@ PATCHES: tuple[Patch, ...] = (
     *(_mode_patch(m, q, i) for m, q, i in MODE_SCOPED),
     Patch("rng:cpu-generator", "megatron.core.tensor_parallel.random", _rng_patch),
     Patch("moe:te_general_gemm", "megatron.core.transformer.moe.moe_utils.te_general_gemm", _te_gemm_patch),
+    Patch("mla:have_te", "megatron.core.transformer.multi_latent_attention.HAVE_TE", _mla_te_patch),
     Patch("moe:numpy-splits", "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu",
           _splits_patch),
 )

@@ -12,6 +12,9 @@ import torch
 
 from mrl.errors import UserError
 
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+"""The dtype names job specs and `mrl merge --dtype` accept, and their torch dtypes (the one map)."""
+
 PLATFORMS = ("cuda", "cpu")
 
 

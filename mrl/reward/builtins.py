@@ -16,7 +16,7 @@ numbers worth logging.
 | `format_boxed` | the response has a non-empty `\\boxed{...}` |
 | `format_answer_tags` | the response has exactly one non-empty `<answer>...</answer>` |
 | `format_think_answer` | the response is `<think>...</think>` then `<answer>...</answer>` and nothing else |
-| `auto` | verl's `default_compute_score`: each row's data source routed to verl's own scorer with verl's scores (`verl_scores.VERL_ROUTES`); `reasoning_gym/<task>` rows by the task's scorer |
+| `auto` | verl's `default_compute_score`: each row's data source routed to verl's own scorer with verl's scores (`verl_scores.VERL_ROUTES`); `reasoning_gym/<task>` rows by the task's scorer; verl's code sources (codecontests, apps, codeforces, taco, livecodebench*) by `code` |
 | `auto_mrl` | by each row's data source, mrl's forgiving scorers: `gsm8k`, `math` or `reasoning_gym` (see `SOURCE_RULES`) |
 | `verl_gsm8k` | verl's strict gsm8k: `#### <answer>` exactly as the ground truth's text (`#### 42.0` is not 42), 0 or 1 |
 | `verl_math` | verl's `math_reward` (Hendrycks MATH normalisation of the last boxed answer), 0 or 1 |
@@ -24,6 +24,7 @@ numbers worth logging.
 | `verl_prime_math` | verl's `prime_math` (numina_* data): PRIME's answer, PRM800K's then ToRA's equivalence, 0 or 1 |
 | `verl_geo3k` | verl's `geo3k`: 0.9 for the last boxed answer (mathruler's grader) + 0.1 for `<think>...</think>...\\boxed{}` |
 | `verl_search_r1_qa` | verl's Search-R1 exact match of the last `<answer>` with any `ground_truth["target"]` |
+| `code` | the response's program passes the row's tests, run sandboxed (`mrl.reward.code`; pass rate or all-pass, `[reward.code]`) |
 
 A ground truth a builtin cannot read (a table, a list, text with no number for `gsm8k`, nothing
 math-verify can parse for `math`) raises an error naming it: the reward pool counts it as a reward
@@ -164,12 +165,20 @@ def format_think_answer(prompt: Any, response: str, ground_truth: Any, extra: di
     return float(m is not None and bool(m.group(1).strip()))
 
 
+def code(prompt: Any, response: str, ground_truth: Any, extra: dict, **settings: Any) -> dict:
+    """The code-execution reward (`mrl.reward.code.code`); `settings` come from `[reward.code]`."""
+    from mrl.reward.code import code as run_code
+
+    return run_code(prompt, response, ground_truth, extra, **settings)
+
+
 # The numbers each builtin returns besides its score (`algorithm.dynamic_sampling.metric` may name
 # one; "acc" is 1 for a fully correct response, DAPO's filter metric).
 OUTPUTS: dict[str, tuple[str, ...]] = {
     "exact_match": (), "gsm8k": ("acc", "formatted"), "math": ("acc", "parsed"), "reasoning_gym": ("acc", "tagged"),
     "format_boxed": (), "format_answer_tags": (), "format_think_answer": (),
-    "auto": ("acc", "tagged"), "auto_mrl": ("acc", "formatted", "parsed", "tagged"),
+    "code": ("passed", "tests", "no_code", "wrong", "error", "timeout", "cpu", "memory", "output_limit", "skipped"),
+    "auto": ("acc", "tagged", "passed", "tests"), "auto_mrl": ("acc", "formatted", "parsed", "tagged"),
     "verl_gsm8k": (), "verl_math": (), "verl_math_dapo": ("acc",), "verl_prime_math": (), "verl_geo3k": (),
     "verl_search_r1_qa": (),
 }
@@ -180,6 +189,7 @@ SOURCE_RULES: tuple[tuple[str, str], ...] = (
     ("lighteval/MATH", "math"), ("DigitalLearningGmbH/MATH-lighteval", "math"), ("HuggingFaceH4/MATH-500", "math"),
     ("math", "math"), ("math_dapo", "math"), ("aime", "math"), ("numina", "math"),
     ("reasoning_gym/", "reasoning_gym"),
+    ("codecontests", "code"), ("apps", "code"), ("codeforces", "code"), ("taco", "code"),
 )
 
 
@@ -194,14 +204,17 @@ def builtin_for_source(source: str) -> str | None:
     return max(prefixes)[1] if prefixes else None
 
 
-def auto_mrl(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
-    """mrl's forgiving builtin for the row's data source (`builtin_for_source`); an unknown source is an error."""
+def auto_mrl(prompt: Any, response: str, ground_truth: Any, extra: dict, **code_settings: Any) -> dict:
+    """mrl's forgiving builtin for the row's data source (`builtin_for_source`); an unknown source is an error.
+    `code_settings` (`[reward.code]`) go to the `code` builtin."""
     source = str(extra.get("data_source", "")) if isinstance(extra, dict) else ""
     name = builtin_for_source(source)
     if name is None:
         known = ", ".join(sorted({n for n, _ in SOURCE_RULES}))
         raise ValueError(f"auto_mrl: no builtin reward for data source {source!r} (known: {known}); "
                          "name one with reward.builtin or reward.function")
+    if name == "code":
+        return code(prompt, response, ground_truth, extra, **code_settings)
     out = globals()[name](prompt, response, ground_truth, extra)
     return out if isinstance(out, dict) else {"score": float(out)}
 
@@ -219,16 +232,20 @@ verl_gsm8k, verl_math, verl_math_dapo, verl_prime_math, verl_geo3k, verl_search_
     _verl(n) for n in ("gsm8k", "math_reward", "math_dapo", "prime_math", "geo3k", "search_r1_qa"))
 
 
-def auto(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
+def auto(prompt: Any, response: str, ground_truth: Any, extra: dict, **code_settings: Any) -> dict:
     """verl's `default_compute_score`: the scorer verl routes the row's data source to
     (`verl_scores.VERL_ROUTES`), with verl's scores; "reasoning_gym/<task>" rows (which verl does not
-    route) use the task's scorer. `acc` is the score where the scorer returns a number, as in verl's
-    reward loop. A source verl routes to a scorer mrl lacks (code contests) or
-    does not route at all is an error naming it, counted as a reward error."""
+    route) use the task's scorer, and code contests (verl: sandbox_fusion or prime_code with
+    continuous scores) the sandboxed `code` builtin with `code_settings` (`[reward.code]`). `acc`
+    is the score where the scorer returns a number, as in verl's reward loop. A source verl does
+    not route is an error naming it, counted as a reward error."""
     source = str(extra.get("data_source", "")) if isinstance(extra, dict) else ""
     if source.startswith("reasoning_gym/"):
         return reasoning_gym(prompt, response, ground_truth, extra)
     route = verl_scores.verl_route(source)
+    if route == "code":
+        out = code(prompt, response, ground_truth, extra, **code_settings)
+        return {**out, "acc": out["score"]}
     if route is None:
         raise ValueError(f"auto: no builtin reward for data source {source!r} (verl's default_compute_score routes "
                          "none either); name one with reward.builtin or reward.function, or use 'auto_mrl'")
@@ -240,7 +257,7 @@ def auto(prompt: Any, response: str, ground_truth: Any, extra: dict) -> dict:
 
 BUILTINS = ("exact_match", "gsm8k", "math", "reasoning_gym", "format_boxed", "format_answer_tags", "format_think_answer",
             "auto", "auto_mrl", "verl_gsm8k", "verl_math", "verl_math_dapo", "verl_prime_math", "verl_geo3k",
-            "verl_search_r1_qa")
+            "verl_search_r1_qa", "code")
 
 
 def builtin_ref(name: str) -> str:

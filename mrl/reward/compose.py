@@ -24,6 +24,7 @@ from mrl.reward.config import RewardConfig
 from mrl.reward.model import RewardModelScorer
 from mrl.reward.outcome import BadScore, read_score
 from mrl.reward.pool import Call, RewardPool, batch_budget_s
+from mrl.reward.services import SERVICE_KINDS, service_scorers, services_budget_s
 from mrl.reward.signature import verl_call_kwargs
 from mrl.reward.sources import RewardSource, reward_sources
 
@@ -43,8 +44,10 @@ def scoring_budget_s(cfg: RewardConfig, responses: int) -> float:
     """The longest `Rewarder.score` of `responses` responses can take under `cfg` when every call
     runs up to `reward.timeout_s` (the pool enforces it); 0 without rule sources. Ranks waiting
     for a leader that scores wait this long plus the collective timeout."""
-    rule = sum(s.kind != "model" for s in reward_sources(cfg, check_files=False))
-    return batch_budget_s(responses * rule, cfg.workers, cfg.timeout_s) if rule else 0.0
+    sources = reward_sources(cfg, check_files=False)
+    rule = sum(s.kind in ("function", "builtin") for s in sources)
+    pool = batch_budget_s(responses * rule, cfg.workers, cfg.timeout_s) if rule else 0.0
+    return pool + services_budget_s(cfg, sources, responses)
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,20 @@ def _mean(values: list[float]) -> float:
     return sum(finite) / len(finite) if finite else math.nan
 
 
+def _log_service_errors(errors: list[ScoreError]) -> None:
+    """One line per distinct failure of a service or judge (a down service fails every sample the
+    same way: one line naming its URL, not one per sample)."""
+    groups: dict[tuple, list[ScoreError]] = {}
+    for e in errors:
+        groups.setdefault((e.source, e.kind, e.message), []).append(e)
+    for (source, kind, message), group in list(groups.items())[:LOGGED_ERRORS_PER_BATCH]:
+        log.warning("reward %s failed on %s: %s: %s", source,
+                    f"sample {group[0].sample_id}" if len(group) == 1 else f"{len(group)} samples (first {group[0].sample_id})",
+                    kind, message)
+    if len(groups) > LOGGED_ERRORS_PER_BATCH:
+        log.warning("... and %d more distinct reward service errors in this batch", len(groups) - LOGGED_ERRORS_PER_BATCH)
+
+
 def _call(src: RewardSource, smp: RewardSample) -> Call:
     """The pool call scoring `smp` with rule source `src`, in the source's calling convention."""
     if src.convention == "verl":
@@ -100,13 +117,19 @@ class Rewarder:
     def __init__(self, sources: Sequence[RewardSource], *, on_error: OnError = "zero", workers: int = 4,
                  timeout_s: float = 30.0, model_scorer: RewardModelScorer | None = None,
                  start_method: str = "spawn", memory_mb: int = 0, max_output_bytes: int | None = None,
-                 env_allow: Sequence[str] = (), protect_dirs: Sequence[str] = ()):
+                 env_allow: Sequence[str] = (), protect_dirs: Sequence[str] = (),
+                 services: dict | None = None, services_budget: Any = None):
         self.sources = tuple(sources)
         self.on_error = on_error
         self.model_scorer = model_scorer
+        self.services = dict(services or {})   # source name -> scorer, for remote and judge sources
+        self._services_budget = services_budget   # responses -> seconds the services may take
         if any(s.kind == "model" for s in self.sources) and model_scorer is None:
             raise ValueError("a model reward source needs a RewardModelScorer")
-        refs = [s.ref for s in self.sources if s.kind != "model"]
+        missing = [s.name for s in self.sources if s.kind in SERVICE_KINDS and s.name not in self.services]
+        if missing:
+            raise ValueError(f"reward sources {', '.join(missing)} need a scorer in `services`")
+        refs = [s.ref for s in self.sources if s.kind in ("function", "builtin")]
         self.pool = RewardPool(refs, workers=workers, timeout_s=timeout_s, start_method=start_method,
                                memory_mb=memory_mb, max_output_bytes=max_output_bytes, env_allow=tuple(env_allow),
                                protect_dirs=tuple(protect_dirs)) if refs else None
@@ -115,14 +138,17 @@ class Rewarder:
 
     def scoring_budget_s(self, responses: int) -> float:
         """The longest `score` of `responses` responses takes (every call up to its timeout)."""
-        rule = sum(s.kind != "model" for s in self.sources)
-        return self.pool.batch_budget_s(responses * rule) if self.pool is not None else 0.0
+        rule = sum(s.kind in ("function", "builtin") for s in self.sources)
+        pool = self.pool.batch_budget_s(responses * rule) if self.pool is not None else 0.0
+        return pool + (self._services_budget(responses) if self._services_budget is not None else 0.0)
 
     @classmethod
     def from_config(cls, cfg: RewardConfig, model_scorer: RewardModelScorer | None = None, **kw) -> "Rewarder":
-        return cls(reward_sources(cfg), on_error=cfg.on_error, workers=cfg.workers, timeout_s=cfg.timeout_s,
+        sources = reward_sources(cfg)
+        return cls(sources, on_error=cfg.on_error, workers=cfg.workers, timeout_s=cfg.timeout_s,
                    model_scorer=model_scorer, memory_mb=cfg.memory_mb, max_output_bytes=cfg.max_output_bytes,
-                   env_allow=cfg.env_allow, **kw)
+                   env_allow=cfg.env_allow, services=service_scorers(cfg, sources),
+                   services_budget=lambda n: services_budget_s(cfg, sources, n), **kw)
 
     def __enter__(self) -> "Rewarder":
         return self
@@ -135,11 +161,15 @@ class Rewarder:
             self.pool.close()
 
     def _rule_outcomes(self, samples: Sequence[RewardSample]) -> dict[str, list]:
-        rule = [s for s in self.sources if s.kind != "model"]
+        rule = [s for s in self.sources if s.kind in ("function", "builtin")]
         calls = [_call(src, smp) for src in rule for smp in samples]
         outcomes = self.pool.run(calls) if calls else []
         n = len(samples)
-        return {src.name: outcomes[i * n:(i + 1) * n] for i, src in enumerate(rule)}
+        out = {src.name: outcomes[i * n:(i + 1) * n] for i, src in enumerate(rule)}
+        for src in self.sources:
+            if src.kind in SERVICE_KINDS:
+                out[src.name] = list(self.services[src.name](samples)) if n else []
+        return out
 
     def score(self, samples: Sequence[RewardSample]) -> RewardResult:
         """Score every sample with every source; see the module docstring for errors."""
@@ -178,10 +208,13 @@ class Rewarder:
 
     def _combine(self, samples, source_scores, metrics, errors) -> RewardResult:
         n = len(samples)
-        for e in errors[:LOGGED_ERRORS_PER_BATCH]:
+        services = {s.name for s in self.sources if s.kind in SERVICE_KINDS}
+        _log_service_errors([e for e in errors if e.source in services])
+        rule_errors = [e for e in errors if e.source not in services]
+        for e in rule_errors[:LOGGED_ERRORS_PER_BATCH]:
             log.warning("reward %s failed on sample %s: %s: %s", e.source, e.sample_id, e.kind, e.message)
-        if len(errors) > LOGGED_ERRORS_PER_BATCH:
-            log.warning("... and %d more reward errors in this batch", len(errors) - LOGGED_ERRORS_PER_BATCH)
+        if len(rule_errors) > LOGGED_ERRORS_PER_BATCH:
+            log.warning("... and %d more reward errors in this batch", len(rule_errors) - LOGGED_ERRORS_PER_BATCH)
         if self._truncated:
             log.warning("%d reward calls printed more than reward.max_output_bytes = %d bytes; the rest was dropped",
                         self._truncated, self.pool.max_output_bytes)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from math import isclose
 from typing import Any
 
-from mrl.reward.verl_scores import hendrycks_normalize
+from mrl.reward.hendrycks import hendrycks_normalize
 
 SYMPY_TIMEOUT_S = 10  # verl's limit on one sympy simplification
 

@@ -13,7 +13,9 @@ list of weighted sources:
     function = "jobs/rewards/format.py:score"
     weight = 0.1
 
-The reward of a response is the weighted sum of its sources' scores.
+The reward of a response is the weighted sum of its sources' scores. A source may also be a
+reward service (`url = "http://..."`, called as `[reward.remote]` says) or the job's judge
+(`judge = true`, the `[reward.judge]` table).
 """
 from __future__ import annotations
 
@@ -30,18 +32,20 @@ from mrl.reward.config import Builtin, RewardConfig
 from mrl.reward.signature import VERL_PARAMS, Convention, Signature
 
 BUILTINS = typing.get_args(Builtin)
-KINDS = ("function", "builtin", "model_path")
+KINDS = ("function", "builtin", "model_path", "url", "judge")
+CODE_BUILTINS = ("code", "auto", "auto_mrl")   # builtins that receive the [reward.code] settings
 SOURCE_KEYS = ("name", *KINDS, "weight", "score_key", "kwargs", "signature")
 SIGNATURES = typing.get_args(Signature)
 
 
 @dataclass(frozen=True)
 class RewardSource:
-    """One scorer: `kind` "function"/"builtin" runs `ref` in the worker pool; "model" is the reward model."""
+    """One scorer: `kind` "function"/"builtin" runs `ref` in the worker pool; "model" is the reward
+    model; "remote" posts to the service at `ref`; "judge" asks the job's judge model."""
 
     name: str
-    kind: Literal["function", "builtin", "model"]
-    ref: str  # module:function / file.py:function, or the model path
+    kind: Literal["function", "builtin", "model", "remote", "judge"]
+    ref: str  # module:function / file.py:function, the model path, the service URL, or "judge"
     weight: float = 1.0
     score_key: str = "score"
     kwargs: dict = field(default_factory=dict)
@@ -49,13 +53,19 @@ class RewardSource:
     verl_params: tuple[str, ...] = VERL_PARAMS  # the verl arguments passed by name (convention "verl")
 
 
+def _single(cfg: RewardConfig) -> list[str]:
+    """The single-source keys set in the `reward` section."""
+    return [k for k in KINDS if getattr(cfg, k) is not None]
+
+
 def _one_source(cfg: RewardConfig) -> dict | None:
-    set_ = [k for k in KINDS if getattr(cfg, k) is not None]
+    set_ = _single(cfg)
     if len(set_) != 1:
         return None
     kind = set_[0]
-    value = getattr(cfg, kind)
-    name = {"function": value.rpartition(":")[2], "builtin": value, "model_path": "model"}[kind]
+    value = True if kind == "judge" else getattr(cfg, kind)
+    name = {"function": str(value).rpartition(":")[2], "builtin": value, "model_path": "model", "url": "remote",
+            "judge": "judge"}[kind]
     return {"name": name, kind: value, **({"signature": cfg.signature} if kind == "function" else {})}
 
 
@@ -66,12 +76,13 @@ def reward_problems(cfg: RewardConfig, check_files: bool = True) -> list[tuple[s
     4 positional arguments) without running them.
     """
     problems: list[tuple[str, str]] = []
-    single = [k for k in KINDS if getattr(cfg, k) is not None]
-    if cfg.sources and single:
+    single = _single(cfg)
+    if cfg.sources and single and single != ["judge"]:   # [reward.judge] configures `judge = true` sources
         problems.append(("reward.sources", f"set either reward.sources or reward.{single[0]}, not both"))
     elif not cfg.sources and len(single) != 1:
         got = ", ".join(f"reward.{k}" for k in single) or "none"
-        problems.append(("reward", f"set exactly one of reward.function, reward.builtin, reward.model_path (got {got})"))
+        problems.append(("reward", f"set exactly one of reward.function, reward.builtin, reward.model_path (got {got}), "
+                                   "reward.url or a [reward.judge] table"))
     if cfg.signature != "auto" and (cfg.sources or single != ["function"]):
         problems.append(("reward.signature", "applies to reward.function only"
                          + ("; set signature in the [[reward.sources]] table" if cfg.sources else "")))
@@ -92,10 +103,19 @@ def reward_problems(cfg: RewardConfig, check_files: bool = True) -> list[tuple[s
         names.add(name if isinstance(name, str) else "")
         kinds = [k for k in KINDS if k in src]
         if len(kinds) != 1:
-            problems.append((key, f"set exactly one of function, builtin, model_path (got {', '.join(kinds) or 'none'})"))
+            problems.append((key, f"set exactly one of {', '.join(KINDS)} (got {', '.join(kinds) or 'none'})"))
             continue
         kind, value = kinds[0], src[kinds[0]]
-        if not isinstance(value, str):
+        if kind == "judge":
+            if value is not True:
+                problems.append((f"{key}.judge", "must be true (the judge is the [reward.judge] table)"))
+            elif cfg.judge is None:
+                problems.append((f"{key}.judge", "needs a [reward.judge] table (its url or model, template, pattern)"))
+        elif kind == "url" and isinstance(value, str) and not value.startswith(("http://", "https://")):
+            problems.append((f"{key}.url", f"{value!r} is not an http:// or https:// URL"))
+        if kind == "judge":
+            pass
+        elif not isinstance(value, str):
             problems.append((f"{key}.{kind}", f"must be a string, got {type(value).__name__}"))
             continue
         if kind == "builtin" and value not in BUILTINS:
@@ -122,6 +142,28 @@ def reward_problems(cfg: RewardConfig, check_files: bool = True) -> list[tuple[s
             problems.append((f"{key}.kwargs", "must be a table"))
     if models > 1:
         problems.append(("reward.sources", f"{models} sources set model_path; one reward model per job is supported"))
+    if cfg.judge is not None:
+        problems.extend(_judge_problems(cfg.judge))
+    runs_code = any(src.get("builtin") in CODE_BUILTINS for src in tables if isinstance(src, dict))
+    if runs_code and cfg.timeout_s < cfg.code.test_timeout_s + 3.0:
+        problems.append(("reward.timeout_s", f"{cfg.timeout_s:g} s leaves no room for one code test of "
+                                             f"reward.code.test_timeout_s = {cfg.code.test_timeout_s:g} s (needs at least "
+                                             f"{cfg.code.test_timeout_s + 3.0:g} s; a response's tests share it)"))
+    return problems
+
+
+def _judge_problems(judge) -> list[tuple[str, str]]:
+    from mrl.reward.judge import pattern_problem, template_problem
+
+    problems = []
+    if judge.url is None and judge.model is None:
+        problems.append(("reward.judge", "set reward.judge.url (an OpenAI chat-completions endpoint) or "
+                                         "reward.judge.model (a local Hugging Face model path)"))
+    if judge.url is not None and not judge.url.startswith(("http://", "https://")):
+        problems.append(("reward.judge.url", f"{judge.url!r} is not an http:// or https:// URL"))
+    for key, problem in (("template", template_problem(judge.template)), ("pattern", pattern_problem(judge.pattern))):
+        if problem:
+            problems.append((f"reward.judge.{key}", problem))
     return problems
 
 
@@ -136,12 +178,24 @@ def reward_sources(cfg: RewardConfig, check_files: bool = True) -> tuple[RewardS
     for src in tables:
         kind = next(k for k in KINDS if k in src)
         kwargs = dict(src.get("kwargs", cfg.kwargs if not cfg.sources else {}))
-        ref = builtin_ref(src[kind]) if kind == "builtin" else src[kind]
+        if kind == "builtin" and src[kind] in CODE_BUILTINS:
+            kwargs.update(code_settings(cfg))
+        ref = builtin_ref(src[kind]) if kind == "builtin" else "judge" if kind == "judge" else src[kind]
         call = reward_function.reward_call(ref, src.get("signature", "auto"), kwargs) if kind == "function" else None
-        out.append(RewardSource(name=src["name"], kind="model" if kind == "model_path" else kind, ref=ref,
+        kind = {"model_path": "model", "url": "remote"}.get(kind, kind)
+        out.append(RewardSource(name=src["name"], kind=kind, ref=ref,
                                 weight=float(src.get("weight", 1.0)), score_key=src.get("score_key", cfg.score_key),
                                 kwargs=kwargs, **({"convention": call[1], "verl_params": call[2]} if call else {})))
     return tuple(out)
+
+
+def code_settings(cfg: RewardConfig) -> dict:
+    """The keyword arguments of the `code` builtin (`mrl.reward.code.code`) from `[reward.code]`: the
+    sandbox limits, and a time budget that keeps a call inside `reward.timeout_s`."""
+    c = cfg.code
+    return {"score": c.score, "isolation": c.isolation, "max_tests": c.max_tests, "budget_s": max(cfg.timeout_s - 2.0, 1.0),
+            "wall_s": c.test_timeout_s, "cpu_s": c.cpu_s, "memory_mb": c.memory_mb, "max_output_bytes": c.max_output_bytes,
+            "file_size_mb": c.file_size_mb, "scratch_mb": c.scratch_mb, "processes": c.processes, "python": c.python}
 
 
 def auto_source_problems(cfg: RewardConfig, files: tuple[str, ...], source_key: str) -> list[tuple[str, str]]:

@@ -16,14 +16,16 @@ text; math_dapo gives -1 to a wrong or missing `Answer:` line); mrl's forgiving 
 | `search_r1_qa` | `search_r1_like_qa_em.py` | 1 when the last `<answer>` matches a target after SQuAD normalisation (1/4 with more than 10 answer tags), else 0 |
 
 Where verl would compare a table with text (a misconfigured answer column), these raise instead:
-the reward pool counts an error, never a silent 0. verl routes code contests to a sandbox: those
-rows are reward errors that say so (`UNSUPPORTED`).
+the reward pool counts an error, never a silent 0. verl routes code contests to a sandbox
+(sandbox_fusion or prime_code); `auto` sends them to mrl's sandboxed `code` builtin.
 """
 from __future__ import annotations
 
 import re
 import string as _string
 from typing import Any, Callable
+
+from mrl.reward.hendrycks import hendrycks_equal, hendrycks_normalize  # hendrycks_normalize: verl's name, re-exported
 
 CLIP_CHARS = 300  # verl scores only the end of a response (gsm8k.py, math_dapo.py)
 
@@ -83,81 +85,6 @@ def unbox(boxed: str) -> str:
     if not (boxed.startswith("\\boxed{") and boxed.endswith("}")):
         raise ValueError(boxed)
     return boxed[len("\\boxed{"):-1]
-
-
-def _fix_fracs(s: str) -> str:
-    """`\\frac12` -> `\\frac{1}{2}`, `\\frac1b` -> `\\frac{1}{b}`; a `\\frac` with one character after it is left as is."""
-    head, *parts = s.split("\\frac")
-    out = head
-    for part in parts:
-        out += "\\frac"
-        if part[0] == "{":   # an empty part (text ending in \frac) raises IndexError, as verl's does
-            out += part
-            continue
-        if len(part) < 2:
-            return s
-        a, b, rest = part[0], part[1], part[2:]
-        out += "{" + a + "}" + (b if b == "{" else "{" + b + "}") + rest
-    return out
-
-
-def _fix_a_slash_b(s: str) -> str:
-    """`3/4` (two plain integers) -> `\\frac{3}{4}`."""
-    parts = s.split("/")
-    if len(parts) != 2:
-        return s
-    try:
-        a, b = int(parts[0]), int(parts[1])
-    except ValueError:
-        return s
-    return f"\\frac{{{a}}}{{{b}}}" if s == f"{a}/{b}" else s
-
-
-def _remove_right_units(s: str) -> str:
-    if "\\text{ " not in s:
-        return s
-    parts = s.split("\\text{ ")
-    if len(parts) != 2:
-        raise ValueError(s)   # verl asserts; is_equiv then compares the raw strings
-    return parts[0]
-
-
-def _fix_sqrt(s: str) -> str:
-    """`\\sqrt3` -> `\\sqrt{3}`."""
-    head, *parts = s.split("\\sqrt")
-    return head + "".join("\\sqrt" + (p if p[0] == "{" else "{" + p[0] + "}" + p[1:]) for p in parts)
-
-
-def hendrycks_normalize(s: str, percents: tuple[str, ...] = ("\\\\%", "\\%")) -> str:
-    """Hendrycks' MATH answer normalisation (verl's `math_reward.strip_string`); `percents` are
-    the percent signs removed (mathruler's copy removes `\\%` and a bare `%`)."""
-    for old, new in (("\n", ""), ("\\!", ""), ("\\\\", "\\"), ("tfrac", "frac"), ("dfrac", "frac"), ("\\left", ""),
-                     ("\\right", ""), ("^{\\circ}", ""), ("^\\circ", ""), ("\\$", "")):
-        s = s.replace(old, new)
-    s = _remove_right_units(s)
-    for percent in percents:
-        s = s.replace(percent, "")
-    s = s.replace(" .", " 0.").replace("{.", "{0.")
-    if not s:
-        return s
-    if s[0] == ".":
-        s = "0" + s
-    sides = s.split("=")
-    if len(sides) == 2 and len(sides[0]) <= 2:
-        s = sides[1]
-    s = _fix_sqrt(s).replace(" ", "")
-    s = _fix_fracs(s)
-    if s == "0.5":
-        s = "\\frac{1}{2}"
-    return _fix_a_slash_b(s)
-
-
-def hendrycks_equal(a: str, b: str) -> bool:
-    """Equal after `hendrycks_normalize`; when normalising fails, equal as raw text."""
-    try:
-        return hendrycks_normalize(a) == hendrycks_normalize(b)
-    except Exception:  # noqa: BLE001 - verl falls back to comparing the raw strings
-        return a == b
 
 
 def math_reward(response: str, ground_truth: Any) -> float:
@@ -279,10 +206,9 @@ VERL_ROUTES: dict[str, str] = {
 VERL_PREFIX_ROUTES = (("aime", "math_dapo"),)
 CODE_SOURCE_PREFIXES = ("livecodebench",)   # code data verl scores only through a sandbox reward
 
-UNSUPPORTED = {
-    "code": "needs a code-execution reward (verl runs its tests in sandbox_fusion or prime_code), which mrl does not "
-            "have yet; score it with reward.function",
-}
+# Routes verl has and mrl scores with no scorer of its own (none now: code contests go to the sandboxed
+# `code` builtin, `mrl.reward.code`); a route named here is a reward error saying why.
+UNSUPPORTED: dict[str, str] = {}
 
 
 def verl_route(data_source: str) -> str | None:

@@ -18,7 +18,7 @@ from mrl.rollout.engine import RolloutEngine, WeightStream
 from mrl.rollout.logprobs import process_logits, reported_logprobs
 from mrl.rollout.types import Response, Sampling, prompt_seed, resolve_prompt_seeds
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from mrl.platform.device import DTYPES as _DTYPES
 
 
 def eos_ids_of(model) -> tuple[int, ...]:
@@ -41,8 +41,20 @@ class HFEngine(RolloutEngine):
         self.max_num_seqs = max_num_seqs
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self._seeds = torch.Generator().manual_seed(seed)  # draws one seed per response
-        self._targets = model.state_dict(keep_vars=True)  # tied weights appear under both names
+        self._set_targets()
         self._asleep = False
+
+    def _set_targets(self) -> None:
+        """Stream name -> tensor to copy into: the state dict (tied weights under both names) and,
+        for MoE models, per-expert views into the fused expert tensors (`hf_experts`), with the
+        parameter each view belongs to (what the completeness check counts)."""
+        from mrl.rollout.hf_experts import checkpoint_name, fused_expert_views
+
+        model_type = getattr(self.model.config, "model_type", "")
+        self._targets = {checkpoint_name(k, model_type): v for k, v in self.model.state_dict(keep_vars=True).items()}
+        views = fused_expert_views(self.model, model_type)
+        self._targets.update({name: view for name, (view, _) in views.items()})
+        self._owners = {name: owner for name, (_, owner) in views.items()}
 
     # --- construction --------------------------------------------------------------------------
     @classmethod
@@ -173,7 +185,7 @@ class HFEngine(RolloutEngine):
                 raise ValueError(f"hf engine: {name} has shape {tuple(tensor.shape)} in the stream, "
                                  f"{tuple(target.shape)} in the model")
             target.data.copy_(tensor)  # casts dtype and moves device in place
-            filled.add(id(target))
+            filled.add(id(self._owners.get(name, target)))
             loaded += 1
         missing = [n for n, p in self.model.named_parameters() if id(p) not in filled]  # tied: one name
         if missing and not partial:
@@ -208,7 +220,7 @@ class HFEngine(RolloutEngine):
     def wake(self, tags: Optional[Sequence[str]] = None) -> None:
         if self.device.type != "cpu" and (tags is None or "weights" in tags):
             self.model.to(self.device)
-            self._targets = self.model.state_dict(keep_vars=True)  # buffers are new tensors after .to()
+            self._set_targets()  # buffers are new tensors after .to()
         if tags is None or "kv_cache" in tags:
             self._asleep = False
 

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from mrl.errors import UserError
 
@@ -54,11 +53,11 @@ def build_engine(spec, hf: dict, device: str, total_optimizer_steps: int):
     from mrl.engine import Engine
     from mrl.models.lora import adapters_only_checkpoints, apply_lora
     from mrl.optim.build import build_optimizer, build_scheduler, wrap_ddp
-    from mrl.train.build import _chunks, _load
+    from mrl.train.build import load_weights, role_chunks
 
     s = spec.sft
-    chunks = _chunks("actor", spec, hf, device, s.recompute)
-    _load(chunks, spec.model.path, hf, "actor")
+    chunks = role_chunks("actor", spec, hf, device, s.recompute)
+    load_weights(chunks, spec.model.path, hf, "actor")
     if s.lora.rank:
         chunks = [adapters_only_checkpoints(apply_lora(c, s.lora, seed=spec.job.seed)) for c in chunks]
     ddp = wrap_ddp(chunks, distributed_optimizer=spec.parallel.distributed_optimizer)
@@ -115,8 +114,9 @@ def train_step(r: SFTRun) -> dict[str, float]:
     m = r.engine.train_mini_batch(batch, objective, micro_batch_tokens=r.spec.sft.micro_batch_tokens)
     counts = torch.tensor([float(batch["response_mask"].sum()), float(len(batch))], dtype=torch.float64)
     if r.engine.dp > 1:
-        counts = counts.to(r.engine.device)
-        dist.all_reduce(counts, group=r.engine.dp_group)
+        from mrl.platform.collectives import dp_all_reduce
+
+        counts = dp_all_reduce(counts.to(r.engine.device), "sft token counts")
     return {"train/loss": m["loss"], "train/grad_norm": m["grad_norm"], "train/lr": m["lr"],
             "train/updated": m["updated"], "train/micro_batches": m["micro_batches"],
             "train/loss_tokens": float(counts[0]), "train/examples": float(counts[1]),
@@ -142,24 +142,13 @@ def checkpoint_root(spec) -> Path:
 
 
 def _save(r: SFTRun, step: int, run_id) -> None:
-    from mrl.checkpoint import state
-    from mrl.config.dump import to_toml
+    from mrl.checkpoint.run_state import ModelFacts, RunState, save_run
 
-    if dist.is_initialized() and dist.get_world_size() > 1:   # rank 0 owns the MLflow run
-        from mrl.platform.dist import stage
-
-        box = [run_id]
-        with stage("checkpoint save"):
-            dist.broadcast_object_list(box, src=0)
-        run_id = box[0]
     spec = r.spec
-    extra = {"sampler": r.sampler.state_dict(), "mlflow_run_id": run_id, "actor_updates": r.engine.steps,
-             "hf_config": r.hf, "model_path": spec.model.path, "tokenizer": spec.model.tokenizer,
-             "dtype": spec.model.dtype, "spec_toml": to_toml(spec), "role": "actor", "trainer": "sft",
-             "lora": _lora_extra(spec.sft.lora)}
-    state.save(checkpoint_root(spec), step, chunks=r.engine.chunks,
-               optimizer=r.engine.optimizer if spec.checkpoint.save_optimizer else None,
-               scheduler=r.engine.scheduler, extra=extra, keep_last=spec.checkpoint.keep_last)
+    state = RunState(trainer="sft", sampler=r.sampler.state_dict(), tracking_run_id=run_id,
+                     actor_updates=r.engine.steps, model=ModelFacts.of(spec, r.hf), lora=_lora_extra(spec.sft.lora))
+    save_run(Path(spec.checkpoint.dir), step, r.engine, state, spec.checkpoint,
+             with_optimizer=spec.checkpoint.save_optimizer)
 
 
 def _lora_extra(cfg) -> dict:
@@ -169,30 +158,18 @@ def _lora_extra(cfg) -> dict:
     return {"rank": cfg.rank, "alpha": cfg.alpha, "dropout": cfg.dropout, "target_modules": list(cfg.target_modules)}
 
 
-def _resume(r: SFTRun) -> tuple[int, dict]:
-    from mrl.checkpoint import state
+def _resume(r: SFTRun):
+    """(last completed step, its run state) or (0, None) for a fresh start."""
+    from mrl.checkpoint.run_state import resume_run
 
-    ck = r.spec.checkpoint
-    root = Path(ck.load_from) if ck.load_from else checkpoint_root(r.spec)
-    if ck.resume == "never" and not ck.load_from:
-        return 0, {}
-    found = state.find_resumable(root, must=ck.resume == "must")
-    if found is None:
-        if ck.resume == "must" or ck.load_from:
-            raise UserError(f"checkpoint{'.load_from' if ck.load_from else '.resume'}: no checkpoint in {root}")
-        return 0, {}
     from mrl.checkpoint.compat import before_load
 
-    before_load(found, r.hf)   # another model: one line before megatron reads a tensor
-    loaded = state.load(found, chunks=r.engine.chunks, optimizer=r.engine.optimizer, scheduler=r.engine.scheduler,
-                        verified=True)
-    extra = loaded.extra
-    if extra.get("trainer") != "sft":
-        raise UserError(f"checkpoint {found} was not written by mrl sft (an RL actor's checkpoint); start the SFT "
-                        "run in another checkpoint.dir, or pass the merged model as model.path")
-    r.sampler.load_state_dict(extra["sampler"])
-    r.engine.steps = extra.get("actor_updates", r.engine.steps)
-    return loaded.step, extra
+    # another model: one line before megatron reads a tensor
+    start, state = resume_run(Path(r.spec.checkpoint.dir), r.engine, r.spec.checkpoint, trainer="sft",
+                              before_load=lambda found: before_load(found, r.hf))
+    if state is not None:
+        r.sampler.load_state_dict(state.sampler)
+    return start, state
 
 
 def sft(spec) -> dict[str, float]:
@@ -200,7 +177,7 @@ def sft(spec) -> dict[str, float]:
     from mrl.platform.dist import create_wait_group, wait_for_peers
     from mrl.tracking.tracker import Tracker, run_dir_of
     from mrl.train.lifecycle import run_lifecycle
-    from mrl.train.loop import _reduce_metrics
+    from mrl.train.metrics import reduce_over_ranks
 
     r = build(spec)
     last: dict[str, float] = {}
@@ -212,10 +189,11 @@ def sft(spec) -> dict[str, float]:
         store.check_writable(Path(spec.checkpoint.dir),
                              state.estimated_bytes(r.engine.chunks, with_optimizer=spec.checkpoint.save_optimizer),
                              "checkpoint.dir")
-        start, extra = _resume(r)
+        start, saved = _resume(r)
         from mrl.tracking.origin import tracking_start
 
-        resume_run_id, origin = tracking_start(spec, start, extra)   # load_from another run: a new run
+        # load_from another run: a new run
+        resume_run_id, origin = tracking_start(spec, start, saved.to_extra() if saved is not None else {})
         tracker = life.tracker = Tracker(spec.tracking, run_dir=run_dir_of(spec), total_steps=r.total_steps,
                                          rank=r.ctx.rank, resume_run_id=resume_run_id, start_step=start,
                                          log_every_steps=spec.sft.log_every_steps, origin=origin)
@@ -231,7 +209,7 @@ def sft(spec) -> dict[str, float]:
         every, val_every = spec.checkpoint.every_steps, spec.sft.val_every_steps
         for step in range(start + 1, r.total_steps + 1):
             tracker.stage("train")
-            metrics = _reduce_metrics(train_step(r))
+            metrics = reduce_over_ranks(train_step(r), r.ctx.dp)
             if val_every and (step % val_every == 0 or step == r.total_steps):
                 tracker.stage("validation")
                 metrics["val/loss"] = validation_loss(r)

@@ -32,24 +32,48 @@ def peak_bf16_flops(device_name: str) -> float | None:
 
 def model_params(hf: dict, *, active: bool = True) -> int:
     """Parameters of a decoder-only Hugging Face config (dense or MoE); `active` counts the experts
-    one token passes through (`num_experts_per_tok`) instead of all of them."""
+    one token passes through (`num_experts_per_tok`) instead of all of them. Covers shared experts
+    (Qwen2-MoE with its gate, DeepSeek-V3), DeepSeek-V3's dense first layers and its multi-latent
+    attention."""
     h, layers, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
+    model_type = hf.get("model_type")
     heads = hf["num_attention_heads"]
-    kv = hf.get("num_key_value_heads") or heads
-    d = hf.get("head_dim") or h // heads
-    bias = bool(hf.get("attention_bias", hf.get("model_type") == "qwen2"))
-    attn = h * heads * d + 2 * h * kv * d + heads * d * h + (bias * (heads + 2 * kv) * d)
-    if hf.get("model_type") in ("qwen3", "qwen3_moe"):
-        attn += 2 * d   # q_norm, k_norm
+    if model_type == "deepseek_v3":
+        attn = _mla_params(hf)
+    else:
+        kv = hf.get("num_key_value_heads") or heads
+        d = hf.get("head_dim") or h // heads
+        bias = bool(hf.get("attention_bias", model_type == "qwen2") or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)))
+        attn = h * heads * d + 2 * h * kv * d + heads * d * h + (bias * (heads + 2 * kv) * d)
+        if model_type in ("qwen3", "qwen3_moe"):
+            attn += 2 * d   # q_norm, k_norm
     experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0
+    dense_mlp = 3 * h * hf["intermediate_size"]
     if experts:
         used = (hf.get("num_experts_per_tok") or experts) if active else experts
         inter = hf.get("moe_intermediate_size") or hf["intermediate_size"]
-        mlp = used * 3 * h * inter + h * experts   # experts + router
+        moe = used * 3 * h * inter + h * experts   # experts + router
+        if model_type == "qwen2_moe" and hf.get("shared_expert_intermediate_size"):
+            moe += 3 * h * hf["shared_expert_intermediate_size"] + h   # shared expert + its gate
+        if model_type == "deepseek_v3":
+            moe += 3 * h * inter * (hf.get("n_shared_experts") or 0)
+        dense_layers = (hf.get("first_k_dense_replace") or 0) if model_type == "deepseek_v3" else 0
+        mlps = dense_layers * dense_mlp + (layers - dense_layers) * moe
     else:
-        mlp = 3 * h * hf["intermediate_size"]
+        mlps = layers * dense_mlp
     embeddings = vocab * h * (1 if hf.get("tie_word_embeddings") else 2)
-    return layers * (attn + mlp + 2 * h) + embeddings + h
+    return layers * (attn + 2 * h) + mlps + embeddings + h
+
+
+def _mla_params(hf: dict) -> int:
+    """One multi-latent attention block: q (through its bottleneck and norm, or one projection),
+    the k/v latent with the shared RoPE key, its norm, the k/v up projection and the output."""
+    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    qk = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
+    q_rank, kv_rank = hf.get("q_lora_rank"), hf["kv_lora_rank"]
+    q = h * heads * qk if not q_rank else h * q_rank + q_rank + q_rank * heads * qk
+    kv = h * (kv_rank + hf["qk_rope_head_dim"]) + kv_rank + kv_rank * heads * (hf["qk_nope_head_dim"] + hf["v_head_dim"])
+    return q + kv + heads * hf["v_head_dim"] * h
 
 
 def actor_mfu(metrics: Mapping[str, float], hf: dict, world: int, device_name: str) -> dict[str, float]:

@@ -20,7 +20,9 @@ import torch
 
 from mrl.config.job import JobSpec
 from mrl.models.facts import builtin_preset
+from mrl.platform.device import DTYPES
 from mrl.train.parts import Generation, Learner, Prompts, Run
+from mrl.train.plan import StepPlan, step_plan
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ def _has_weights(path: Optional[str]) -> bool:
         (Path(path) / "model.safetensors").is_file() or (Path(path) / "model.safetensors.index.json").is_file())
 
 
-def _chunks(role: str, spec: JobSpec, hf: dict, device: str, recompute: str = "none") -> list:
+def role_chunks(role: str, spec: JobSpec, hf: dict, device: str, recompute: str = "none") -> list:
     from mrl.models.roles import build_role_model
 
     vpp = spec.parallel.virtual_pipeline
@@ -39,7 +41,7 @@ def _chunks(role: str, spec: JobSpec, hf: dict, device: str, recompute: str = "n
                              fused=spec.model.use_fused_kernels) for i in range(vpp or 1)]
 
 
-def _load(chunks: list, path: Optional[str], hf: dict, role: str) -> bool:
+def load_weights(chunks: list, path: Optional[str], hf: dict, role: str) -> bool:
     from mrl.weights import load_hf_checkpoint
 
     if not _has_weights(path):
@@ -73,8 +75,8 @@ def _trainable(role: str, spec: JobSpec, hf: dict, device: str, section, total_o
     from mrl.engine import Engine
     from mrl.optim.build import build_optimizer, build_scheduler, wrap_ddp
 
-    chunks = _chunks(role, spec, hf, device, section.recompute)
-    if not _load(chunks, path, hf, role) and init_from is not None:
+    chunks = role_chunks(role, spec, hf, device, section.recompute)
+    if not load_weights(chunks, path, hf, role) and init_from is not None:
         _copy_from(chunks, init_from)
     lora = getattr(section, "lora", None)
     if lora is not None and lora.rank:   # frozen base + adapters; checkpoints hold the adapters
@@ -89,7 +91,7 @@ def _trainable(role: str, spec: JobSpec, hf: dict, device: str, section, total_o
                   nonfinite=section.optim.nonfinite)
 
 
-def leader_work_s(spec: JobSpec, dp: int) -> float:
+def leader_work_s(spec: JobSpec, plan: StepPlan) -> float:
     """The longest a model-parallel group leader works alone in one rollout round while its group
     and the other groups wait: generating (bounded by `rollout.generate_timeout_s` where the
     rollout section has it) or scoring a round's responses (every reward call up to
@@ -97,14 +99,9 @@ def leader_work_s(spec: JobSpec, dp: int) -> float:
     rewards are slow but within their timeout never trips a waiting rank's collective timeout."""
     from mrl.reward.compose import scoring_budget_s
 
-    responses = spec.data.prompts_per_step // dp * spec.rollout.responses_per_prompt
+    responses = plan.responses_per_rank
     generation = getattr(spec.rollout, "generate_timeout_s", None) or 0.0
     return max(float(generation), scoring_budget_s(spec.reward, responses))
-
-
-def optimizer_steps(spec: JobSpec, section, steps: int) -> int:
-    mini = spec.data.prompts_per_step // (section.mini_batch_prompts or spec.data.prompts_per_step)
-    return steps * section.epochs * mini
 
 
 def kl_controller(spec: JobSpec):
@@ -133,17 +130,16 @@ def build(spec: JobSpec) -> tuple[Run, Optional[Learner], Optional[Generation], 
     from mrl.models.tokenizer import load_tokenizer
     from mrl.platform import setup
     from mrl.platform.dist import create_wait_group
-    from mrl.rollout.layout import first_problem, trainer_world
-    from mrl.train.partial import partial_problems
-    from mrl.train.placement import separate_problems
+    from mrl.rollout.layout import first_problem
+    from mrl.train.placement import partial_problems, separate_problems
 
     problem = first_problem(spec.rollout, spec.platform.world_size, model_facts(spec.model.path), spec.platform.device)
     problems = separate_problems(spec) + partial_problems(spec)
     if problem or problems:   # mrl validate reports the same (mrl.config.validate)
         raise UserError(problem or f"{problems[0][0]}: {problems[0][1]}")
-    separate = spec.rollout.placement == "separate"
-    dp = spec.parallel.data_parallel(trainer_world(spec.rollout, spec.platform.world_size))
-    wait_s = spec.platform.collective_timeout_s + leader_work_s(spec, dp)
+    plan = step_plan(spec)   # mrl validate refuses the same plans (mrl.config.validate)
+    separate, dp = plan.separate, plan.dp
+    wait_s = spec.platform.collective_timeout_s + leader_work_s(spec, plan)
     ctx = setup(spec.platform, spec.parallel, seed=spec.job.seed, rollout_ranks=spec.rollout.ranks if separate else 0,
                 bridge_timeout_s=wait_s)
     create_wait_group(wait_s)
@@ -153,27 +149,29 @@ def build(spec: JobSpec) -> tuple[Run, Optional[Learner], Optional[Generation], 
     device = ctx.platform
     dataset = load_prompts(spec.data, tokenizer, "train")
     total = steps_planned(spec, len(dataset))
-    run = Run(spec=spec, ctx=ctx, hf=hf, tokenizer=tokenizer, total_steps=total, dp=dp)
+    run = Run(spec=spec, ctx=ctx, hf=hf, tokenizer=tokenizer, total_steps=total, plan=plan)
 
     learner = None
     if ctx.role == "train":
-        learner = build_learner(spec, hf, device, total)
+        learner = build_learner(spec, plan, hf, device, total)
     generation = None
     prompts = Prompts(dataset=dataset, samplers={})   # trainer ranks of a separate placement sample nothing
     if not separate or ctx.role == "rollout":
         # One sampler batch is one generation round (dynamic sampling runs several rounds per step).
-        shards = [ctx.dp_rank] if not separate else shards_of(spec, ctx, dp)
+        # separate: engine group g of G generates for every G-th trainer DP rank
+        shards = [ctx.dp_rank] if not separate else plan.shards_of_group(plan.engine_group_of(ctx.rank))
         samplers = {d: PromptSampler(len(dataset), spec.algorithm.dynamic_sampling.generation_batch_prompts,
                                      dp_rank=d, dp_size=dp, seed=spec.data.seed, shuffle=spec.data.shuffle)
                     for d in shards}
         prompts = Prompts(dataset=dataset, samplers=samplers)
-        generation = build_generation(spec, ctx, tokenizer, reward_model=learner.reward_model if learner else None)
+        generation = build_generation(spec, plan, ctx, tokenizer,
+                                      reward_model=learner.reward_model if learner else None)
     return run, learner, generation, prompts
 
 
-def build_learner(spec: JobSpec, hf: dict, device: str, total: int) -> Learner:
+def build_learner(spec: JobSpec, plan: StepPlan, hf: dict, device: str, total: int) -> Learner:
     """The actor (with its exporter), reference, critic and reward model on a trainer rank."""
-    actor = _trainable("actor", spec, hf, device, spec.actor, optimizer_steps(spec, spec.actor, total),
+    actor = _trainable("actor", spec, hf, device, spec.actor, plan.actor.optimizer_steps * total,
                        path=spec.model.path)
     ref = None
     if spec.ref.enable and spec.actor.lora.rank:
@@ -181,47 +179,36 @@ def build_learner(spec: JobSpec, hf: dict, device: str, total: int) -> Learner:
 
         ref = reference_engine(actor)   # the actor's frozen base, adapters off: no second copy
     elif spec.ref.enable:
-        chunks = _chunks("ref", spec, hf, device)
-        if not _load(chunks, spec.ref.model_path, hf, "ref"):
+        chunks = role_chunks("ref", spec, hf, device)
+        if not load_weights(chunks, spec.ref.model_path, hf, "ref"):
             _copy_from(chunks, actor.chunks)
         from mrl.engine import Engine
 
         ref = Engine(chunks, name="ref")
     critic = None
     if spec.critic.enable:
-        critic = _trainable("critic", spec, hf, device, spec.critic, optimizer_steps(spec, spec.critic, total),
+        critic = _trainable("critic", spec, hf, device, spec.critic, plan.critic.optimizer_steps * total,
                             init_from=actor.chunks, path=spec.critic.model_path)
     from mrl.weights import Exporter
 
-    return Learner(actor=actor, exporter=Exporter(actor.chunks, hf, dtype=_dtype(spec.rollout.weight_sync.dtype)),
+    return Learner(actor=actor, exporter=Exporter(actor.chunks, hf, dtype=DTYPES[spec.rollout.weight_sync.dtype]),
                    ref=ref, critic=critic, reward_model=_reward_model(spec, hf, device), kl=kl_controller(spec))
 
 
-def shards_of(spec: JobSpec, ctx, dp: int) -> list[int]:
-    """The trainer's data-parallel ranks a rollout rank generates for: engine group g of G takes
-    every G-th one (all ranks of a group take the same ones: they generate together)."""
-    from mrl.rollout.plan import EngineGroups
-
-    groups = EngineGroups(ctx.world_size, spec.rollout.tensor_parallel * spec.rollout.pipeline_parallel)
-    g = groups.group_of(ctx.rank)
-    return list(range(g, dp, groups.count))
-
-
-def build_generation(spec: JobSpec, ctx, tokenizer, *, reward_model=None) -> Generation:
+def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_model=None) -> Generation:
     """This rank's engine, generator, rewarder and leadership (every rank of the rollout's world
     calls it: vllm engines are built collectively)."""
     import torch.distributed as dist
 
-    from mrl.train.engines import build_rollout
+    from mrl.train.engine_groups import build_rollout
 
     if ctx.role == "rollout":   # separate: the first rank of each engine group scores
-        per_engine = spec.rollout.tensor_parallel * spec.rollout.pipeline_parallel
-        leader = ctx.global_rank - ctx.rank % per_engine
+        leader = ctx.global_rank - ctx.rank + plan.engine_leader_of(ctx.rank)
         group = None
-        if per_engine > 1:   # the engine group's ranks share its leader's scores
+        if plan.engine_ranks > 1:   # the engine group's ranks share its leader's scores
             from mrl.rollout.engine import engine_group
 
-            group = engine_group(per_engine)[0]
+            group = engine_group(plan.engine_ranks)[0]
         gen = Generation(mp_group=group, leader=leader, is_leader=ctx.global_rank == leader)
     else:
         from megatron.core import parallel_state as ps
@@ -229,7 +216,7 @@ def build_generation(spec: JobSpec, ctx, tokenizer, *, reward_model=None) -> Gen
         mp_group = ps.get_model_parallel_group()
         leader = dist.get_process_group_ranks(mp_group)[0] if dist.is_initialized() else 0
         gen = Generation(mp_group=mp_group, leader=leader, is_leader=ctx.rank == leader)
-    gen.engine, gen.generator, gen.groups = build_rollout(spec, ctx, tokenizer, is_leader=gen.is_leader)
+    gen.engine, gen.generator, gen.groups = build_rollout(spec, plan, ctx, tokenizer, is_leader=gen.is_leader)
     if ctx.role != "rollout" and gen.engine is not None and spec.rollout.engine == "hf":
         from mrl.rollout.weight_channel import ColocatedChannel
 
@@ -278,13 +265,9 @@ def _reward_model(spec: JobSpec, hf: dict, device: str):
     if found is None or not _has_weights(paths[0]):
         raise UserError(f"reward.model_path: {paths[0]!r} is not a Hugging Face directory with safetensors weights")
     rm_hf = complete_hf_config(found[0])
-    chunks = _chunks("reward", spec, rm_hf, device)
-    _load(chunks, paths[0], rm_hf, "reward")
+    chunks = role_chunks("reward", spec, rm_hf, device)
+    load_weights(chunks, paths[0], rm_hf, "reward")
     return Engine(chunks, name="reward")
-
-
-def _dtype(name: str) -> torch.dtype:
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
 def close(generation: Optional[Generation]) -> None:

@@ -1,32 +1,36 @@
 """`train(spec)`: run a job from its first step, or resume it from its latest checkpoint.
 
 Checkpoints live in `checkpoint.dir` (default `<output_dir>/<name>/checkpoints`): one
-`actor/` root (and `critic/`), each atomic with a `latest` pointer. The actor's `extra` holds
-the sampler position, the KL controller, the MLflow run id and the step (and, with a separate
-rollout, the rollouts already generated for later steps), so a resumed run continues the same
-prompts, the same MLflow run and the same metrics. `checkpoint.resume`: "auto" resumes when a
+`actor/` root (and `critic/`), each atomic with a `latest` pointer. The actor's run state
+(`mrl.checkpoint.run_state.RunState`) holds the data position (and the rollouts or partial
+groups in hand), the KL controller, the MLflow run id and the update counts, so a resumed run
+continues the same prompts, the same MLflow run and the same metrics. `checkpoint.resume`: "auto" resumes when a
 checkpoint exists, "never" starts fresh, "must" requires one.
 
-With `rollout.placement = "separate"` the trainer ranks run `train` below and the rollout ranks
-run `mrl.train.queue.serve`.
+The loop is the same whatever `rollout.placement`: a step takes its rollouts from a
+`mrl.train.source.RolloutSource` and learns (`mrl.train.step.train_step`), then `publish` hands
+the new weights to the rollout side; validations come back from the source. With a separate
+placement the rollout ranks run `mrl.train.serve.serve` instead.
 """
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from mrl.checkpoint.run_state import ModelFacts, RunState, resume_run, save_run
 from mrl.config.job import JobSpec
-from mrl.errors import UserError
+from mrl.platform.collectives import world_max
 from mrl.platform.dist import wait_for_peers
 from mrl.train.build import build, close
+from mrl.train.metrics import reduce_over_ranks
 from mrl.train.parts import Learner, Run, SampleLog
+from mrl.train.source import rollout_source
 from mrl.train.step import train_step
-from mrl.train.validate import validate
 
 log = logging.getLogger(__name__)
 
@@ -35,74 +39,31 @@ def checkpoint_root(spec: JobSpec) -> Path:
     return Path(spec.checkpoint.dir)   # resolved: <job.output_dir>/<job.name>/checkpoints unless set
 
 
-def _resume(run: Run, learner: Learner) -> tuple[int, dict]:
-    """(last completed step, the actor checkpoint's extra) or (0, {}) for a fresh start."""
-    from mrl.checkpoint import state
-
-    ck = run.spec.checkpoint
-    root = Path(ck.load_from) if ck.load_from else checkpoint_root(run.spec) / "actor"
-    if ck.resume == "never" and not ck.load_from:
-        return 0, {}
-    # the newest intact checkpoint (a damaged newer one is skipped, said in one line)
-    critic_of = (lambda ckpt: [ckpt.parent.parent / "critic" / ckpt.name]) if learner.critic is not None else None
-    found = state.find_resumable(root, must=ck.resume == "must", companions=critic_of)
-    if found is None:
-        if ck.resume == "must" or ck.load_from:
-            raise UserError(f"checkpoint{'.load_from' if ck.load_from else '.resume'}: no checkpoint in {root}"
-                            + (" (checkpoint.resume = 'must')" if not ck.load_from else ""))
-        return 0, {}
+def _resume(run: Run, learner: Learner) -> tuple[int, Optional[RunState]]:
+    """(last completed step, its run state) or (0, None) for a fresh start; restores the KL
+    controller (the engines' update counts are restored with their weights)."""
     from mrl.checkpoint.compat import before_load
 
-    before_load(found, run.hf, run.spec.reward)   # another model: one line; a changed reward file: a warning
-    actor = learner.actor
-    loaded = state.load(found, chunks=actor.chunks, optimizer=actor.optimizer, scheduler=actor.scheduler, verified=True)
-    if learner.critic is not None:
-        critic_dir = found.parent.parent / "critic" / found.name
-        if not critic_dir.is_dir():
-            raise UserError(f"checkpoint: {found} has no critic checkpoint at {critic_dir}")
-        state.load(critic_dir, chunks=learner.critic.chunks, optimizer=learner.critic.optimizer,
-                   scheduler=learner.critic.scheduler, verified=True)
-    extra = loaded.extra
-    if "kl_coef" in extra and learner.kl is not None:
-        learner.kl.value = extra["kl_coef"]
-    actor.steps = extra.get("actor_updates", actor.steps)
-    if learner.critic is not None:
-        learner.critic.steps = extra.get("critic_updates", learner.critic.steps)
-    return loaded.step, extra
+    companions = {"critic": learner.critic} if learner.critic is not None else None
+    # another model: one line; a changed reward file: a warning
+    start, state = resume_run(checkpoint_root(run.spec), learner.actor, run.spec.checkpoint, companions=companions,
+                              before_load=lambda found: before_load(found, run.hf, run.spec.reward))
+    if state is not None and state.kl_coef is not None and learner.kl is not None:
+        learner.kl.value = state.kl_coef
+    return start, state
 
 
 def _save(run: Run, learner: Learner, rollouts, step: int, tracker_run_id) -> None:
-    from mrl.checkpoint import state
-
-    from mrl.config.dump import to_toml
-
     spec = run.spec
-    root = checkpoint_root(spec)
-    position = rollouts.state(step)   # the data position (and the rollouts queued for later steps)
-    if dist.is_initialized() and dist.get_world_size() > 1:   # rank 0 owns the MLflow run: every rank stores its id
-        from mrl.platform.dist import stage
-
-        box = [tracker_run_id]
-        with stage("checkpoint save"):
-            dist.broadcast_object_list(box, src=0)
-        tracker_run_id = box[0]
-    # What `mrl merge` needs to rebuild the model without the job file.
-    model = {"hf_config": run.hf, "model_path": spec.model.path, "tokenizer": spec.model.tokenizer,
-             "dtype": spec.model.dtype, "spec_toml": to_toml(spec)}
     from mrl.checkpoint.compat import job_reward_files
 
-    extra = {**position, "mlflow_run_id": tracker_run_id, "actor_updates": learner.actor.steps, **model, "role": "actor",
-             "reward_files": job_reward_files(spec.reward)}
-    if learner.kl is not None:
-        extra["kl_coef"] = learner.kl.value
-    if learner.critic is not None:
-        extra["critic_updates"] = learner.critic.steps
-        state.save(root / "critic", step, chunks=learner.critic.chunks, optimizer=learner.critic.optimizer,
-                   scheduler=learner.critic.scheduler, extra={**model, "role": "critic"},
-                   keep_last=spec.checkpoint.keep_last)
-    state.save(root / "actor", step, chunks=learner.actor.chunks,
-               optimizer=learner.actor.optimizer if spec.checkpoint.save_optimizer else None,
-               scheduler=learner.actor.scheduler, extra=extra, keep_last=spec.checkpoint.keep_last)
+    state = RunState(**rollouts.state(step), tracking_run_id=tracker_run_id, actor_updates=learner.actor.steps,
+                     critic_updates=learner.critic.steps if learner.critic is not None else None,
+                     kl_coef=learner.kl.value if learner.kl is not None else None, model=ModelFacts.of(spec, run.hf),
+                     reward_files=job_reward_files(spec.reward))
+    save_run(checkpoint_root(spec), step, learner.actor, state, spec.checkpoint,
+             with_optimizer=spec.checkpoint.save_optimizer,
+             companions={"critic": learner.critic} if learner.critic is not None else None)
 
 
 def _check_disk(spec: JobSpec, learner: Learner) -> None:
@@ -119,45 +80,6 @@ def _check_disk(spec: JobSpec, learner: Learner) -> None:
     store.check_writable(checkpoint_root(spec), need, "checkpoint.dir")
 
 
-def _max_over_ranks(seconds: float) -> float:
-    """The slowest rank's time for a stage every rank ran (validation, checkpoint)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return seconds
-    from mrl.platform.dist import stage
-
-    t = torch.tensor([seconds], dtype=torch.float64)
-    with stage("timing all-reduce"):
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def _reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """Means over data-parallel ranks (ranks of one model replica hold the same values); `*_max`,
-    `time/*` and `memory/*` keys are maxima over all ranks."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return metrics
-    from megatron.core import parallel_state as ps
-
-    from mrl.platform.dist import stage
-    from mrl.reward.compose import is_count
-
-    everyone = [None] * dist.get_world_size()
-    with stage("metrics all-gather"):
-        dist.all_gather_object(everyone, metrics)
-    dp = ps.get_data_parallel_world_size()
-    keys = sorted(set().union(*everyone))
-    out = {}
-    for k in keys:
-        vals = [m[k] for m in everyone if k in m and not math.isnan(m[k])]
-        if vals and is_count(k):   # events counted on each data-parallel replica: their sum
-            out[k] = sum(vals) / len(vals) * dp
-            continue
-        if vals:
-            # a stage takes as long as its slowest rank: timings are maxima, not means
-            out[k] = max(vals) if k.endswith("_max") or k.startswith(("time/", "memory/")) else sum(vals) / len(vals)
-    return out
-
-
 def train(spec: JobSpec) -> dict[str, float]:
     """Run `spec` to `trainer.total_steps` (or its epochs); returns the last step's metrics
     (on a rollout-only rank: {})."""
@@ -166,31 +88,31 @@ def train(spec: JobSpec) -> dict[str, float]:
     run, learner, generation, prompts = build(spec)
     with run_lifecycle(spec, rank=run.ctx.global_rank, checkpoint_root=checkpoint_root(spec),
                        close=lambda: close(generation)) as life:
-        if learner is None:   # a rollout rank of a separate placement
-            from mrl.train.queue import serve
+        if learner is None:   # a rollout-only rank (separate placement): the producer
+            from mrl.train.serve import serve
 
             serve(run, generation, prompts)
             life.finished()
             return {}
         from mrl.tracking.tracker import Tracker
-        from mrl.train.queue import ColocatedRollouts, SeparateRollouts
 
-        rollouts = (SeparateRollouts(run, learner, prompts.dataset) if run.separate
-                    else ColocatedRollouts(run, learner, generation, prompts))
+        samples = SampleLog()
+        rollouts = rollout_source(run, learner, generation, prompts, samples)
         _check_disk(spec, learner)
-        start, extra = _resume(run, learner)
-        restored = rollouts.load_state(extra, start) if extra else ""
+        start, saved = _resume(run, learner)
+        restored = rollouts.load_state(saved, start) if saved is not None else ""
         from mrl.tracking.origin import tracking_start
 
-        resume_run_id, origin = tracking_start(spec, start, extra)   # load_from another run: a new run
+        # load_from another run: a new run
+        resume_run_id, origin = tracking_start(spec, start, saved.to_extra() if saved is not None else {})
         life.tracker = Tracker.from_spec(spec, total_steps=run.total_steps, rank=run.ctx.rank,
                                          resume_run_id=resume_run_id, start_step=start, origin=origin)
-        last = _train(run, learner, generation, prompts, rollouts, life.tracker, start, restored)
+        last = _train(run, learner, prompts, rollouts, samples, life.tracker, start, restored)
         life.finished(export_steps=run.total_steps)
         return last
 
 
-def _train(run: Run, learner: Learner, generation, prompts, rollouts, tracker, start: int,
+def _train(run: Run, learner: Learner, prompts, rollouts, samples: SampleLog, tracker, start: int,
            restored: str) -> dict[str, float]:
     """The trainer ranks' loop from step `start + 1`; returns the last step's metrics."""
     from mrl.tracking.perf import actor_mfu, throughput
@@ -198,9 +120,8 @@ def _train(run: Run, learner: Learner, generation, prompts, rollouts, tracker, s
     from mrl.tracking.tracker import run_dir_of
 
     spec = run.spec
-    samples = SampleLog()
     last: dict[str, float] = {}
-    validated: dict[str, float] = {}   # the newest validation the rollout side sent (separate)
+    validated: dict[str, float] = {}   # the newest validation logged on its own
     try:
         if start == 0:
             tracker.log_spec(spec)
@@ -211,48 +132,39 @@ def _train(run: Run, learner: Learner, generation, prompts, rollouts, tracker, s
         else:
             tracker.message(f"resumed from step {start} of {run.total_steps}" + (f"; {restored}" if restored else ""))
         wait_for_peers("tracking setup")   # rank 0 alone creates or re-attaches the MLflow run
-        rollouts.start(start)
+        rollouts.start(start)   # publishes version `start`
+        validated.update(_log_validations(tracker, rollouts.validations(start, on_stage=tracker.stage)))
         every = spec.checkpoint.every_steps
-        val_every = spec.trainer.val_every_steps
-        if spec.trainer.val_before_train and start == 0 and not run.separate:
-            rollouts.sync_for_validation(0)
-            tracker.log_metrics(validate(run, generation, prompts, 0, samples, learner.reward_model), 0)
-            rollouts.release()
         for step in range(start + 1, run.total_steps + 1):
             with profile_step(spec.trainer.profile_steps, step, run_dir_of(spec), run.ctx.rank):
                 step_metrics = train_step(run, learner, rollouts, step, on_stage=tracker.stage, samples=samples)
-                rollouts.after_update(step)
-            metrics = _reduce_metrics(step_metrics)
+                rollouts.publish(step)   # the weights leave the trainer here, whatever the placement
+            metrics = reduce_over_ranks(step_metrics, run.dp)
             metrics.update(throughput(metrics, run.dp))
             if torch.cuda.is_available():   # model FLOP utilisation of the actor update
                 world = dist.get_world_size() if dist.is_initialized() else 1
                 metrics.update(actor_mfu(metrics, run.hf, world, torch.cuda.get_device_name()))
-            if val_every and (step % val_every == 0 or step == run.total_steps) and not run.separate:
-                tracker.stage("validation")
-                started = time.perf_counter()
-                rollouts.sync_for_validation(step)   # the update just changed the policy
-                metrics.update(validate(run, generation, prompts, step, samples, learner.reward_model))
-                rollouts.release()
-                metrics["time/validation"] = _max_over_ranks(time.perf_counter() - started)
-            metrics["train/epoch"] = float(rollouts.epoch())
+            results = rollouts.validations(step, on_stage=tracker.stage)
+            own = [r for r in results if r.version == step]   # this step's validation: logged with it
+            for r in own:
+                metrics.update(r.metrics)
             tracker.log_metrics(metrics, step)
-            for split in ("train", "validation"):
-                rows = samples.take(split)
+            for split, rows in [("train", samples.take("train"))] + [("validation", r.rows) for r in own]:
                 if rows:
                     tracker.log_samples(split, rows)
             last = metrics
-            validated.update(_log_validations(tracker, rollouts.validations()))   # separate: the rollout side's
+            validated.update(_log_validations(tracker, [r for r in results if r.version != step]))
             wait_for_peers("tracking")   # rank 0 alone writes the step's metrics and samples
             if (every and step % every == 0) or step == run.total_steps:
                 tracker.stage("checkpoint")
                 started = time.perf_counter()
                 _save(run, learner, rollouts, step, tracker.run_id)
-                tracker.log_metrics({"time/checkpoint": _max_over_ranks(time.perf_counter() - started)}, step,
-                                    console=False)
-        # separate: wait for the validations still running on the rollout side (the last steps')
-        validated.update(_log_validations(tracker, rollouts.validations(upto=run.total_steps)))
-        if last and validated:
-            last = {**last, **validated}
+                tracker.log_metrics({"time/checkpoint": world_max(time.perf_counter() - started, "timing all-reduce")},
+                                    step, console=False)
+        # the validations still under way (separate: the rollout side's, of the last steps)
+        validated.update(_log_validations(tracker, rollouts.validations(run.total_steps, final=True)))
+        if last and validated:   # a step's own validation is newer than one logged apart before it
+            last = {**validated, **last}
     except BaseException:
         rollouts.close(wait=False)
         raise
@@ -261,8 +173,9 @@ def _train(run: Run, learner: Learner, generation, prompts, rollouts, tracker, s
 
 
 def _log_validations(tracker, results) -> dict[str, float]:
-    """Log validations the rollout side ran (separate placement) under the step they validated;
-    returns the newest one's metrics ({} when none arrived)."""
+    """Log validations under the step they validated, apart from a step's metrics (the rollout
+    side's with a separate placement, or one before the first step); returns the newest one's
+    metrics ({} when none)."""
     newest: dict[str, float] = {}
     for r in results:
         tracker.log_metrics(r.metrics, r.version, console=False)

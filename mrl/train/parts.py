@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from mrl.rollout.plan import EngineGroups
     from mrl.rollout.weight_channel import ColocatedChannel
     from mrl.train.build import PrecomputedScores
-    from mrl.train.partial import ShardCarry
+    from mrl.train.carry import ShardCarry
+    from mrl.train.plan import StepPlan
     from mrl.weights.hf_export import Exporter
 
 
@@ -47,11 +48,16 @@ class Run:
     hf: dict                        # the model's Hugging Face config
     tokenizer: "PreTrainedTokenizerBase"
     total_steps: int
-    dp: int                         # the trainer's data-parallel size (also known on rollout ranks)
+    plan: "StepPlan"                # the step's layout and batch arithmetic (`mrl.train.plan`)
+
+    @property
+    def dp(self) -> int:
+        """The trainer's data-parallel size (also known on rollout ranks)."""
+        return self.plan.dp
 
     @property
     def separate(self) -> bool:
-        return self.spec.rollout.placement == "separate"
+        return self.plan.separate
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""What a job with its rollout on ranks of its own (`rollout.placement = "separate"`) cannot do,
-in one place: `mrl validate` reports these and `mrl train` refuses them before any compute.
+"""What a job with its rollout on ranks of its own (`rollout.placement = "separate"`) or with
+partial rollouts (`rollout.partial_rollout_tokens`) cannot do, in one place: `mrl validate`
+reports these and `mrl train` refuses them before any compute.
 
 The placement itself (how many ranks, how the engines divide them) is checked with the engine
 layout in `mrl.rollout.layout`.
@@ -20,7 +21,27 @@ def separate_problems(spec) -> list[tuple[str, str]]:
         out.append(("reward.model_path", "a reward model runs on the trainer's model-parallel ranks, but "
                                          "rollout.placement = 'separate' scores on the rollout ranks; use a "
                                          "colocated rollout or a reward function"))
+    return out
+
+
+def partial_problems(spec) -> list[tuple[str, str]]:
+    """(dotted key, message) for what partial rollouts cannot do; `mrl validate` and `mrl train`
+    both apply it."""
+    roll = spec.rollout
+    chunk = roll.partial_rollout_tokens
+    if not chunk:
+        return []
+    out: list[tuple[str, str]] = []
+    if roll.max_staleness < 1:
+        out.append(("rollout.max_staleness", "is 0, but partial rollouts carried over to the next step continue under "
+                                             "newer weights and lag at least one version; set it >= 1"))
+    if chunk >= roll.max_response_tokens:
+        out.append(("rollout.partial_rollout_tokens", f"{chunk} >= rollout.max_response_tokens {roll.max_response_tokens}: "
+                                                      "every response would finish in its first round; lower it or set 0"))
+    if roll.multi_turn.enable:
+        out.append(("rollout.partial_rollout_tokens", "partial rollouts continue single-turn responses; multi-turn "
+                                                      "conversations (rollout.multi_turn.enable) run to their end"))
     if spec.algorithm.advantage == "remax":
-        out.append(("algorithm.advantage", "'remax' generates a greedy baseline inside the training step, which needs "
-                                           "the engine on the trainer's ranks; use rollout.placement = 'colocated'"))
+        out.append(("rollout.partial_rollout_tokens", "ReMax's greedy baseline is generated whole within the step; "
+                                                      "use another estimator or set 0"))
     return out

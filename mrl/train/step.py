@@ -1,7 +1,7 @@
 """One training step: the data path of docs/design.md, one line per stage.
 
-    [weight sync -> rollout (+ rewards, dynamic sampling)]   colocated (`mrl.train.queue`)
-    [wait for the step's rollouts]                           separate
+    take the step's rollouts from the rollout source (`mrl.train.source`: produced inline when
+    colocated, waited for when separate) -> to a batch (+ overlong shaping)
     -> old log-probs (+ audit) -> reference log-probs -> critic values
     -> advantages (+ correction weights) -> critic update -> actor update
 
@@ -11,21 +11,27 @@ small fakes.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Optional
 
 import torch
 
 from mrl.batch import Batch
+from mrl.platform.collectives import dp_sum
 from mrl.train.parts import Learner, Run, SampleLog
-from mrl.train.rollout import _dp_all_reduce, to_batch
 from mrl.train.timer import StageTimer
 
 
 def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
-               samples: Optional[SampleLog] = None) -> dict[str, float]:
-    """Step `step`: take its rollouts from `rollouts` (a `mrl.train.queue` source), then learn."""
+               samples: Optional[SampleLog] = None, on_policy: Optional[bool] = None) -> dict[str, float]:
+    """Step `step`: take its rollouts from `rollouts` (a `mrl.train.source.RolloutSource`), then learn.
+
+    `on_policy` (default: the plan's, `mrl.train.plan.on_policy`): the old log-probs and the
+    audit come from the actor update's own forward pass instead of a separate one (the update
+    runs on the weights that generated the responses; the losses are the same)."""
     spec, alg = run.spec, run.spec.algorithm
+    reuse = run.plan.on_policy if on_policy is None else on_policy
     t = StageTimer(on_stage)
     shard, metrics = rollouts.take(step, t)
     batch, m, rows = to_batch(run, shard, step)
@@ -33,21 +39,20 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
     metrics.update(staleness([r.policy_version for r in shard.responses], step, spec.rollout.max_staleness))
     if samples is not None:
         samples.put("train", rows)
-    if alg.advantage == "remax":
-        with t("rollout"):
-            batch = batch.add(greedy_scores=rollouts.greedy_baseline(batch, step))
-    rollouts.release()
     train_started_at = time.time()
-    with t("old_logprobs"):
-        if alg.advantage in ("optimal_token_baseline", "tir_optimal_token_baseline"):
-            batch = batch.add(**logprobs_of(learner.actor, run, batch, spec.actor.logprob_micro_batch_tokens,
-                                            pi_squared=True))
-        else:
-            batch = batch.add(trainer_logprobs=logprobs_of(learner.actor, run, batch,
-                                                           spec.actor.logprob_micro_batch_tokens))
-        batch = batch.add(old_logprobs=batch["rollout_logprobs" if alg.correction.old_logprobs == "rollout"
-                                             else "trainer_logprobs"])
-        metrics.update(audit(batch))
+    if not reuse:
+        with t("old_logprobs"):
+            if alg.advantage in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+                batch = batch.add(**logprobs_of(learner.actor, run, batch, spec.actor.logprob_micro_batch_tokens,
+                                                pi_squared=True))
+            else:
+                batch = batch.add(trainer_logprobs=logprobs_of(learner.actor, run, batch,
+                                                               spec.actor.logprob_micro_batch_tokens))
+            batch = batch.add(old_logprobs=batch["rollout_logprobs" if alg.correction.old_logprobs == "rollout"
+                                                 else "trainer_logprobs"])
+            metrics.update(audit(batch))
+    elif alg.correction.old_logprobs == "rollout":
+        batch = batch.add(old_logprobs=batch["rollout_logprobs"])
     if learner.ref is not None:
         with t("ref_logprobs"):
             batch = batch.add(ref_logprobs=logprobs_of(learner.ref, run, batch, spec.ref.micro_batch_tokens))
@@ -59,22 +64,40 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
         metrics.update(m)
     if learner.critic is not None:
         with t("critic_update"):
-            metrics.update(update(learner.critic, batch, spec.critic, value_objective(run), step, "critic"))
+            metrics.update(update(learner.critic, batch, spec.critic, run.plan.critic, value_objective(run), step,
+                                  "critic"))
     if learner.critic is None or step > spec.critic.warmup_steps:
+        recorded = UpdateLogprobs(batch) if reuse else None
         with t("actor_update"):
-            metrics.update(update(learner.actor, batch, spec.actor, policy_objective(run), step, "actor"))
+            metrics.update(update(learner.actor, batch, spec.actor, run.plan.actor, policy_objective(run, recorded),
+                                  step, "actor"))
         metrics["tokens/actor_update"] = float(batch.sequence_lengths.sum()) * spec.actor.epochs
+        if recorded is not None:   # the audit from the update's forward pass
+            batch = batch.add(trainer_logprobs=recorded.logprobs)
+            metrics.update(audit(batch))
     # when this step learned (wall clock: with a separate rollout, generation overlaps it)
     metrics.update({"time/train_started_at": train_started_at, "time/train_ended_at": time.time()})
     metrics.update(t.metrics())
     return metrics
 
 
+class UpdateLogprobs:
+    """The trainer's log-probs `[B, R]` of a batch as the actor update's forward pass computes
+    them, micro-batch by micro-batch (an on-policy step's only actor forward before the update).
+    The update has one mini-batch holding the batch's rows in order."""
+
+    def __init__(self, batch: Batch):
+        self.logprobs = torch.zeros(len(batch), batch.response_width)
+
+    def __call__(self, mb, logprobs: torch.Tensor) -> None:
+        self.logprobs[mb.index, :logprobs.shape[1]] = logprobs.float().cpu()
+
+
 def staleness(versions: list[int], step: int, max_staleness: int) -> dict[str, float]:
     """How many policy versions the step's responses (`versions`: of each one's first token) lag
     the policy they train (step - 1). The rollout side generates step t with version
     max(0, t - 1 - max_staleness) exactly and drops partial rollouts that began earlier
-    (`mrl.train.queue`, `mrl.train.partial`), so a larger lag is a bug, not data to drop."""
+    (`mrl.train.source`, `mrl.train.produce`), so a larger lag is a bug, not data to drop."""
     lags = [step - 1 - v for v in versions]
     if lags and not 0 <= min(lags) <= max(lags) <= max_staleness:
         raise RuntimeError(f"step {step} got responses lagging {min(lags)}..{max(lags)} policy versions, outside "
@@ -112,10 +135,6 @@ def audit(batch: Batch) -> dict[str, float]:
     return logprob_audit(batch["rollout_logprobs"], batch["trainer_logprobs"], batch["response_mask"])
 
 
-def _dp_sum(t: torch.Tensor) -> torch.Tensor:
-    return _dp_all_reduce(t.clone())
-
-
 def advantages(run: Run, kl_controller, batch: Batch, step: int = 0) -> tuple[Batch, dict]:
     """Advantages (and returns for the critic) by `algorithm.advantage`, KL in the reward when
     enabled, and rollout-correction weights. Whitening statistics span all DP ranks."""
@@ -131,7 +150,7 @@ def advantages(run: Run, kl_controller, batch: Batch, step: int = 0) -> tuple[Ba
         kl_tokens = kl.estimate(batch["old_logprobs"], batch["ref_logprobs"], alg.kl_reward.estimator)
         beta = kl_controller.value
         valid = mask > 0
-        total, tokens = _dp_sum(torch.stack([(kl_tokens * valid).sum(), valid.sum()]).double()).tolist()
+        total, tokens = dp_sum(torch.stack([(kl_tokens * valid).sum(), valid.sum()]).double()).tolist()
         current = total / max(tokens, 1.0)
         metrics.update({"kl/reward_kl": current, "kl/reward_coef": beta})
         kl_controller.update(current, len(batch) * run.dp)
@@ -142,20 +161,20 @@ def advantages(run: Run, kl_controller, batch: Batch, step: int = 0) -> tuple[Ba
         threshold = (cor.mask_low, cor.mask_high) if cor.mode == "mask" else cor.threshold
         fields["correction_weights"] = correction.weights(batch["trainer_logprobs"], batch["rollout_logprobs"], mask,
                                                           cor.level, threshold, cor.mode, normalize=cor.normalize,
-                                                          all_reduce=_dp_sum)
+                                                          all_reduce=dp_sum)
         metrics.update({f"correction/{k}": float(v) for k, v in correction.weight_metrics(
             batch["trainer_logprobs"], batch["rollout_logprobs"], mask, cor.level, threshold, cor.mode).items()})
     returns = None
     if alg.advantage == "gae":
-        a, returns = adv.gae(token_rewards, batch["values"], mask, alg.gamma, alg.lam, all_reduce=_dp_sum)
+        a, returns = adv.gae(token_rewards, batch["values"], mask, alg.gamma, alg.lam, all_reduce=dp_sum)
     elif alg.advantage == "grpo":
         a = adv.grpo(scores, batch["group_index"], norm_by_std=alg.norm_by_std).unsqueeze(1) * mask
     elif alg.advantage == "rloo":
         a = adv.rloo(scores, batch["group_index"]).unsqueeze(1) * mask
     elif alg.advantage == "reinforce_pp":
-        a = adv.reinforce_pp(token_rewards, mask, alg.gamma, all_reduce=_dp_sum)
+        a = adv.reinforce_pp(token_rewards, mask, alg.gamma, all_reduce=dp_sum)
     elif alg.advantage == "reinforce_pp_baseline":
-        a = adv.reinforce_pp_baseline(scores, batch["group_index"], mask, all_reduce=_dp_sum)
+        a = adv.reinforce_pp_baseline(scores, batch["group_index"], mask, all_reduce=dp_sum)
     elif alg.advantage == "remax":
         a = adv.remax(token_rewards, batch["greedy_scores"], mask)
     elif alg.advantage == "opo":
@@ -163,11 +182,11 @@ def advantages(run: Run, kl_controller, batch: Batch, step: int = 0) -> tuple[Ba
     elif alg.advantage == "grpo_passk":
         a = adv.grpo_passk(scores, batch["group_index"], norm_by_std=alg.norm_by_std).unsqueeze(1) * mask
     elif alg.advantage == "gpg":
-        a = adv.gpg(scores, batch["group_index"], all_reduce=_dp_sum).unsqueeze(1) * mask
+        a = adv.gpg(scores, batch["group_index"], all_reduce=dp_sum).unsqueeze(1) * mask
     elif alg.advantage == "gdpo":
         weights = torch.tensor(alg.gdpo_reward_weights) if alg.gdpo_reward_weights else None
         a = adv.gdpo(batch["reward_components"], batch["group_index"], mask, weights, norm_by_std=alg.norm_by_std,
-                     all_reduce=_dp_sum)
+                     all_reduce=dp_sum)
     elif alg.advantage in ("optimal_token_baseline", "tir_optimal_token_baseline"):
         a, _ = getattr(adv, alg.advantage)(token_rewards, mask, batch["group_index"], batch["old_logprobs"],
                                            batch["sum_pi_squared"], fields.get("correction_weights"))
@@ -212,7 +231,8 @@ def pf_ppo(batch: Batch, cfg, seed: tuple) -> Batch:
     return Batch({**out.tensors, "group_index": blocks.to(out["group_index"].dtype)}, out.meta)
 
 
-def policy_objective(run: Run):
+def policy_objective(run: Run, record=None):
+    """The actor's loss; `record` receives the update's log-probs (`UpdateLogprobs`)."""
     from mrl.engine.objectives import PolicyObjective
 
     alg = run.spec.algorithm
@@ -226,7 +246,7 @@ def policy_objective(run: Run):
                            aggregation=alg.loss_aggregation, norm=alg.loss_norm, entropy_coef=alg.entropy_coef,
                            kl_coef=alg.kl_loss.coef if alg.kl_loss.enable else 0.0, kl_estimator=alg.kl_loss.estimator,
                            temperature=run.spec.rollout.temperature, vocab_size=run.hf["vocab_size"],
-                           kernels=kernel_backend(run))
+                           kernels=kernel_backend(run), record=record)
 
 
 def kernel_backend(run: Run) -> str:
@@ -241,17 +261,13 @@ def value_objective(run: Run):
     return ValueObjective(clip_eps=alg.value_clip, aggregation=alg.loss_aggregation, norm=alg.loss_norm)
 
 
-def update(engine, batch: Batch, section, objective, step: int, name: str) -> dict[str, float]:
-    """`section.epochs` passes of `mini_batch_prompts`-sized optimizer updates; means of their metrics."""
+def update(engine, batch: Batch, section, plan, objective, step: int, name: str) -> dict[str, float]:
+    """`section.epochs` passes of the plan's mini-batches (`plan`: `mrl.train.plan.Updates`), one
+    optimizer update each; means of their metrics."""
     prompts = int(batch["group_index"].max()) + 1 if len(batch) else 0
-    per_rank_prompts = max(section.mini_batch_prompts // engine.dp, 1)
-    # Mini-batches of whole prompts; fewer prompts than planned (dynamic sampling that ran out of
-    # rounds) still split evenly.
-    mini = max(prompts // per_rank_prompts, 1)
-    while prompts % mini:
-        mini -= 1
-    records = engine.update(batch, objective, micro_batch_tokens=section.micro_batch_tokens, mini_batches=mini,
-                            epochs=section.epochs, shuffle=getattr(section, "shuffle", False), seed=0, step=step)
+    records = engine.update(batch, objective, micro_batch_tokens=section.micro_batch_tokens,
+                            mini_batches=plan.mini_batches_of(prompts), epochs=plan.epochs,
+                            shuffle=getattr(section, "shuffle", False), seed=0, step=step)
     out: dict[str, float] = {}
     for key in records[0]:
         vals = [float(r[key]) for r in records if key in r]
@@ -259,3 +275,55 @@ def update(engine, batch: Batch, section, objective, step: int, name: str) -> di
     out[f"{name}/grad_norm_max"] = max(float(r["grad_norm"]) for r in records)
     out[f"{name}/updates"] = float(len(records))
     return out
+
+
+# ---------------------------------------------------------------------------- rollouts to a batch
+
+def to_batch(run: Run, shard, step: int) -> tuple[Batch, dict[str, float], Optional[dict]]:
+    """A trainer rank's `Batch` for `step` from its shard: token ids, group indices, `rewards`
+    (after overlong shaping), `rollout_logprobs`, and the step's rollout metrics; plus a sample
+    table on the main rank when the step logs one (else None)."""
+    spec = run.spec
+    alg = spec.algorithm
+    n = spec.rollout.responses_per_prompt
+    kept_items, kept_resp, kept_scores = shard.items, shard.responses, shard.scores
+    batch = Batch.from_sequences([list(it.token_ids) for it in kept_items for _ in range(n)],
+                                 [r.token_ids for r in kept_resp],
+                                 group_index=[i for i in range(len(kept_items)) for _ in range(n)],
+                                 loss_masks=[r.loss_mask for r in kept_resp],
+                                 pad_id=run.tokenizer.pad_token_id or 0)
+    width = batch.response_width
+    rollout_lp = torch.zeros(len(kept_resp), width)
+    for i, r in enumerate(kept_resp):
+        rollout_lp[i, :len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
+    truncated = torch.tensor([r.finish_reason == "length" for r in kept_resp])
+    scores = torch.tensor(kept_scores, dtype=torch.float32)
+    raw_scores = scores.clone()
+    if alg.overlong.enable:
+        from mrl.algos.dapo import overlong_penalty
+
+        scores = scores + overlong_penalty(batch["response_lengths"], spec.rollout.max_response_tokens,
+                                           alg.overlong.buffer_tokens, alg.overlong.penalty_factor)
+    mask = batch["response_mask"]
+    if alg.overlong.enable and alg.overlong.mask_truncated:
+        mask = mask * (~truncated).long().unsqueeze(1)
+    batch = Batch({**batch.tensors, "response_mask": mask}, {"prompt_item": [it for it in kept_items for _ in range(n)]})
+    batch = batch.add(rewards=scores, raw_scores=raw_scores, rollout_logprobs=rollout_lp, truncated=truncated.long())
+    if alg.gdpo_reward_keys:
+        batch = batch.add(reward_components=torch.tensor([r.info["reward_components"] for r in kept_resp],
+                                                         dtype=torch.float32).view(len(kept_resp), -1))
+    if shard.greedy_scores is not None:   # ReMax: the baseline produced with the group
+        batch = batch.add(greedy_scores=torch.tensor(shard.greedy_scores, dtype=torch.float32).repeat_interleave(n))
+    metrics = {
+        "reward/mean": float(raw_scores.mean()),
+        "reward/shaped_mean": float(scores.mean()),
+        "response/length_mean": float(batch["response_lengths"].float().mean()),
+        "response/truncated_fraction": float(truncated.float().mean()),
+        **{k: v for k, v in shard.stats.items() if not math.isnan(v)},
+    }
+    rows = None
+    from mrl.tracking.samples import sample_rows, wants_samples
+
+    if run.ctx.is_main and wants_samples(spec.trainer.log_samples_every, step, run.total_steps):
+        rows = sample_rows(step, kept_items, kept_resp, raw_scores.tolist(), n, run.tokenizer)
+    return batch, metrics, rows

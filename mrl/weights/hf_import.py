@@ -80,16 +80,6 @@ def _sources(p: Placement, ckpt: Checkpoint, tied: bool) -> tuple[str, ...]:
     return p.hf_names
 
 
-def _all_gather(obj) -> list:
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], path: str | Path, hf: dict[str, Any], *,
                        role: str = "actor") -> ImportReport:
     """Copy the checkpoint at `path` into this rank's Megatron model `chunks` (in place).
@@ -127,7 +117,9 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], path: str | Path, hf: 
         plan.append((p, names))
 
     # Agree on problems and on what the whole model consumes before touching any weight.
-    gathered = _all_gather((problems, consumed))
+    from mrl.platform.collectives import gather_objects
+
+    gathered = gather_objects((problems, consumed), "weight import check")
     problems = sorted({q for ps, _ in gathered for q in ps})
     consumed = set().union(*(c for _, c in gathered))
     unexpected = sorted(n for n in ckpt.names() - consumed

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from mrl.errors import UserError
-from mrl.weights.tables import LORA_ADAPTERS, Rule, table_for
+from mrl.weights.tables import BUFFER_SUFFIXES, LORA_ADAPTERS, Rule, is_adapter_name, table_for
 from mrl.weights.transforms import ModelDims, Transform
 
 _LAST = 10**9
@@ -100,8 +100,6 @@ def local_placements(chunks: Iterable[torch.nn.Module], hf: dict[str, Any], *,
     """
     from megatron.core import parallel_state as ps
 
-    from mrl.models.lora import is_adapter_name
-
     ep_rank = ps.get_expert_model_parallel_rank()
     out: list[Placement] = []
     for c, chunk in enumerate(chunks):
@@ -110,7 +108,7 @@ def local_placements(chunks: Iterable[torch.nn.Module], hf: dict[str, Any], *,
         decoder = getattr(model, "decoder", None)
         layer_numbers = [layer.layer_number - 1 for layer in decoder.layers] if decoder is not None else []
         local_experts = _local_expert_count(model)
-        for name, param in model.named_parameters():
+        for name, param in _mapped_tensors(model, adapters):
             if is_adapter_name(name) != adapters:   # LoRA adapters: exported merged into their base weight
                 continue                                # or, with `adapters`, on their own
             row, m = _match(rules, name)
@@ -129,6 +127,14 @@ def local_placements(chunks: Iterable[torch.nn.Module], hf: dict[str, Any], *,
                 partition_dim=getattr(param, "partition_dim", 0) if tp_split else None,
                 tp_group=group, tp_size=size if tp_split else 1, tp_rank=rank if tp_split else 0))
     return out
+
+
+def _mapped_tensors(model: torch.nn.Module, adapters: bool):
+    """The parameters, then the buffers that checkpoints carry (`tables.BUFFER_SUFFIXES`: DeepSeek-V3's
+    router correction bias), by name."""
+    yield from model.named_parameters()
+    if not adapters:
+        yield from ((n, b) for n, b in model.named_buffers() if n.endswith(BUFFER_SUFFIXES))
 
 
 def _match(rules: tuple[Rule, ...], name: str):

@@ -82,6 +82,43 @@ QWEN_MOE_EXPERTS = _experts("model.layers.{L}.mlp.gate.weight", "model.layers.{L
 MIXTRAL_EXPERTS = _experts("model.layers.{L}.block_sparse_moe.gate.weight",
                            "model.layers.{L}.block_sparse_moe.experts", "w1", "w3", "w2")
 
+# Qwen2-MoE's always-on expert and its sigmoid gate (megatron's SharedExpertMLP, `moe_shared_expert_gate`).
+QWEN2_MOE_SHARED = _rules(
+    (f"{_M}.shared_experts.linear_fc1.weight", (f"{_HM}.shared_expert.gate_proj.weight",
+                                                f"{_HM}.shared_expert.up_proj.weight"), GATE_UP),
+    (f"{_M}.shared_experts.linear_fc2.weight", f"{_HM}.shared_expert.down_proj.weight"),
+    (f"{_M}.shared_experts.gate_weight", f"{_HM}.shared_expert_gate.weight"),
+)
+
+# DeepSeek-V3 multi-latent attention (megatron's MLASelfAttention): every projection keeps the HF
+# layout (q_b / kv_b rows are per head [nope | rope] and [k_nope | v], as megatron splits them; the
+# down projections are column-parallel over their latent rows), so every row is the identity.
+# `linear_q_proj` is the one q projection of models without a q bottleneck (q_lora_rank null).
+_DS_A = "model.layers.{L}.self_attn"
+MLA = _rules(
+    ("decoder.layers.{L}.input_layernorm.weight", "model.layers.{L}.input_layernorm.weight"),
+    (f"{_A}.linear_q_proj.weight", f"{_DS_A}.q_proj.weight"),
+    (f"{_A}.linear_q_down_proj.weight", f"{_DS_A}.q_a_proj.weight"),
+    (f"{_A}.q_layernorm.weight", f"{_DS_A}.q_a_layernorm.weight"),
+    (f"{_A}.linear_q_up_proj.weight", f"{_DS_A}.q_b_proj.weight"),
+    (f"{_A}.linear_kv_down_proj.weight", f"{_DS_A}.kv_a_proj_with_mqa.weight"),
+    (f"{_A}.kv_layernorm.weight", f"{_DS_A}.kv_a_layernorm.weight"),
+    (f"{_A}.linear_q_up_proj.layer_norm_weight", f"{_DS_A}.q_a_layernorm.weight"),    # TE fused norm
+    (f"{_A}.linear_kv_up_proj.layer_norm_weight", f"{_DS_A}.kv_a_layernorm.weight"),  # TE fused norm
+    (f"{_A}.linear_kv_up_proj.weight", f"{_DS_A}.kv_b_proj.weight"),
+    (f"{_A}.linear_proj.weight", f"{_DS_A}.o_proj.weight"),
+    ("decoder.layers.{L}.pre_mlp_layernorm.weight", "model.layers.{L}.post_attention_layernorm.weight"),
+)
+
+# DeepSeek-V3's shared experts (no gate) and its router's score-correction bias (a buffer on both
+# sides: megatron's `expert_bias`, HF's `e_score_correction_bias`).
+DEEPSEEK_MOE_EXTRAS = _rules(
+    (f"{_M}.router.expert_bias", "model.layers.{L}.mlp.gate.e_score_correction_bias"),
+    (f"{_M}.shared_experts.linear_fc1.weight", (f"{_HM}.shared_experts.gate_proj.weight",
+                                                f"{_HM}.shared_experts.up_proj.weight"), GATE_UP),
+    (f"{_M}.shared_experts.linear_fc2.weight", f"{_HM}.shared_experts.down_proj.weight"),
+)
+
 # HF checkpoint model_type -> its table.
 TABLES: dict[str, tuple[Rule, ...]] = {
     "llama": EMBEDDINGS + ATTENTION + DENSE_MLP,
@@ -90,8 +127,17 @@ TABLES: dict[str, tuple[Rule, ...]] = {
     "qwen3": EMBEDDINGS + ATTENTION + QK_NORM + DENSE_MLP,
     # Qwen3-MoE may keep dense MLPs in some layers (`mlp_only_layers`): both row groups apply.
     "qwen3_moe": EMBEDDINGS + ATTENTION + QK_NORM + DENSE_MLP + QWEN_MOE_EXPERTS,
+    # Qwen2-MoE: Qwen2 attention (QKV bias), Qwen MoE experts plus the gated shared expert; dense
+    # MLPs where `mlp_only_layers` / `decoder_sparse_step` say so.
+    "qwen2_moe": EMBEDDINGS + ATTENTION + QKV_BIAS + DENSE_MLP + QWEN_MOE_EXPERTS + QWEN2_MOE_SHARED,
     "mixtral": EMBEDDINGS + ATTENTION + MIXTRAL_EXPERTS,
+    # DeepSeek-V3 / R1 (and Kimi-K2): MLA, dense MLPs in the first `first_k_dense_replace` layers,
+    # then routed experts (Qwen-MoE names) with shared experts and the router's correction bias.
+    "deepseek_v3": EMBEDDINGS + MLA + DENSE_MLP + QWEN_MOE_EXPERTS + DEEPSEEK_MOE_EXTRAS,
 }
+
+# Rows whose megatron side is a buffer, not a parameter (mapped like one when the model has it).
+BUFFER_SUFFIXES = (".router.expert_bias",)
 
 # Heads that replace the output layer for the critic and the reward model (`*ForTokenClassification`
 # / `*ForSequenceClassification` name their one-output projection `score`).
@@ -105,6 +151,11 @@ VALUE_HEAD = _rules(("output_layer.weight", "score.weight"))
 # parallel A by input columns), so every row is the identity transform.
 def _adapter_rows(linear: str, hf_module: str) -> tuple[tuple[str, str], ...]:
     return tuple((f"{linear}.lora.{m}.{hf_module.rsplit('.', 1)[1]}", f"{hf_module}.lora_{m}.weight") for m in "AB")
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether a megatron parameter name is a LoRA adapter's (`mrl.models.lora`)."""
+    return ".lora.A." in name or ".lora.B." in name or name.startswith("lora.")
 
 
 LORA_ADAPTERS = _rules(

@@ -24,7 +24,7 @@ PRODUCT = ("mrl", "kernels", "tools")
 UNVERIFIED_READERS = {"read_metadata", "load_tensors_metadata", "load_common_state_dict", "load_sharded_metadata",
                       "FileSystemReader", "load_plain_tensors", "load_content_metadata"}
 # pickle over the job's own process group (rank to rank messages in memory, never a file): allowed
-RANK_MESSAGES = {("mrl/platform/bridge.py", "pickle.loads"), ("mrl/train/queue.py", "pickle.loads")}
+RANK_MESSAGES = {("mrl/platform/bridge.py", "pickle.loads"), ("mrl/train/wire.py", "pickle.loads")}
 
 
 def _name(node: ast.AST) -> str:

@@ -96,8 +96,6 @@ CASES = [
     ("separate-engine-tp", {"platform": {"ranks_per_node": 4}, "rollout": {"placement": "separate", "ranks": 1,
                                                                           "engine": "vllm", "tensor_parallel": 2}},
      "rollout.tensor_parallel", "does not divide rollout.ranks 1"),
-    ("separate-remax", {"rollout": {"placement": "separate", "ranks": 1}, "algorithm": {"advantage": "remax"}},
-     "algorithm.advantage", "needs the engine on the trainer's ranks"),
 
     # algorithm combinations
     ("grpo-single-response", {"rollout": {"responses_per_prompt": 1}}, "rollout.responses_per_prompt", "needs >= 2 responses"),

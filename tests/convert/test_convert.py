@@ -219,7 +219,7 @@ def test_command_line_script_converts(cli, tmp_path):
 def test_a_pasted_command_line_converts_with_hydra_flags(cli, tmp_path):
     rc, out, err = cli("convert", "python3", "-m", "verl.trainer.main_ppo", "--config-name=ppo_trainer",
                        "algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=4", "data.train_batch_size=8",
-                       "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.model.path=builtin:tiny-qwen2",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.model.path=builtin:tiny-qwen2",
                        "~trainer.logger", "++trainer.val_before_train=false", f"data.train_files={_data(tmp_path)}")
     assert rc == 0, err
     job = tomllib.loads(out)
@@ -444,7 +444,7 @@ DPPO = ["algorithm.adv_estimator=opo", "actor_rollout_ref.actor.policy_loss.loss
 
 def _verl_command(tmp_path, extra):
     return [*extra, "actor_rollout_ref.model.path=builtin:tiny-qwen2", f"data.train_files={_data(tmp_path)}",
-            "actor_rollout_ref.rollout.n=4", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
+            "actor_rollout_ref.rollout.n=4", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
 
 
 @pytest.mark.parametrize("name, extra", [("preset_pf_gdpo", PRESET_PF_GDPO), ("k3_clip_cov", K3_CLIP_COV),

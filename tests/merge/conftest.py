@@ -34,9 +34,14 @@ def saved(tmp_path_factory):
     save_file(weights, str(critic / "model.safetensors"), metadata={"format": "pt"})
     moe = base / "qwen3_moe"
     make_hf_model("qwen3_moe", moe)
+    q2moe, dsv3 = base / "qwen2_moe", base / "deepseek_v3"
+    make_hf_model("qwen2_moe", q2moe)
+    make_hf_model("deepseek_v3", dsv3)
     cases = {"q2_tp2": (q2, "actor", "tp2", "float32"),
              "q2_critic_tp2": (critic, "critic", "tp2", "float32"),
              "moe_ep2": (moe, "actor", "ep2", "float32"),
+             "q2moe_ep2": (q2moe, "actor", "ep2", "float32"),
+             "dsv3_tp2": (dsv3, "actor", "tp2", "float32"),
              "preset_bf16_tp2": ("builtin:tiny-qwen2", "actor", "tp2", "bfloat16")}
     out = base / "ckpts"
     out.mkdir()

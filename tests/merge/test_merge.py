@@ -43,9 +43,10 @@ def _assert_equal(got: dict, want: dict) -> None:
 # ----------------------------------------------------------------------------- slow: real checkpoints
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["q2_tp2", "moe_ep2"])
+@pytest.mark.parametrize("name", ["q2_tp2", "moe_ep2", "q2moe_ep2", "dsv3_tp2"])
 def test_merge_is_bit_exact_and_matches_transformers(saved, tmp_path, name):
-    """TP2 Qwen2 / EP2 Qwen3-MoE -> HF: the source tensors bit for bit, the source model's logits."""
+    """TP2 Qwen2 / EP2 Qwen3-MoE / EP2 Qwen2-MoE / TP2 DeepSeek-V3 -> HF: the source tensors
+    bit for bit (DeepSeek's router correction bias included), the source model's logits."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mrl.merge import merge

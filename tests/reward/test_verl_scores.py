@@ -69,9 +69,10 @@ def test_search_r1_exact_match(source, response, score):
 
 
 @pytest.mark.parametrize("source,fragment", [
-    ("codecontests", "needs a code-execution reward"), ("apps", "needs a code-execution reward"),
-    ("codeforces", "needs a code-execution reward"), ("taco", "needs a code-execution reward"),
-    ("livecodebench/v5", "needs a code-execution reward"), ("my_task", "no builtin reward for data source 'my_task'"),
+    # code contests go to the code reward, which names a ground truth that holds no tests
+    ("codecontests", "code: cannot read test cases"), ("apps", "code: cannot read test cases"),
+    ("codeforces", "code: cannot read test cases"), ("taco", "code: cannot read test cases"),
+    ("livecodebench/v5", "code: cannot read test cases"), ("my_task", "no builtin reward for data source 'my_task'"),
     ("gsm8k", "no builtin reward for data source 'gsm8k'"), ("openai/GSM8K", "no builtin reward"),
 ])
 def test_sources_verl_scores_elsewhere_are_errors_that_say_so(source, fragment):
@@ -101,18 +102,20 @@ def test_mrl_math_takes_the_last_boxed_answer_of_a_self_correction():
     assert b.math("", "\\boxed{\\frac{1}{2}}", "0.5", {})["score"] == 1.0
 
 
-def test_a_code_source_in_a_batch_is_a_counted_reward_error():
+def test_a_code_source_in_a_batch_goes_to_the_code_reward():
     from mrl.reward.compose import Rewarder, RewardSample
     from mrl.reward.config import RewardConfig
 
+    tests = '{"inputs": ["2\\n"], "outputs": ["4\\n"]}'
     with Rewarder.from_config(RewardConfig(builtin="auto", workers=1)) as r:
-        res = r.score([RewardSample("a", "q", "print(1)", "tests", data_source="apps"),
-                       RewardSample("b", "q", "Answer: 4", "5", data_source="math_dapo")])
-    assert res.scores == [0.0, -1.0] and res.stats["reward/errors"] == 1.0
-    assert "data source 'apps' needs a code-execution reward" in res.errors[0].message
+        res = r.score([RewardSample("a", "q", "print(1)", "tests", data_source="apps"),   # unreadable tests: an error
+                       RewardSample("b", "q", "Answer: 4", "5", data_source="math_dapo"),
+                       RewardSample("c", "q", "```python\nprint(int(input()) * 2)\n```", tests, data_source="apps")])
+    assert res.scores == [0.0, -1.0, 1.0] and res.stats["reward/errors"] == 1.0
+    assert "code: the ground truth is text but not JSON test cases" in res.errors[0].message
 
 
-def test_validate_refuses_auto_on_code_contest_data(tmp_path):
+def test_validate_accepts_auto_on_code_contest_data(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -120,12 +123,9 @@ def test_validate_refuses_auto_on_code_contest_data(tmp_path):
     from mrl.reward.sources import auto_source_problems
 
     f = tmp_path / "code.parquet"
-    pq.write_table(pa.table({"data_source": ["apps", "openai/gsm8k", "apps"], "prompt": ["a", "b", "c"]}), f)
-    (key, message), = auto_source_problems(RewardConfig(builtin="auto"), (str(f),), "data_source")
-    assert key == "reward.builtin" and message.startswith("data source 'apps' needs a code-execution reward")
-    assert auto_source_problems(RewardConfig(builtin="math"), (str(f),), "data_source") == []
-    mixed = RewardConfig(sources=({"name": "fmt", "builtin": "format_boxed"}, {"name": "verl", "builtin": "auto"}))
-    assert auto_source_problems(mixed, (str(f),), "data_source")[0][0] == "reward.sources[1].builtin"
+    pq.write_table(pa.table({"data_source": ["apps", "openai/gsm8k", "livecodebench_v5"], "prompt": ["a", "b", "c"]}), f)
+    assert auto_source_problems(RewardConfig(builtin="auto"), (str(f),), "data_source") == []   # the code builtin scores them
+    assert b.builtin_for_source("apps") == "code"
 
 
 @pytest.mark.parametrize("response,truth,score", [

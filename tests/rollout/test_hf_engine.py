@@ -164,3 +164,28 @@ def test_sequence_logprobs_are_the_teacher_forced_forward(engine):
         logits = engine.model(input_ids=ids).logits[0, :-1].float()
         want = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
         assert lps == pytest.approx(want.tolist(), abs=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral"])
+def test_moe_checkpoint_stream_fills_the_fused_experts(tmp_path, arch):
+    """The weight stream names each expert apart (`experts.3.gate_proj.weight`, Mixtral's `w1`),
+    as checkpoints do; transformers holds them fused (`experts.gate_up_proj [E, 2I, H]`). A
+    stream of the saved checkpoint makes a randomly initialised engine the saved model."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tests.weights.archs import make_hf_model, probe_tokens
+
+    src = make_hf_model(arch, tmp_path)
+    eng = HFEngine.from_config(json.loads((tmp_path / "config.json").read_text()), seed=0)
+    tokens = probe_tokens(src.config.vocab_size)
+    with torch.no_grad():
+        want = src(tokens).logits
+        assert not torch.equal(eng.model(tokens).logits, want)
+        stream = load_file(tmp_path / "model.safetensors")
+        assert any(".experts.0." in k for k in stream)
+        assert eng.update_weights(stream.items()) == len(stream)
+        assert torch.equal(eng.model(tokens).logits, want)
+    with pytest.raises(RuntimeError, match="gate_up_proj"):   # an expert short: the fused tensor is not complete
+        eng.update_weights([(k, v) for k, v in stream.items() if "experts" not in k or ".experts.gate_up" in k])

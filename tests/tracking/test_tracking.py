@@ -219,6 +219,24 @@ def test_model_params_match_transformers(preset):
         assert model_params(hf) == model_params(hf, active=False) - 2 * per_expert   # 2 of 4 experts active
 
 
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
+def test_model_params_of_shared_experts_and_mla_match_transformers(arch):
+    """Shared experts (Qwen2-MoE's gated one, DeepSeek's), DeepSeek's dense first layer and MLA."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mrl.tracking.perf import model_params
+    from tests.weights.archs import _COMMON, ARCHS
+
+    for extra in ({}, {"q_lora_rank": None} if arch == "deepseek_v3" else {}):
+        cfg = AutoConfig.for_model(**{**_COMMON, **ARCHS[arch], **extra})
+        hf = cfg.to_dict()
+        assert model_params(hf, active=False) == sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+        experts = hf.get("n_routed_experts") or hf["num_experts"]
+        moe_layers = hf["num_hidden_layers"] - (hf.get("first_k_dense_replace") or 0)
+        idle = (experts - hf["num_experts_per_tok"]) * 3 * hf["hidden_size"] * hf["moe_intermediate_size"] * moe_layers
+        assert model_params(hf) == model_params(hf, active=False) - idle
+
+
 def test_actor_mfu_on_a_known_device():
     from mrl.tracking.perf import actor_mfu, model_params
 

@@ -51,7 +51,9 @@ def _parts(lengths, k=1, chunk=2, per_step=2, gen_batch=3):
                                 "rollout.max_response_tokens=9", "actor.mini_batch_prompts=1"])
     items = [SimpleNamespace(index=i, token_ids=(7, 7, L), prompt="p", answer="a", data_source="t", extra={})
              for i, L in enumerate(lengths)]
-    run = SimpleNamespace(spec=spec, dp=1, separate=False, tokenizer=SimpleNamespace(decode=lambda ids, **kw: "r"),
+    from mrl.train.plan import step_plan
+
+    run = SimpleNamespace(spec=spec, plan=step_plan(spec), dp=1, separate=False, tokenizer=SimpleNamespace(decode=lambda ids, **kw: "r"),
                           ctx=SimpleNamespace(role="train", is_main=True))
     gen = Generation(generator=LengthEngine(prompt_len=3), rewarder=Rewarder())
     sampler = PromptSampler(len(items), gen_batch, seed=0, shuffle=False)
@@ -59,7 +61,7 @@ def _parts(lengths, k=1, chunk=2, per_step=2, gen_batch=3):
 
 
 def test_the_first_groups_to_finish_make_the_batch_and_the_rest_carry_over():
-    from mrl.train.partial import produce_partial
+    from mrl.train.produce import produce as produce_partial
 
     # prompts ask for 2, 8, 3 | 9, 2, 2 tokens: chunks of 2
     run, gen, prompts = _parts([2, 8, 3, 9, 2, 2])
@@ -87,7 +89,7 @@ def test_the_first_groups_to_finish_make_the_batch_and_the_rest_carry_over():
 
 
 def test_carried_tokens_are_counted_and_their_versions_kept():
-    from mrl.train.partial import produce_partial
+    from mrl.train.produce import produce as produce_partial
     from mrl.train.step import staleness
 
     run, gen, prompts = _parts([2, 4, 2, 2, 2, 2], k=1)
@@ -105,7 +107,8 @@ def test_carried_tokens_are_counted_and_their_versions_kept():
 
 
 def test_the_groups_in_hand_round_trip_through_a_checkpoint():
-    from mrl.train.partial import decode_carry, encode_carry, produce_partial
+    from mrl.train.carry import decode_carry, encode_carry
+    from mrl.train.produce import produce as produce_partial
 
     run, gen, prompts = _parts([2, 8, 3, 9, 2, 2])
     produce_partial(run, gen, prompts, 1, agree_min=lambda x: x)
@@ -158,3 +161,73 @@ def test_partial_rollouts_train_and_resume_exactly(tmp_path):
     assert sorted(whole["reward/mean"]) == [1, 2, 3, 4]
     assert sum(whole["rollout/partial_tokens_carried"].values()) > 0
     assert max(whole["rollout/version_lag_max"].values()) == 1.0
+
+
+class RoundEngine:
+    """Whole or chunked: the responses to a prompt whose last token is L are L tokens long; with
+    `sampling.n` > 1 each prompt gets n of them (whole generation)."""
+
+    def __init__(self, prompt_len: int):
+        self.prompt_len = prompt_len
+
+    def generate(self, prompt_ids, sampling):
+        out = []
+        for i, ids in enumerate(prompt_ids):
+            total, done = ids[self.prompt_len - 1], len(ids) - self.prompt_len
+            new = min(sampling.max_tokens, total - done)
+            out += [Response(prompt_index=i, token_ids=list(range(done, done + new)), logprobs=[-0.5] * new,
+                             finish_reason="stop" if done + new >= total else "length") for _ in range(sampling.n)]
+        return out
+
+
+class IndexRewarder:
+    """Even prompts score [i + 1, 0] (kept by dynamic sampling), odd ones [i, i] (dropped);
+    `reward/mean` is the mean of the call's scores, so the step's weighted mean differs from its
+    last call's."""
+
+    def score(self, samples):
+        from mrl.reward.compose import RewardResult
+
+        scores = []
+        for s in samples:
+            prompt, j = int(s.sample_id.split()[3]), int(s.sample_id.split()[5])
+            scores.append(float(prompt + 1) * (j == 0) if prompt % 2 == 0 else float(prompt))
+        n = len(samples)
+        return RewardResult(scores=scores, valid=[True] * n, source_scores={}, metrics={}, errors=[],
+                            stats={"reward/mean": sum(scores) / n, "reward/errors": 0.0})
+
+
+def test_reward_metrics_are_the_same_with_and_without_partial_rollouts():
+    """Dynamic sampling over two rounds (each scores 2 groups; one kept per round): whole
+    generation and partial rollouts whose groups all finish in their first round keep the same
+    groups and report the same response-weighted `reward/mean` (not the last round's)."""
+    from mrl.data.sampler import PromptSampler
+    from mrl.train.parts import Generation, Prompts
+    from mrl.train.plan import step_plan
+    from mrl.train.produce import produce
+
+    def shard(partial: bool):
+        patch = ["rollout.partial_rollout_tokens=8", "rollout.max_staleness=1"] if partial else []
+        spec, _ = load(QUICKSTART, [*patch, "data.prompts_per_step=2", "rollout.responses_per_prompt=2",
+                                    "algorithm.dynamic_sampling.enable=true",
+                                    "algorithm.dynamic_sampling.generation_batch_prompts=2",
+                                    "rollout.max_response_tokens=9", "actor.mini_batch_prompts=1"])
+        items = [SimpleNamespace(index=i, token_ids=(7, 7, L), prompt="p", answer="a", data_source="t", extra={})
+                 for i, L in enumerate([3, 5, 4, 2, 6, 6])]
+        run = SimpleNamespace(spec=spec, plan=step_plan(spec), separate=False,
+                              tokenizer=SimpleNamespace(decode=lambda ids, **kw: "r"),
+                              ctx=SimpleNamespace(role="train", is_main=True))
+        gen = Generation(generator=RoundEngine(prompt_len=3), rewarder=IndexRewarder())
+        prompts = Prompts(dataset=items, samplers={0: PromptSampler(len(items), 2, seed=0, shuffle=False)})
+        return produce(run, gen, prompts, 1, agree_min=lambda x: x).shards[0]
+
+    whole, partial = shard(False), shard(True)
+    assert [it.index for it in whole.items] == [it.index for it in partial.items] == [0, 2]
+    assert whole.scores == partial.scores == [1.0, 0.0, 3.0, 0.0]
+    assert [x.token_ids for x in whole.responses] == [x.token_ids for x in partial.responses]
+    # round 1 scores 1, 0, 1, 1 (mean 0.75), round 2 scores 3, 0, 3, 3 (mean 2.25): 8 responses, mean 1.5
+    for s in (whole, partial):
+        assert s.stats["reward/mean"] == 1.5 and s.stats["rollout/generation_rounds"] == 2
+        assert s.stats["reward/errors"] == 0.0
+    assert {k: v for k, v in whole.stats.items() if k.startswith("reward/")} == \
+        {k: v for k, v in partial.stats.items() if k.startswith("reward/")}

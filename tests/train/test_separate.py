@@ -26,11 +26,14 @@ def _train(out: Path, *overrides: str, nproc: int, timeout: float = 600) -> subp
                         timeout=timeout)
 
 
-def test_separate_on_policy_equals_colocated(tmp_path):
+@pytest.mark.parametrize("advantage", ["grpo", "remax"])
+def test_separate_on_policy_equals_colocated(tmp_path, advantage):
     """max_staleness 0 on 1 rollout + 2 trainer ranks gives every non-time metric of the 2-rank
     colocated run, step for step (same seeds, prompts, responses and updates), validation
-    included (run by the rollout rank when separate)."""
-    args = ["trainer.total_steps=3", "trainer.val_every_steps=2", "trainer.val_before_train=true", "data.val_prompts=16"]
+    included (run by the rollout rank when separate). ReMax's greedy baseline is produced with
+    its group, on the rollout rank when separate."""
+    args = ["trainer.total_steps=3", "trainer.val_every_steps=2", "trainer.val_before_train=true", "data.val_prompts=16",
+            f"algorithm.advantage={advantage}"]
     _train(tmp_path / "colocated", *args, nproc=2)
     _train(tmp_path / "separate", *args, *SEPARATE, nproc=3)
     colocated, separate = _history(tmp_path / "colocated"), _history(tmp_path / "separate")

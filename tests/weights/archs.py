@@ -19,6 +19,16 @@ ARCHS: dict[str, dict] = {
                   rope_parameters={"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}),
     "qwen3_moe": dict(model_type="qwen3_moe", intermediate_size=96, moe_intermediate_size=48, head_dim=16,
                       num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False),
+    "qwen2_moe": dict(model_type="qwen2_moe", intermediate_size=96, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=80, num_experts=4, num_experts_per_tok=2,
+                      norm_topk_prob=False, tie_word_embeddings=False),
+    # MLA with a q bottleneck, group-limited sigmoid routing (8 experts in 4 groups, the best 2
+    # groups, top 4), a shared expert, layer 0 dense; heads = KV heads as in DeepSeek-V3.
+    "deepseek_v3": dict(model_type="deepseek_v3", num_key_value_heads=4, intermediate_size=96,
+                        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4,
+                        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        tie_word_embeddings=False),
     "mixtral": dict(model_type="mixtral", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
                     tie_word_embeddings=False),
 }
@@ -39,6 +49,9 @@ def make_hf_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides):
                 p.add_(torch.randn(p.shape, generator=g) * 0.1)
             else:
                 p.normal_(0.0, 0.08, generator=g)
+        for name, b in model.named_buffers():   # DeepSeek-V3's router correction bias: it changes routes
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     model.save_pretrained(out_dir)
     return model
 

@@ -311,3 +311,52 @@ def test_unsupported_rope_and_architecture_are_user_errors():
                               "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}})
     with pytest.raises(UserError, match="RoPE type 'dynamic' is not supported"):
         hf_inv_freq(cfg)
+
+
+def test_deepseek_v3_yarn_rope_and_no_q_bottleneck_match_transformers(platform, tmp_path):
+    """DeepSeek-V3's published RoPE is yarn (factor 40, mscale_all_dim 1: cos/sin and the softmax
+    scale both carry the mscale); packed sequences longer than the original positions; and MLA
+    without a q bottleneck (`q_lora_rank` null: one `q_proj`, as in DeepSeek-V2-Lite)."""
+    from mrl.engine.packing import _thd_params
+
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    for i, overrides in enumerate([dict(rope_parameters=yarn), dict(q_lora_rank=None)]):
+        d = tmp_path / str(i)
+        ref_model = make_hf_model("deepseek_v3", d, **overrides)
+        hf, model, _ = _megatron("actor", d)
+        lengths = [30, 1, 7]
+        g = torch.Generator().manual_seed(5)
+        seqs = [torch.randint(0, hf["vocab_size"], (n,), generator=g) for n in lengths]
+        pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+        with torch.no_grad():
+            got = model(torch.cat(seqs).unsqueeze(0), pos, None, packed_seq_params=_thd_params(lengths, "cpu"))
+            want = torch.cat([ref_model(s.unsqueeze(0)).logits[0] for s in seqs])
+        assert (got[0, :, : hf["vocab_size"]] - want).abs().max().item() <= 1e-5, overrides
+
+
+def test_lora_on_mla_refuses_q_k_v_and_adapts_o_proj(platform, tmp_path):
+    """deepseek_v3 has no q/k/v projections to adapt: one line naming them, not a silent skip."""
+    from mrl.models.lora import LoraConfig, apply_lora
+
+    make_hf_model("deepseek_v3", tmp_path)
+    _, model, _ = _megatron("actor", tmp_path)
+    with pytest.raises(UserError, match=r"target_modules \['q_proj', 'v_proj'\] on multi-latent attention"):
+        apply_lora(model, LoraConfig(rank=4, target_modules=("q_proj", "v_proj", "o_proj")))
+    apply_lora(model, LoraConfig(rank=4, target_modules=("o_proj",)))
+    assert sorted(n for n, p in model.named_parameters() if p.requires_grad) == [
+        f"decoder.layers.{i}.self_attention.linear_proj.lora.{m}.o_proj" for i in (0, 1) for m in "AB"]
+
+
+def test_deepseek_v3_refusals_are_one_line():
+    from mrl.models.megatron import complete_hf_config, deepseek_v3_fields
+    from tests.weights.archs import _COMMON
+
+    hf = complete_hf_config({**_COMMON, **ARCHS["deepseek_v3"]})
+    assert deepseek_v3_fields(hf)["moe_router_num_groups"] == 4
+    for bad, message in [(dict(rope_interleave=False), "rope_interleave = false is not supported"),
+                         (dict(norm_topk_prob=False), "norm_topk_prob = false is not supported"),
+                         (dict(num_experts_per_tok=3), "needs num_experts_per_tok = 2 x topk_group"),
+                         (dict(_tensor_parallel=3), "parallel.tensor: 3 does not divide deepseek_v3's q_lora_rank")]:
+        with pytest.raises(UserError, match=message):
+            deepseek_v3_fields({**hf, **bad})

@@ -39,9 +39,9 @@ def case_checkpoint_load(base: Path):
 
 
 def case_metrics_all_gather(base: Path):
-    from mrl.train.loop import _reduce_metrics
+    from mrl.train.metrics import reduce_over_ranks
 
-    _reduce_metrics({"reward/mean": 1.0})
+    reduce_over_ranks({"reward/mean": 1.0}, dp=1)
 
 
 def case_rollout_generation(base: Path):

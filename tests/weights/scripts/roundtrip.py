@@ -36,15 +36,28 @@ def forward_logits(chunks, tokens: torch.Tensor):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", required=True)
+    ap.add_argument("--dir", required=True, nargs="+", help="one or more saved HF models, checked in turn")
     ap.add_argument("--layouts", nargs="+", default=["tp1"],
                     help="each e.g. tp2, pp2, ep2, dp2 (the rest of the world is data parallel)")
-    ap.add_argument("--out", default=None, help="rank 0 writes the first layout's export here")
+    ap.add_argument("--out", default=None, help="rank 0 writes each model's first-layout export to <out>/<dir name>")
+    ap.add_argument("--moe-layouts", nargs="*", default=[], help="layouts (ep2) run only for MoE models")
     a = ap.parse_args()
-    for i, layout in enumerate(a.layouts):
-        sizes = {"tp": 1, "pp": 1, "ep": 1, "dp": 1}
-        sizes[layout[:2]] = int(layout[2:])
-        check_layout(Path(a.dir), sizes, a.out if i == 0 else None)
+    for d in map(Path, a.dir):
+        moe = any(k in json.loads((d / "config.json").read_text())
+                  for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+        for i, layout in enumerate(a.layouts + (a.moe_layouts if moe else [])):
+            sizes = {"tp": 1, "pp": 1, "ep": 1, "dp": 1}
+            sizes[layout[:2]] = int(layout[2:])
+            out = Path(a.out) / d.name if a.out and i == 0 else None
+            if out is not None and dist_rank() == 0:
+                out.mkdir(parents=True, exist_ok=True)
+            check_layout(d, sizes, out)
+
+
+def dist_rank() -> int:
+    import os
+
+    return int(os.environ.get("RANK", "0"))
 
 
 def check_layout(d: Path, sizes: dict, out) -> None:
@@ -79,7 +92,7 @@ def check_layout(d: Path, sizes: dict, out) -> None:
         else:
             assert not got, f"rank {dist.get_rank()} materialised {len(got)} tensors under targets=0"
     if dist.get_rank() == 0:
-        print(f"ROUNDTRIP {sizes} ok {len(expected)} tensors", flush=True)
+        print(f"ROUNDTRIP {d.name} {sizes} ok {len(expected)} tensors", flush=True)
         if out:
             save_file({k: v.contiguous() for k, v in got.items()}, Path(out) / "model.safetensors",
                       metadata={"format": "pt"})
@@ -102,8 +115,8 @@ def check_layout(d: Path, sizes: dict, out) -> None:
     for t in (diff, lp_diff):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
-        print(f"MAXDIFF {sizes} logits {diff.item():.3e}", flush=True)
-        print(f"MAXDIFF {sizes} logprobs {lp_diff.item():.3e}", flush=True)
+        print(f"MAXDIFF {d.name} {sizes} logits {diff.item():.3e}", flush=True)
+        print(f"MAXDIFF {d.name} {sizes} logprobs {lp_diff.item():.3e}", flush=True)
     assert diff.item() <= 1e-5 and lp_diff.item() <= 1e-5, (diff.item(), lp_diff.item())
     teardown()
 

@@ -1,4 +1,5 @@
-"""Validation: the current policy on held-out prompts with the validation sampling settings.
+"""Evaluation (`trainer.val_*`): the current policy on held-out prompts with the validation
+sampling settings. (Spec checks are `mrl.config.validate`; this module only evaluates.)
 
 The validation prompts come from `data.val_files`, or from the generator with another seed
 (`data.val_prompts` of them). Each data-parallel rank takes every DP-th prompt; the logged
@@ -6,13 +7,24 @@ The validation prompts come from `data.val_files`, or from the generator with an
 """
 from __future__ import annotations
 
-import torch
-
+from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
+from mrl.platform.collectives import dp_all_reduce, world_reduce
 from mrl.rollout.types import sampling_from_config
 from mrl.train.parts import Generation, Prompts, Run, SampleLog
-from mrl.train.rollout import _dp_all_reduce, generate, score
+from mrl.train.rollout import generate, score
+
+
+@dataclass
+class ValidationResult:
+    """One validation of policy `version`: `val/*` metrics and sample rows."""
+
+    version: int
+    metrics: dict[str, float]
+    rows: Optional[list]
 
 
 def validation_set(run: Run, prompts: Prompts):
@@ -34,7 +46,7 @@ def validation_steps(trainer, total_steps: int, start: int = 0) -> list[int]:
     return steps
 
 
-def validate(run: Run, gen: Generation, prompts: Prompts, step: int, samples: Optional[SampleLog] = None,
+def evaluate(run: Run, gen: Generation, prompts: Prompts, step: int, samples: Optional[SampleLog] = None,
              reward_model=None) -> dict[str, float]:
     """`val/*` metrics of the policy the engine holds, on this rank's share of the validation set.
 
@@ -42,32 +54,28 @@ def validate(run: Run, gen: Generation, prompts: Prompts, step: int, samples: Op
     Separate (on the rollout ranks): each engine group takes every G-th prompt and the sums of the
     group leaders are reduced over the rollout ranks."""
     dataset = validation_set(run, prompts)
-    ctx = run.ctx
-    if ctx.role == "rollout":
-        per_engine = run.spec.rollout.tensor_parallel * run.spec.rollout.pipeline_parallel
-        share, shares = ctx.rank // per_engine, ctx.world_size // per_engine
+    ctx, plan = run.ctx, run.plan
+    on_rollout_ranks = ctx.role == "rollout"
+    if on_rollout_ranks:
+        share, shares = plan.engine_group_of(ctx.rank), plan.engine_groups
     else:
-        share, shares = ctx.dp_rank, ctx.dp
+        share, shares = ctx.dp_rank, plan.dp
     items = [dataset[i] for i in range(share, len(dataset), shares)]
     sampling = sampling_from_config(run.spec.rollout, validation=True, seed=run.spec.job.seed)
     # vllm engine groups generate collectively: every rank takes part, with or without prompts
     responses = generate(run, gen, [list(it.token_ids) for it in items], sampling)
     scores = score(run, gen, items, responses, sampling.n, step, reward_model=reward_model)["scores"]
     lengths = [len(r.token_ids) for r in responses]
-    first = ctx.is_main if ctx.role != "rollout" else ctx.rank == 0   # whose share the table shows
+    first = ctx.rank == 0 if on_rollout_ranks else ctx.is_main   # whose share the table shows
     if first and run.spec.trainer.log_samples_every > 0 and samples is not None:
         from mrl.tracking.samples import sample_rows
 
         samples.put("validation", sample_rows(step, items, responses, scores, sampling.n, run.tokenizer))
     sums = torch.tensor([sum(scores), float(len(scores)), float(sum(lengths))], dtype=torch.float64)
-    if ctx.role == "rollout":   # the leaders' sums (the other ranks of an engine group hold copies)
-        import torch.distributed as dist
-
-        totals = sums * float(gen.is_leader)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(totals)
+    if on_rollout_ranks:   # the leaders' sums (the other ranks of an engine group hold copies)
+        totals = world_reduce(sums * float(gen.is_leader), "validation sums")
     else:
-        totals = _dp_all_reduce(sums)
+        totals = dp_all_reduce(sums, "validation sums")
     count = max(float(totals[1]), 1.0)
     return {"val/reward_mean": float(totals[0]) / count, "val/response_length_mean": float(totals[2]) / count,
             "val/responses": float(totals[1])}

@@ -1,0 +1,43 @@
+"""Per-expert checkpoint names -> views into `transformers`' fused expert tensors (the hf engine).
+
+`transformers` 5 holds a MoE layer's experts as two 3-D parameters, `experts.gate_up_proj`
+`[E, 2I, H]` (each expert's gate rows, then its up rows) and `experts.down_proj` `[E, H, I]`,
+while checkpoints (and mrl's weight stream, `mrl/weights/tables.py`) name each expert's
+projections apart: `experts.{E}.gate_proj.weight` (Mixtral: `block_sparse_moe.experts.{E}.w1`,
+`w3`, `w2`, and its router `block_sparse_moe.gate`, which transformers 5 holds under `mlp.`). The hf
+engine loads the stream through these views and aliases, so a sync writes straight into the fused
+tensors. The renames are `transformers`' own checkpoint conversions (`conversion_mapping.py`).
+"""
+from __future__ import annotations
+
+import torch
+
+# per-expert HF names (gate, up, down) by checkpoint model_type; Qwen / DeepSeek names otherwise
+_NAMES = {"mixtral": ("w1", "w3", "w2")}
+# (in-memory module path piece, checkpoint's) by model_type
+_RENAMES = {"mixtral": (".mlp.", ".block_sparse_moe.")}
+
+
+def checkpoint_name(name: str, model_type: str) -> str:
+    """The checkpoint's name for the in-memory name `name` (the same for most architectures)."""
+    rename = _RENAMES.get(model_type)
+    return name.replace(*rename) if rename else name
+
+
+def fused_expert_views(model: torch.nn.Module, model_type: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """name -> (view, the fused parameter it is part of), for every fused experts module of `model`."""
+    gate, up, down = _NAMES.get(model_type, ("gate_proj", "up_proj", "down_proj"))
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for prefix, module in model.named_modules():
+        gate_up = getattr(module, "gate_up_proj", None)
+        down_w = getattr(module, "down_proj", None)
+        if not (isinstance(gate_up, torch.nn.Parameter) and isinstance(down_w, torch.nn.Parameter)
+                and gate_up.dim() == 3 and down_w.dim() == 3):
+            continue
+        inter = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            stem = checkpoint_name(f"{prefix}.{e}", model_type)
+            out[f"{stem}.{gate}.weight"] = (gate_up.data[e, :inter], gate_up)
+            out[f"{stem}.{up}.weight"] = (gate_up.data[e, inter:], gate_up)
+            out[f"{stem}.{down}.weight"] = (down_w.data[e], down_w)
+    return out

@@ -1,0 +1,71 @@
+"""`ColocatedRollouts`: the rollout source when the engine shares the trainer's ranks
+(`rollout.placement = "colocated"`, see `mrl.train.source`).
+
+`publish(v)` loads version v into the engine (`mrl.train.rollout.sync_weights`, skipped when the
+engine already holds it) and leaves the engine awake: evaluation of v and the next step's
+generation use it. `take` produces the step's rollouts inline and then puts the engine to sleep
+for the training stages (`rollout.sleep_level`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+from mrl.platform.collectives import dp_min, world_max
+from mrl.rollout.weight_channel import channel_metrics
+from mrl.train.carry import decode_carry, encode_carry
+from mrl.train.parts import Generation, Learner, Prompts, Run, SampleLog
+from mrl.train.produce import ShardRollout, produce
+from mrl.train.rollout import release_engine, sync_weights
+from mrl.train.evaluate import ValidationResult, evaluate, validation_steps
+
+
+class ColocatedRollouts:
+    def __init__(self, run: Run, learner: Learner, gen: Generation, prompts: Prompts,
+                 samples: Optional[SampleLog] = None):
+        self.run, self.learner, self.gen, self.prompts = run, learner, gen, prompts
+        self.samples = samples if samples is not None else SampleLog()
+        self.validated: list[int] = []     # the versions this run validates
+        self.sync_s = 0.0                  # the last publish's time (reported with the next step)
+
+    def start(self, start: int) -> None:
+        self.validated = validation_steps(self.run.spec.trainer, self.run.total_steps, start)
+        self.publish(start)
+
+    def publish(self, version: int) -> None:
+        started = time.perf_counter()
+        sync_weights(self.gen, self.learner, version=version)
+        self.sync_s = time.perf_counter() - started
+
+    def take(self, step: int, t) -> tuple[ShardRollout, dict[str, float]]:
+        with t("rollout"):
+            rollout = produce(self.run, self.gen, self.prompts, step, dp_min, reward_model=self.learner.reward_model)
+        release_engine(self.gen, self.run.spec.rollout.sleep_level)
+        return rollout.shards[self.run.ctx.dp_rank], {"time/weight_sync": self.sync_s,
+                                                      "train/epoch": float(self.prompts.epoch),
+                                                      **channel_metrics(self.gen.channel)}
+
+    def validations(self, step: int, *, final: bool = False,
+                    on_stage: Optional[Callable[[str], None]] = None) -> list[ValidationResult]:
+        """Evaluate version `step` now when the run validates it (once)."""
+        if step not in self.validated:
+            return []
+        self.validated.remove(step)
+        if on_stage is not None:
+            on_stage("validation")
+        started = time.perf_counter()
+        metrics = evaluate(self.run, self.gen, self.prompts, step, self.samples, self.learner.reward_model)
+        metrics["time/validation"] = world_max(time.perf_counter() - started, "timing all-reduce")
+        return [ValidationResult(step, metrics, self.samples.take("validation"))]
+
+    # checkpoint state: the data position and the partial groups in hand; nothing else is in flight
+    def state(self, step: int) -> dict:
+        return {"sampler": self.prompts.position, "rollout_carry": encode_carry(self.prompts.carry)}
+
+    def load_state(self, saved, start: int) -> str:
+        self.prompts.load_position(saved.sampler)
+        self.prompts.carry = decode_carry(saved.rollout_carry, self.prompts.dataset)
+        return ""
+
+    def close(self, wait: bool = True) -> None:
+        pass

@@ -1,0 +1,69 @@
+"""The sections of the models a training step updates or reads, next to the code that reads them
+(`mrl.train.build`, `mrl.train.step`, `mrl.train.plan`): `actor` (how the policy is updated),
+`critic` (the value model for GAE), `ref` (the frozen reference policy for KL) and `trainer`
+(length of the run, validation and logging cadence)."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from mrl.config.schema import option, section
+from mrl.models.lora import LoraConfig
+from mrl.optim.config import OptimConfig, ScheduleConfig
+
+
+@section
+class ActorConfig:
+    """Policy update. A step's responses are split into mini-batches (one optimizer step each),
+    and each rank's share of a mini-batch into token-balanced micro-batches."""
+
+    mini_batch_prompts: Optional[int] = option(None, ge=1, help="prompts per optimizer step (default: data.prompts_per_step); all their responses go in")
+    micro_batch_tokens: int = option(16384, ge=1, help="token budget of one micro-batch on one rank (forward/backward)")
+    logprob_micro_batch_tokens: Optional[int] = option(None, ge=1, help="token budget for log-prob-only passes (default: micro_batch_tokens)")
+    epochs: int = option(1, ge=1, help="passes over each step's data (verl: ppo_epochs)")
+    shuffle: bool = option(False, help="shuffle responses between epochs")
+    recompute: Literal["none", "selective", "full"] = option("none", help="activation recomputation")
+    optim: OptimConfig = option(factory=OptimConfig, help="optimizer")
+    schedule: ScheduleConfig = option(factory=ScheduleConfig, help="learning-rate schedule")
+    lora: LoraConfig = option(factory=LoraConfig, help="LoRA adapters (rank 0 = full fine-tuning); with adapters "
+                              "the reference model is the base with adapters off")
+
+
+def _critic_optim() -> OptimConfig:
+    return OptimConfig(lr=1e-5)
+
+
+@section
+class CriticConfig:
+    """Value model trained alongside the actor; needed by the gae estimator."""
+
+    enable: Optional[bool] = option(None, help="default: on exactly when algorithm.advantage = 'gae'")
+    model_path: Optional[str] = option(None, help="initial checkpoint (default: model.path; the LM head is replaced by a value head)")
+    mini_batch_prompts: Optional[int] = option(None, ge=1, help="prompts per critic optimizer step (default: actor.mini_batch_prompts)")
+    micro_batch_tokens: int = option(16384, ge=1, help="token budget of one micro-batch on one rank")
+    epochs: int = option(1, ge=1, help="passes over each step's data")
+    warmup_steps: int = option(0, ge=0, help="train only the critic for this many steps first")
+    recompute: Literal["none", "selective", "full"] = option("none", help="activation recomputation")
+    optim: OptimConfig = option(factory=_critic_optim, help="optimizer")
+    schedule: ScheduleConfig = option(factory=ScheduleConfig, help="learning-rate schedule")
+
+
+@section
+class RefConfig:
+    """Frozen reference model; needed when a KL term is on."""
+
+    enable: Optional[bool] = option(None, help="default: on exactly when algorithm.kl_loss or algorithm.kl_reward is on")
+    model_path: Optional[str] = option(None, help="checkpoint (default: model.path)")
+    micro_batch_tokens: Optional[int] = option(None, ge=1, help="token budget per forward (default: actor.micro_batch_tokens)")
+
+
+@section
+class TrainerConfig:
+    """Run length and cadence. `total_steps` wins over `epochs` when both are set."""
+
+    epochs: int = option(1, ge=1, help="passes over the prompt set")
+    total_steps: Optional[int] = option(None, ge=1, help="stop after this many steps")
+    val_every_steps: int = option(0, ge=0, help="validate every N steps; 0 = never")
+    val_before_train: bool = option(False, help="validate once before the first step")
+    log_samples_every: int = option(10, ge=0, help="every N steps (and the last) MLflow gets a table of sample generations (prompt, response, score) in samples/train.json, and every validation in samples/validation.json; 0 = never")
+    log_every_steps: int = option(1, ge=1, help="the console prints a progress line every N steps (and the last); MLflow records every step")
+    profile_steps: tuple[int, ...] = option((), ge=1, help="steps traced with torch.profiler: <job.output_dir>/<job.name>/profile/step_<N>/rank_<r>.json (Chrome trace)")

@@ -1,1 +1,0 @@
-"""mrl.trainer."""
