@@ -224,6 +224,17 @@ def _one_job(args, command: str):
     return load(jobs[0], overrides)[0]
 
 
+def cmd_plan(args) -> int:
+    """The weight sync's bytes, buckets, groups, memory and estimated time, from the model config only."""
+    from mrl.weights.sync_plan import Links, plan_text
+
+    jobs, _ = _split_args(args.items)
+    spec = _one_job(args, "plan")
+    links = Links(nvlink_gbps=args.nvlink_gbps, ib_gbps=args.ib_gbps, pcie_gbps=args.pcie_gbps)
+    print(plan_text(spec, jobs[0], links, args.changed_fraction))
+    return 0
+
+
 def cmd_preflight(args) -> int:
     from mrl import preflight
 
@@ -376,6 +387,20 @@ def cmd_data(args) -> int:
     return 0
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be > 0")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be between 0 and 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mrl import __version__
     from mrl.config.loader import PATHS_HELP
@@ -393,6 +418,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print only this resolved value (for scripts; repeat for several, one line each; a list as "
                         "space-separated shell words), e.g. platform.world_size")
     p.set_defaults(func=cmd_show)
+    p = sub.add_parser("plan", help="what one weight sync costs (bytes full and delta, buckets, groups, memory, "
+                                     "estimated time) from the model config alone; no weights are loaded")
+    p.add_argument("items", nargs="+", metavar="JOB_OR_OVERRIDE")
+    p.add_argument("--changed-fraction", type=_fraction, default=0.02,
+                   help="fraction of elements a step changes, for the delta estimate (default 0.02)")
+    p.add_argument("--nvlink-gbps", type=_positive, default=450.0, help="NVLink bandwidth, GB/s (default 450)")
+    p.add_argument("--ib-gbps", type=_positive, default=50.0, help="InfiniBand bandwidth per rank, GB/s (default 50)")
+    p.add_argument("--pcie-gbps", type=_positive, default=64.0, help="PCIe bandwidth, GB/s (default 64)")
+    p.set_defaults(func=cmd_plan)
     p = sub.add_parser("preflight", help="bring the job's platform up on its real layout and run one forward/backward "
                                          "(run under torchrun or srun with the job's world size)")
     p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")

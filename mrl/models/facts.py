@@ -41,17 +41,29 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
                            num_experts_per_tok=2, max_position_embeddings=1024),
 }
 
-# Published configs of models used by the shipped jobs (from their config.json on the Hub).
+# Published configs of models used by the shipped jobs (from their config.json on the Hub), with
+# the tensor shapes `mrl plan` sizes the weight sync from (intermediate sizes, tied head).
 KNOWN_MODELS: dict[str, dict[str, Any]] = {
-    "Qwen/Qwen2.5-7B-Instruct": dict(num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                                     hidden_size=3584, vocab_size=152064),
-    "Qwen/Qwen2.5-7B": dict(num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                            hidden_size=3584, vocab_size=152064),
-    "Qwen/Qwen2.5-32B": dict(num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
-                             hidden_size=5120, vocab_size=152064),
-    "Qwen/Qwen3-30B-A3B": dict(num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                               hidden_size=2048, vocab_size=151936, num_experts=128, num_experts_per_tok=8),
+    "Qwen/Qwen2.5-7B-Instruct": dict(model_type="qwen2", num_hidden_layers=28, num_attention_heads=28,
+                                     num_key_value_heads=4, hidden_size=3584, intermediate_size=18944,
+                                     vocab_size=152064, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-7B": dict(model_type="qwen2", num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                            hidden_size=3584, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-32B": dict(model_type="qwen2", num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                             hidden_size=5120, intermediate_size=27648, vocab_size=152064, tie_word_embeddings=False),
+    "Qwen/Qwen3-30B-A3B": dict(model_type="qwen3_moe", num_hidden_layers=48, num_attention_heads=32,
+                               num_key_value_heads=4, head_dim=128, hidden_size=2048, intermediate_size=6144,
+                               moe_intermediate_size=768, vocab_size=151936, num_experts=128, num_experts_per_tok=8,
+                               tie_word_embeddings=False),
 }
+
+
+def known_hf_config(path: str) -> tuple[dict[str, Any], str] | None:
+    """(HF config, where it came from) as `find_hf_config`, falling back to `KNOWN_MODELS`."""
+    found = find_hf_config(path)
+    if found is None and path in KNOWN_MODELS:
+        found = dict(KNOWN_MODELS[path]), f"mrl's table of known models ({path})"
+    return found
 
 
 def facts_from_hf_config(cfg: dict[str, Any], source: str) -> ModelFacts:

@@ -45,6 +45,14 @@ class WeightSyncConfig:
 
     bucket_mb: int = option(512, ge=1, help="size bound of one bucket of HF-named tensors")
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = option(None, help="dtype sent to the engine (default: rollout.dtype)")
+    mode: Literal["full", "delta"] = option("full", help="full: every tensor every sync; delta: only what changed since "
+                                                         "the engine's last version, compared bit for bit in the export "
+                                                         "dtype (a host copy of the model per engine; full after the "
+                                                         "engine lost its weights); colocated hf engine only")
+    sparse_fraction: float = option(0.25, ge=0, le=1, help="delta: a tensor with fewer than this fraction of its elements "
+                                                           "changed goes as index/value pairs, else whole")
+    verify_every_steps: int = option(10, ge=0, help="every N syncs, check that each tensor the engine holds hashes to "
+                                                    "the trainer's (0: never; every bucket is checksummed regardless)")
 
 
 @section

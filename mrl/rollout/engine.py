@@ -39,6 +39,17 @@ class RolloutEngine(abc.ABC):
         Raises when a parameter of the engine's model received nothing, unless `partial` (a
         deliberate update of some tensors only)."""
 
+    #: `apply_sparse` is implemented (delta syncs send changed elements; otherwise changed tensors whole)
+    accepts_sparse = False
+
+    def apply_sparse(self, name: str, indices: torch.Tensor, values: torch.Tensor) -> None:
+        """Set elements `indices` of the flattened tensor `name` to `values` (a sparse delta sync)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no sparse weight updates")
+
+    def held_weights(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The engine's current tensors under their HF names (the periodic weight verification)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its weights by HF name")
+
     @abc.abstractmethod
     def sleep(self, level: Optional[int] = None) -> None:
         """Free memory for training: 1 offloads weights and drops the KV cache, 2 drops both."""

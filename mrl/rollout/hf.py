@@ -194,6 +194,21 @@ class HFEngine(RolloutEngine):
                                f"parameter(s): {shown}")
         return loaded
 
+    accepts_sparse = True
+
+    @torch.no_grad()
+    def apply_sparse(self, name: str, indices: torch.Tensor, values: torch.Tensor) -> None:
+        target = self._targets.get(name)
+        if target is None:
+            raise KeyError(f"hf engine: the weight stream names {name!r}, which the model does not have")
+        flat = target.data.view(-1)
+        flat[indices.to(flat.device, torch.int64)] = values.to(flat.device, flat.dtype)  # casts as copy_ does
+
+    def held_weights(self, names):
+        for name in names:
+            if name in self._targets:
+                yield name, self._targets[name].data
+
     def sleep(self, level: Optional[int] = None) -> None:
         """On a GPU, moves the weights to host memory (levels 1 and 2 alike: rotary and other
         buffers are not part of the weight stream, so they are kept). On CPU nothing is freed."""

@@ -42,12 +42,22 @@ def placement_problems(rollout, world_size: int) -> list[tuple[str, str]]:
     return out
 
 
+def weight_sync_problems(rollout) -> list[tuple[str, str]]:
+    """`rollout.weight_sync` settings this build cannot honour: delta syncs run through the
+    colocated channel (`mrl.rollout.weight_channel`), which the hf engine takes today."""
+    if rollout.weight_sync.mode == "delta" and (rollout.engine != "hf" or rollout.placement != "colocated"):
+        return [("rollout.weight_sync.mode", f"'delta' runs with the colocated hf engine only (this job: "
+                                             f"{rollout.engine}, {rollout.placement}); use 'full'")]
+    return []
+
+
 def rollout_layout_problems(rollout, world_size: int, facts=None, device: Optional[str] = None) -> list[tuple[str, str]]:
     """Every reason the job's rollout engines cannot be laid out on `world_size` ranks
     (`device`: platform.device, when known)."""
     out = placement_problems(rollout, world_size)
     if out:
         return out
+    out = weight_sync_problems(rollout)
     tp, pp = rollout.tensor_parallel, rollout.pipeline_parallel
     if rollout.engine == "hf":
         # The hf engine is one transformers model per trainer replica (or per rollout rank): a

@@ -12,6 +12,7 @@ import time
 from typing import Callable, Optional
 
 from mrl.platform.collectives import dp_min, world_max
+from mrl.rollout.weight_channel import channel_metrics
 from mrl.train.carry import decode_carry, encode_carry
 from mrl.train.parts import Generation, Learner, Prompts, Run, SampleLog
 from mrl.train.produce import ShardRollout, produce
@@ -41,7 +42,8 @@ class ColocatedRollouts:
             rollout = produce(self.run, self.gen, self.prompts, step, dp_min, reward_model=self.learner.reward_model)
         release_engine(self.gen, self.run.spec.rollout.sleep_level)
         return rollout.shards[self.run.ctx.dp_rank], {"time/weight_sync": self.sync_s,
-                                                      "train/epoch": float(self.prompts.epoch)}
+                                                      "train/epoch": float(self.prompts.epoch),
+                                                      **channel_metrics(self.gen.channel)}
 
     def validations(self, step: int, *, final: bool = False,
                     on_stage: Optional[Callable[[str], None]] = None) -> list[ValidationResult]:

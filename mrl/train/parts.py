@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from mrl.rollout.engine import RolloutEngine
     from mrl.rollout.multi_turn import MultiTurnRollout
     from mrl.rollout.plan import EngineGroups
+    from mrl.rollout.weight_channel import ColocatedChannel
     from mrl.train.build import PrecomputedScores
     from mrl.train.carry import ShardCarry
     from mrl.train.plan import StepPlan
@@ -90,6 +91,7 @@ class Generation:
     is_leader: bool = True
     weights_key: Optional[int] = None   # actor updates the engine's weights reflect (None: none loaded)
     version: int = 0                # policy version of the engine's weights (trainer steps completed)
+    channel: Optional["ColocatedChannel"] = None   # colocated hf: checksummed full / delta syncs
 
 
 @dataclass

@@ -24,6 +24,7 @@ def sync_weights(gen: Generation, learner: Learner, version: int) -> int:
     """Colocated: stream the actor's weights into the rollout engine (skipped when it already
     holds them) and record them as policy `version`; returns tensors sent (leader) or 0."""
     gen.version = version
+    lost = gen.weights_key is None   # first sync, or the engine dropped its weights (sleep level 2)
     if gen.weights_key == learner.actor.steps:
         if gen.engine is not None:
             gen.engine.wake()
@@ -35,7 +36,7 @@ def sync_weights(gen: Generation, learner: Learner, version: int) -> int:
             pass
         return 0
     gen.engine.wake(tags=["weights"])   # weights first: the KV cache is not needed to load them
-    sent = gen.engine.update_weights(stream)
+    sent = gen.channel.push(stream, version, lost=lost) if gen.channel is not None else gen.engine.update_weights(stream)
     gen.engine.wake(tags=["kv_cache"])
     return sent
 

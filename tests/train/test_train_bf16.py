@@ -33,8 +33,9 @@ def _history(out: Path) -> dict[str, dict[int, float]]:
 
 
 def _same_metrics(whole: dict, again: dict, steps: list[int]) -> None:
-    # wall-clock readings (stage times, throughput, memory) differ between any two runs
-    keys = [k for k in whole if not k.startswith(("time/", "throughput/", "memory/"))]
+    # wall-clock readings (stage times, throughput, memory) differ between any two runs; what a
+    # weight sync moved depends on its mode (full / delta), which the runs may differ in
+    keys = [k for k in whole if not k.startswith(("time/", "throughput/", "memory/", "weight_sync/"))]
     assert keys and set(keys) <= set(again)
     for k in keys:
         assert sorted(again[k]) == steps, k
@@ -43,16 +44,26 @@ def _same_metrics(whole: dict, again: dict, steps: list[int]) -> None:
 
 def test_bf16_quickstart_trains_20_steps_with_two_checkpoints_and_resumes_exactly(tmp_path):
     """The one-rank bf16 quickstart (distributed optimizer) saves at 10 and 20; stopping at 10 and
-    resuming gives every non-time metric of steps 1-20 equal to the uninterrupted run."""
+    resuming gives every non-time metric of steps 1-20 equal to the uninterrupted run, with delta
+    weight syncs in the resumed run and full ones in the uninterrupted run."""
     base = f"{ONE_RANK} {BF16} checkpoint.every_steps=10 checkpoint.keep_last=2"
     [m] = run_jobs("jobs/quickstart_cpu.toml", tmp_path / "whole", f"{base} trainer.total_steps=20")
     assert m["actor/updated"] == 1 and all(v == v for v in m.values())
     ckpts = sorted(p.name for p in (tmp_path / "whole/run0/checkpoints/actor").glob("step_*"))
     assert ckpts == ["step_00000010", "step_00000020"], ckpts
+    # the resumed run syncs deltas, verifying the engine's weights against the trainer's every step:
+    # its rollouts, audit and updates equal the full-sync run's bit for bit, so its metrics do
+    delta = "rollout.weight_sync.mode=delta rollout.weight_sync.verify_every_steps=1"
     resumed = tmp_path / "resumed"
-    run_jobs("jobs/quickstart_cpu.toml", resumed, f"{base} trainer.total_steps=10")
-    run_jobs("jobs/quickstart_cpu.toml", resumed, f"{base} trainer.total_steps=20")
-    _same_metrics(_history(tmp_path / "whole"), _history(resumed), list(range(1, 21)))
+    run_jobs("jobs/quickstart_cpu.toml", resumed, f"{base} {delta} trainer.total_steps=10")
+    run_jobs("jobs/quickstart_cpu.toml", resumed, f"{base} {delta} trainer.total_steps=20")
+    again = _history(resumed)
+    _same_metrics(_history(tmp_path / "whole"), again, list(range(1, 21)))
+    # full on the first sync and after the resume (a new process holds no copy), delta otherwise
+    assert [s for s, v in sorted(again["weight_sync/full"].items()) if v] == [1, 11], again["weight_sync/full"]
+    # every other step compared the export with the host copy (at lr 3e-3 almost every bf16 element moves)
+    assert sorted(again["weight_sync/changed_fraction"]) == [s for s in range(1, 21) if s not in (1, 11)]
+    assert all(0 < f <= 1 for f in again["weight_sync/changed_fraction"].values())
 
 
 LAYOUTS = {

@@ -1,0 +1,146 @@
+"""The receiving side of a weight sync, and the colocated channel that joins both sides in a rank.
+
+`WeightReceiver` takes the sender's messages (`mrl.weights.delta`: `Bucket`s, then an `End`) and
+loads them into an engine. Before a bucket's tensors reach the engine it checks the bucket's
+version and position and every payload's checksum; a lost bucket is named from the `End` marker
+(its tensors), and a sync whose `End` never comes is an error too. Each failure is one line
+naming the tensor, the version and the engine group (`WeightSyncError`). Sparse items go to the
+engine's `apply_sparse`; whole tensors stream through one `update_weights` call (vLLM wraps a
+sync in a start/finish pair), `partial` for a delta sync.
+
+`verify` is the periodic full verification (`rollout.weight_sync.verify_every_steps`): the
+checksum of every tensor the engine holds, cast to the export dtype, against the sender's.
+
+`ColocatedChannel` is the colocated sync of one engine: sender and receiver in the same process,
+`transit` in between (the identity; tests corrupt or drop buckets there).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+
+from mrl.rollout.engine import RolloutEngine
+from mrl.weights.delta import Bucket, End, SyncStats, WeightSender
+from mrl.weights.verify import Checksum, WeightSyncError, checksum
+
+Messages = Iterable[Bucket | End]
+
+
+class WeightReceiver:
+    """Checks and loads one engine's syncs; `group` names the engine group in errors."""
+
+    def __init__(self, engine: RolloutEngine, group: str):
+        self.engine = engine
+        self.group = group
+
+    def apply(self, messages: Messages, version: int, *, full: bool, stats: Optional[SyncStats] = None) -> int:
+        """Load one sync of policy `version`; returns the tensors loaded (whole and sparse)."""
+        stats = stats if stats is not None else SyncStats(version=version, full=full)
+        counted = {"sparse": 0}
+        whole = self.engine.update_weights(self._checked(iter(messages), version, stats, counted), partial=not full)
+        return whole + counted["sparse"]
+
+    def _checked(self, messages: Iterator, version: int, stats: SyncStats, counted: dict) -> Iterator[tuple[str, torch.Tensor]]:
+        expected_index = 0
+        lost: list[int] = []
+        end: Optional[End] = None
+        for msg in messages:
+            if isinstance(msg, End):
+                end = msg
+                break
+            first = msg.items[0].name if msg.items else "-"
+            if msg.version != version:
+                raise WeightSyncError(f"weight sync: bucket {msg.index} (first tensor {first}) carries version "
+                                      f"{msg.version}, engine group {self.group} expected version {version}")
+            if msg.index < expected_index:
+                raise WeightSyncError(f"weight sync: bucket {msg.index} (first tensor {first}) of version {version} "
+                                      f"arrived twice at engine group {self.group}")
+            lost += range(expected_index, msg.index)
+            expected_index = msg.index + 1
+            t0 = time.perf_counter()
+            for item in msg.items:
+                if item.payload_checksum() != item.checksum:
+                    raise WeightSyncError(f"weight sync: {item.name} (version {version}, bucket {msg.index}) failed its "
+                                          f"checksum at engine group {self.group}")
+            stats.seconds_checksums += time.perf_counter() - t0
+            for item in msg.items:
+                if item.sparse:
+                    self.engine.apply_sparse(item.name, item.indices, item.values)
+                    counted["sparse"] += 1
+                else:
+                    yield item.name, item.values
+        if end is None:
+            raise WeightSyncError(f"weight sync: version {version} ended at engine group {self.group} after bucket "
+                                  f"{expected_index - 1} without its end marker (buckets were lost)")
+        if end.version != version:
+            raise WeightSyncError(f"weight sync: the end of version {end.version} reached engine group {self.group}, "
+                                  f"which expected version {version}")
+        lost += range(expected_index, len(end.buckets))
+        if lost:
+            names = end.buckets[lost[0]]
+            more = f" and {len(lost) - 1} more bucket(s)" if len(lost) > 1 else ""
+            raise WeightSyncError(f"weight sync: bucket {lost[0]} of version {version} (tensors {names[0]} .. "
+                                  f"{names[-1]}, {len(names)} in all) never arrived at engine group {self.group}{more}")
+
+    def verify(self, expected: dict[str, Checksum], dtypes: dict[str, torch.dtype], version: int) -> None:
+        """Every tensor the engine holds hashes to what the sender sent it (cast to the export dtype)."""
+        held = dict(self.engine.held_weights(sorted(expected)))
+        for name in sorted(expected):
+            if name not in held:
+                raise WeightSyncError(f"weight verification: engine group {self.group} holds no {name} (version {version})")
+            got = checksum(held[name].detach().to(dtypes.get(name, held[name].dtype)))
+            if got != expected[name]:
+                raise WeightSyncError(f"weight verification: {name} at engine group {self.group} differs from the "
+                                      f"trainer's version {version}")
+
+
+class ColocatedChannel:
+    """One colocated engine's weight sync: full or delta, checksummed, periodically verified."""
+
+    def __init__(self, engine: RolloutEngine, *, mode: str = "full", sparse_fraction: float = 0.25,
+                 bucket_mb: float = 512, verify_every_steps: int = 0, group: str = "0",
+                 transit: Optional[Callable[[Messages], Messages]] = None):
+        if not engine.accepts_sparse:
+            sparse_fraction = 0.0   # changed tensors go whole
+        self.sender = WeightSender(mode=mode, sparse_fraction=sparse_fraction, bucket_bytes=int(bucket_mb * 2**20))
+        self.receiver = WeightReceiver(engine, group)
+        self.verify_every_steps = verify_every_steps
+        self.transit = transit or (lambda messages: messages)
+        self.syncs = 0
+        self.last: Optional[SyncStats] = None
+        self.reported: Optional[SyncStats] = None   # the stats `channel_metrics` returned last
+
+    @classmethod
+    def from_config(cls, engine: RolloutEngine, config, group: str = "0") -> "ColocatedChannel":
+        """From `rollout.weight_sync`."""
+        return cls(engine, mode=config.mode, sparse_fraction=config.sparse_fraction, bucket_mb=config.bucket_mb,
+                   verify_every_steps=config.verify_every_steps, group=group)
+
+    def push(self, stream: Iterable[tuple[str, torch.Tensor]], version: int, *, lost: bool = False) -> int:
+        """Bring the engine to the weights of `stream` (policy `version`); `lost`: the engine no
+        longer holds what was last sent (sleep level 2), so the sync is full. Returns tensors loaded."""
+        if lost:
+            self.sender.forget()
+        full = self.sender.mode == "full" or not self.sender.held
+        stats = SyncStats(version=version, full=full)
+        sent = self.receiver.apply(self.transit(self.sender.encode(stream, version, stats)), version, full=full,
+                                   stats=stats)
+        self.syncs += 1
+        if self.verify_every_steps and self.syncs % self.verify_every_steps == 0:
+            t0 = time.perf_counter()
+            self.receiver.verify(self.sender.expected(), self.sender.dtypes, version)
+            stats.seconds_verify = time.perf_counter() - t0
+            stats.verified = True
+        self.last = stats
+        return sent
+
+
+def channel_metrics(channel: Optional[ColocatedChannel]) -> dict[str, float]:
+    """`weight_sync/*` metrics of the sync since the last call (none when nothing was sent since,
+    or where this rank holds no engine)."""
+    if channel is None or channel.last is None or channel.reported is channel.last:
+        return {}
+    channel.reported = channel.last
+    return channel.last.metrics()

@@ -1,0 +1,242 @@
+"""The sending side of a weight sync: versioned, checksummed buckets, full or delta.
+
+`WeightSender` turns the exporter's stream of full HF-named tensors into `Bucket`s for one engine.
+Every bucket carries the policy version, its position in the sync and a checksum per payload
+(`mrl.weights.verify.checksum`, computed where the exported tensor lives); the sync ends with an
+`End` marker naming every bucket's tensors, so the receiver can name what a lost bucket held.
+
+`rollout.weight_sync.mode = "delta"`: the sender keeps what the engine holds, a host copy of every
+tensor in the export dtype, and compares each newly exported tensor with it bit for bit. An
+unchanged tensor is not sent; a tensor with fewer than `sparse_fraction` of its elements changed
+goes as (int32 or int64 indices, new values) when that is smaller than the tensor, else whole.
+Values are the new exported bytes, never differences, so the engine ends bit-identical to a full
+sync. A sync is full (everything, whole) when the sender holds nothing for the engine: the first
+sync, after the engine lost its weights (`forget`: sleep level 2, a restart) and after a resume
+(a new process). LoRA actors export merged tensors, so only those whose adapters moved differ.
+
+`mode = "full"` keeps no copy, only each tensor's checksum (what the periodic full verification
+compares the engine's weights with).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Literal, Optional
+
+import torch
+
+from mrl.weights.verify import Checksum, checksum, same_bits
+
+Mode = Literal["full", "delta"]
+
+
+@dataclass
+class Item:
+    """One tensor's payload: whole (`values` has the tensor's shape) or sparse (`indices` into the
+    flattened tensor, `values` the new elements)."""
+
+    name: str
+    shape: tuple[int, ...]
+    values: torch.Tensor
+    indices: Optional[torch.Tensor] = None
+    checksum: Checksum = (0, 0, 0)
+
+    @property
+    def sparse(self) -> bool:
+        return self.indices is not None
+
+    @property
+    def nbytes(self) -> int:
+        n = self.values.numel() * self.values.element_size()
+        return n + (self.indices.numel() * self.indices.element_size() if self.indices is not None else 0)
+
+    def payload_checksum(self) -> Checksum:
+        """What the receiver recomputes: the values' checksum, folded with the indices' if sparse."""
+        values = checksum(self.values)
+        if self.indices is None:
+            return values
+        index = checksum(self.indices)
+        return tuple((a + 31 * b) & ((1 << 64) - 1) for a, b in zip(values, index))
+
+
+@dataclass
+class Bucket:
+    """Part of one sync: `index` counts from 0 within `version`."""
+
+    version: int
+    index: int
+    items: list[Item]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(it.nbytes for it in self.items)
+
+
+@dataclass
+class End:
+    """The last message of a sync: how many buckets it had and which tensors each carried."""
+
+    version: int
+    buckets: list[list[str]]
+    full: bool
+
+
+@dataclass
+class SyncStats:
+    """What one sync moved (figures for metrics and the benchmark)."""
+
+    version: int
+    full: bool
+    tensors: int = 0                  # tensors exported
+    tensors_sent: int = 0             # sent whole or sparse
+    tensors_sparse: int = 0
+    elements: int = 0
+    elements_changed: int = 0         # delta mode: elements whose bits differ from the engine's
+    bytes_full: int = 0               # what a full sync moves
+    bytes_sent: int = 0
+    buckets: int = 0
+    seconds_checksums: float = 0.0    # sender and receiver checksums
+    seconds_verify: float = 0.0       # periodic full verification
+    verified: bool = False
+    compared: bool = False            # delta mode: elements_changed was measured (full mode sends all)
+
+    def metrics(self) -> dict[str, float]:
+        out = {"weight_sync/bytes": float(self.bytes_sent), "weight_sync/bytes_full": float(self.bytes_full),
+               "weight_sync/full": float(self.full), "weight_sync/tensors_sent": float(self.tensors_sent),
+               "weight_sync/checksum_s": self.seconds_checksums, "weight_sync/verify_s": self.seconds_verify}
+        if self.compared:
+            out["weight_sync/changed_fraction"] = self.elements_changed / max(self.elements, 1)
+        return out
+
+
+def _index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+@dataclass
+class WeightSender:
+    """What one engine holds, and the buckets that bring it to the trainer's current weights."""
+
+    mode: Mode = "full"
+    sparse_fraction: float = 0.25
+    bucket_bytes: int = 512 * 2**20
+    held: dict[str, torch.Tensor] = field(default_factory=dict)      # delta: host copy, export dtype
+    sums: dict[str, Checksum] = field(default_factory=dict)          # full: checksum of what the engine holds
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+
+    def forget(self) -> None:
+        """The engine lost its weights: the next sync is full."""
+        self.held.clear()
+        self.sums.clear()
+
+    def expected(self) -> dict[str, Checksum]:
+        """name -> checksum of the tensor the engine should hold now (for the full verification)."""
+        if self.mode == "delta":
+            return {name: checksum(t) for name, t in self.held.items()}
+        return dict(self.sums)
+
+    def encode(self, stream: Iterable[tuple[str, torch.Tensor]], version: int,
+               stats: Optional[SyncStats] = None) -> Iterator[Bucket | End]:
+        """Buckets of `stream` for policy `version`, then an `End`. Full when nothing is held."""
+        import time
+
+        full = self.mode == "full" or not self.held
+        stats = stats if stats is not None else SyncStats(version=version, full=full)
+        stats.full = full
+        stats.compared = self.mode == "delta" and not full
+        names: list[list[str]] = []
+        items: list[Item] = []
+        size = 0
+        for name, tensor in stream:
+            tensor = tensor.detach()
+            nbytes = tensor.numel() * tensor.element_size()
+            stats.tensors += 1
+            stats.elements += tensor.numel()
+            stats.bytes_full += nbytes
+            item = self._item(name, tensor, full, stats)
+            if item is None:
+                continue
+            t0 = time.perf_counter()
+            item.checksum = item.payload_checksum()
+            if self.mode == "full":
+                self.sums[name] = item.checksum
+            stats.seconds_checksums += time.perf_counter() - t0
+            self.dtypes[name] = tensor.dtype
+            stats.tensors_sent += 1
+            stats.tensors_sparse += item.sparse
+            stats.bytes_sent += item.nbytes
+            if items and size + item.nbytes > self.bucket_bytes:
+                names.append([it.name for it in items])
+                yield Bucket(version, len(names) - 1, items)
+                items, size = [], 0
+            items.append(item)
+            size += item.nbytes
+        if items:
+            names.append([it.name for it in items])
+            yield Bucket(version, len(names) - 1, items)
+        stats.buckets = len(names)
+        yield End(version, names, full)
+
+    def _item(self, name: str, tensor: torch.Tensor, full: bool, stats: SyncStats) -> Optional[Item]:
+        shape = tuple(tensor.shape)
+        if self.mode == "full":
+            stats.elements_changed += tensor.numel()
+            return Item(name, shape, tensor)
+        old = self.held.get(name)
+        host = tensor.to("cpu", copy=True) if tensor.device.type != "cpu" or old is None else tensor
+        if full or old is None or old.shape != tensor.shape or old.dtype != tensor.dtype:
+            self.held[name] = host.clone() if host is tensor else host
+            stats.elements_changed += tensor.numel()
+            return Item(name, shape, tensor)
+        changed = ~same_bits(host, old).reshape(-1)
+        count = int(changed.sum())
+        stats.elements_changed += count
+        if count == 0:
+            return None
+        old.copy_(host)   # the engine holds the new bytes once this sync lands
+        if count < self.sparse_fraction * tensor.numel():
+            idx = changed.nonzero().reshape(-1).to(_index_dtype(tensor.numel()))
+            values = tensor.reshape(-1)[idx.to(tensor.device)]
+            sparse = Item(name, shape, values, indices=idx.to(tensor.device))
+            if sparse.nbytes < tensor.numel() * tensor.element_size():
+                return sparse
+        return Item(name, shape, tensor)
+
+
+def pack(msg: Bucket | End) -> tuple[bytes, Optional[torch.Tensor]]:
+    """A message as (pickled header, one flat uint8 buffer of its payloads or None) for a byte
+    transport such as the trainer/rollout bridge (one object broadcast, one tensor broadcast).
+    The checksums travel in the header, so the receiver checks what the buffer delivered."""
+    import pickle
+
+    if isinstance(msg, End):
+        return pickle.dumps(("end", msg.version, msg.buckets, msg.full)), None
+    meta, parts = [], []
+    for it in msg.items:
+        tensors = [it.values] + ([it.indices] if it.indices is not None else [])
+        meta.append((it.name, it.shape, it.checksum,
+                     [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]))
+        for t in tensors:   # each payload starts 8-byte aligned, so the receiver can view it in place
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+            parts += [raw, torch.zeros(-raw.numel() % 8, dtype=torch.uint8)]
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return pickle.dumps(("bucket", msg.version, msg.index, meta)), flat
+
+
+def unpack(header: bytes, flat: Optional[torch.Tensor]) -> Bucket | End:
+    """The inverse of `pack` (views into `flat`; nothing is checked here: the receiver checks)."""
+    import pickle
+
+    kind, version, *rest = pickle.loads(header)
+    if kind == "end":
+        return End(version, rest[0], rest[1])
+    index, meta = rest
+    items, offset = [], 0
+    for name, shape, sums, tensors in meta:
+        views = []
+        for t_shape, dtype in tensors:
+            dt = getattr(torch, dtype)
+            n = torch.Size(t_shape).numel() * torch.empty((), dtype=dt).element_size()
+            views.append(flat[offset:offset + n].view(dt).reshape(t_shape))
+            offset += n + (-n % 8)
+        items.append(Item(name, shape, views[0], indices=views[1] if len(views) > 1 else None, checksum=sums))
+    return Bucket(version, index, items)

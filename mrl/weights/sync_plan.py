@@ -1,0 +1,287 @@
+"""`mrl plan JOB`: what one weight sync costs, from the model's config alone (no weights loaded).
+
+The tensors are those the exporter streams (`mrl.weights.hf_export`), listed from the Hugging
+Face config of `model.path` (a builtin preset, a local or cached `config.json`, or mrl's table of
+known Hub models, `mrl.models.facts.KNOWN_MODELS`) in checkpoint order, and packed into buckets
+of `rollout.weight_sync.bucket_mb` exactly as `hf_buckets` packs them.
+
+Each tensor crosses, on the trainer, the gathers the exporter runs: a tensor-parallel all-gather
+(sharded tensors: attention and MLP projections, embedding and head), the expert-tensor gather and
+the expert-parallel broadcast (expert weights), and the pipeline broadcast (every tensor, from its
+stage). Separate rollout ranks then receive the bucket over the trainer/rollout bridge (a broadcast
+from trainer rank 0). Colocated engines receive full tensors in the trainer's memory and shard
+them themselves (vLLM engine groups of `rollout.tensor_parallel` ranks): no further link.
+
+A group whose ranks share a node runs at the NVLink bandwidth, one spanning nodes at the
+InfiniBand bandwidth; delta sync's comparison against the host copy moves every exported byte
+over PCIe once. An all-gather of B bytes over n ranks moves B (n-1)/n into each rank; a broadcast
+moves B. The estimate is link time only (no latency, no engine load time): a lower bound to
+compare layouts and modes with, not a promise.
+
+Expected delta: each tensor goes as sparse (int32 index + value per changed element) or whole,
+whichever is smaller, at a stated fraction of changed elements (verl reports 1-3% per step on
+dense models in bf16). Only what crosses the bridge (separate placement) or the engine load
+shrinks: the trainer's gathers still move full tensors, since the exported bytes are compared.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+INDEX_BYTES = 4   # int32 element indices of a sparse delta
+
+
+@dataclass(frozen=True)
+class Links:
+    """Link bandwidths in GB/s (1e9 bytes per second)."""
+
+    nvlink_gbps: float = 450.0      # H100 NVLink 4, per direction
+    ib_gbps: float = 50.0           # one NDR 400 Gb/s NIC per GPU
+    pcie_gbps: float = 64.0         # PCIe Gen5 x16, per direction
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """One exported tensor: its HF name, shape, and how it is split on the trainer."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_sharded: bool = False
+    expert: bool = False
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def hf_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
+    """The tensors a llama / qwen2 / qwen3 / qwen3_moe checkpoint holds, in checkpoint order."""
+    h = cfg["hidden_size"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    hd = cfg.get("head_dim") or h // heads
+    inter = cfg.get("intermediate_size")
+    vocab = cfg["vocab_size"]
+    model_type = cfg.get("model_type", "llama")
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    moe_inter = cfg.get("moe_intermediate_size") or inter
+    bias = model_type == "qwen2" or bool(cfg.get("attention_bias"))
+    qk_norm = model_type in ("qwen3", "qwen3_moe")
+    if inter is None and not experts:
+        raise ValueError("the model config has no intermediate_size")
+    out = [HFTensor("model.embed_tokens.weight", (vocab, h), tp_sharded=True)]
+    for layer in range(cfg["num_hidden_layers"]):
+        a, m = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
+        out.append(HFTensor(f"model.layers.{layer}.input_layernorm.weight", (h,)))
+        out += [HFTensor(f"{a}.q_proj.weight", (heads * hd, h), True), HFTensor(f"{a}.k_proj.weight", (kv * hd, h), True),
+                HFTensor(f"{a}.v_proj.weight", (kv * hd, h), True)]
+        if bias:
+            out += [HFTensor(f"{a}.q_proj.bias", (heads * hd,), True), HFTensor(f"{a}.k_proj.bias", (kv * hd,), True),
+                    HFTensor(f"{a}.v_proj.bias", (kv * hd,), True)]
+        if qk_norm:
+            out += [HFTensor(f"{a}.q_norm.weight", (hd,)), HFTensor(f"{a}.k_norm.weight", (hd,))]
+        out.append(HFTensor(f"{a}.o_proj.weight", (h, heads * hd), True))
+        out.append(HFTensor(f"model.layers.{layer}.post_attention_layernorm.weight", (h,)))
+        if experts:
+            out.append(HFTensor(f"{m}.gate.weight", (experts, h)))
+            for e in range(experts):
+                x = f"{m}.experts.{e}"
+                out += [HFTensor(f"{x}.gate_proj.weight", (moe_inter, h), True, True),
+                        HFTensor(f"{x}.up_proj.weight", (moe_inter, h), True, True),
+                        HFTensor(f"{x}.down_proj.weight", (h, moe_inter), True, True)]
+        else:
+            out += [HFTensor(f"{m}.gate_proj.weight", (inter, h), True), HFTensor(f"{m}.up_proj.weight", (inter, h), True),
+                    HFTensor(f"{m}.down_proj.weight", (h, inter), True)]
+    out.append(HFTensor("model.norm.weight", (h,)))
+    if not cfg.get("tie_word_embeddings", False):
+        out.append(HFTensor("lm_head.weight", (vocab, h), tp_sharded=True))
+    return out
+
+
+def delta_bytes(numel: int, elem_bytes: int, changed_fraction: float) -> int:
+    """Bytes of one tensor under delta sync: sparse index/value pairs or the whole tensor."""
+    return min(numel * elem_bytes, int(round(numel * changed_fraction)) * (INDEX_BYTES + elem_bytes))
+
+
+@dataclass(frozen=True)
+class Group:
+    """A communication group a bucket crosses: what runs over it, its size and its link."""
+
+    what: str
+    ranks: int
+    link: str           # "NVLink" | "InfiniBand" | "PCIe"
+
+
+@dataclass
+class SyncPlan:
+    """Everything `mrl plan` prints for one job."""
+
+    model: str
+    source: str
+    tensors: int
+    elements: int
+    dtype: str
+    full_bytes: int
+    delta_bytes: int
+    changed_fraction: float
+    bucket_mb: int
+    buckets: int
+    largest_tensor_bytes: int
+    groups: list[tuple[Group, int]]          # (group, bytes through it per full sync)
+    trainer_extra_bytes: int                 # device: one bucket + the tensor being gathered
+    host_copy_bytes: int                     # delta mode: the host copy per engine-holding rank
+    engine_extra_bytes: int
+    seconds_full: float
+    seconds_delta: float
+    notes: list[str] = field(default_factory=list)
+
+
+def _node_span(members: list[int], ranks_per_node: int) -> str:
+    return "NVLink" if len({r // ranks_per_node for r in members}) == 1 else "InfiniBand"
+
+
+def _group_members(world: int, sizes: list[int], which: int) -> list[int]:
+    """Ranks of the group of dimension `which` that holds rank 0, for Megatron's rank order where
+    `sizes` lists the dimensions innermost first (e.g. tp, cp, dp, pp)."""
+    stride = 1
+    for s in sizes[:which]:
+        stride *= s
+    return [i * stride for i in range(sizes[which])]
+
+
+def _bw(links: Links, link: str) -> float:
+    return {"NVLink": links.nvlink_gbps, "InfiniBand": links.ib_gbps, "PCIe": links.pcie_gbps}[link] * 1e9
+
+
+def plan_sync(spec, *, links: Links = Links(), changed_fraction: float = 0.02) -> SyncPlan:
+    """The sync plan of a resolved job spec (`mrl.config.loader.load`)."""
+    from mrl.errors import UserError
+    from mrl.models.facts import known_hf_config
+    from mrl.weights.hf_export import hf_buckets
+
+    found = known_hf_config(spec.model.path)
+    if found is None:
+        raise UserError(f"model.path: no config for {spec.model.path!r} here (not a builtin preset, a local or cached "
+                        "config.json, nor in mrl's table of known models): mrl plan cannot size its weights")
+    cfg, source = found
+    dtype = spec.rollout.weight_sync.dtype or spec.rollout.dtype or spec.model.dtype
+    elem = DTYPE_BYTES[dtype]
+    tensors = hf_tensors(cfg)
+    full = sum(t.numel for t in tensors) * elem
+    delta = sum(delta_bytes(t.numel, elem, changed_fraction) for t in tensors)
+    bucket_mb = spec.rollout.weight_sync.bucket_mb
+
+    class _Sized:   # hf_buckets packs by numel * element_size, which is all it reads
+        def __init__(self, n):
+            self.n = n
+
+        def numel(self):
+            return self.n
+
+        def element_size(self):
+            return elem
+
+    n_buckets = sum(1 for _ in hf_buckets(((t.name, _Sized(t.numel)) for t in tensors), bucket_mb * 2**20))
+    largest = max(t.numel for t in tensors) * elem
+
+    p, rpn = spec.parallel, spec.platform.ranks_per_node
+    world = spec.platform.nodes * rpn
+    rollout_ranks = spec.rollout.ranks if spec.rollout.placement == "separate" else 0
+    trainer_world = world - rollout_ranks
+    tp, pp, cp, ep = p.tensor, p.pipeline, p.context, p.expert
+    etp = p.expert_tensor or tp
+    dp = trainer_world // (tp * pp * cp)
+    edp = trainer_world // (etp * ep * pp)
+    dense_sizes, expert_sizes = [tp, cp, dp, pp], [etp, ep, edp, pp]
+    sharded = sum(t.numel for t in tensors if t.tp_sharded and not t.expert) * elem
+    expert_bytes = sum(t.numel for t in tensors if t.expert) * elem
+    groups: list[tuple[Group, int]] = []
+    seconds = 0.0
+    if tp > 1 and sharded:
+        g = Group("TP all-gather", tp, _node_span(_group_members(trainer_world, dense_sizes, 0), rpn))
+        groups.append((g, sharded))
+        seconds += sharded * (tp - 1) / tp / _bw(links, g.link)
+    if etp > 1 and expert_bytes:
+        g = Group("expert-TP all-gather", etp, _node_span(_group_members(trainer_world, expert_sizes, 0), rpn))
+        groups.append((g, expert_bytes))
+        seconds += expert_bytes * (etp - 1) / etp / _bw(links, g.link)
+    if ep > 1 and expert_bytes:
+        g = Group("EP broadcast", ep, _node_span(_group_members(trainer_world, expert_sizes, 1), rpn))
+        groups.append((g, expert_bytes))
+        seconds += expert_bytes / _bw(links, g.link)
+    if pp > 1:
+        g = Group("PP broadcast", pp, _node_span(_group_members(trainer_world, dense_sizes, 3), rpn))
+        groups.append((g, full))
+        seconds += full / _bw(links, g.link)
+    notes = []
+    bridge = 0.0
+    if rollout_ranks:
+        members = [0] + list(range(trainer_world, world))
+        g = Group("bridge broadcast to rollout ranks", len(members), _node_span(members, rpn))
+        groups.append((g, full))
+        bridge = 1 / _bw(links, g.link)
+        notes.append(f"separate placement: trainer rank 0 sends every bucket to {rollout_ranks} rollout ranks")
+    else:
+        notes.append(f"colocated: every trainer rank receives full tensors; engine groups of "
+                     f"{spec.rollout.tensor_parallel} ranks ({spec.rollout.engine}) shard them locally")
+    if spec.rollout.engine != "hf" or rollout_ranks:
+        notes.append(f"delta sync runs with the colocated hf engine only in this build; the delta figures are what it "
+                     f"would move with {spec.rollout.engine} engines ({spec.rollout.placement})")
+    pcie = Group("host copy compare (delta), per rank", 1, "PCIe")
+    compare_s = full / _bw(links, "PCIe") if spec.platform.device == "cuda" else 0.0
+    bucket_bytes = min(bucket_mb * 2**20, full)
+    # the tensor being gathered: its TP shards list plus the assembled full tensor
+    trainer_extra = bucket_bytes + 2 * largest
+    return SyncPlan(model=spec.model.path, source=source, tensors=len(tensors), elements=full // elem, dtype=dtype,
+                    full_bytes=full, delta_bytes=delta, changed_fraction=changed_fraction, bucket_mb=bucket_mb,
+                    buckets=n_buckets, largest_tensor_bytes=largest, groups=groups + ([(pcie, full)] if compare_s else []),
+                    trainer_extra_bytes=trainer_extra, host_copy_bytes=full,
+                    engine_extra_bytes=max(bucket_bytes, largest),
+                    seconds_full=seconds + full * bridge, seconds_delta=seconds + delta * bridge + compare_s,
+                    notes=notes)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def render(plan: SyncPlan, links: Links, job: str) -> str:
+    """The plan as a plain-text table."""
+    rows = [
+        ("model", f"{plan.model} ({plan.source})"),
+        ("tensors / elements", f"{plan.tensors} / {plan.elements / 1e9:.3f} B"),
+        ("export dtype", plan.dtype),
+        ("bytes per full sync", _size(plan.full_bytes)),
+        (f"bytes per delta sync ({plan.changed_fraction:.1%} changed)", _size(plan.delta_bytes)),
+        (f"buckets of {plan.bucket_mb} MiB", str(plan.buckets)),
+        ("largest tensor", _size(plan.largest_tensor_bytes)),
+        ("trainer peak extra (device)", f"{_size(plan.trainer_extra_bytes)} (one bucket + the tensor being gathered)"),
+        ("trainer host copy (delta only)", _size(plan.host_copy_bytes)),
+        ("engine peak extra", f"{_size(plan.engine_extra_bytes)} (one bucket)"),
+    ]
+    for g, nbytes in plan.groups:
+        rows.append((f"crosses: {g.what}", (f"{g.ranks} ranks over " if g.ranks > 1 else "") + f"{g.link}, {_size(nbytes)} per sync"))
+    rows += [
+        ("est. sync time, full", f"{plan.seconds_full:.2f} s"),
+        ("est. sync time, delta", f"{plan.seconds_delta:.2f} s"),
+        ("link bandwidths (GB/s)", f"NVLink {links.nvlink_gbps:g}, InfiniBand {links.ib_gbps:g}, "
+                                   f"PCIe {links.pcie_gbps:g}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"weight sync plan: {job}"] + [f"  {k.ljust(width)}  {v}" for k, v in rows]
+    lines += [f"  note: {n}" for n in plan.notes]
+    lines.append("  note: link time only (no latency, no engine load); trainer gathers move full tensors in both modes")
+    return "\n".join(lines)
+
+
+def plan_text(spec, job: str, links: Optional[Links] = None, changed_fraction: float = 0.02) -> str:
+    links = links or Links()
+    return render(plan_sync(spec, links=links, changed_fraction=changed_fraction), links, job)

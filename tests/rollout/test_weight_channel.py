@@ -1,0 +1,230 @@
+"""Checksummed full / delta weight syncs into a real (tiny) hf engine, with a fake trainer.
+
+The "trainer" keeps fp32 master weights and exports them in bf16 each step after an Adam-sized
+update (lr 1e-6 relative: most bf16 elements keep their bits, as in real RL fine-tuning)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrl.models.facts import BUILTIN_PRESETS
+from mrl.rollout.hf import HFEngine
+from mrl.rollout.weight_channel import ColocatedChannel
+from mrl.weights.delta import Bucket, End, WeightSender
+from mrl.weights.verify import WeightSyncError, checksum, same_bits
+
+
+def _engine(seed=0):
+    torch.manual_seed(seed)
+    return HFEngine.from_config(BUILTIN_PRESETS["tiny-llama"], dtype="bfloat16")
+
+
+class Trainer:
+    def __init__(self, names_shapes, seed=1):
+        g = torch.Generator().manual_seed(seed)
+        self.master = {n: torch.randn(s, generator=g) * 0.05 for n, s in names_shapes}
+        self.g = g
+
+    def step(self, lr=1e-4, only=None):
+        for n, w in self.master.items():
+            if only is None or n in only:
+                w.add_(torch.randn(w.shape, generator=self.g).sign() * lr * w.abs())
+
+    def stream(self):
+        return ((n, w.to(torch.bfloat16)) for n, w in self.master.items())
+
+
+def _shapes(engine):
+    return [(n, tuple(p.shape)) for n, p in engine.model.named_parameters()]
+
+
+def _bits(engine):
+    return {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+
+
+def test_delta_sync_is_bit_identical_to_full_sync_after_every_step_of_a_20_step_bf16_run():
+    full_engine, delta_engine = _engine(0), _engine(1)   # different random starts: the first sync must be full
+    trainer = Trainer(_shapes(full_engine))
+    full = ColocatedChannel(full_engine, mode="full", bucket_mb=0.05, verify_every_steps=5)
+    delta = ColocatedChannel(delta_engine, mode="delta", bucket_mb=0.05, verify_every_steps=5)
+    kinds = []
+    for step in range(20):
+        full.push(trainer.stream(), step, lost=step == 0)
+        delta.push(trainer.stream(), step, lost=step == 0)
+        a, b = _bits(full_engine), _bits(delta_engine)
+        for n in a:
+            assert same_bits(a[n], b[n]).all(), (step, n)
+        kinds.append((delta.last.full, delta.last.tensors_sparse > 0))
+        if step:
+            assert 0 < delta.last.bytes_sent < full.last.bytes_sent
+            assert 0 < delta.last.elements_changed < delta.last.elements
+        trainer.step()
+    assert kinds[0] == (True, False) and all(k == (False, True) for k in kinds[1:])
+    assert full.last.verified and delta.last.verified   # sync 20 was a full verification
+    assert full.last.bytes_sent == full.last.bytes_full
+
+
+def test_unchanged_tensors_are_not_sent_and_changed_ones_only_are():
+    # LoRA: the merged tensors of untouched projections export the same bytes; only moved ones go
+    engine = _engine()
+    trainer = Trainer(_shapes(engine))
+    ch = ColocatedChannel(engine, mode="delta", verify_every_steps=1)
+    ch.push(trainer.stream(), 0, lost=True)
+    moved = {"model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"}
+    trainer.step(only=moved)
+    sent = []
+    ch.transit = lambda msgs: (sent.extend(it.name for it in m.items) or m if isinstance(m, Bucket) else m for m in msgs)
+    ch.push(trainer.stream(), 1)
+    assert set(sent) == moved and not ch.last.full
+    ch.push(trainer.stream(), 2)    # nothing moved: nothing sent, still verified
+    assert ch.last.tensors_sent == 0 and ch.last.verified
+
+
+def test_lost_weights_and_a_new_sender_force_a_full_sync():
+    engine = _engine()
+    trainer = Trainer(_shapes(engine))
+    ch = ColocatedChannel(engine, mode="delta")
+    ch.push(trainer.stream(), 0, lost=True)
+    trainer.step()
+    ch.push(trainer.stream(), 1)
+    assert not ch.last.full
+    ch.push(trainer.stream(), 1, lost=True)     # sleep level 2 dropped the engine's weights
+    assert ch.last.full and ch.last.tensors_sent == ch.last.tensors
+    resumed = ColocatedChannel(engine, mode="delta")   # a resumed run: a new process holds nothing
+    resumed.push(trainer.stream(), 1)
+    assert resumed.last.full
+
+
+def test_a_delta_larger_than_the_tensor_goes_whole():
+    sender = WeightSender(mode="delta", sparse_fraction=1.0)
+    t = torch.zeros(100, dtype=torch.bfloat16)
+    list(sender.encode([("w", t)], 0))
+    msgs = list(sender.encode([("w", torch.arange(100, dtype=torch.bfloat16))], 1))   # 99 of 100 changed
+    item = msgs[0].items[0]
+    assert not item.sparse and item.values.shape == (100,)
+    msgs = list(sender.encode([("w", torch.arange(100, dtype=torch.bfloat16).index_fill(0, torch.tensor([5]), 0))], 2))
+    item = msgs[0].items[0]
+    assert item.sparse and item.indices.tolist() == [5] and item.nbytes == 4 + 2
+
+
+def _flip_one_byte(target_bucket):
+    def transit(msgs):
+        for m in msgs:
+            if isinstance(m, Bucket) and m.index == target_bucket:
+                v = m.items[0].values.clone()
+                v.view(-1).view(torch.uint8)[3] ^= 0x10
+                m.items[0].values = v
+            yield m
+    return transit
+
+
+def test_a_byte_flipped_in_transit_is_one_line_naming_tensor_version_and_group():
+    engine = _engine()
+    trainer = Trainer(_shapes(engine))
+    ch = ColocatedChannel(engine, mode="full", bucket_mb=0.05, group="rank 3", transit=_flip_one_byte(2))
+    with pytest.raises(WeightSyncError) as e:
+        ch.push(trainer.stream(), 7, lost=True)
+    msg = str(e.value)
+    assert "\n" not in msg and "version 7" in msg and "rank 3" in msg and "checksum" in msg
+    assert msg.split()[2].startswith("model.")   # "weight sync: <tensor> (version 7, bucket 2) ..."
+
+
+def test_a_dropped_bucket_is_one_line_naming_its_tensors():
+    engine = _engine()
+    trainer = Trainer(_shapes(engine))
+    drop = lambda msgs: (m for m in msgs if not (isinstance(m, Bucket) and m.index == 1))
+    ch = ColocatedChannel(engine, mode="delta", bucket_mb=0.05, group="rank 0", transit=drop)
+    with pytest.raises(WeightSyncError) as e:
+        ch.push(trainer.stream(), 4, lost=True)
+    msg = str(e.value)
+    assert "\n" not in msg and "bucket 1 of version 4" in msg and "never arrived" in msg and "model." in msg
+
+
+def test_a_sync_without_its_end_and_a_stale_version_are_caught():
+    engine = _engine()
+    trainer = Trainer(_shapes(engine))
+    ch = ColocatedChannel(engine, bucket_mb=0.05, transit=lambda msgs: (m for m in msgs if not isinstance(m, End)))
+    with pytest.raises(WeightSyncError, match="without its end marker"):
+        ch.push(trainer.stream(), 1, lost=True)
+
+    def stale(msgs):
+        for m in msgs:
+            if isinstance(m, Bucket) and m.index == 1:
+                m.version = 0
+            yield m
+    ch = ColocatedChannel(engine, bucket_mb=0.05, transit=stale)
+    with pytest.raises(WeightSyncError, match="carries version 0, engine group 0 expected version 1"):
+        ch.push(trainer.stream(), 1, lost=True)
+
+
+def test_full_verification_catches_an_engine_tensor_that_drifted():
+    engine = _engine()
+    trainer = Trainer(_shapes(engine))
+    ch = ColocatedChannel(engine, mode="delta", verify_every_steps=2, group="rank 1")
+    ch.push(trainer.stream(), 0, lost=True)    # sync 1: not a verification sync
+    with torch.no_grad():
+        engine.model.model.layers[1].mlp.up_proj.weight.view(-1)[0] += 1
+    with pytest.raises(WeightSyncError, match=r"model.layers.1.mlp.up_proj.weight at engine group rank 1 differs .* version 0"):
+        ch.push(trainer.stream(), 0)   # sync 2: nothing changed, nothing sent, verified
+
+
+def test_checksum_sees_every_single_byte_flip_and_word_swaps():
+    t = torch.randn(33, dtype=torch.bfloat16)   # 66 bytes: not a multiple of 4
+    base = checksum(t)
+    raw = t.view(torch.uint8)
+    for i in range(raw.numel()):
+        for bit in (0x01, 0x80):
+            u = raw.clone()
+            u[i] ^= bit
+            assert checksum(u.view(torch.bfloat16)) != base
+    w = torch.arange(8, dtype=torch.int32)
+    assert checksum(w) != checksum(w[[1, 0, 2, 3, 4, 5, 6, 7]])
+    assert checksum(t.clone()) == base
+
+
+def test_delta_with_vllm_or_separate_ranks_is_a_spec_error():
+    from mrl.rollout.config import RolloutConfig, WeightSyncConfig
+    from mrl.rollout.layout import weight_sync_problems
+
+    delta = WeightSyncConfig(mode="delta")
+    assert weight_sync_problems(RolloutConfig(engine="hf", weight_sync=delta)) == []
+    (key, msg), = weight_sync_problems(RolloutConfig(engine="vllm", weight_sync=delta))
+    assert key == "rollout.weight_sync.mode" and "colocated hf" in msg
+    assert weight_sync_problems(RolloutConfig(engine="hf", placement="separate", ranks=1, weight_sync=delta))
+
+
+@pytest.mark.parametrize("level,second_full", [(1, False), (2, True)])
+def test_the_train_loop_syncs_full_after_a_level_2_sleep_and_delta_otherwise(level, second_full):
+    from types import SimpleNamespace
+
+    from mrl.train.parts import Generation, Learner
+    from mrl.train.rollout import release_engine, sync_weights
+
+    engine = _engine()
+    trainer = Trainer(_shapes(engine))
+    learner = Learner(actor=SimpleNamespace(steps=0), exporter=SimpleNamespace(stream=lambda targets: trainer.stream()))
+    gen = Generation(engine=engine, channel=ColocatedChannel(engine, mode="delta"))
+    sync_weights(gen, learner, 0)
+    assert gen.channel.last.full
+    release_engine(gen, level)
+    trainer.step()
+    learner.actor.steps += 1
+    sync_weights(gen, learner, 1)
+    assert gen.channel.last.full is second_full and gen.channel.last.version == 1
+
+
+def test_buckets_survive_the_byte_wire_and_a_flipped_wire_byte_is_caught():
+    from mrl.weights.delta import pack, unpack
+
+    engine = _engine()
+    trainer = Trainer(_shapes(engine))
+    sender = WeightSender(mode="delta", bucket_bytes=50_000)
+    list(sender.encode(trainer.stream(), 0))
+    trainer.step()
+    wire = [pack(m) for m in sender.encode(trainer.stream(), 1)]
+    back = [unpack(h, f) for h, f in wire]
+    assert isinstance(back[-1], End) and any(it.sparse for b in back[:-1] for it in b.items)
+    assert all(it.payload_checksum() == it.checksum for b in back[:-1] for it in b.items)
+    wire[0][1][7] ^= 0x01    # one byte of the first buffer, as a broken link would
+    bad = unpack(*wire[0])
+    assert any(it.payload_checksum() != it.checksum for it in bad.items)
