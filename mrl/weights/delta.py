@@ -203,13 +203,14 @@ class WeightSender:
 
 
 def pack(msg: Bucket | End) -> tuple[bytes, Optional[torch.Tensor]]:
-    """A message as (pickled header, one flat uint8 buffer of its payloads or None) for a byte
+    """A message as (JSON header, one flat uint8 buffer of its payloads or None) for a byte
     transport such as the trainer/rollout bridge (one object broadcast, one tensor broadcast).
-    The checksums travel in the header, so the receiver checks what the buffer delivered."""
-    import pickle
+    The checksums travel in the header, so the receiver checks what the buffer delivered. The
+    header is plain JSON, never a pickle: the receiver decodes it without running code."""
+    import json
 
     if isinstance(msg, End):
-        return pickle.dumps(("end", msg.version, msg.buckets, msg.full)), None
+        return json.dumps(["end", msg.version, msg.buckets, msg.full]).encode(), None
     meta, parts = [], []
     for it in msg.items:
         tensors = [it.values] + ([it.indices] if it.indices is not None else [])
@@ -219,14 +220,14 @@ def pack(msg: Bucket | End) -> tuple[bytes, Optional[torch.Tensor]]:
             raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
             parts += [raw, torch.zeros(-raw.numel() % 8, dtype=torch.uint8)]
     flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-    return pickle.dumps(("bucket", msg.version, msg.index, meta)), flat
+    return json.dumps(["bucket", msg.version, msg.index, meta]).encode(), flat
 
 
 def unpack(header: bytes, flat: Optional[torch.Tensor]) -> Bucket | End:
     """The inverse of `pack` (views into `flat`; nothing is checked here: the receiver checks)."""
-    import pickle
+    import json
 
-    kind, version, *rest = pickle.loads(header)
+    kind, version, *rest = json.loads(header)
     if kind == "end":
         return End(version, rest[0], rest[1])
     index, meta = rest
@@ -238,5 +239,6 @@ def unpack(header: bytes, flat: Optional[torch.Tensor]) -> Bucket | End:
             n = torch.Size(t_shape).numel() * torch.empty((), dtype=dt).element_size()
             views.append(flat[offset:offset + n].view(dt).reshape(t_shape))
             offset += n + (-n % 8)
-        items.append(Item(name, shape, views[0], indices=views[1] if len(views) > 1 else None, checksum=sums))
+        items.append(Item(name, tuple(shape), views[0], indices=views[1] if len(views) > 1 else None,
+                          checksum=tuple(sums)))
     return Bucket(version, index, items)
