@@ -298,6 +298,20 @@ def _otb_baselines(returns: torch.Tensor, w_cum: torch.Tensor, ok: torch.Tensor,
     return base
 
 
+def _otb_returns_and_weights(token_rewards: torch.Tensor, ok: torch.Tensor, old_logp: torch.Tensor,
+                             sum_pi_squared: torch.Tensor, is_weights: Optional[torch.Tensor]):
+    """The optimal token baselines' shared inputs: undiscounted reward-to-go `G` over valid tokens,
+    the cumulative variance proxy `W_t = sum_{k<=t} (1 - 2 pi_k + sum pi^2)_k * rho_k^2`, and a
+    zero of their dtype."""
+    r = _float(token_rewards)
+    zero = torch.zeros((), dtype=r.dtype, device=r.device)
+    returns = torch.where(ok, r, zero).flip(-1).cumsum(-1).flip(-1)
+    per_token = 1.0 - 2.0 * torch.exp(old_logp.to(r.dtype)) + sum_pi_squared.to(r.dtype)
+    if is_weights is not None:
+        per_token = per_token * is_weights.to(r.dtype) ** 2
+    return returns, torch.where(ok, per_token, zero).cumsum(-1), zero
+
+
 @torch.no_grad()
 def optimal_token_baseline(token_rewards: torch.Tensor, mask: torch.Tensor, group: torch.Tensor,
                            old_logp: torch.Tensor, sum_pi_squared: torch.Tensor,
@@ -317,13 +331,7 @@ def optimal_token_baseline(token_rewards: torch.Tensor, mask: torch.Tensor, grou
     _check_bt("old_logp", old_logp, mask)
     _check_bt("sum_pi_squared", sum_pi_squared, mask)
     ok = valid(mask)
-    r = _float(token_rewards)
-    zero = torch.zeros((), dtype=r.dtype, device=r.device)
-    returns = torch.where(ok, r, zero).flip(-1).cumsum(-1).flip(-1)
-    per_token = 1.0 - 2.0 * torch.exp(old_logp.to(r.dtype)) + sum_pi_squared.to(r.dtype)
-    if is_weights is not None:
-        per_token = per_token * is_weights.to(r.dtype) ** 2
-    w_cum = torch.where(ok, per_token, zero).cumsum(-1)
+    returns, w_cum, zero = _otb_returns_and_weights(token_rewards, ok, old_logp, sum_pi_squared, is_weights)
     base = _otb_baselines(returns, w_cum, ok, group, handle_zero_tail, eps)
     return torch.where(ok, returns - base, zero), returns
 
@@ -343,26 +351,20 @@ def tir_optimal_token_baseline(token_rewards: torch.Tensor, mask: torch.Tensor, 
     """
     _check_bt("token_rewards", token_rewards, mask)
     ok = valid(mask)
-    r = _float(token_rewards)
-    zero = torch.zeros((), dtype=r.dtype, device=r.device)
-    returns = torch.where(ok, r, zero).flip(-1).cumsum(-1).flip(-1)
-    per_token = 1.0 - 2.0 * torch.exp(old_logp.to(r.dtype)) + sum_pi_squared.to(r.dtype)
-    if is_weights is not None:
-        per_token = per_token * is_weights.to(r.dtype) ** 2
-    w_cum = torch.where(ok, per_token, zero).cumsum(-1)
+    returns, w_cum, zero = _otb_returns_and_weights(token_rewards, ok, old_logp, sum_pi_squared, is_weights)
     lengths = ok.sum(-1)
     width = int(lengths.max()) if lengths.numel() else 0
     # stable sort puts valid positions first in their original order: compaction
     order = torch.sort((~ok).to(torch.int8), dim=-1, stable=True).indices[:, :width]
-    packed_ok = torch.arange(width, device=r.device).unsqueeze(0) < lengths.unsqueeze(-1)
+    packed_ok = torch.arange(width, device=returns.device).unsqueeze(0) < lengths.unsqueeze(-1)
     packed_g = torch.gather(returns, 1, order)
     packed_w = torch.gather(w_cum, 1, order)
     rows = lengths > 0
-    adv = torch.zeros_like(r)
+    adv = torch.zeros_like(returns)
     if bool(rows.any()):
         base = _otb_baselines(packed_g[rows], packed_w[rows], packed_ok[rows], group[rows], handle_zero_tail, eps)
         packed_adv = torch.where(packed_ok[rows], packed_g[rows] - base, zero)
-        sub = torch.zeros_like(r[rows]).scatter_(1, order[rows], packed_adv)
+        sub = torch.zeros_like(returns[rows]).scatter_(1, order[rows], packed_adv)
         adv[rows] = sub
     return torch.where(ok, adv, zero), returns
 

@@ -69,3 +69,15 @@ class NameMap:
     def keys(self, items: Mapping[str, V]) -> dict[str, V]:
         """`items` with every key sanitised."""
         return {self.name(k): v for k, v in items.items()}
+
+
+def numbers(metrics: Mapping[str, object]) -> dict[str, float]:
+    """The values of `metrics` that are numbers, as floats; the rest (strings, tables) are left
+    out. Every backend (MLflow journal, Prometheus, wandb) logs exactly these."""
+    out = {}
+    for k, v in metrics.items():
+        try:
+            out[k] = float(v)
+        except (TypeError, ValueError):
+            continue
+    return out

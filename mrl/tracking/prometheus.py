@@ -21,6 +21,8 @@ import math
 import time
 from typing import Mapping
 
+from mrl.tracking.names import numbers
+
 # Headline gauges: (gauge name, help, the per-step metric it shows).
 HEADLINE: tuple[tuple[str, str, str], ...] = (
     ("mrl_step_seconds", "wall time of the last step", "time/step"),
@@ -96,12 +98,7 @@ class PrometheusExporter:
         """`step` finished with `metrics` (numbers; others are skipped). A later call for the same
         step (e.g. the checkpoint's time) updates its metrics without counting the step again."""
         now = time.time()
-        values = {}
-        for key, value in metrics.items():
-            try:
-                values[key] = float(value)
-            except (TypeError, ValueError):
-                continue
+        values = numbers(metrics)
         for key, value in values.items():
             self.metric.labels(key=key).set(value)
             if key in self.headline:

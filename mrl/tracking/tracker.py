@@ -30,7 +30,7 @@ from mrl.errors import UserError
 from mrl.tracking.config import TrackingConfig
 from mrl.tracking.console import ConsoleProgress
 from mrl.tracking.journal import WriteGuard
-from mrl.tracking.names import NameMap
+from mrl.tracking.names import NameMap, numbers
 from mrl.tracking.mlflow_run import MlflowRun, default_tracking_uri, ensure_store_dir, source_tags
 from mrl.tracking.params import spec_params
 from mrl.tracking.startup import RunSummary
@@ -41,17 +41,6 @@ log = logging.getLogger(__name__)
 def run_dir_of(spec: Any) -> Path:
     """`<job.output_dir>/<job.name>`: where a job's checkpoints and default MLflow store live."""
     return Path(spec.job.output_dir) / spec.job.name
-
-
-def _numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """The values that are numbers, as floats (a journal record must be plain JSON)."""
-    out = {}
-    for k, v in metrics.items():
-        try:
-            out[k] = float(v)
-        except (TypeError, ValueError):
-            continue
-    return out
 
 
 class Tracker:
@@ -215,7 +204,7 @@ class Tracker:
         MLflow only, for what a step measures after its line, e.g. the checkpoint's time)."""
         if self.rank == 0 and self.guard.dropped_writes:
             metrics = {**metrics, "tracking/dropped_writes": float(self.guard.dropped_writes)}
-        values = self.names.keys(_numbers(metrics)) if self._target else {}
+        values = self.names.keys(numbers(metrics)) if self._target else {}
         self._write(f"metrics of step {step}", lambda: self.mlflow.log_metrics(values, step), "metrics", step=step,
                     values=values, time_ms=int(time.time() * 1000))
         if self.tensorboard is not None:

@@ -16,6 +16,8 @@ import tomllib
 from pathlib import Path
 from typing import Any, Mapping
 
+from mrl.tracking.names import numbers
+
 STEP_KEY = "trainer/step"
 
 
@@ -64,12 +66,7 @@ class WandbRun:
         self.run.config.update({k: str(v) for k, v in params.items()}, allow_val_change=True)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        values = {}
-        for key, value in metrics.items():
-            try:
-                values[key] = float(value)
-            except (TypeError, ValueError):
-                continue
+        values = numbers(metrics)
         self.run.log({**values, STEP_KEY: step})
         self.step = max(self.step, step)
 

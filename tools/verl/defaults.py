@@ -17,16 +17,13 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from mrl.convert.verl_config import flatten  # noqa: E402 - the one flattening rule the converter uses
+
 OUT = Path(__file__).resolve().parents[2] / "mrl" / "config" / "verl_defaults.json"
 FILES = ("_generated_ppo_trainer.yaml", "_generated_ppo_megatron_trainer.yaml")
 
 
-def flatten(tree: dict, prefix: str = ""):
-    for k, v in tree.items():
-        if isinstance(v, dict) and v:
-            yield from flatten(v, f"{prefix}{k}.")
-        else:
-            yield prefix + str(k), v
 
 
 def main(config_dir: str) -> None:
