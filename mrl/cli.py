@@ -280,6 +280,53 @@ def cmd_merge(args) -> int:
     return 0
 
 
+def _target(args, command: str):
+    """The job and checkpoint `mrl eval` / `mrl generate` use (`mrl.offline.target`)."""
+    from mrl.offline.target import resolve
+
+    sources = [a for a in args.items if "=" not in a]
+    if len(sources) != 1:
+        raise UserError(f"mrl {command} takes one job file or run directory, got {len(sources)}: {' '.join(sources)}")
+    return resolve(sources[0], [a for a in args.items if "=" in a], args.step, command)
+
+
+def cmd_eval(args) -> int:
+    """Validate a checkpoint (the latest, or --step N; the job's model.path when none) as training does."""
+    import json
+    from pathlib import Path
+
+    from mrl.offline.evaluate import evaluate_target
+
+    report = evaluate_target(_target(args, "eval"))
+    print(report.table())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.as_json(), indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    """Responses of a checkpoint's policy to --prompt / --prompts, as JSONL (stdout or --out)."""
+    import json
+    from pathlib import Path
+
+    from mrl.offline.generate import SamplingOverrides, generate_rows, read_prompts
+
+    if (args.prompt is None) == (args.prompts is None):
+        raise UserError("mrl generate takes one of --prompt TEXT or --prompts FILE.jsonl")
+    prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
+    target = _target(args, "generate")
+    rows = generate_rows(target, prompts, SamplingOverrides(n=args.n, temperature=args.temperature,
+                                                            max_tokens=args.max_tokens))
+    lines = [json.dumps(row, ensure_ascii=False) for row in rows]
+    if args.out:
+        Path(args.out).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        print(f"wrote {len(lines)} responses to {args.out} ({target.label})")
+    else:
+        print("\n".join(lines))
+    return 0
+
+
 def cmd_compare(args) -> int:
     from mrl.compare import compare
 
@@ -439,6 +486,37 @@ def build_parser() -> argparse.ArgumentParser:
                                    "a 1-rank job also runs as a plain process); resumes from its latest checkpoint")
     p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")
     p.set_defaults(func=cmd_sft)
+    p = sub.add_parser("eval", help="validate a checkpoint as training does (val/* metrics on the job's validation "
+                                    "set) in one process",
+                       description="Evaluate a checkpoint on the job's validation set with the validation sampling "
+                                   "settings and rewards, reporting the val/* metrics the training loop logs. The "
+                                   "checkpoint is the run's latest, or --step N; a job with no checkpoint yet is "
+                                   "evaluated from its model.path. Example: mrl eval jobs/quickstart_cpu.toml "
+                                   "--json val.json")
+    p.add_argument("items", nargs="+", metavar="JOB|RUN_DIR|key=value",
+                   help="a job file or a run directory (<job.output_dir>/<job.name>), and dotted overrides")
+    p.add_argument("--step", type=int, default=None, metavar="N", help="the checkpoint of step N (default: the latest)")
+    p.add_argument("--json", metavar="PATH", help="also write the metrics and sample rows here as JSON")
+    p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("generate", help="responses of a checkpoint's policy to prompts, through the job's rollout "
+                                        "engine, as JSONL",
+                       description="Generate responses with a checkpoint's weights (the latest, or --step N; the "
+                                   "job's model.path when none) through the job's rollout engine, rendering prompts "
+                                   "with the job's chat settings and sampling with its validation settings. "
+                                   "Example: mrl generate runs/quickstart-cpu --prompt 'Write 12 in digits:' -n 4")
+    p.add_argument("items", nargs="+", metavar="JOB|RUN_DIR|key=value",
+                   help="a job file or a run directory (<job.output_dir>/<job.name>), and dotted overrides")
+    p.add_argument("--step", type=int, default=None, metavar="N", help="the checkpoint of step N (default: the latest)")
+    p.add_argument("--prompt", metavar="TEXT", help="one prompt")
+    p.add_argument("--prompts", metavar="FILE.jsonl",
+                   help="prompts, one a line: a JSON string or {\"prompt\": text or chat messages}")
+    p.add_argument("--out", metavar="FILE.jsonl", help="write the responses here (default: standard output)")
+    p.add_argument("-n", type=int, default=None, help="responses per prompt (default: rollout.validation's)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (0: greedy; default: the job's "
+                                                                    "validation temperature)")
+    p.add_argument("--max-tokens", type=int, default=None, help="longest response in tokens "
+                                                                 "(default: rollout.max_response_tokens)")
+    p.set_defaults(func=cmd_generate)
     p = sub.add_parser("compare", help="MLflow runs side by side: spec differences, final/best metrics, PNG plots")
     p.add_argument("runs", nargs="+", metavar="RUN",
                    help="a run directory (<job.output_dir>/<job.name>, its mlflow.db) or .db file, or a run id, "
@@ -586,6 +664,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_known_warnings()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if extra and args.command in ("eval", "generate") and all("=" in a and not a.startswith("-") for a in extra):
+        args.items, extra = [*args.items, *extra], []   # overrides after the options
     if extra:   # only `mrl convert` passes verl's own flags on (a pasted `python3 -m verl.trainer.main_ppo ...`)
         if args.command != "convert":
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

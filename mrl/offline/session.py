@@ -1,0 +1,75 @@
+"""A checkpoint's policy on one rank: the job's rollout engine over the checkpoint's weights, its
+rewarder and tokenizer, as the training loop's `Run` and `Generation` parts.
+
+The weights go through `mrl merge` into a temporary Hugging Face directory (merge checks the
+step directory against its manifest and reads its pickled files with the restricted readers of
+`mrl.checkpoint.trust`), and the engine is built from it exactly as training builds it from
+`model.path`. The job is run on one process: one rank, no model parallelism, colocated.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from mrl.offline.target import Target
+
+
+def single_rank(spec):
+    """`spec` laid out on one process (one node, one rank, no model parallelism, colocated rollout)."""
+    from mrl.platform.config import ParallelConfig
+
+    return dataclasses.replace(
+        spec, platform=dataclasses.replace(spec.platform, nodes=1, ranks_per_node=1),
+        parallel=ParallelConfig(distributed_optimizer=False),
+        rollout=dataclasses.replace(spec.rollout, placement="colocated", ranks=0))
+
+
+@contextmanager
+def hf_weights(target: Target) -> Iterator[str]:
+    """The `model.path` the engine loads: the checkpoint merged into a temporary HF directory
+    (removed afterwards), or the job's own `model.path` when there is no checkpoint."""
+    if target.checkpoint is None:
+        yield target.spec.model.path
+        return
+    from mrl.merge import merge
+
+    logging.getLogger("mrl.merge").setLevel(logging.WARNING)
+    with tempfile.TemporaryDirectory(prefix="mrl-weights-") as tmp:
+        out = Path(tmp) / "hf"
+        merge(target.checkpoint, out, verify=False)
+        yield str(out)
+
+
+@contextmanager
+def session(target: Target) -> Iterator[tuple]:
+    """`(run, generation)` of `target` on this one process; the platform and the engine are
+    torn down on exit."""
+    from mrl import platform
+    from mrl.models.megatron import hf_config
+    from mrl.models.tokenizer import load_tokenizer
+    from mrl.train.build import build_generation, close
+    from mrl.train.parts import Run
+    from mrl.train.plan import step_plan
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()   # "Loading weights" bars of the temporary directory
+    tokenizer = load_tokenizer(target.spec.model)   # the job's tokenizer, whatever the weights' directory holds
+    with hf_weights(target) as weights:
+        spec = single_rank(target.spec)
+        spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, path=weights))
+        ctx = platform.setup(spec.platform, spec.parallel, seed=spec.job.seed, env={})
+        gen = None
+        try:
+            run = Run(spec=spec, ctx=ctx, hf=hf_config(spec.model), tokenizer=tokenizer, total_steps=target.step,
+                      plan=step_plan(spec))
+            gen = build_generation(spec, run.plan, ctx, tokenizer)
+            gen.version = target.step
+            yield run, gen
+        finally:
+            close(gen)
+            platform.teardown()
