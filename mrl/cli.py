@@ -502,7 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "engine, as JSONL",
                        description="Generate responses with a checkpoint's weights (the latest, or --step N; the "
                                    "job's model.path when none) through the job's rollout engine, rendering prompts "
-                                   "with the job's chat settings and sampling with its validation settings. "
+                                   "with the job's chat settings and sampling as training samples (rollout.*), one "
+                                   "response per prompt. "
                                    "Example: mrl generate runs/quickstart-cpu --prompt 'Write 12 in digits:' -n 4")
     p.add_argument("items", nargs="+", metavar="JOB|RUN_DIR|key=value",
                    help="a job file or a run directory (<job.output_dir>/<job.name>), and dotted overrides")
@@ -511,9 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", metavar="FILE.jsonl",
                    help="prompts, one a line: a JSON string or {\"prompt\": text or chat messages}")
     p.add_argument("--out", metavar="FILE.jsonl", help="write the responses here (default: standard output)")
-    p.add_argument("-n", type=int, default=None, help="responses per prompt (default: rollout.validation's)")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (0: greedy; default: the job's "
-                                                                    "validation temperature)")
+    p.add_argument("-n", type=int, default=None, help="responses per prompt (default 1)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (0: greedy; default: "
+                                                                    "rollout.temperature)")
     p.add_argument("--max-tokens", type=int, default=None, help="longest response in tokens "
                                                                  "(default: rollout.max_response_tokens)")
     p.set_defaults(func=cmd_generate)

@@ -3,9 +3,10 @@ given on the command line or in a JSONL file, as JSONL rows.
 
 A prompts file has one prompt per line: a JSON string, or an object whose `prompt` is a string
 or a list of chat messages. Prompts are rendered with the job's chat settings
-(`data.chat_template`, `data.system_prompt`), as training renders its data. Sampling is the
-job's validation sampling (`rollout.validation.*`, `rollout.max_response_tokens`), which
-`-n`, `--temperature` and `--max-tokens` override.
+(`data.chat_template`, `data.system_prompt`), as training renders its data. Sampling is what
+the policy samples in training (`rollout.temperature`, `top_p`, `top_k`, `min_p`,
+`repetition_penalty`, `max_response_tokens`), one response per prompt; `-n`, `--temperature`
+(0: greedy) and `--max-tokens` override it.
 """
 from __future__ import annotations
 
@@ -51,10 +52,10 @@ def read_prompts(path: str | Path) -> list[Any]:
 
 
 def sampling_of(spec, overrides: SamplingOverrides):
-    """The job's validation `Sampling` with the command line's overrides."""
+    """The job's training `Sampling`, one response per prompt, with the command line's overrides."""
     from mrl.rollout.types import sampling_from_config
 
-    sampling = sampling_from_config(spec.rollout, validation=True, seed=spec.job.seed)
+    sampling = dataclasses.replace(sampling_from_config(spec.rollout, seed=spec.job.seed), n=1)
     changes = {k: v for k, v in dataclasses.asdict(overrides).items() if v is not None}
     if "n" in changes and changes["n"] < 1:
         raise UserError(f"generate: -n {changes['n']}: must be >= 1")

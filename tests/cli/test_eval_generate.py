@@ -116,3 +116,22 @@ def test_eval_and_generate_use_the_checkpoint(trained, tmp_path):
     initial = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [r["step"] for r in initial] == [0, 0]
     assert [r["response"] for r in initial] != [r["response"] for r in rows]
+
+
+def test_generate_samples_as_training_does_one_response_unless_told():
+    from mrl.config.loader import load
+    from mrl.offline.generate import SamplingOverrides, sampling_of
+
+    spec, _ = load(REPO / "jobs/quickstart_cpu.toml", ["rollout.top_p=0.9"])
+    base = sampling_of(spec, SamplingOverrides())
+    assert (base.n, base.temperature, base.top_p, base.max_tokens) == (1, 1.0, 0.9, 8)
+    told = sampling_of(spec, SamplingOverrides(n=3, temperature=0.0, max_tokens=2))
+    assert (told.n, told.temperature, told.top_p, told.max_tokens) == (3, 0.0, 0.9, 2)
+
+
+def test_prompts_file_takes_strings_and_chat_messages(tmp_path):
+    from mrl.offline.generate import read_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('"plain"\n\n{"prompt": [{"role": "user", "content": "hi"}], "other": 1}\n{"prompt": "x"}\n')
+    assert read_prompts(path) == ["plain", [{"role": "user", "content": "hi"}], "x"]
