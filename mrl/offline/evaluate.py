@@ -34,9 +34,9 @@ def evaluate_target(target: Target) -> EvalReport:
     from mrl.train.evaluate import evaluate, validation_set
     from mrl.train.parts import Prompts, SampleLog
 
-    with session(target) as (run, gen):
+    with session(target) as (run, gen, reward_model):
         val = validation_set(run, Prompts(dataset=None, samplers={}))
         prompts = Prompts(dataset=val, samplers={}, val_dataset=val)
         samples = SampleLog()
-        metrics = evaluate(run, gen, prompts, target.step, samples=samples)
+        metrics = evaluate(run, gen, prompts, target.step, samples=samples, reward_model=reward_model)
     return EvalReport(source=target.label, step=target.step, metrics=metrics, samples=samples.take("validation"))

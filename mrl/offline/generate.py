@@ -74,7 +74,7 @@ def generate_rows(target: Target, prompts: list[Any], overrides: SamplingOverrid
     from mrl.train.rollout import generate
 
     sampling = sampling_of(target.spec, overrides)
-    with session(target) as (run, gen):
+    with session(target) as (run, gen, _):
         data, tok = run.spec.data, run.tokenizer
         ids = [encode_prompt(render_prompt(p, tok, chat_template=data.chat_template, system_prompt=data.system_prompt,
                                            origin=f"prompt {i}"), tok, chat_template=data.chat_template)

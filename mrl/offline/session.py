@@ -46,12 +46,12 @@ def hf_weights(target: Target) -> Iterator[str]:
 
 @contextmanager
 def session(target: Target) -> Iterator[tuple]:
-    """`(run, generation)` of `target` on this one process; the platform and the engine are
+    """`(run, generation, reward model engine or None)` of `target` on this one process; the platform and the engine are
     torn down on exit."""
     from mrl import platform
     from mrl.models.megatron import hf_config
     from mrl.models.tokenizer import load_tokenizer
-    from mrl.train.build import build_generation, close
+    from mrl.train.build import _reward_model, build_generation, close
     from mrl.train.parts import Run
     from mrl.train.plan import step_plan
 
@@ -67,9 +67,10 @@ def session(target: Target) -> Iterator[tuple]:
         try:
             run = Run(spec=spec, ctx=ctx, hf=hf_config(spec.model), tokenizer=tokenizer, total_steps=target.step,
                       plan=step_plan(spec))
-            gen = build_generation(spec, run.plan, ctx, tokenizer)
+            reward_model = _reward_model(spec, run.hf, ctx.platform)   # when a reward source is a model
+            gen = build_generation(spec, run.plan, ctx, tokenizer, reward_model=reward_model)
             gen.version = target.step
-            yield run, gen
+            yield run, gen, reward_model
         finally:
             close(gen)
             platform.teardown()
