@@ -51,7 +51,7 @@ def session(target: Target) -> Iterator[tuple]:
     from mrl import platform
     from mrl.models.megatron import hf_config
     from mrl.models.tokenizer import load_tokenizer
-    from mrl.train.build import _reward_model, build_generation, close
+    from mrl.train.build import build_reward_model, build_generation, close
     from mrl.train.parts import Run
     from mrl.train.plan import step_plan
 
@@ -67,7 +67,7 @@ def session(target: Target) -> Iterator[tuple]:
         try:
             run = Run(spec=spec, ctx=ctx, hf=hf_config(spec.model), tokenizer=tokenizer, total_steps=target.step,
                       plan=step_plan(spec))
-            reward_model = _reward_model(spec, run.hf, ctx.platform)   # when a reward source is a model
+            reward_model = build_reward_model(spec, run.hf, ctx.platform)   # when a reward source is a model
             gen = build_generation(spec, run.plan, ctx, tokenizer, reward_model=reward_model)
             gen.version = target.step
             yield run, gen, reward_model

@@ -192,7 +192,7 @@ def build_learner(spec: JobSpec, plan: StepPlan, hf: dict, device: str, total: i
     from mrl.weights import Exporter
 
     return Learner(actor=actor, exporter=Exporter(actor.chunks, hf, dtype=DTYPES[spec.rollout.weight_sync.dtype]),
-                   ref=ref, critic=critic, reward_model=_reward_model(spec, hf, device), kl=kl_controller(spec))
+                   ref=ref, critic=critic, reward_model=build_reward_model(spec, hf, device), kl=kl_controller(spec))
 
 
 def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_model=None) -> Generation:
@@ -247,7 +247,7 @@ class PrecomputedScores:
         return out
 
 
-def _reward_model(spec: JobSpec, hf: dict, device: str):
+def build_reward_model(spec: JobSpec, hf: dict, device: str):
     """A frozen reward-model engine when a reward source is a model, else None."""
     from mrl.errors import UserError
     from mrl.reward.sources import reward_sources
