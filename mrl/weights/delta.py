@@ -102,7 +102,7 @@ class SyncStats:
     def metrics(self) -> dict[str, float]:
         out = {"weight_sync/bytes": float(self.bytes_sent), "weight_sync/bytes_full": float(self.bytes_full),
                "weight_sync/full": float(self.full), "weight_sync/tensors_sent": float(self.tensors_sent),
-               "weight_sync/checksum_s": self.seconds_checksums, "weight_sync/verify_s": self.seconds_verify}
+               "time/weight_sync_checksum": self.seconds_checksums, "time/weight_sync_verify": self.seconds_verify}
         if self.compared:
             out["weight_sync/changed_fraction"] = self.elements_changed / max(self.elements, 1)
         return out

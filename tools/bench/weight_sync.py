@@ -57,7 +57,7 @@ def summarize(h: dict[str, dict[int, float]]) -> dict[str, float]:
     changed = mean("weight_sync/changed_fraction") if "weight_sync/changed_fraction" in h else None
     return {"MB_per_sync": mean("weight_sync/bytes") / 1e6, "MB_full": mean("weight_sync/bytes_full") / 1e6,
             "changed_fraction": changed, "sync_s": mean("time/weight_sync"),
-            "checksum_s": mean("weight_sync/checksum_s"), "verify_s": mean("weight_sync/verify_s"),
+            "checksum_s": mean("time/weight_sync_checksum"), "verify_s": mean("time/weight_sync_verify"),
             "full_syncs": sum(h["weight_sync/full"].values()), "steps": len(steps) + 1}
 
 
