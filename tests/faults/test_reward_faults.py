@@ -98,8 +98,10 @@ def test_the_batch_budget_bounds_a_batch_whose_workers_keep_dying(tmp_path):
 def test_one_worker_stuck_importing_is_replaced_while_the_others_serve(tmp_path, monkeypatch):
     marker = tmp_path / "first_import_was_slow"
     slow = tmp_path / "slow_once.py"
-    slow.write_text(f"import os, time\nif not os.path.exists({str(marker)!r}):\n    open({str(marker)!r}, 'w').close()\n"
-                    "    time.sleep(60)\n\ndef score(p, r, g, e):\n    time.sleep(0.5)\n    return 1.0\n")
+    # O_EXCL: exactly one worker (the first to create the marker) hangs, even when both import at once
+    slow.write_text(f"import os, time\ntry:\n    os.close(os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL))\n"
+                    "except FileExistsError:\n    pass\nelse:\n    time.sleep(60)\n\n"
+                    "def score(p, r, g, e):\n    time.sleep(0.5)\n    return 1.0\n")
     with RewardPool([f"{slow}:score"], workers=2, timeout_s=5.0, ready_timeout_s=2.0) as pool:
         out = pool.run([Call(f"{slow}:score", ("", "", "", {}), {})] * 10)
         assert [o.value for o in out] == [1.0] * 10 and pool.replacements == 1
