@@ -21,7 +21,7 @@ import torch
 from mrl.config.job import JobSpec
 from mrl.models.facts import builtin_preset
 from mrl.platform.device import DTYPES
-from mrl.train.parts import Generation, Learner, Prompts, Run
+from mrl.train.parts import Generation, Learner, PrecomputedScores, Prompts, Run
 from mrl.train.plan import StepPlan, step_plan
 
 log = logging.getLogger(__name__)
@@ -230,21 +230,6 @@ def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_mo
         gen.rewarder = Rewarder.from_config(spec.reward, model_scorer=gen.rm_scores,
                                             protect_dirs=(str(run_dir), spec.checkpoint.dir))
     return gen
-
-
-class PrecomputedScores:
-    """The rewarder's model scorer: the reward model runs on every rank of the model-parallel
-    group (its collectives need them all) before the rewarder scores on the leader, which then
-    reads the scores set here for the same sequences, in order."""
-
-    def __init__(self):
-        self.scores: Optional[list[float]] = None
-
-    def __call__(self, token_ids: list[list[int]]) -> list[float]:
-        if self.scores is None or len(self.scores) != len(token_ids):
-            raise RuntimeError("reward-model scores were not computed for this batch")
-        out, self.scores = self.scores, None
-        return out
 
 
 def build_reward_model(spec: JobSpec, hf: dict, device: str):

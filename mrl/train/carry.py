@@ -16,56 +16,14 @@ groups beyond the batch) are part of the data position: checkpoints store them (
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Optional
 
-from mrl.rollout.types import Response, sampling_from_config
+from mrl.rollout.types import Response, sampling_from_config  # noqa: F401 - Response: decode_carry
+from mrl.train.groups import GroupInProgress, ShardCarry
 from mrl.train.rollout import generate
 
-
-@dataclass
-class GroupInProgress:
-    """One prompt's `responses_per_prompt` responses while they are generated."""
-
-    item: object                                   # the PromptItem
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    finish: list[Optional[str]]                    # None while generating
-    versions: list[int]                            # the policy version of each response's first token
-    carried: list[int] = field(default_factory=list)   # tokens each response brought from earlier steps
-    scored: Optional[dict] = None                  # once kept: {"scores": [...]}
-    whole: Optional[list[Response]] = None         # whole generation: the engine's responses as they came
-
-    @property
-    def finished(self) -> bool:
-        return all(f is not None for f in self.finish)
-
-    def responses(self) -> list[Response]:
-        if self.whole is not None:
-            return self.whole
-        return [Response(prompt_index=0, token_ids=list(self.tokens[j]), logprobs=list(self.logprobs[j]),
-                         finish_reason=self.finish[j], policy_version=self.versions[j])
-                for j in range(len(self.finish))]
-
-    @classmethod
-    def new(cls, item, n: int, version: int) -> "GroupInProgress":
-        return cls(item=item, tokens=[[] for _ in range(n)], logprobs=[[] for _ in range(n)], finish=[None] * n,
-                   versions=[version] * n, carried=[0] * n)
-
-    @classmethod
-    def generated(cls, item, responses: list[Response]) -> "GroupInProgress":
-        """A group generated whole (every response finished)."""
-        return cls(item=item, tokens=[list(r.token_ids) for r in responses],
-                   logprobs=[list(r.logprobs) for r in responses], finish=[r.finish_reason or "stop" for r in responses],
-                   versions=[r.policy_version for r in responses], carried=[0] * len(responses), whole=responses)
-
-
-@dataclass
-class ShardCarry:
-    """What a shard has in hand: groups generating, and kept groups not yet trained."""
-
-    active: list[GroupInProgress] = field(default_factory=list)
-    ready: list[GroupInProgress] = field(default_factory=list)
+__all__ = ["GroupInProgress", "ShardCarry", "advance", "drop_stale", "encode_carry", "decode_carry"]
 
 
 def advance(run, gen, active: list[GroupInProgress], chunk: int, seed: int, dp_rank: int, st: dict) -> None:

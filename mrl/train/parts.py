@@ -33,8 +33,7 @@ if TYPE_CHECKING:
     from mrl.rollout.multi_turn import MultiTurnRollout
     from mrl.rollout.plan import EngineGroups
     from mrl.rollout.weight_channel import ColocatedChannel
-    from mrl.train.build import PrecomputedScores
-    from mrl.train.carry import ShardCarry
+    from mrl.train.groups import ShardCarry
     from mrl.train.plan import StepPlan
     from mrl.weights.hf_export import Exporter
 
@@ -85,7 +84,7 @@ class Generation:
     generator: Optional[Union["RolloutEngine", "MultiTurnRollout"]] = None   # the engine, or a tool loop over it
     groups: Optional["EngineGroups"] = None   # vllm engine groups (None: one engine per leader)
     rewarder: Optional["Rewarder"] = None     # on leaders only
-    rm_scores: Optional["PrecomputedScores"] = None   # what the rewarder reads (reward model jobs)
+    rm_scores: Optional[PrecomputedScores] = None   # what the rewarder reads (reward model jobs)
     mp_group: Optional["ProcessGroup"] = None   # the group the leader broadcasts to (model-parallel, or engine)
     leader: int = 0                 # global rank of this rank's leader
     is_leader: bool = True
@@ -133,3 +132,18 @@ class SampleLog:
 
     def take(self, split: str) -> Optional[list]:
         return self.rows.pop(split, None)
+
+
+class PrecomputedScores:
+    """The rewarder's model scorer: the reward model runs on every rank of the model-parallel
+    group (its collectives need them all) before the rewarder scores on the leader, which then
+    reads the scores set here for the same sequences, in order."""
+
+    def __init__(self):
+        self.scores: Optional[list[float]] = None
+
+    def __call__(self, token_ids: list[list[int]]) -> list[float]:
+        if self.scores is None or len(self.scores) != len(token_ids):
+            raise RuntimeError("reward-model scores were not computed for this batch")
+        out, self.scores = self.scores, None
+        return out
