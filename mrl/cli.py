@@ -448,6 +448,13 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _checkpoint_target_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments `mrl eval` and `mrl generate` share: what to load (`mrl.offline.target`)."""
+    p.add_argument("items", nargs="+", metavar="JOB|RUN_DIR|key=value",
+                   help="a job file or a run directory (<job.output_dir>/<job.name>), and dotted overrides")
+    p.add_argument("--step", type=int, default=None, metavar="N", help="the checkpoint of step N (default: the latest)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mrl import __version__
     from mrl.config.loader import PATHS_HELP
@@ -493,9 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "checkpoint is the run's latest, or --step N; a job with no checkpoint yet is "
                                    "evaluated from its model.path. Example: mrl eval jobs/quickstart_cpu.toml "
                                    "--json val.json")
-    p.add_argument("items", nargs="+", metavar="JOB|RUN_DIR|key=value",
-                   help="a job file or a run directory (<job.output_dir>/<job.name>), and dotted overrides")
-    p.add_argument("--step", type=int, default=None, metavar="N", help="the checkpoint of step N (default: the latest)")
+    _checkpoint_target_arguments(p)
     p.add_argument("--json", metavar="PATH", help="also write the metrics and sample rows here as JSON")
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("generate", help="responses of a checkpoint's policy to prompts, through the job's rollout "
@@ -505,9 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "with the job's chat settings and sampling as training samples (rollout.*), one "
                                    "response per prompt. "
                                    "Example: mrl generate runs/quickstart-cpu --prompt 'Write 12 in digits:' -n 4")
-    p.add_argument("items", nargs="+", metavar="JOB|RUN_DIR|key=value",
-                   help="a job file or a run directory (<job.output_dir>/<job.name>), and dotted overrides")
-    p.add_argument("--step", type=int, default=None, metavar="N", help="the checkpoint of step N (default: the latest)")
+    _checkpoint_target_arguments(p)
     p.add_argument("--prompt", metavar="TEXT", help="one prompt")
     p.add_argument("--prompts", metavar="FILE.jsonl",
                    help="prompts, one a line: a JSON string or {\"prompt\": text or chat messages}")
