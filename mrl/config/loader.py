@@ -387,6 +387,7 @@ PATH_KEYS: dict[str, str] = {
     "data.generator": "ref",
     "reward.function": "ref",
     "rollout.multi_turn.tools": "ref",
+    "rollout.multi_turn.tool_config": "file",
     "model.path": "model",
     "model.tokenizer": "model",
     "critic.model_path": "model",
@@ -484,6 +485,18 @@ def build_section(cls, raw: Any, prefix: str, report: Report, valid: list[str]):
             if value is None:
                 buildable = False
             values[fname] = value
+            continue
+        elem = schema.tables_of(f.type)
+        if elem is not None:   # a list of tables: each built (and reported) as `key[i].field`
+            if not isinstance(raw[fname], (list, tuple)):
+                report.error(dotted, f"must be a list of tables ([[{dotted}]]), got {schema.kind_of(raw[fname])}")
+                report.bad_keys.add(dotted)
+                continue
+            built = [build_section(elem, item, f"{dotted}[{i}].", report, valid) for i, item in enumerate(raw[fname])]
+            if any(b is None for b in built):
+                report.bad_keys.add(dotted)
+                continue
+            values[fname] = tuple(built)
             continue
         try:
             value = schema.convert(raw[fname], f.type)

@@ -94,6 +94,15 @@ def section_of(tp: Any):
     return tp if is_section(tp) else None
 
 
+def tables_of(tp: Any):
+    """The section class X of a list of tables `tuple[X, ...]` (`[[a.b]]` in TOML), or None."""
+    if typing.get_origin(tp) is tuple:
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        if len(args) == 1 and is_section(args[0]):
+            return args[0]
+    return None
+
+
 def all_keys(cls, prefix: str = "") -> list[str]:
     """Every dotted key of a section tree, tables included."""
     keys = []

@@ -272,6 +272,10 @@ def check(spec: JobSpec, report) -> None:
         problem = reward_function.static_problem(ref, n_args=None)
         if problem:
             err("rollout.multi_turn.tools", problem)
+    from mrl.rollout.tool_servers import server_problems   # the checks mrl train applies before connecting
+
+    for key, message in server_problems(roll.multi_turn):
+        err(key, message)
 
     # --- data source
     if data.generator is not None:

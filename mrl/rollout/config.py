@@ -22,6 +22,28 @@ class ValidationSampling:
 
 
 @section
+class ToolServerConfig:
+    """One `[[rollout.multi_turn.servers]]` table: a tool server whose tools are listed at start."""
+
+    name: str = option(help="names the server in errors, logs and docs; unique among the servers")
+    kind: Literal["http", "mcp_stdio", "mcp_http"] = option(
+        help="http: mrl's JSON tool protocol (GET <url>/tools, POST <url>/call; docs/tools.md); mcp_stdio: an MCP "
+             "server started as a subprocess (command, args, env); mcp_http: an MCP server at a streamable-HTTP url")
+    url: Optional[str] = option(None, help="http: the protocol's base URL; mcp_http: the MCP endpoint (e.g. http://host:8000/mcp)")
+    command: Optional[str] = option(None, help="mcp_stdio: the executable that serves MCP on its stdin/stdout")
+    args: tuple[str, ...] = option((), help="mcp_stdio: the command's arguments")
+    env: dict[str, str] = option(factory=dict, help="mcp_stdio: environment of the server process, over a minimal "
+                                                    "default (HOME, PATH, ...); the trainer's environment is not passed")
+    cwd: Optional[str] = option(None, help="mcp_stdio: working directory of the server process (default: the trainer's)")
+    headers: dict[str, str] = option(factory=dict, help="http, mcp_http: extra HTTP headers sent with every request")
+    tools: tuple[str, ...] = option((), help="allowlist: the server's tools the model may call (default: all it lists); "
+                                             "a name the server does not list is an error at start")
+    timeout_s: float = option(30.0, gt=0, help="one call running longer is abandoned; the model sees a timeout error")
+    connect_timeout_s: float = option(30.0, gt=0, help="connecting and listing the tools at start; longer is an error naming the server")
+    concurrency: int = option(8, ge=1, help="calls in flight to this server at once")
+
+
+@section
 class MultiTurnConfig:
     """Multi-turn / tool-calling rollouts. Tool observations are masked out of the loss."""
 
@@ -31,7 +53,12 @@ class MultiTurnConfig:
     tools: tuple[str, ...] = option((), help="tool functions, 'path/file.py:function' or 'module:function'; "
                                                  "called with the tool call's arguments as keywords")
     tool_timeout_s: float = option(10.0, gt=0, help="a tool call running longer is killed; the model sees a timeout error")
-    tool_config: Optional[str] = option(None, help="verl's tool definition file: not supported, name functions in tools")
+    servers: tuple[ToolServerConfig, ...] = option((), help="tool servers ([[rollout.multi_turn.servers]] tables): HTTP "
+                                                            "and MCP, their tools listed at start (docs/tools.md)")
+    tool_config: Optional[str] = option(None, help="verl's tool file (YAML `tools:` list): its mcp entries become servers; "
+                                                   "a native class entry is refused, one line each (docs/tools.md)")
+    max_tool_result_bytes: int = option(65536, ge=1, help="longest tool answer read, in bytes; a longer one is cut and "
+                                                          "counted (tools/truncated) before max_tool_response_tokens applies")
     interaction_config: Optional[str] = option(None, help="verl's simulated-user definitions: not supported")
     max_parallel_calls: int = option(1, ge=1, help="tool calls executed (in parallel) per assistant turn; later calls are ignored")
     max_tool_response_tokens: int = option(256, ge=1, help="longest tool response kept, in tokens")

@@ -21,7 +21,7 @@ from typing import Optional, Protocol, Sequence
 
 from mrl.errors import UserError
 from mrl.rollout.engine import RolloutEngine
-from mrl.rollout.tools import ToolCall, ToolResult, ToolRunner
+from mrl.rollout.tools import ToolCall, ToolResult, ToolRunner, tool_counts
 from mrl.rollout.types import Response, Sampling, prompt_seed, resolve_prompt_seeds
 
 
@@ -70,7 +70,7 @@ class _Conversation:
     done: bool = False
     assistant_turns: int = 0
     tool_turns: int = 0
-    statuses: list[str] = field(default_factory=list)
+    results: list[ToolResult] = field(default_factory=list)
     pending: list = field(default_factory=list)  # parsed calls of the last assistant turn
 
     def add(self, ids: Sequence[int], logprobs: Sequence[float], mask: int) -> None:
@@ -117,10 +117,7 @@ class MultiTurnRollout:
         """From a `rollout.multi_turn` section; `group`, `group_src` from `engine.engine_group` for vllm TP > 1."""
         if cfg.interaction_config is not None:
             raise UserError("rollout.multi_turn.interaction_config: simulated-user interactions are not supported")
-        if cfg.tool_config is not None:
-            raise UserError("rollout.multi_turn.tool_config: tool definition files are not supported; "
-                            "name the functions in rollout.multi_turn.tools")
-        return cls(engine, tokenizer, ToolRunner(cfg.tools, cfg.tool_timeout_s),
+        return cls(engine, tokenizer, ToolRunner.from_config(cfg),
                    max_assistant_turns=cfg.max_assistant_turns, max_user_turns=cfg.max_user_turns,
                    max_parallel_calls=cfg.max_parallel_calls, max_tool_response_tokens=cfg.max_tool_response_tokens,
                    tool_response_truncate_side=cfg.tool_response_truncate_side, format=cfg.format,
@@ -151,8 +148,7 @@ class MultiTurnRollout:
             turn += 1
         return [Response(c.prompt_index, c.tokens, c.logprobs, c.finish_reason, loss_mask=c.mask,
                          info={"assistant_turns": c.assistant_turns, "tool_turns": c.tool_turns,
-                               "tool_calls": len(c.statuses), "tool_errors": c.statuses.count("error"),
-                               "tool_timeouts": c.statuses.count("timeout")})
+                               **tool_counts(c.results)})
                 for c in convs]
 
     def _assistant_turn(self, active: list[_Conversation], sampling: Sampling, turn: int) -> None:
@@ -200,8 +196,8 @@ class MultiTurnRollout:
         for c in calling:
             texts = []
             for k, call in enumerate(c.pending[:self.max_parallel_calls]):
-                res = results.get((id(c), k)) or ToolResult(str(call), "error", 0.0)
-                c.statuses.append(res.status)
+                res = results.get((id(c), k)) or ToolResult(str(call), "error", 0.0, "malformed")
+                c.results.append(res)
                 ids = _truncate(self._encode(res.text), self.max_tool_response_tokens, self.truncate_side)
                 texts.append(block.format(self.tokenizer.decode(ids)))
             obs = self._encode(prefix + "\n".join(texts) + suffix)

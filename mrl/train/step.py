@@ -19,6 +19,7 @@ import torch
 
 from mrl.batch import Batch
 from mrl.platform.collectives import dp_sum
+from mrl.rollout.tools import tool_metrics
 from mrl.train.parts import Learner, Run, SampleLog
 from mrl.train.timer import StageTimer
 
@@ -322,6 +323,7 @@ def to_batch(run: Run, shard, step: int) -> tuple[Batch, dict[str, float], Optio
         "response/length_mean": float(batch["response_lengths"].float().mean()),
         "response/truncated_fraction": float(truncated.float().mean()),
         **{k: v for k, v in shard.stats.items() if not math.isnan(v)},
+        **tool_metrics(kept_resp),   # multi-turn: tools/calls, tools/errors_*, tools/truncated
     }
     rows = None
     from mrl.tracking.samples import sample_rows, wants_samples

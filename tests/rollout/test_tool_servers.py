@@ -1,0 +1,317 @@
+"""Tool servers: mrl's HTTP tool protocol and MCP (stdio and streamable HTTP) against servers this
+test starts; timeouts, tool and server errors, oversized answers, allowlists and name clashes;
+verl's tool file; a multi-turn rollout whose tools live on the servers."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from mrl.config.loader import load
+from mrl.errors import SpecError, UserError
+from mrl.rollout.config import MultiTurnConfig, ToolServerConfig
+from mrl.rollout.multi_turn import MultiTurnRollout
+from mrl.rollout.tool_servers import server_problems
+from mrl.rollout.tool_servers.base import normalize_schema
+from mrl.rollout.tools import ToolCall, ToolResult, ToolRunner, function_tool_schema, tool_counts, tool_metrics
+from mrl.rollout.types import Response, Sampling
+from tests.rollout.servers import http_tool_server
+from tests.rollout.test_multi_turn import TOK, ScriptedEngine, call, spans
+
+HERE = Path(__file__).parent
+REPO = HERE.parents[1]
+MCP_SERVER = str(HERE / "servers" / "mcp_tool_server.py")
+QUICKSTART = str(REPO / "jobs" / "quickstart_cpu.toml")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def http_server():
+    server, url = http_tool_server.start()
+    yield server, url
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def mcp_http_url():
+    """An MCP server on streamable HTTP in a subprocess; its endpoint URL."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, MCP_SERVER, "http", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            assert proc.poll() is None, "the MCP server exited"
+            time.sleep(0.2)
+    yield f"http://127.0.0.1:{port}/mcp"
+    proc.kill()
+    proc.wait()
+
+
+def runner(*servers: ToolServerConfig, refs=(), **kw) -> ToolRunner:
+    return ToolRunner.from_config(MultiTurnConfig(enable=True, tools=tuple(refs), servers=servers, **kw))
+
+
+def stdio(name="mcp", **kw) -> ToolServerConfig:
+    return ToolServerConfig(name=name, kind="mcp_stdio", command=sys.executable, args=(MCP_SERVER, "stdio"), **kw)
+
+
+def test_schema_forms_and_function_schemas():
+    simple = {"name": "f", "description": "d", "parameters": {"type": "object", "properties": {"x": {}}}}
+    openai = {"type": "function", "function": simple}
+    assert normalize_schema(simple, "t") == normalize_schema(openai, "t") == openai
+    assert normalize_schema({"name": "g", "inputSchema": {"type": "object"}}, "t")["function"]["parameters"] == {"type": "object"}
+    assert normalize_schema({"name": "h"}, "t")["function"]["parameters"] == {"type": "object", "properties": {}}
+    for bad in ({"description": "no name"}, {"name": "f", "parameters": {"type": "string"}}, "f"):
+        with pytest.raises(ValueError):
+            normalize_schema(bad, "t")
+    schema = function_tool_schema(str(REPO / "jobs/tools/calculator.py") + ":calculator")
+    assert schema == {"type": "function", "function": {
+        "name": "calculator", "description": 'The value of an arithmetic expression, e.g. "2 * (3 + 4) / 7" -> "2".',
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+    echo = function_tool_schema(str(HERE / "tools_for_tests.py") + ":echo")["function"]
+    assert echo["parameters"] == {"type": "object", "properties": {"text": {}}, "required": ["text"]}
+
+
+def test_http_tools_answers_errors_timeouts_and_truncation(http_server):
+    server, url = http_server
+    r = runner(ToolServerConfig(name="web", kind="http", url=url, timeout_s=1.0), max_tool_result_bytes=100)
+    try:
+        assert [s["function"]["name"] for s in r.schemas()] == [s["name"] for s in http_tool_server.SCHEMAS]
+        t0 = time.monotonic()
+        res = r.run([ToolCall("lookup", {"key": "alpha"}), ToolCall("add", {"a": 2, "b": 3}),
+                     ToolCall("lookup", {"key": "zeta"}), ToolCall("boom", {}), ToolCall("bad_args", {}),
+                     ToolCall("crash", {}), ToolCall("garbage", {}), ToolCall("sleepy", {"seconds": 30}),
+                     ToolCall("big", {"n": 100_000}), ToolCall("nope", {})])
+        assert time.monotonic() - t0 < 6   # in parallel; the sleeper abandoned at its timeout
+        got = [(x.status, x.error, x.truncated) for x in res]
+        assert got == [("ok", "", False), ("ok", "", False), ("error", "tool", False), ("error", "tool", False),
+                       ("error", "tool", False), ("error", "server", False), ("error", "server", False),
+                       ("timeout", "timeout", False), ("ok", "", True), ("error", "unknown", False)]
+        assert [x.text for x in res[:5]] == ["7", "5", "error: lookup: no secret named 'zeta'", "error: boom: the tool broke",
+                                              "error: bad_args: argument x is required"]
+        assert res[5].text == "error: crash: tool server 'web' failed: HTTP 500 Internal Server Error"
+        assert res[7].text == "error: sleepy timed out after 1 s"
+        assert res[8].text == "x" * 100 + "\n[truncated: the answer is longer than 100 bytes]"
+        assert tool_counts(res) == {"tool_calls": 10, "tool_errors": 6, "tool_timeouts": 1, "tool_server_errors": 2,
+                                    "tool_truncated": 1}
+    finally:
+        r.close()
+
+
+def test_http_server_in_simple_form_with_an_allowlist_and_a_server_that_goes_away():
+    server, url = http_tool_server.start(simple=True)
+    r = runner(ToolServerConfig(name="web", kind="http", url=url, tools=("lookup", "add")))
+    assert r.names == ["lookup", "add"]
+    assert r.run([ToolCall("lookup", {"key": "beta"}), ToolCall("boom", {})])[0].text == "3"
+    assert r.run([ToolCall("boom", {})])[0].error == "unknown"   # not on the allowlist
+    server.shutdown()
+    server.server_close()
+    [res] = r.run([ToolCall("add", {"a": 1, "b": 1})])
+    assert (res.status, res.error) == ("error", "server") and "cannot reach" in res.text
+    r.close()
+
+
+def test_start_problems_are_one_line_naming_the_server(http_server):
+    _, url = http_server
+    dead = f"http://127.0.0.1:{free_port()}"
+    cases = [
+        (ToolServerConfig(name="gone", kind="http", url=dead), "server 'gone' (" + dead + "): cannot list its tools: cannot reach"),
+        (ToolServerConfig(name="web", kind="http", url=url, tools=("lookup", "lookpu")),
+         "server 'web' offers no tool 'lookpu' (it offers: lookup, add,"),
+        (ToolServerConfig(name="nomcp", kind="mcp_http", url=dead + "/mcp", connect_timeout_s=10),
+         f"MCP server 'nomcp' ({dead}/mcp): cannot list its tools: "),
+        (ToolServerConfig(name="nocmd", kind="mcp_stdio", command="/nonexistent/server"),
+         "MCP server 'nocmd' (/nonexistent/server): cannot list its tools: "),
+    ]
+    for cfg, expected in cases:
+        with pytest.raises(UserError) as e:
+            runner(cfg)
+        assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(UserError, match="tool 'lookup' of server 'b' is also offered by server 'a'"):
+        runner(ToolServerConfig(name="a", kind="http", url=url), ToolServerConfig(name="b", kind="http", url=url))
+    with pytest.raises(UserError, match="tool 'echo' of server 'web' is also offered by rollout.multi_turn.tools"):
+        http_tool_server.SCHEMAS.append({"name": "echo"})
+        try:
+            runner(ToolServerConfig(name="web", kind="http", url=url), refs=[str(HERE / "tools_for_tests.py") + ":echo"])
+        finally:
+            http_tool_server.SCHEMAS.pop()
+
+
+def test_mcp_stdio_tools_errors_timeout_truncation_and_a_dying_server():
+    r = runner(stdio(timeout_s=1.0), max_tool_result_bytes=50)
+    try:
+        assert r.names == ["lookup", "add", "sleepy", "boom", "big", "exit_now"]
+        [lookup] = [s for s in r.schemas() if s["function"]["name"] == "lookup"]
+        assert lookup["function"]["description"] == "The secret digit stored under `key`."
+        assert lookup["function"]["parameters"]["required"] == ["key"]
+        t0 = time.monotonic()
+        res = r.run([ToolCall("lookup", {"key": "gamma"}), ToolCall("add", {"a": 2, "b": 5}),
+                     ToolCall("sleepy", {"seconds": 30}), ToolCall("boom", {}), ToolCall("lookup", {"key": 3}),
+                     ToolCall("big", {"n": 10_000})])
+        assert time.monotonic() - t0 < 6
+        assert [(x.status, x.error, x.truncated) for x in res] == [
+            ("ok", "", False), ("ok", "", False), ("timeout", "timeout", False), ("error", "tool", False),
+            ("error", "tool", True), ("ok", "", True)]
+        assert [x.text for x in res[:3]] == ["9", "7", "error: sleepy timed out after 1 s"]
+        assert res[3].text == "error: boom: Error executing tool boom" and res[4].text.startswith("error: lookup: Error executing")
+        # the server process dies mid-call: that call and every later one are server errors, no hang
+        [died] = r.run([ToolCall("exit_now", {})])
+        assert (died.status, died.error) == ("error", "server"), died
+        [after] = r.run([ToolCall("add", {"a": 1, "b": 1})])
+        assert after.error == "server" and "tool server 'mcp' failed" in after.text
+    finally:
+        t0 = time.monotonic()
+        r.close()
+        assert time.monotonic() - t0 < 10
+
+
+def test_mcp_streamable_http_with_an_allowlist(mcp_http_url):
+    r = runner(ToolServerConfig(name="remote", kind="mcp_http", url=mcp_http_url, tools=("add", "lookup"),
+                                headers={"X-Test": "1"}))
+    try:
+        assert r.names == ["lookup", "add"]
+        res = r.run([ToolCall("add", {"a": 20, "b": 22}), ToolCall("lookup", {"key": "alpha"})] * 4)
+        assert [x.text for x in res] == ["42", "7"] * 4
+    finally:
+        r.close()
+
+
+def test_close_is_bounded_and_idempotent_with_calls_in_flight():
+    import threading
+
+    r = runner(stdio(timeout_s=20.0))
+    box = []
+    worker = threading.Thread(target=lambda: box.append(r.run([ToolCall("sleepy", {"seconds": 60})])), daemon=True)
+    worker.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    r.close()
+    r.close()
+    worker.join(25)
+    assert time.monotonic() - t0 < 25 and not worker.is_alive()
+    assert box[0][0].status in ("error", "timeout")
+
+
+def test_server_config_problems_at_validation(tmp_path):
+    cfg = MultiTurnConfig(servers=(ToolServerConfig(name="a", kind="http"),
+                                   ToolServerConfig(name="a", kind="mcp_stdio", url="http://x", headers={"h": "v"}),
+                                   ToolServerConfig(name="c", kind="mcp_http", url="ftp://x", command="y")))
+    assert server_problems(cfg) == [
+        ("rollout.multi_turn.servers[0].url", "server 'a' (kind http) needs a url"),
+        ("rollout.multi_turn.servers[1].command", "server 'a' (kind mcp_stdio) needs a command"),
+        ("rollout.multi_turn.servers[1].url", "applies to kinds 'http' and 'mcp_http' (server 'a' is mcp_stdio)"),
+        ("rollout.multi_turn.servers[1].headers", "applies to kinds 'http' and 'mcp_http' (server 'a' is mcp_stdio)"),
+        ("rollout.multi_turn.servers[2].url", "'ftp://x' is not an http:// or https:// URL"),
+        ("rollout.multi_turn.servers[2].command", "applies to kind 'mcp_stdio' only (server 'c' is mcp_http)"),
+        ("rollout.multi_turn.servers", "two tool servers are named 'a'"),
+    ]
+    job = tmp_path / "job.toml"
+    job.write_text(f'extends = "{QUICKSTART}"\n[rollout.multi_turn]\nenable = true\n'
+                   '[[rollout.multi_turn.servers]]\nname = "s"\nkind = "mcp_stdoi"\ncomand = "x"\n')
+    with pytest.raises(SpecError) as e:
+        load(job)
+    assert any("rollout.multi_turn.servers[0].comand: unknown key; did you mean `rollout.multi_turn.servers[0].command`"
+               in p for p in e.value.problems), e.value.problems
+    assert any("servers[0].kind: 'mcp_stdoi' is not one of" in p and "did you mean 'mcp_stdio'" in p
+               for p in e.value.problems), e.value.problems
+    spec, _ = load(QUICKSTART, ['rollout.multi_turn.servers=[{name="w", kind="http", url="http://127.0.0.1:1"}]'])
+    assert spec.rollout.multi_turn.servers == (ToolServerConfig(name="w", kind="http", url="http://127.0.0.1:1"),)
+
+
+def _verl_files(tmp_path, servers: dict, entries: str) -> Path:
+    tmp_path = Path(tempfile.mkdtemp(dir=tmp_path))
+    (tmp_path / "mcp_servers.json").write_text(json.dumps({"mcpServers": servers}))
+    path = tmp_path / "tool_config.yaml"
+    path.write_text("tools:\n" + entries)
+    return path
+
+
+MCP_ENTRY = """  - class_name: verl.tools.mcp_search_tool.MCPSearchTool
+    config: {type: mcp, timeout: 7, rate_limit: 10}
+    mcp:
+      mcp_servers_config_path: ./mcp_servers.json
+      tool_selected_list: [add, lookup]
+"""
+
+
+def test_verl_tool_config_maps_mcp_entries_and_refuses_the_rest(tmp_path):
+    stdio_server = {"command": sys.executable, "args": [MCP_SERVER, "stdio"], "env": {"X": "1"}}
+    path = _verl_files(tmp_path, {"local tools": stdio_server}, MCP_ENTRY)
+    r = ToolRunner.from_config(MultiTurnConfig(enable=True, tool_config=str(path)))
+    try:
+        assert r.names == ["lookup", "add"] and r.servers[0].timeout_s == 7.0
+        assert [x.text for x in r.run([ToolCall("add", {"a": 1, "b": 2})])] == ["3"]
+    finally:
+        r.close()
+    bad = _verl_files(tmp_path, {"sse": {"url": "http://h/sse", "auth_token": "t"}, "remote": {"url": "http://h/mcp"},
+                                 "odd": {"cmd": "x"}},
+                      MCP_ENTRY + """  - class_name: verl.tools.gsm8k_tool.Gsm8kTool
+    config: {type: native}
+    tool_schema: {type: function, function: {name: calc_gsm8k_reward}}
+  - class_name: x.Y
+    config: {type: benchmax}
+""")
+    lines = [f"{k}: {m}" for k, m in server_problems(MultiTurnConfig(tool_config=str(bad)))]
+    assert lines == [
+        f"rollout.multi_turn.tool_config: {bad}: tools[0]: ./mcp_servers.json: mcpServers.sse: the legacy SSE transport "
+        "is not supported; mrl speaks streamable HTTP (an MCP endpoint such as http://host:8000/mcp)",
+        f"rollout.multi_turn.tool_config: {bad}: tools[0]: ./mcp_servers.json: mcpServers.odd: needs a command (stdio) "
+        "or a url (streamable HTTP)",
+        f"rollout.multi_turn.tool_config: {bad}: tools[1] (verl.tools.gsm8k_tool.Gsm8kTool): a verl native tool class; "
+        "mrl does not run verl's tool classes: name a Python function in rollout.multi_turn.tools, or serve the tool "
+        "over HTTP or MCP ([[rollout.multi_turn.servers]], docs/tools.md)",
+        f"rollout.multi_turn.tool_config: {bad}: tools[2] (x.Y): config.type 'benchmax' is not supported (mrl maps "
+        "verl's 'mcp' entries)",
+    ]
+    # the selection names a tool no server of the entry offers: one line at start
+    path = _verl_files(tmp_path, {"local tools": stdio_server}, MCP_ENTRY.replace("[add, lookup]", "[add, search]"))
+    with pytest.raises(UserError, match=r"tools\[0\]: tool_selected_list names 'search', which no server"):
+        ToolRunner.from_config(MultiTurnConfig(enable=True, tool_config=str(path)))
+    # `mrl validate` reports the file's problems one line each, the path relative to the job file
+    job = bad.parent / "job.toml"
+    job.write_text(f'extends = "{QUICKSTART}"\n[rollout.multi_turn]\nenable = true\ntool_config = "{bad.name}"\n')
+    with pytest.raises(SpecError) as e:
+        load(job)
+    assert sum("rollout.multi_turn.tool_config" in p for p in e.value.problems) == 4, e.value.problems
+
+
+def test_a_multi_turn_rollout_calls_tools_on_http_and_mcp_servers(http_server):
+    """Conversations call `lookup` on the HTTP server and `add` on the MCP server; the answers are
+    in the masked tool turns, the counts in `Response.info` and the step metrics."""
+    _, url = http_server
+    tools = runner(ToolServerConfig(name="web", kind="http", url=url, tools=("lookup",)),
+                   stdio(tools=("add", "sleepy"), timeout_s=1.0))
+    try:
+        script = [call("lookup", key="alpha") + call("add", a=7, b=35), call("sleepy", seconds=9), "It is 42.<|im_end|>"]
+        mt = MultiTurnRollout(ScriptedEngine(script), TOK, tools, max_parallel_calls=2, max_assistant_turns=4)
+        [r, r2] = mt.generate([TOK.encode("q:")], Sampling(n=2, max_tokens=1000))
+        assert [m for m, _ in spans(r)] == [1, 0, 1, 0, 1]
+        tool_turn = spans(r)[1][1]
+        assert "<tool_response>\n7\n</tool_response>\n<tool_response>\n42\n</tool_response>" in tool_turn
+        assert "error: sleepy timed out after 1 s" in spans(r)[3][1]
+        assert r.info["tool_calls"] == 3 and r.info["tool_timeouts"] == 1 and r.info["tool_errors"] == 0
+        assert tool_metrics([r, r2, Response(0, [1], [0.0], "stop")]) == {
+            "tools/calls": 6.0, "tools/errors": 0.0, "tools/errors_timeout": 2.0, "tools/errors_server": 0.0,
+            "tools/truncated": 0.0}
+    finally:
+        tools.close()
+
+
+def test_tool_counts_of_malformed_calls():
+    assert tool_counts([ToolResult("error: malformed", "error", 0.0, "malformed")])["tool_errors"] == 1
+    assert tool_metrics([Response(0, [1], [0.0], "stop")]) == {}
