@@ -35,7 +35,10 @@ class ToolServerConfig:
     env: dict[str, str] = option(factory=dict, help="mcp_stdio: environment of the server process, over a minimal "
                                                     "default (HOME, PATH, ...); the trainer's environment is not passed")
     cwd: Optional[str] = option(None, help="mcp_stdio: working directory of the server process (default: the trainer's)")
-    headers: dict[str, str] = option(factory=dict, help="http, mcp_http: extra HTTP headers sent with every request")
+    headers: dict[str, str] = option(factory=dict, help="http, mcp_http: extra HTTP headers sent with every request "
+                                                        "(recorded with the run's spec: put secrets in header_env)")
+    header_env: dict[str, str] = option(factory=dict, help="http, mcp_http: headers whose values come from environment "
+                                                           "variables at start, e.g. {Authorization = \"TOOLS_AUTH\"}; never recorded")
     tools: tuple[str, ...] = option((), help="allowlist: the server's tools the model may call (default: all it lists); "
                                              "a name the server does not list is an error at start")
     timeout_s: float = option(30.0, gt=0, help="one call running longer is abandoned; the model sees a timeout error")

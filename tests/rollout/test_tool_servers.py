@@ -142,6 +142,8 @@ def test_start_problems_are_one_line_naming_the_server(http_server):
         with pytest.raises(UserError) as e:
             runner(cfg)
         assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(UserError, match=r"servers\[0\].header_env: server 'web': the environment variable 'MRL_UNSET_VAR' "):
+        runner(ToolServerConfig(name="web", kind="http", url=url, header_env={"Authorization": "MRL_UNSET_VAR"}))
     with pytest.raises(UserError, match="tool 'lookup' of server 'b' is also offered by server 'a'"):
         runner(ToolServerConfig(name="a", kind="http", url=url), ToolServerConfig(name="b", kind="http", url=url))
     with pytest.raises(UserError, match="tool 'echo' of server 'web' is also offered by rollout.multi_turn.tools"):
@@ -180,9 +182,10 @@ def test_mcp_stdio_tools_errors_timeout_truncation_and_a_dying_server():
         assert time.monotonic() - t0 < 10
 
 
-def test_mcp_streamable_http_with_an_allowlist(mcp_http_url):
+def test_mcp_streamable_http_with_an_allowlist(mcp_http_url, monkeypatch):
+    monkeypatch.setenv("MRL_TEST_TOOLS_AUTH", "Bearer s3")
     r = runner(ToolServerConfig(name="remote", kind="mcp_http", url=mcp_http_url, tools=("add", "lookup"),
-                                headers={"X-Test": "1"}))
+                                headers={"X-Test": "1"}, header_env={"Authorization": "MRL_TEST_TOOLS_AUTH"}))
     try:
         assert r.names == ["lookup", "add"]
         res = r.run([ToolCall("add", {"a": 20, "b": 22}), ToolCall("lookup", {"key": "alpha"})] * 4)
@@ -315,3 +318,10 @@ def test_a_multi_turn_rollout_calls_tools_on_http_and_mcp_servers(http_server):
 def test_tool_counts_of_malformed_calls():
     assert tool_counts([ToolResult("error: malformed", "error", 0.0, "malformed")])["tool_errors"] == 1
     assert tool_metrics([Response(0, [1], [0.0], "stop")]) == {}
+
+
+def test_bench_tool_servers_smoke():
+    proc = subprocess.run([sys.executable, "tools/bench/tool_servers.py", "--only", "http,mcp_stdio", "--calls", "8",
+                           "--batch", "4"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [line.split()[0] for line in proc.stdout.splitlines()] == ["http", "http", "mcp_stdio", "mcp_stdio"]

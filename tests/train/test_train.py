@@ -64,10 +64,27 @@ ESTIMATORS = {
 }
 
 
+def tool_servers_override(http_url: str) -> str:
+    """rollout.multi_turn.servers: the HTTP tool server at `http_url` and an MCP server the job
+    starts on stdio (tests/rollout/servers), one word for run_jobs.py's split."""
+    mcp = f'{{name="mcp",kind="mcp_stdio",command="{sys.executable}",args=["{REPO}/tests/rollout/servers/mcp_tool_server.py","stdio"],tools=["add"]}}'
+    return f'rollout.multi_turn.servers=[{{name="web",kind="http",url="{http_url}",tools=["lookup"]}},{mcp}]'
+
+
 @pytest.mark.slow
 def test_every_estimator_and_policy_loss_runs_two_steps(tmp_path):
+    from tests.rollout.servers import http_tool_server
+
     base = f"{ONE_RANK} trainer.total_steps=2 tracking.backends=[] checkpoint.every_steps=0"
-    results = run_jobs("jobs/quickstart_cpu.toml", tmp_path, *(f"{base} {o}" for o in ESTIMATORS.values()))
+    server, url = http_tool_server.start()
+    runs = {**ESTIMATORS, "multi_turn": f"{ESTIMATORS['multi_turn']} {tool_servers_override(url)}"}
+    try:
+        results = run_jobs("jobs/quickstart_cpu.toml", tmp_path, *(f"{base} {o}" for o in runs.values()))
+    finally:
+        server.shutdown()
+    assert server.listings >= 1   # the multi-turn job listed the HTTP server's tools at start
+    multi_turn = results[list(ESTIMATORS).index("multi_turn")]
+    assert "tools/calls" in multi_turn and multi_turn["tools/errors_server"] == 0, multi_turn
     for name, m in zip(ESTIMATORS, results):
         assert m["actor/updates"] == 2 and m["actor/updated"] == 1, name
         assert all(v == v for v in m.values()), (name, m)   # no NaN

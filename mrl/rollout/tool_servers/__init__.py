@@ -14,6 +14,7 @@ every server and lists its tools (at start, on the ranks that run tools). The `T
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 from typing import Optional
 
@@ -44,8 +45,9 @@ def _own_problems(i: int, s) -> list[tuple[str, str]]:
         for key in ("url",):
             if getattr(s, key) is not None:
                 out.append((f"{at}.{key}", f"applies to kinds 'http' and 'mcp_http' (server {s.name!r} is mcp_stdio)"))
-        if s.headers:
-            out.append((f"{at}.headers", f"applies to kinds 'http' and 'mcp_http' (server {s.name!r} is mcp_stdio)"))
+        for key in ("headers", "header_env"):
+            if getattr(s, key):
+                out.append((f"{at}.{key}", f"applies to kinds 'http' and 'mcp_http' (server {s.name!r} is mcp_stdio)"))
     return out
 
 
@@ -96,7 +98,12 @@ def connect_servers(cfg) -> tuple[list, Optional[object]]:
     loop = None
     servers: list = []
     try:
-        for s, _, _ in specs:
+        for i, (s, _, _) in enumerate(specs):
+            missing = [v for v in s.header_env.values() if v not in os.environ]
+            if missing:
+                raise UserError(f"{KEY}[{i}].header_env: server {s.name!r}: the environment variable "
+                                f"{missing[0]!r} is not set")
+            s = replace(s, headers={**s.headers, **{h: os.environ[v] for h, v in s.header_env.items()}})
             if s.kind == "http":
                 from mrl.rollout.tool_servers.http_tools import HTTPToolServer
 

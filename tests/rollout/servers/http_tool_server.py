@@ -6,7 +6,8 @@
 Tools: `lookup(key)`, `add(a, b)`, `sleepy(seconds)`, `boom()` (answers {"error": ...}),
 `bad_args` (HTTP 400 with {"error": ...}), `big(n)`, `crash()` (HTTP 500), `garbage()` (not
 JSON). `simple=True` lists the schemas in the simple form ({name, description, parameters}) as
-a bare list instead of OpenAI's form under "tools". `server.calls` counts the calls answered.
+a bare list instead of OpenAI's form under "tools". `server.calls` counts the calls answered, `server.listings`
+the tool listings.
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path.rstrip("/") != "/tools":
             return self._send(404, b'{"error": "not found"}')
+        self.server.listings += 1
         if self.server.simple:
             return self._send(200, json.dumps(SCHEMAS).encode())
         return self._send(200, json.dumps({"tools": [{"type": "function", "function": s} for s in SCHEMAS]}).encode())
@@ -84,12 +86,16 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, json.dumps(reply).encode())
 
 
+class Server(ThreadingHTTPServer):
+    request_queue_size = 128   # socketserver's 5 drops connections of a burst of parallel calls
+    daemon_threads = True
+
+
 def start(simple: bool = False, port: int = 0):
     """(server, base url): serving in a daemon thread until `server.shutdown()`."""
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    server.daemon_threads = True
+    server = Server(("127.0.0.1", port), Handler)
     server.handle_error = lambda request, address: None   # a client that gave up (timeout tests) is no news
-    server.simple, server.calls = simple, 0
+    server.simple, server.calls, server.listings = simple, 0, 0
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
