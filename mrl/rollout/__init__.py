@@ -6,7 +6,8 @@
 - `Sampling`, `Response`, `sampling_from_config` (types.py).
 - logprobs.py: the reported log-probability (`logprobs_mode`), shared by engines and trainer.
 - audit.py: `logprob_audit` (train/inference mismatch metrics), `teacher_forced_logprobs`.
-- multi_turn.py, tools.py: tool-calling conversations, tool output masked out of the loss.
+- multi_turn.py, tools.py: tool-calling conversations, tool output masked out of the loss;
+  tool_servers/: HTTP and MCP tool servers, verl's tool file (docs/tools.md).
 See README.md in this directory. Names are imported lazily: the spec loader reads
 `mrl.rollout.config` and must not pay for importing torch.
 """
