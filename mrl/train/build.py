@@ -256,10 +256,13 @@ def build_reward_model(spec: JobSpec, hf: dict, device: str):
 
 
 def close(generation: Optional[Generation]) -> None:
-    """Stop the reward workers and the rollout engine."""
+    """Stop the reward workers, a multi-turn loop's tool servers and the rollout engine."""
     if generation is None:
         return
     if generation.rewarder is not None:
         generation.rewarder.close()
+    tools = getattr(generation.generator, "tools", None)   # MultiTurnRollout's ToolRunner (MCP sessions, pools)
+    if tools is not None:
+        tools.close()
     if generation.engine is not None:
         generation.engine.shutdown()
