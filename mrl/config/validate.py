@@ -17,6 +17,7 @@ from mrl.reward import function as reward_function
 
 _GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk", "gpg", "gdpo", "optimal_token_baseline",
                      "tir_optimal_token_baseline")
+GROUP_RESPONSES = 8   # rollout.responses_per_prompt when unset and the estimator compares a group's responses
 _SEQ_MEAN_LOSSES = ("sapo", "geo_mean")   # mrl.algos.losses.FORCED_AGG_MODE (importing it would import torch)
 
 
@@ -83,6 +84,8 @@ def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
         reward = _replace(reward, micro_batch_tokens=actor.micro_batch_tokens)
     data = shared["data"]
     rollout = spec.rollout
+    if rollout.responses_per_prompt is None:   # a group estimator needs a group: a minimal GRPO job is valid
+        rollout = _replace(rollout, responses_per_prompt=GROUP_RESPONSES if alg.advantage in _GROUP_ESTIMATORS else 1)
     if rollout.dtype is None:
         rollout = _replace(rollout, dtype=spec.model.dtype)
     if rollout.seed is None:

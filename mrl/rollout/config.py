@@ -69,7 +69,9 @@ class RolloutConfig:
     partial_rollout_tokens: int = option(0, ge=0, help="partial rollouts: tokens an unfinished response advances per "
                                                        "generation round; a step trains the groups finished when it has "
                                                        "enough and carries the rest over to the next step (0: off)")
-    responses_per_prompt: int = option(1, ge=1, help="responses sampled per prompt (verl: n)")
+    responses_per_prompt: Optional[int] = option(
+        None, ge=1, help="responses sampled per prompt (verl: n); default: 8 for an estimator that compares the "
+                         "responses of a group (grpo, rloo, ...), else 1")
     max_response_tokens: int = option(512, ge=1, help="longest response, in tokens (verl: response_length)")
     do_sample: bool = option(True, help="sample (True) or decode greedily (False)")
     temperature: float = option(1.0, gt=0, help="sampling temperature; the trainer's log-probs use the same")

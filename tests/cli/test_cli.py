@@ -27,7 +27,10 @@ def test_keys_json_lists_every_leaf_with_its_default(cli):
     rc, out, _ = cli("keys", "--json")
     rows = json.loads(out)
     by_key = {r["key"]: r for r in rows}
-    assert rc == 0 and by_key["rollout.responses_per_prompt"]["default"] == 1
+    # derived when unset (None): a group for the group estimators, one response otherwise
+    assert rc == 0 and by_key["rollout.responses_per_prompt"]["default"] is None
+    assert "8 for an estimator that compares" in by_key["rollout.responses_per_prompt"]["meaning"]
+    assert by_key["rollout.validation.responses_per_prompt"]["default"] == 1
     assert by_key["model.path"]["required"] and by_key["tracking.backends"]["default"] == ["console", "mlflow"]
     assert "job" not in by_key and len(rows) > 150 and set(rows[0]) == {"key", "type", "required", "default", "meaning"}
 
