@@ -402,6 +402,13 @@ def check(spec: JobSpec, report) -> None:
     for key, message in lora_problems(lora, "actor.lora", sequence_parallel=par.sequence_parallel,
                                       num_experts=facts.num_experts if facts is not None else None):
         err(key, message)
+    from mrl.models.lora_adapter import adapter_problems
+
+    errors, warnings = adapter_problems(lora, "actor.lora")
+    for key, message in errors:
+        err(key, message)
+    for key, message in warnings:
+        warn(key, message)
     if lora.rank and spec.ref.enable and spec.ref.model_path != spec.model.path:
         err("ref.model_path", f"with actor.lora the reference is the actor's base ({spec.model.path}) with adapters "
                               f"off; a separate reference {spec.ref.model_path!r} is not supported")

@@ -87,9 +87,10 @@ def train(spec: JobSpec) -> dict[str, float]:
 
     from mrl.tracking.startup import STARTUP, say_summary
 
-    STARTUP.say("building the model, loading weights, starting engines ...")
+    STARTUP.say("building: process groups, prompts, models (loading weights), rollout engine ...", mark=False)
+    started = time.monotonic()
     run, learner, generation, prompts = build(spec)
-    STARTUP.say("built", timed=True)
+    STARTUP.say(f"built in {time.monotonic() - started:.1f}s", mark=False)
     with run_lifecycle(spec, rank=run.ctx.global_rank, checkpoint_root=checkpoint_root(spec),
                        close=lambda: close(generation)) as life:
         if learner is None:   # a rollout-only rank (separate placement): the producer
