@@ -306,24 +306,35 @@ def cmd_eval(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    """Responses of a checkpoint's policy to --prompt / --prompts, as JSONL (stdout or --out)."""
+    """Responses of a checkpoint's policy to --prompt / --prompts / the job's data (--from-data, the
+    default), scored with the job's reward where answers are known; JSONL (stdout or --out) or parquet."""
     import json
-    from pathlib import Path
 
-    from mrl.offline.generate import SamplingOverrides, generate_rows, read_prompts
+    from mrl.offline.generate import Request, SamplingOverrides, from_data, generate_rows, read_requests, write_rows
 
-    if (args.prompt is None) == (args.prompts is None):
-        raise UserError("mrl generate takes one of --prompt TEXT or --prompts FILE.jsonl")
-    prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
+    given = [name for name, v in (("--prompt TEXT", args.prompt), ("--prompts FILE.jsonl", args.prompts),
+                                  ("--from-data [N]", args.from_data)) if v is not None]
+    if len(given) > 1:
+        raise UserError(f"mrl generate takes one of --prompt TEXT, --prompts FILE.jsonl or --from-data [N], got "
+                        f"{' and '.join(given)}")
+    if args.split is not None and (args.prompt is not None or args.prompts is not None):
+        raise UserError("mrl generate: --split picks the job's data (--from-data); it does not apply to --prompt(s)")
     target = _target(args, "generate")
+    if args.prompt is not None:
+        prompts = [Request(args.prompt)]
+    elif args.prompts is not None:
+        prompts = read_requests(args.prompts)
+    else:   # the job's own prompts, with their answers
+        prompts = from_data(target.spec, args.from_data, args.split)
     rows = generate_rows(target, prompts, SamplingOverrides(n=args.n, temperature=args.temperature,
-                                                            max_tokens=args.max_tokens))
-    lines = [json.dumps(row, ensure_ascii=False) for row in rows]
+                                                            max_tokens=args.max_tokens), scored=not args.no_score)
     if args.out:
-        Path(args.out).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-        print(f"wrote {len(lines)} responses to {args.out} ({target.label})")
+        write_rows(rows, args.out)
+        scored = [r["score"] for r in rows if "score" in r]
+        mean = f", mean score {sum(scored) / len(scored):.4g}" if scored else ""
+        print(f"wrote {len(rows)} responses to {args.out} ({target.label}{mean})")
     else:
-        print("\n".join(lines))
+        print("\n".join(json.dumps(row, ensure_ascii=False) for row in rows))
     return 0
 
 
@@ -458,6 +469,7 @@ def _checkpoint_target_arguments(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from mrl import __version__
     from mrl.config.loader import PATHS_HELP
+    from mrl.offline.generate import DATA_PROMPTS
 
     parser = argparse.ArgumentParser(prog="mrl", description="Megatron-centric RL post-training for LLMs.",
                                      epilog=f"Job specs: {PATHS_HELP}.")
@@ -508,13 +520,28 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate responses with a checkpoint's weights (the latest, or --step N; the "
                                    "job's model.path when none) through the job's rollout engine, rendering prompts "
                                    "with the job's chat settings and sampling as training samples (rollout.*), one "
-                                   "response per prompt. "
-                                   "Example: mrl generate runs/quickstart-cpu --prompt 'Write 12 in digits:' -n 4")
+                                   "response per prompt. Prompts come from --prompt, --prompts or, by default, the "
+                                   "job's data (--from-data N: its first N prompts, with their answers); responses "
+                                   "to prompts with answers get the job's reward as their score.",
+                       epilog="Examples:\n"
+                              "  mrl generate runs/quickstart-cpu --prompt 'Write 12 in digits:' -n 4\n"
+                              "  mrl generate runs/quickstart-cpu --from-data 64 --out samples.parquet\n"
+                              "  mrl generate jobs/quickstart_cpu.toml --prompts prompts.jsonl --temperature 0",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     _checkpoint_target_arguments(p)
     p.add_argument("--prompt", metavar="TEXT", help="one prompt")
     p.add_argument("--prompts", metavar="FILE.jsonl",
-                   help="prompts, one a line: a JSON string or {\"prompt\": text or chat messages}")
-    p.add_argument("--out", metavar="FILE.jsonl", help="write the responses here (default: standard output)")
+                   help="prompts, one a line: a JSON string or {\"prompt\": text or chat messages, \"answer\": ..., "
+                        "\"data_source\": ...} (rows with answers are scored)")
+    p.add_argument("--from-data", type=int, nargs="?", const=DATA_PROMPTS, default=None, metavar="N",
+                   help=f"the first N prompts of the job's data (default {DATA_PROMPTS}; also what runs when no "
+                        "prompt is given)")
+    p.add_argument("--split", choices=("train", "val"), default=None,
+                   help="which data --from-data reads (default: val when the job has validation data, else train)")
+    p.add_argument("--no-score", action="store_true", help="do not score the responses with the job's reward")
+    p.add_argument("--out", metavar="FILE.jsonl|FILE.parquet",
+                   help="write the responses here, as JSONL or parquet by the suffix (default: JSONL on standard "
+                        "output)")
     p.add_argument("-n", type=int, default=None, help="responses per prompt (default 1)")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (0: greedy; default: "
                                                                     "rollout.temperature)")
