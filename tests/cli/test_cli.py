@@ -1,6 +1,7 @@
 """The `mrl` command itself: version, keys, paths from any directory, errors once under torchrun."""
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -88,3 +89,25 @@ def test_docs_exist_and_every_cited_doc_is_in_the_repository():
     missing = sorted(f"{p.relative_to(REPO)} cites {m}" for p, m in cited
                      if not (REPO / m).is_file() and m not in ("README.md", "CONTRIBUTING.md"))
     assert not missing, missing
+
+
+def test_show_get_prints_values_for_scripts(cli):
+    rc, out, _ = cli("show", "jobs/quickstart_cpu.toml", "--get", "platform.world_size", "--get", "tracking.backends",
+                     "--get", "trainer.val_before_train", "--get", "checkpoint.load_from", "--get", "rollout.engine_kwargs",
+                     "--get", "actor.lora")
+    assert rc == 0
+    size, backends, flag, unset, table, section = out.split("\n")[:6]
+    assert (size, backends, flag, unset, table) == ("2", "console mlflow", "false", "", "{}")   # no Python reprs
+    assert json.loads(section)["target_modules"][0] == "q_proj" and json.loads(section)["adapter_path"] is None
+
+
+def test_every_subcommand_help_has_a_description_and_examples():
+    from mrl.cli import EXAMPLES, build_parser
+
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(sub.choices) == set(EXAMPLES)
+    for name, command in sub.choices.items():
+        text = command.format_help()
+        assert command.description and "\nExamples:\n" in text, (name, text)
+        assert EXAMPLES[name] and all(f"  {line}\n" in text + "\n" for line in EXAMPLES[name]), name   # as written
