@@ -19,6 +19,7 @@ from typing import Any, Mapping
 from mrl.tracking.names import numbers
 
 STEP_KEY = "trainer/step"
+SERVICE_ENV = "WANDB_SERVICE"   # wandb.env.SERVICE: the running service's token
 
 
 def wandb_mode(environ: Mapping[str, str] = os.environ) -> str:
@@ -42,6 +43,11 @@ class WandbRun:
         run_id = id_file.read_text().strip() if resume and id_file.is_file() else secrets.token_hex(4)
         id_file.write_text(run_id + "\n")
         self.mode = wandb_mode()
+        # A wandb service inherited from a parent process (its token in WANDB_SERVICE: a launcher or a
+        # test process that used wandb) would write this run, and `finish` would then return without
+        # waiting for it: the run file could be read (or the parent's service exit) before it is
+        # flushed. This run starts and owns its service, so `finish` waits until the file is complete.
+        os.environ.pop(SERVICE_ENV, None)
         self.run = wandb.init(project=project, name=name, dir=str(Path(run_dir)), id=run_id, mode=self.mode,
                               resume="allow", tags=[f"{k}={v}"[:64] for k, v in (tags or {}).items()],
                               settings=wandb.Settings(console="off", silent=True))

@@ -90,7 +90,7 @@ def train(spec: JobSpec) -> dict[str, float]:
     STARTUP.say("building: process groups, prompts, models (loading weights), rollout engine ...", mark=False)
     started = time.monotonic()
     run, learner, generation, prompts = build(spec)
-    STARTUP.say(f"built in {time.monotonic() - started:.1f}s", mark=False)
+    STARTUP.say(f"built ({time.monotonic() - started:.1f}s in all)", mark=False)
     with run_lifecycle(spec, rank=run.ctx.global_rank, checkpoint_root=checkpoint_root(spec),
                        close=lambda: close(generation)) as life:
         if learner is None:   # a rollout-only rank (separate placement): the producer

@@ -19,6 +19,8 @@ def test_offline_without_an_api_key_unless_wandb_mode_says_otherwise():
 def test_an_offline_run_holds_metrics_config_and_samples_and_a_resume_continues_it(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
+    # a parent process's wandb service: not used (finish must wait for a service the run owns)
+    monkeypatch.setenv("WANDB_SERVICE", "not-a-service-token")
     spec, _ = load("jobs/quickstart_cpu.toml", [f"job.output_dir={tmp_path}", 'tracking.backends=["wandb"]',
                                                 "tracking.tags={team = \"rl\"}"])
     stream = io.StringIO()
