@@ -111,3 +111,23 @@ def test_every_subcommand_help_has_a_description_and_examples():
         text = command.format_help()
         assert command.description and "\nExamples:\n" in text, (name, text)
         assert EXAMPLES[name] and all(f"  {line}\n" in text + "\n" for line in EXAMPLES[name]), name   # as written
+
+
+def test_readme_job_is_the_shipped_grpo_recipe_and_its_commands_exist(tmp_path):
+    """The README's one real job validates and resolves to `jobs/grpo_qwen2.5_7b.toml`; its two
+    commands are the Makefile's targets (CI runs the test command through .ci/run)."""
+    import re
+
+    from mrl.config.dump import to_toml
+    from mrl.config.loader import load
+
+    readme = (REPO / "README.md").read_text()
+    [job] = re.findall(r"```toml\n(.*?)```", readme, re.S)
+    (tmp_path / "my_job.toml").write_text(job)
+    same = [f"job.output_dir={tmp_path}"]
+    ours, _ = load(tmp_path / "my_job.toml", same)
+    shipped, _ = load(REPO / "jobs/grpo_qwen2.5_7b.toml", same)
+    assert to_toml(ours) == to_toml(shipped)
+    make = (REPO / "Makefile").read_text()
+    assert "make demo" in readme and "make test " in readme and re.search(r"^demo:", make, re.M)
+    assert re.search(r"^test:", make, re.M) and "\nmake test\n" in (REPO / ".ci/run").read_text()
