@@ -59,6 +59,16 @@ def test_a_missing_adapter_is_a_warning_and_a_file_without_weights_an_error(tmp_
     assert rc == 2 and f"has no {ADAPTER_WEIGHTS}" in err, err
 
 
+def test_an_sft_job_checks_its_adapter_the_same_way(tmp_path, cli):
+    from tests.sft.conftest import sft_job, write_parquet
+
+    adapter = _adapter_dir(tmp_path / "adapter")
+    train = write_parquet(tmp_path / "pairs.parquet", [{"prompt": "2+2=", "response": "4"}] * 4)
+    job = sft_job(tmp_path, "builtin:tiny-qwen2", train, extra=f'[sft.lora]\nrank = 8\nadapter_path = "{adapter}"\n')
+    rc, _, err = cli("validate", job)
+    assert rc == 2 and f"sft.lora.rank: 8, but the adapter at {adapter} has r = 4" in err, err
+
+
 def test_verl_lora_adapter_path_converts(tmp_path):
     from mrl.convert import convert
 
