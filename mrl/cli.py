@@ -262,6 +262,7 @@ def cmd_train(args) -> int:
 
     from mrl.tracking.startup import STARTUP   # the first line, before torch is imported
 
+    STARTUP.start()
     STARTUP.say(f"mrl train {' '.join(_split_args(args.items)[0])}: checking the job")
     spec = _one_job(args, "train")
     if hasattr(spec, "sft"):
@@ -274,6 +275,9 @@ def cmd_train(args) -> int:
 
 
 def cmd_sft(args) -> int:
+    from mrl.tracking.startup import STARTUP
+
+    STARTUP.start()   # weight-loading progress lines on rank 0
     from mrl.sft.loop import sft
 
     spec = _one_job(args, "sft")

@@ -37,6 +37,11 @@ class StartupLog:
         self.on = is_rank_zero() if rank_zero is None else rank_zero
         self.t0 = self._last = time.monotonic()
 
+    def start(self) -> None:
+        """Speak from now on (rank 0), timing from now: the commands that train call it first."""
+        self.on = is_rank_zero()
+        self.t0 = self._last = time.monotonic()
+
     def say(self, text: str, *, timed: bool = False, mark: bool = True) -> Optional[str]:
         """Print `text`; `timed`: with the seconds since the previous phase line, e.g. "spec ok
         (2.1s)"; `mark=False`: a line within a phase (progress), which does not end the phase."""
@@ -52,8 +57,9 @@ class StartupLog:
         return None
 
 
-# one per process: `mrl.cli` starts it, the training loop continues it
-STARTUP = StartupLog()
+# one per process: `mrl train` / `mrl sft` start it, the training loop continues it; silent until
+# started, so the weight loads of other commands (`mrl eval`, `mrl generate`: JSONL on stdout) say nothing
+STARTUP = StartupLog(rank_zero=False)
 
 
 class LoadProgress:

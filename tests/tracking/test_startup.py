@@ -74,3 +74,17 @@ def test_mrl_train_speaks_before_it_imports_torch(tmp_path):
     assert "mrl.cli" in before and not re.search(r"\|\s+torch$", before, re.M)
     assert re.search(r"\|\s+torch$", err, re.M)   # it is imported later (the check can see it)
     assert seconds < 3, seconds
+
+
+def test_the_process_log_is_silent_until_a_training_command_starts_it(capsys, monkeypatch):
+    """`mrl generate` writes JSONL on stdout: a weight load there must not print progress lines."""
+    from mrl.tracking import startup
+
+    log = startup.StartupLog(rank_zero=False)   # as the module's STARTUP begins
+    monkeypatch.setattr(startup, "STARTUP", log)
+    startup.LoadProgress("reward weights")(3, 3)
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "0")
+    log.start()
+    startup.LoadProgress("reward weights")(3, 3)
+    assert capsys.readouterr().out.startswith("loading reward weights 3/3 (")
