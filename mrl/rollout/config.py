@@ -36,7 +36,10 @@ class MultiTurnConfig:
     max_parallel_calls: int = option(1, ge=1, help="tool calls executed (in parallel) per assistant turn; later calls are ignored")
     max_tool_response_tokens: int = option(256, ge=1, help="longest tool response kept, in tokens")
     tool_response_truncate_side: Literal["left", "middle", "right"] = option("middle", help="where a long tool response is cut")
-    format: Literal["hermes"] = option("hermes", help="tool-call format: hermes <tool_call>{json}</tool_call> in ChatML turns")
+    format: Literal["auto", "hermes", "llama3_json", "mistral"] = option(
+        "hermes", help="tool-call format the model writes: hermes <tool_call>{json}</tool_call> (Qwen), llama3_json "
+                       "(Llama 3.1+), mistral [TOOL_CALLS]; auto: the one the chat template writes. Tool turns are "
+                       "the chat template's own tokens; the template must write this format")
 
 
 @section

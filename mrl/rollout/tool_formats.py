@@ -154,6 +154,48 @@ FORMATS: dict[str, type[ToolFormat]] = {f.name: f for f in (HermesFormat, Llama3
 CHOICES = ("auto", *FORMATS)
 
 
+def template_text(chat_template) -> Optional[str]:
+    """One template's source from a tokenizer's `chat_template`: a string, or named templates (a
+    dict, or tokenizer_config.json's list of {name, template}) where the "tool_use" one is what
+    transformers renders when given tools, else "default"."""
+    if isinstance(chat_template, list):
+        chat_template = {t.get("name"): t.get("template") for t in chat_template if isinstance(t, dict)}
+    if isinstance(chat_template, dict):
+        return chat_template.get("tool_use") or chat_template.get("default")
+    return chat_template or None
+
+
+def model_template(source: str) -> tuple[Optional[str], bool]:
+    """(the chat template of the tokenizer at `source`, whether it could be read without loading
+    the tokenizer): builtin presets' byte tokenizer, or a local directory's chat_template.jinja,
+    chat_template.json or tokenizer_config.json. (None, False) for a hub id."""
+    import os
+
+    from mrl.models.facts import builtin_preset
+
+    if builtin_preset(source) is not None:
+        from mrl.models.tokenizer import CHATML
+
+        return CHATML, True
+    if not os.path.isdir(source):
+        return None, False
+    jinja = os.path.join(source, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja) as f:
+            return f.read(), True
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        path = os.path.join(source, name)
+        if os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    found = template_text(json.load(f).get("chat_template"))
+            except (OSError, ValueError, AttributeError):
+                continue
+            if found:
+                return found, True
+    return None, True
+
+
 def detect_format(template: str) -> list[str]:
     """The formats whose call markers `template` (a chat template's source) writes."""
     return [name for name, f in FORMATS.items() if any(m in template for m in f.markers)]
@@ -185,6 +227,7 @@ def resolve_format(fmt: str, template: Optional[str], origin: str) -> ToolFormat
     """The parser for `fmt` (`auto`: the template's), or a UserError naming the key."""
     from mrl.errors import UserError
 
+    template = template_text(template)
     problem = template_problem(fmt, template, origin)
     if problem:
         raise UserError(f"rollout.multi_turn.format: {problem}")

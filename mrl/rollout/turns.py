@@ -10,9 +10,9 @@ token suffix after the sentinel:
     without: ... <sentinel> <close>                      e.g. close = "<|im_end|>\\n" (ChatML)
     with:    ... <sentinel> <close> <tool turn> <header>
 
-The tool turn's ids are the part of `close` the engine did not generate (ChatML: the "\\n" after
-its `<|im_end|>`; a turn stopped before its end-of-turn token gets the whole close), then
-`<tool turn> <header>`. Checked on every render: `with` continues `without` token for token
+The tool turn's ids are `<close> <tool turn> <header>` less its start that the engine already
+generated (ChatML: its `<|im_end|>`, so the "\\n" after it comes next; a turn stopped before its
+end-of-turn token gets the whole close). Checked on every render: `with` continues `without` token for token
 after the sentinel, and the suffix tokenizes alone as it does in context; otherwise the job
 stops with one line naming what differs. Earlier turns are never re-tokenized, so text that
 would tokenize differently from the ids the engine produced (verl #6501, TRL #5224) cannot
@@ -34,10 +34,11 @@ SENTINEL = "MRL_SENTINEL_7f3a"
 _REASONING = "MRL_REASONING_7f3a"
 
 
-def _overlap(generated: Sequence[int], close: Sequence[int]) -> int:
-    """Longest k such that `generated` ends with close[:k]."""
-    for k in range(min(len(close), len(generated)), 0, -1):
-        if list(generated[len(generated) - k:]) == list(close[:k]):
+def _overlap(generated: Sequence[int], suffix: Sequence[int]) -> int:
+    """Longest k such that `generated` ends with suffix[:k]: the part of the template's turn end
+    the engine already produced (its end-of-turn token), not to be appended twice."""
+    for k in range(min(len(suffix), len(generated)), 0, -1):
+        if list(generated[len(generated) - k:]) == list(suffix[:k]):
             return k
     return 0
 
@@ -105,4 +106,4 @@ class TurnTemplate:
         if in_context[len(in_context) - len(suffix):] != suffix:
             raise UserError(f"rollout.multi_turn: with the tokenizer of {self.origin}, the tool turn "
                             f"{after[:60]!r}... tokenizes differently alone than after the assistant turn")
-        return self._close[_overlap(generated, self._close):] + suffix[len(self._close):]
+        return suffix[_overlap(generated, suffix):]
