@@ -57,6 +57,15 @@ class _Conversation:
         self.mask += [mask] * len(ids)
 
 
+def prompt_tools(spec) -> Optional[list[dict]]:
+    """The function schemas a job's prompts list through the chat template (`tools=`): those of
+    `rollout.multi_turn.tools` when multi-turn is on and prompts are chat-rendered, else None."""
+    mt = spec.rollout.multi_turn
+    if not (mt.enable and spec.data.chat_template and mt.tools):
+        return None
+    return ToolRunner(mt.tools, mt.tool_timeout_s).schemas()
+
+
 def _truncate(ids: list[int], limit: int, side: str) -> list[int]:
     if len(ids) <= limit:
         return ids

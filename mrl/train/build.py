@@ -147,7 +147,9 @@ def build(spec: JobSpec) -> tuple[Run, Optional[Learner], Optional[Generation], 
     hf = hf_config(spec.model)
     tokenizer = load_tokenizer(spec.model)
     device = ctx.platform
-    dataset = load_prompts(spec.data, tokenizer, "train")
+    from mrl.rollout.multi_turn import prompt_tools
+
+    dataset = load_prompts(spec.data, tokenizer, "train", tools=prompt_tools(spec))
     total = steps_planned(spec, len(dataset))
     run = Run(spec=spec, ctx=ctx, hf=hf, tokenizer=tokenizer, total_steps=total, plan=plan)
 

@@ -328,3 +328,20 @@ def test_tool_schemas_come_from_signature_and_docstring(tmp_path):
             "metric": {"type": "boolean"}, "extra": {}}}}}
     [calc] = ToolRunner([str(REPO / "jobs/tools/calculator.py") + ":calculator"]).schemas()
     assert calc["function"]["name"] == "calculator" and calc["function"]["parameters"]["required"] == ["expression"]
+
+
+def test_chat_prompts_of_a_multi_turn_job_list_its_tools():
+    from mrl.config.loader import load
+    from mrl.data.prompts import tokenize_rows
+    from mrl.data.rows import PromptRow
+    from mrl.rollout.multi_turn import prompt_tools
+
+    on = ["rollout.multi_turn.enable=true", 'rollout.multi_turn.tools=["jobs/tools/calculator.py:calculator"]']
+    spec, _ = load(REPO / "jobs/quickstart_cpu.toml", [*on, "data.chat_template=true"])
+    tools = prompt_tools(spec)
+    assert [t["function"]["name"] for t in tools] == ["calculator"]
+    assert prompt_tools(load(REPO / "jobs/quickstart_cpu.toml", on)[0]) is None   # raw-text prompts: no template
+    row = PromptRow(prompt="2+2?", answer="4", data_source="t", origin="t")
+    ds = tokenize_rows([row], byte_tokenizer(), max_prompt_tokens=4096, overflow="error", chat_template=True, tools=tools)
+    text = ds.items[0].text
+    assert '"name": "calculator"' in text and text.endswith("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
