@@ -12,9 +12,11 @@ token suffix after the sentinel:
 
 The tool turn's ids are `<close> <tool turn> <header>` less its start that the engine already
 generated (ChatML: its `<|im_end|>`, so the "\\n" after it comes next; a turn stopped before its
-end-of-turn token gets the whole close). Checked on every render: `with` continues `without` token for token
-after the sentinel, and the suffix tokenizes alone as it does in context; otherwise the job
-stops with one line naming what differs. Earlier turns are never re-tokenized, so text that
+end-of-turn token gets the whole close). The template is assumed to write a tool turn the same
+whatever precedes the last assistant turn (true of ChatML/Qwen, Llama 3 and Mistral templates).
+Checked on every render: `with` continues `without` token for token after the sentinel, and
+the suffix tokenizes alone as it does in context; otherwise the job stops with one line naming
+what differs. Earlier turns are never re-tokenized, so text that
 would tokenize differently from the ids the engine produced (verl #6501, TRL #5224) cannot
 drift between rollout and training.
 
