@@ -1,14 +1,17 @@
 """Tool-call formats: how a model writes its calls, and how to recognise its chat template.
 
 `rollout.multi_turn.format` picks one parser; each reads the decoded text of one assistant turn
-and returns its calls in order, a malformed call becoming an error string that the model then
-sees as the call's tool message (the same rules as vLLM's parsers of the same names):
+and returns its calls in order. The syntax each accepts is that of vLLM's parser of the same
+name, with one difference in kind: a malformed call becomes an error string that the model then
+sees as the call's tool message (vLLM answers the whole turn as plain text), so the model learns
+what went wrong:
 
 - hermes (Qwen2.5/Qwen3, NousHermes, the builtin presets): `<tool_call>{"name", "arguments"}</tool_call>`
-  blocks anywhere in the turn;
+  blocks anywhere in the turn; a last block left open at the end of the turn (a stop string cut
+  it) counts when its JSON is complete;
 - llama3_json (Llama 3.1-3.3): the turn is the call, a JSON object `{"name", "parameters"}` (or
   "arguments"), optionally after `<|python_tag|>`, several separated by `;`; a turn that does not
-  start with `{` is a plain answer;
+  start with `{` is a plain answer (vLLM also looks for calls after leading text);
 - mistral (Mistral v0.3 and later): after `[TOOL_CALLS]`, a JSON list of `{"name", "arguments", "id"}`
   (v0.3) or `name[ARGS]{json}` items (v11 tokenizers).
 
@@ -72,18 +75,21 @@ class HermesFormat(ToolFormat):
 
     name = "hermes"
     markers = ("<tool_call>",)
+    end_tokens = ("<|im_end|>", "<|endoftext|>")
 
     def parse_with_ids(self, text: str) -> list[tuple[Parsed, Optional[str]]]:
         out: list[tuple[Parsed, Optional[str]]] = []
         rest = text
         while "<tool_call>" in rest:
             body, closed, rest = rest.split("<tool_call>", 1)[1].partition("</tool_call>")
-            if not closed:  # an unterminated block is not a call (vLLM's hermes parser agrees)
-                break
             try:
-                out.append((_call(json.loads(body.strip()), ("arguments",)), None))
+                call = _call(json.loads(self._strip_end(body)), ("arguments",))
             except (ValueError, AttributeError) as e:
+                if not closed:  # an open block that is no complete call: text, not an attempt at one
+                    break
                 out.append((_malformed(e), None))
+                continue
+            out.append((call, None))
         return out
 
 

@@ -267,6 +267,8 @@ def test_hermes_llama3_and_mistral_parsers():
     h = HermesFormat().parse('x <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "g", '
                              '"arguments": "{\\"b\\": 2}"}</tool_call> <tool_call>{"name": "unterminated"')
     assert h == [ToolCall("f", {"a": 1}), ToolCall("g", {"b": 2})]
+    # a block a stop string left open counts when its JSON is complete
+    assert HermesFormat().parse('<tool_call>\n{"name": "f", "arguments": {}}\n<|im_end|>') == [ToolCall("f", {})]
 
     ll = Llama3JsonFormat()
     assert ll.parse("The answer is 4.<|eot_id|>") == []
