@@ -347,3 +347,20 @@ def test_chat_prompts_of_a_multi_turn_job_list_its_tools():
     ds = tokenize_rows([row], byte_tokenizer(), max_prompt_tokens=4096, overflow="error", chat_template=True, tools=tools)
     text = ds.items[0].text
     assert '"name": "calculator"' in text and text.endswith("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_validate_refuses_a_format_the_template_does_not_write_in_one_line(tmp_path):
+    from mrl.config.loader import load
+    from mrl.errors import SpecError
+
+    on = ["rollout.multi_turn.enable=true", 'rollout.multi_turn.tools=["jobs/tools/calculator.py:calculator"]']
+    for fmt in ("hermes", "auto"):
+        load(REPO / "jobs/quickstart_cpu.toml", [*on, f"rollout.multi_turn.format={fmt}"])
+    with pytest.raises(SpecError) as e:
+        load(REPO / "jobs/quickstart_cpu.toml", [*on, "rollout.multi_turn.format=llama3_json"])
+    [problem] = e.value.problems
+    assert "rollout.multi_turn.format: format = 'llama3_json' but the chat template of builtin:tiny-qwen2" in problem
+    assert "\n" not in problem
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    with pytest.raises(SpecError, match="renders no tool calls"):
+        load(REPO / "jobs/quickstart_cpu.toml", [*on, f"model.tokenizer={tmp_path}"])
