@@ -142,7 +142,8 @@ class MistralFormat(ToolFormat):
                         raise ValueError("[TOOL_CALLS] is followed by a JSON list")
                     for obj in calls:
                         try:
-                            out.append((_call(obj, ("arguments",)), obj.get("id") if isinstance(obj.get("id"), str) else None))
+                            call_id = obj.get("id") if isinstance(obj.get("id"), str) else None
+                            out.append((_call(obj, ("arguments",)), call_id))
                         except (ValueError, AttributeError) as e:
                             out.append((_malformed(e), None))
                 else:  # v11: name[ARGS]{json}

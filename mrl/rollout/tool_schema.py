@@ -35,7 +35,8 @@ def _docstring_parts(doc: str) -> tuple[str, dict[str, str]]:
 
 
 def function_schema(ref: str) -> dict:
-    """{"type": "function", "function": {name, description, parameters}} of `ref` (file.py:function or module:function)."""
+    """{"type": "function", "function": {name, description, parameters}} of `ref`
+    ('file.py:function' or 'module:function')."""
     target, name = split_ref(ref)
     path = source_file(target)
     if path is None or not path.is_file():

@@ -69,9 +69,9 @@ class TurnTemplate:
                               "engine's tokens for every earlier turn")
         thinking = [probe_user, {"role": "assistant", "content": f"<think>\n{_REASONING}\n</think>\n\n{SENTINEL}"}]
         if _REASONING not in self._render(thinking + probe_tool, generation_prompt=True):
-            self.notes.append(f"the chat template of {origin} drops the reasoning of earlier assistant turns; mrl keeps "
-                              "it (the tokens the model generated and conditioned on), so a re-rendered conversation "
-                              "would differ from the trained one")
+            self.notes.append(f"the chat template of {origin} drops the reasoning of earlier assistant turns; "
+                              "mrl keeps it (the tokens the model generated and conditioned on), so a re-rendered "
+                              "conversation would differ from the trained one")
         self.tool_turn_ids([], probe_tool)   # fails now, not mid-rollout, when the template does not fit
 
     def _render(self, messages: list[dict], *, generation_prompt: bool) -> str:
