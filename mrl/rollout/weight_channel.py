@@ -86,14 +86,15 @@ class WeightReceiver:
 
     def verify(self, expected: dict[str, Checksum], dtypes: dict[str, torch.dtype], version: int) -> None:
         """Every tensor the engine holds hashes to what the sender sent it (cast to the export dtype)."""
-        held = dict(self.engine.held_weights(sorted(expected)))
-        for name in sorted(expected):
-            if name not in held:
-                raise WeightSyncError(f"weight verification: engine group {self.group} holds no {name} (version {version})")
-            got = checksum(held[name].detach().to(dtypes.get(name, held[name].dtype)))
+        seen = set()
+        for name, held in self.engine.held_weights(sorted(expected)):   # one tensor at a time
+            seen.add(name)
+            got = checksum(held.detach().to(dtypes.get(name, held.dtype)))
             if got != expected[name]:
                 raise WeightSyncError(f"weight verification: {name} at engine group {self.group} differs from the "
                                       f"trainer's version {version}")
+        for name in sorted(set(expected) - seen):
+            raise WeightSyncError(f"weight verification: engine group {self.group} holds no {name} (version {version})")
 
 
 class ColocatedChannel:
@@ -104,7 +105,8 @@ class ColocatedChannel:
                  transit: Optional[Callable[[Messages], Messages]] = None):
         if not engine.accepts_sparse:
             sparse_fraction = 0.0   # changed tensors go whole
-        self.sender = WeightSender(mode=mode, sparse_fraction=sparse_fraction, bucket_bytes=int(bucket_mb * 2**20))
+        self.sender = WeightSender(mode=mode, sparse_fraction=sparse_fraction, bucket_bytes=int(bucket_mb * 2**20),
+                                   unit_of=engine.load_unit)
         self.receiver = WeightReceiver(engine, group)
         self.verify_every_steps = verify_every_steps
         self.transit = transit or (lambda messages: messages)
