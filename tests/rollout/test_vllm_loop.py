@@ -39,6 +39,20 @@ def test_weight_sync_into_engine_groups_is_proven(tmp_path, layout):
     print([line for line in proc.stdout.splitlines() if " ok: " in line])
 
 
+def test_delta_syncs_into_a_vllm_engine_equal_full_syncs_in_bf16(tmp_path):
+    """Trainer DP2 feeding one TP2 engine in bf16 at lr 1e-5 (few bf16 elements change per step):
+    4 steps of delta syncs, each verified by reading the engine's weights back; they equal the
+    export bit for bit and the engine's log-probs equal a full sync's (scripts/vllm_delta_sync.py);
+    a flipped byte is named; a level-2 sleep forces a full sync."""
+    proc = run_torchrun("tests/rollout/scripts/vllm_delta_sync.py", JOB, "4", *VLLM, *LAYOUTS["b-trainer-dp2-one-tp2-engine"],
+                        "model.dtype=bfloat16", "actor.optim.lr=1e-5", "rollout.weight_sync.mode=delta",
+                        "rollout.weight_sync.verify_every_steps=1", f"job.output_dir={tmp_path}", "tracking.backends=[]",
+                        timeout=900)
+    for rank in range(2):
+        assert f"rank {rank} ok" in proc.stdout, proc.stdout[-3000:]
+    print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("rank 0 ")))
+
+
 def _metric(db, key: str) -> dict[int, float]:
     with sqlite3.connect(db) as con:
         return dict(con.execute("select step, value from metrics where key = ? order by step", (key,)).fetchall())
