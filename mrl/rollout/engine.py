@@ -53,7 +53,8 @@ class RolloutEngine(abc.ABC):
         return name
 
     def held_weights(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The engine's current tensors under their HF names (the periodic weight verification)."""
+        """The engine's current tensors under their HF names (the periodic weight verification);
+        `(name, None)` for a tensor the engine holds but cannot read back."""
         raise NotImplementedError(f"{type(self).__name__} cannot list its weights by HF name")
 
     @abc.abstractmethod

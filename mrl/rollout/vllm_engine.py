@@ -156,9 +156,12 @@ def _packed_modules(self) -> dict[str, list[str]]:
 
 
 def _layout_of(module):
-    """How `module`'s parameters split over the engine's TP ranks (`mrl.rollout.vllm_readback.Layout`)."""
-    from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
-                                                   QKVParallelLinear, RowParallelLinear)
+    """How `module`'s parameters split over the engine's TP ranks (`mrl.rollout.vllm_readback.Layout`),
+    or None for a module the readback does not know (fused MoE experts, other parallel layers):
+    its tensors are checked on arrival only."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,
+                                                   QKVParallelLinear, ReplicatedLinear, RowParallelLinear)
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     from mrl.rollout.vllm_readback import Layout
@@ -176,10 +179,11 @@ def _layout_of(module):
     if isinstance(module, RowParallelLinear):
         return Layout("row")
     if isinstance(module, VocabParallelEmbedding):
-        if module.num_added_embeddings:
-            raise NotImplementedError("reading back a vocabulary with added (LoRA) embeddings")
-        return Layout("vocab", rows=module.org_vocab_size)
-    return Layout("replicated")
+        return None if module.num_added_embeddings else Layout("vocab", rows=module.org_vocab_size)
+    if isinstance(module, (RMSNorm, torch.nn.LayerNorm, ReplicatedLinear)) or (
+            not isinstance(module, LinearBase) and type(module).__name__.endswith("Norm")):
+        return Layout("replicated")
+    return None
 
 
 def _local_piece(module, attr: str) -> torch.Tensor:
@@ -194,17 +198,23 @@ def _local_piece(module, attr: str) -> torch.Tensor:
     return param.data
 
 
-def _read_hf_tensor(self, name: str, packed: dict[str, list[str]]) -> torch.Tensor:
+def _read_hf_tensor(self, name: str, packed: dict[str, list[str]]) -> Optional[torch.Tensor]:
     """The full HF tensor `name` as this engine holds it: every rank's piece, all-gathered over
-    the engine's TP group (all of its ranks call this together), reassembled."""
+    the engine's TP group (all of its ranks call this together), reassembled. None when the
+    model has no such module or the readback does not know its layout (the same on every rank)."""
     import torch.distributed as dist
     from vllm.distributed import get_tp_group
 
     from mrl.rollout.vllm_readback import assemble, source_of
 
     src = source_of(name, packed)
-    module = self.get_model().get_submodule(src.module)
+    try:
+        module = self.get_model().get_submodule(src.module)
+    except AttributeError:
+        return None
     layout = _layout_of(module)
+    if layout is None or not isinstance(getattr(module, src.attr, None), torch.Tensor):
+        return None
     local = _local_piece(module, src.attr).contiguous()
     tp = get_tp_group()
     if tp.world_size == 1 or layout.kind == "replicated":
@@ -473,8 +483,9 @@ class VLLMEngine(RolloutEngine):
 
     def held_weights(self, names: Sequence[str]):
         """The engine's tensors under their HF names, read back from its parameters (the packed
-        ones split, TP pieces gathered: `mrl.rollout.vllm_readback`). Collective over the engine
-        group: every rank of it asks for the same names in the same order."""
+        ones split, TP pieces gathered: `mrl.rollout.vllm_readback`); None for a tensor of a
+        module the readback does not know (MoE experts). Collective over the engine group: every
+        rank of it asks for the same names in the same order."""
         self._same_threads()
         for name in names:
             yield name, self.llm.collective_rpc(_read_hf_tensor, args=(name, self._packed))[0]

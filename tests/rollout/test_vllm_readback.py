@@ -108,3 +108,41 @@ def test_delta_sync_sends_a_whole_load_unit_when_one_of_its_tensors_changed():
     weights["model.layers.0.self_attn.o_proj.weight"][1, 1] += 1   # a unit of one tensor may still go sparse
     items = sent(4)
     assert set(items) == {"model.layers.0.self_attn.o_proj.weight"} and items[names[3]].sparse
+
+
+def test_tensors_an_engine_cannot_read_back_are_reported_once_and_others_still_checked(caplog):
+    from mrl.rollout.weight_channel import ColocatedChannel
+    from mrl.weights.verify import WeightSyncError
+
+    class Engine:   # holds what it loads; cannot read back "b" (as vLLM cannot read fused MoE experts)
+        accepts_sparse = False
+
+        def __init__(self):
+            self.w = {}
+
+        def load_unit(self, name):
+            return name
+
+        def update_weights(self, stream, partial=False):
+            n = 0
+            for name, t in stream:
+                self.w[name] = t.clone()
+                n += 1
+            return n
+
+        def held_weights(self, names):
+            for name in names:
+                yield name, (None if name == "b" else self.w[name])
+
+    eng = Engine()
+    channel = ColocatedChannel(eng, verify_every_steps=1, group="0 (rank 0)")
+    weights = [("a", torch.ones(3)), ("b", torch.zeros(2))]
+    with caplog.at_level("WARNING"):
+        channel.push(weights, 1)
+        channel.push(weights, 2)
+    warned = [r.getMessage() for r in caplog.records if "cannot be read back" in r.getMessage()]
+    assert warned == ["weight verification: 1 of 2 tensors cannot be read back from the Engine engine (e.g. b); "
+                      "they are checked on arrival only"]
+    eng.w["a"][1] = 2.0
+    with pytest.raises(WeightSyncError, match=r"^weight verification: a at engine group 0 \(rank 0\) differs"):
+        channel.push(weights[1:], 3)   # a full-mode sync of b alone; a is verified from version 2's checksum
