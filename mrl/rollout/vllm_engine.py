@@ -111,18 +111,17 @@ def _refresh_tied_layers(model) -> None:
 
 
 def _partly_loaded(model) -> list[str]:
-    """Modules that received some of their tensors but not all during this reload. vLLM rebuilds a
-    module from what the reload loaded (its unloaded elements are fresh, uninitialised memory), so
-    a fused `qkv_proj` given only q would take garbage k/v. Vocabulary layers are left out: their
-    padding rows are never loaded."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    """Fused modules (q/k/v, gate/up) that received some of their tensors but not all during this
+    reload. vLLM rebuilds a module from what the reload loaded (its unloaded elements are fresh,
+    uninitialised memory), so a `qkv_proj` given only q would take garbage k/v."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     out = []
     for name, module in model.named_modules():
         info = get_layerwise_info(module)
-        if (info.can_load() and 0 < info.load_numel < info.load_numel_total
-                and not isinstance(module, VocabParallelEmbedding)):
+        if (isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)) and info.can_load()
+                and 0 < info.load_numel < info.load_numel_total):
             out.append(f"{name} ({info.load_numel} of {info.load_numel_total} elements)")
     return out
 
@@ -137,7 +136,7 @@ def _finish_weight_update(self, loaded: list[str], partial: bool) -> tuple[list[
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
     model = self.get_model()
-    partly = _partly_loaded(model)
+    partly = _partly_loaded(model) if partial else []   # a full sync is checked by `missing` below
     logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     held = _ReloadWarnings()
     logger.addFilter(held)
@@ -207,6 +206,8 @@ def _read_hf_tensor(self, name: str, packed: dict[str, list[str]]) -> Optional[t
 
     from mrl.rollout.vllm_readback import assemble, source_of
 
+    if self.vllm_config.model_config.quantization is not None:
+        return None   # quantized parameters do not hold the exported bytes
     src = source_of(name, packed)
     try:
         module = self.get_model().get_submodule(src.module)
