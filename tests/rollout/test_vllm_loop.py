@@ -6,7 +6,9 @@ model is the quickstart's builtin tiny Qwen2 (head size 32, tied embeddings).
   trainer log-probs of fixed sequences agree (fp32, <= 1e-4) at step 1 and after an update; a
   wrong shard and incomplete streams are caught;
 - the quickstart job itself trains on vLLM: its step-1 audit is below 1e-3 and the mean reward
-  rises.
+  rises (full syncs, verified by reading the engine's weights back every 10);
+- delta syncs in bf16 (layout b) leave the engine bit-identical to full syncs
+  (scripts/vllm_delta_sync.py).
 Run from the vllm test environment: `make test-vllm`.
 """
 from __future__ import annotations
