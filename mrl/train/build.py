@@ -219,10 +219,12 @@ def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_mo
         leader = dist.get_process_group_ranks(mp_group)[0] if dist.is_initialized() else 0
         gen = Generation(mp_group=mp_group, leader=leader, is_leader=ctx.rank == leader)
     gen.engine, gen.generator, gen.groups = build_rollout(spec, plan, ctx, tokenizer, is_leader=gen.is_leader)
-    if ctx.role != "rollout" and gen.engine is not None and spec.rollout.engine == "hf":
+    if ctx.role != "rollout" and gen.engine is not None:
         from mrl.rollout.weight_channel import ColocatedChannel
 
-        gen.channel = ColocatedChannel.from_config(gen.engine, spec.rollout.weight_sync, group=f"rank {ctx.global_rank}")
+        group = (f"rank {ctx.global_rank}" if spec.rollout.engine == "hf"
+                 else f"{plan.engine_group_of(ctx.rank)} (rank {ctx.global_rank})")
+        gen.channel = ColocatedChannel.from_config(gen.engine, spec.rollout.weight_sync, group=group)
     if gen.is_leader:
         from mrl.reward.compose import Rewarder
 
