@@ -12,10 +12,12 @@ The model is either
   sent as the model name): one request per response, `[reward.remote]` gives the concurrency,
   timeout and retries (vLLM's, SGLang's and most serving stacks' OpenAI server speak it), or
 - a local Hugging Face model (`model = "path"` without `url`; or a `builtin:` preset, a seeded
-  random model with the byte tokenizer, for tests): transformers on CPU in the scoring process,
-  the chat template of its tokenizer, greedy (or sampled at `temperature`) decoding, batched.
-  Meant for small judges and CPU runs; a large judge belongs on a server of its own (vLLM's
-  OpenAI server, on its own GPUs), reached through `url`.
+  random model with the byte tokenizer, for tests) on a rollout engine of its own
+  (`reward.judge.engine`: hf in the scoring process, vllm in engine processes of its own; see
+  `EngineJudge`) on every scoring rank, sleeping between calls; the chat template of its
+  tokenizer, greedy (or sampled at `temperature`) decoding, one batch per call. A judge too
+  large to share the trainer's GPUs belongs on a server of its own (vLLM's OpenAI server, on its
+  own GPUs), reached through `url` (docs/rewards.md has the recipe).
 
 Each source's outcomes carry the raw number as `rating` (logged as `reward/<name>/rating`).
 """
