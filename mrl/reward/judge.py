@@ -169,29 +169,45 @@ class EngineJudge:
     def __init__(self, cfg, *, device="cpu", seed: int = 0):
         import torch
 
-        from mrl.rollout.factory import build_fixed_engine
         from mrl.rollout.types import Sampling
 
         self.cfg, device = cfg, torch.device(device)
         self.tokenizer, path, self._scratch = judge_model(cfg.model)
+        try:
+            self.engine = self._build(path, device, seed)
+        except BaseException:
+            self._remove_scratch()
+            raise
+        eos = self.tokenizer.eos_token_id
+        self.sampling = Sampling(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                 stop_token_ids=() if eos is None else (int(eos),))
+        if cfg.sleep:
+            self.engine.sleep()
+
+    def _build(self, path: str, device, seed: int):
+        """The engine, with the defaults of dtype and context resolved here, once."""
+        from mrl.rollout.factory import build_fixed_engine
+
+        cfg = self.cfg
         dtype = cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
         self.max_model_len = cfg.max_model_len or context_length(path)
         if self.max_model_len <= cfg.max_tokens:
             raise UserError(f"reward.judge.max_model_len: {self.max_model_len} tokens leave no room for a prompt "
                             f"beside reward.judge.max_tokens = {cfg.max_tokens}")
         try:
-            self.engine = build_fixed_engine(cfg.engine, path, key="reward.judge", dtype=dtype, device=device, seed=seed,
-                                             max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
-                                             tensor_parallel=cfg.tensor_parallel,
-                                             gpu_memory_utilization=cfg.gpu_memory_utilization,
-                                             sleep_level=1 if cfg.sleep else 0, engine_kwargs=cfg.engine_kwargs)
+            return build_fixed_engine(cfg.engine, path, key="reward.judge", dtype=dtype, device=device, seed=seed,
+                                      max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
+                                      tensor_parallel=cfg.tensor_parallel,
+                                      gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                      sleep_level=1 if cfg.sleep else 0, engine_kwargs=cfg.engine_kwargs)
         except (OSError, ValueError) as e:
             raise UserError(f"reward.judge.model: cannot load {cfg.model!r}: {str(e).splitlines()[0]}") from None
-        eos = self.tokenizer.eos_token_id
-        self.sampling = Sampling(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                 stop_token_ids=() if eos is None else (int(eos),))
-        if cfg.sleep:
-            self.engine.sleep()
+
+    def _remove_scratch(self) -> None:
+        import shutil
+
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _prompt_ids(self, messages: list[dict]) -> list[int]:
         if self.tokenizer.chat_template:
@@ -222,11 +238,8 @@ class EngineJudge:
         return out
 
     def close(self) -> None:
-        import shutil
-
         self.engine.shutdown()
-        if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
+        self._remove_scratch()
 
 
 def judge_model(model: str):

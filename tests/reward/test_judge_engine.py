@@ -107,3 +107,16 @@ def test_vllm_judge_placement_rules():
         assert [k for k, _ in errors] == ["reward.judge.engine"] and "not importable" in errors[0][1]
         errors, warnings = judge_placement_problems(vllm_judge, RolloutConfig(engine="hf"), "cuda")
         assert errors == [] and [k for k, _ in warnings] == ["reward.judge.engine"]
+
+
+def test_a_vllm_judge_takes_its_ranks_gpu_and_the_next_ones(monkeypatch):
+    from mrl.errors import UserError
+    from mrl.rollout.factory import engine_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
+    assert engine_gpus("cuda:1", 2, "reward.judge") == ["5", "6"]
+    assert engine_gpus("cuda:0", 1, "reward.judge") == ["3"]
+    assert engine_gpus("cpu", 2, "reward.judge") is None
+    with pytest.raises(UserError, match=r"reward.judge.tensor_parallel = 2: 2 GPUs from this rank's GPU 3 on, "
+                                        r"but this node shows 4"):
+        engine_gpus("cuda:3", 2, "reward.judge")
