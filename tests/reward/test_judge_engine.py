@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import pytest
 
@@ -58,7 +59,7 @@ def test_hf_judge_is_the_factory_engine_asleep_between_calls_and_batch_invariant
             assert repr(a[:120]) in o.message
 
 
-def test_answers_are_parsed_and_failures_counted_through_the_rewarder(judge, monkeypatch):
+def test_answers_are_parsed_and_failures_counted_through_the_rewarder(monkeypatch):
     cfg = RewardConfig(judge=JudgeConfig(model=TINY, max_tokens=4, max_model_len=200), workers=1)
     with Rewarder.from_config(cfg) as rewarder:
         [scorer] = rewarder.services.values()
@@ -79,7 +80,7 @@ def test_answers_are_parsed_and_failures_counted_through_the_rewarder(judge, mon
     assert scores[0] == pytest.approx(0.7) and math.isnan(scores[1]) and math.isnan(scores[2])
     assert scores[3] == pytest.approx(1.0)
     assert res.stats["reward/judge/errors/parse"] == 1.0 and res.stats["reward/judge/errors/too_long"] == 1.0
-    assert local.engine is None or local.engine.model is None   # closed with the rewarder (engine shut down)
+    assert local.engine.model is None and not Path(local._scratch).exists()   # closed with the rewarder
 
 
 def test_engine_keys_are_refused_where_nothing_reads_them():
