@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 import string
+import weakref
 from typing import Any, Sequence
 
 from mrl.errors import UserError
@@ -173,6 +175,9 @@ class EngineJudge:
 
         self.cfg, device = cfg, torch.device(device)
         self.tokenizer, path, self._scratch = judge_model(cfg.model)
+        # a preset's scratch copy goes with close(), or with this object, or at exit at the latest
+        self._remove_scratch = weakref.finalize(self, shutil.rmtree, self._scratch, True) if self._scratch \
+            else (lambda: None)
         try:
             self.engine = self._build(path, device, seed)
         except BaseException:
@@ -202,12 +207,6 @@ class EngineJudge:
                                       sleep_level=1 if cfg.sleep else 0, engine_kwargs=cfg.engine_kwargs)
         except (OSError, ValueError) as e:
             raise UserError(f"reward.judge.model: cannot load {cfg.model!r}: {str(e).splitlines()[0]}") from None
-
-    def _remove_scratch(self) -> None:
-        import shutil
-
-        if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _prompt_ids(self, messages: list[dict]) -> list[int]:
         if self.tokenizer.chat_template:
