@@ -417,6 +417,13 @@ def check(spec: JobSpec, report) -> None:
 
     for key, message in reward_problems(rw):
         err(key, message)
+    from mrl.reward.judge import judge_placement_problems
+
+    judge_errors, judge_warnings = judge_placement_problems(rw.judge, roll, plat.device)
+    for key, message in judge_errors:
+        err(key, message)
+    for key, message in judge_warnings:
+        warn(key, message)
 
     # --- checkpoint / trainer
     if spec.checkpoint.resume == "must" and spec.checkpoint.load_from is None:

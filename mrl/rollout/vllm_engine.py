@@ -264,6 +264,43 @@ def rank_env():
         os.environ.update(replaced)
 
 
+# torchrun's variables: a standalone engine's processes must not mistake themselves for ranks of it
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                  "TORCHELASTIC_RUN_ID")
+
+
+@contextlib.contextmanager
+def own_processes(gpus: Optional[Sequence[str]] = None):
+    """Build a `VLLMEngine(external_launcher=False)` whose engine core (and its workers) run in
+    spawned processes of their own, with a torch.distributed world of their own, on `gpus` (entries
+    of CUDA_VISIBLE_DEVICES; None: as visible here). What a second engine in a trainer process
+    needs: a colocated rollout engine runs vLLM in-process (external_launcher), which turns vLLM's
+    multiprocessing off and freezes its environment variables (`vllm.envs` caches them once an
+    engine has started), and a forked child would inherit the trainer's process group.
+
+    While the engine starts: vLLM's variable cache is off, multiprocessing on with `spawn`, the
+    launcher's variables hidden, CUDA_VISIBLE_DEVICES = `gpus`; all restored afterwards."""
+    import os
+
+    import vllm.envs as envs
+
+    cached = envs._is_envs_cache_enabled()
+    saved = dict(os.environ)
+    envs.disable_envs_cache()
+    for k in _LAUNCHER_VARS:
+        os.environ.pop(k, None)
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        if cached:
+            envs.enable_envs_cache()
+
+
 def _in_rollout_world() -> bool:
     """Whether this process is a rollout-only rank (`rollout.placement = "separate"`)."""
     try:

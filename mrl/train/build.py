@@ -232,7 +232,8 @@ def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_mo
             gen.rm_scores = PrecomputedScores()
         run_dir = Path(spec.job.output_dir) / spec.job.name   # unwritable from reward workers (Landlock)
         gen.rewarder = Rewarder.from_config(spec.reward, model_scorer=gen.rm_scores,
-                                            protect_dirs=(str(run_dir), spec.checkpoint.dir))
+                                            protect_dirs=(str(run_dir), spec.checkpoint.dir),
+                                            device=ctx.device, seed=spec.job.seed + ctx.global_rank)   # a local judge
     return gen
 
 

@@ -1,7 +1,8 @@
 """vllm engine checks, run under torchrun (external_launcher joins this world).
 
-Usage: torchrun --nproc_per_node N vllm_checks.py MODEL_DIR TP
-Each group of TP ranks forms one engine. Checks: seeded determinism, log-probs vs a
+Usage: torchrun --nproc_per_node N vllm_checks.py MODEL_DIR TP [judge]
+Each group of TP ranks forms one engine. With `judge`, rank 0 also scores a batch with a vllm
+judge (`reward.judge.engine = "vllm"`) started beside its engine, and the hf judge. Checks: seeded determinism, log-probs vs a
 teacher-forced transformers forward (<= 1e-4, fp32), and a weight update through the
 layerwise-reload protocol (zeroed lm_head -> uniform log-probs -log V; a full stream from a
 second model -> that model's outputs), the readback of the engine's weights under HF names (bit
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 
-def main(model_dir: str, tp: int) -> None:
+def main(model_dir: str, tp: int, judge: bool = False) -> None:
     from transformers import AutoModelForCausalLM
 
     from mrl.rollout.audit import hf_logits_fn, logprob_audit, teacher_forced_logprobs
@@ -77,6 +78,12 @@ def main(model_dir: str, tp: int) -> None:
     eng.sleep()
     eng.wake()
     assert eng.generate(prompts[:1], Sampling(max_tokens=2))
+    if judge and rank == 0:
+        # 5. a vllm judge beside this in-process (external_launcher) engine: its own engine processes
+        judge_s = _judge_beside_the_engine()
+        after = eng.generate(prompts, s)   # the rollout engine is untouched by the judge's start
+        assert [r.token_ids for r in after] == [r.token_ids for r in resp], "rollout engine changed by the judge"
+        print(f"rank {rank} judge ok: {judge_s}", flush=True)
     eng.shutdown()
     print(f"rank {rank} ok: engine start {start_s:.1f}s, readback of every tensor {readback_s:.3f}s, "
           f"total {time.perf_counter() - t0:.1f}s", flush=True)
@@ -126,10 +133,36 @@ def _readback_checks(eng, other, rank: int) -> float:
     return seconds
 
 
+def _judge_beside_the_engine() -> str:
+    """Score 8 responses with the builtin tiny judge on vllm and on hf (same seeded weights, fp32,
+    greedy): the same answers, each parsed or counted as a reward error."""
+    from mrl.reward.compose import Rewarder, RewardSample
+    from mrl.reward.config import JudgeConfig, RewardConfig
+
+    samples = [RewardSample(i, f"What is {i} + 1?", f"It is {i + 1}.", str(i + 1)) for i in range(8)]
+    results, seconds = {}, {}
+    for engine in ("vllm", "hf"):
+        extra = {"engine_kwargs": {"enforce_eager": True}} if engine == "vllm" else {}
+        cfg = RewardConfig(judge=JudgeConfig(model="builtin:tiny-qwen2", max_tokens=6, engine=engine, **extra), workers=1)
+        t = time.perf_counter()
+        with Rewarder.from_config(cfg) as rewarder:
+            start = time.perf_counter() - t
+            t = time.perf_counter()
+            results[engine] = rewarder.score(samples)
+            seconds[engine] = (start, time.perf_counter() - t)
+    vllm, hf = results["vllm"], results["hf"]
+    counted = sum(v for k, v in vllm.stats.items() if k.startswith("reward/judge/errors/"))
+    assert counted + sum(not math.isnan(v) for v in vllm.source_scores["judge"]) == 8, vllm.stats
+    assert [(e.kind, e.message) for e in vllm.errors] == [(e.kind, e.message) for e in hf.errors], (vllm.errors, hf.errors)
+    assert all(a == b or math.isnan(a) and math.isnan(b)
+               for a, b in zip(vllm.source_scores["judge"], hf.source_scores["judge"], strict=True))
+    return ", ".join(f"{k} start {a:.1f}s, 8 scored in {b:.2f}s" for k, (a, b) in seconds.items())
+
+
 def _order(triple):
     trainer, rollout, mask = triple
     return rollout, trainer, mask
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), judge=sys.argv[3:] == ["judge"])
