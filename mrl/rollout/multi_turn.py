@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field, replace
-from typing import Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 from mrl.errors import UserError
 from mrl.rollout.engine import RolloutEngine
 from mrl.rollout.tools import ToolCall, ToolResult, ToolRunner
-from mrl.rollout.types import Response, Sampling, prompt_seed, resolve_prompt_seeds
+from mrl.rollout.types import Response, Sampling, prompt_seed, resolve_prompt_seeds, routes_to
 
 
 class Tokenizer(Protocol):
@@ -72,6 +72,7 @@ class _Conversation:
     tool_turns: int = 0
     statuses: list[str] = field(default_factory=list)
     pending: list = field(default_factory=list)  # parsed calls of the last assistant turn
+    routes: Any = None   # MoE routes of the last assistant turn's call (prompt + tokens so far)
 
     def add(self, ids: Sequence[int], logprobs: Sequence[float], mask: int) -> None:
         self.tokens += ids
@@ -150,6 +151,7 @@ class MultiTurnRollout:
                 self._tool_turn(calling, sampling.max_tokens)
             turn += 1
         return [Response(c.prompt_index, c.tokens, c.logprobs, c.finish_reason, loss_mask=c.mask,
+                         routes=routes_to(c.routes, len(c.prompt) + len(c.tokens)),
                          info={"assistant_turns": c.assistant_turns, "tool_turns": c.tool_turns,
                                "tool_calls": len(c.statuses), "tool_errors": c.statuses.count("error"),
                                "tool_timeouts": c.statuses.count("timeout")})
@@ -172,6 +174,7 @@ class MultiTurnRollout:
                 outs = self.engine.generate([c.prompt + c.tokens for c in group], s)
             for c, out in zip(group, outs):
                 c.add(out.token_ids, out.logprobs, 1)
+                c.routes = out.routes
                 c.assistant_turns += 1
                 c.finish_reason = out.finish_reason
                 c.pending = [] if out.finish_reason == "length" else self.format.parse(self.tokenizer.decode(out.token_ids))

@@ -173,6 +173,9 @@ def build_learner(spec: JobSpec, plan: StepPlan, hf: dict, device: str, total: i
     """The actor (with its exporter), reference, critic and reward model on a trainer rank."""
     actor = _trainable("actor", spec, hf, device, spec.actor, plan.actor.optimizer_steps * total,
                        path=spec.model.path)
+    from mrl.train.moe import attach
+
+    attach(actor, hf)   # MoE: routing replay and the moe/* metrics
     ref = None
     if spec.ref.enable and spec.actor.lora.rank:
         from mrl.models.lora import reference_engine
