@@ -238,7 +238,7 @@ class RouterHooks:
         L, T = len(self.layers), mb.row_tokens
         row = torch.full((T, L, self.topk), -1, dtype=ROUTE_DTYPE)
         for layer, hook in hooks:
-            local = hook.natural.to(ROUTE_DTYPE)
+            local = hook.natural.sort(-1).values.to(ROUTE_DTYPE)
             if self.sp and self.tp > 1:
                 parts = [torch.empty_like(local) for _ in range(self.tp)]
                 torch.distributed.all_gather(parts, local.contiguous(), group=self.tp_group)
