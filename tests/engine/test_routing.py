@@ -144,3 +144,21 @@ def test_queued_rollouts_keep_their_routes_through_a_checkpoint():
     buf.seek(0)
     back = decode_rollout(torch.load(buf, weights_only=True), items).shards[0].responses
     assert torch.equal(back[0].routes, routes) and back[1].routes is None
+
+
+def test_routing_replay_benchmark_summarises_a_history():
+    import importlib.util
+
+    from tests.dist_util import REPO
+
+    spec = importlib.util.spec_from_file_location("routing_replay_bench", REPO / "tools/bench/routing_replay.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    h = {"moe/routing_agreement": {1: 1.0, 2: 0.9}, "moe/routing_agreement_min": {1: 1.0, 2: 0.8},
+         "rollout/logprob_abs_diff_mean": {1: 1e-3, 2: 3e-3}, "rollout/logprob_abs_diff_max": {1: 0.1, 2: 0.2},
+         "rollout/kl_k3": {1: 0.0, 2: 2e-4}, "reward/mean": {1: 0.1, 2: 0.5}}
+    s = bench.summarize(h)
+    assert s["agreement_step1"] == 1.0 and s["agreement_mean"] == pytest.approx(0.95) and s["agreement_min"] == 0.8
+    assert s["diff_mean"] == pytest.approx(2e-3) and s["diff_max"] == 0.2 and s["reward_last3"] == pytest.approx(0.3)
+    text = bench.table([("bfloat16", "r3", s)])
+    assert "agree@1" in text.splitlines()[0] and text.splitlines()[2].startswith("bfloat16  r3")
