@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["RouteCapture", "routers_of"]
+__all__ = ["RouteCapture", "routers_of", "moe_layer_indices", "from_all_layers"]
 
 ROUTE_DTYPE = torch.int16   # = mrl.engine.routing.ROUTE_DTYPE (the engine package is not imported here)
 
@@ -56,3 +56,28 @@ class RouteCapture:
         routes = torch.stack([c.reshape(batch, tokens, -1) for c in self._calls], dim=2)
         self._calls = [None] * len(self.routers)
         return routes.sort(-1).values.to(ROUTE_DTYPE).cpu()
+
+
+def moe_layer_indices(hf: dict) -> list[int]:
+    """0-based indices of the layers with routed experts, by `transformers`' rule for each MoE
+    architecture (Qwen-MoE: not in `mlp_only_layers` and every `decoder_sparse_step`-th; DeepSeek-V3:
+    from `first_k_dense_replace` on, every `moe_layer_freq`-th; Mixtral: all)."""
+    n, kind = int(hf["num_hidden_layers"]), hf.get("model_type")
+    if kind in ("qwen3_moe", "qwen2_moe"):
+        dense, step = set(hf.get("mlp_only_layers") or ()), int(hf.get("decoder_sparse_step") or 1)
+        return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    if kind == "deepseek_v3":
+        first, freq = int(hf.get("first_k_dense_replace") or 0), int(hf.get("moe_layer_freq") or 1)
+        return [i for i in range(n) if i >= first and i % freq == 0]
+    return list(range(n))
+
+
+def from_all_layers(rows, moe_layers: list[int], tokens: int) -> torch.Tensor:
+    """Routes `[tokens, moe_layers, k]` (int16, top-k sorted) from an engine's per-token rows over
+    *all* layers (`[rows, num_layers, k]`, e.g. vLLM's `CompletionOutput.routed_experts`, which
+    covers every token it fed: prompt + response - 1); tokens past the rows are -1 (unknown)."""
+    t = torch.as_tensor(rows).to(torch.int64)[:, moe_layers].sort(-1).values.to(ROUTE_DTYPE)
+    if t.shape[0] > tokens:
+        raise ValueError(f"routes for {t.shape[0]} tokens, the sequence has {tokens}")
+    pad = torch.full((tokens - t.shape[0], *t.shape[1:]), -1, dtype=ROUTE_DTYPE)
+    return torch.cat([t, pad])

@@ -285,6 +285,12 @@ class VLLMEngine(RolloutEngine):
         finally:
             renderer_log.removeFilter(quiet)
         self.eos_token_ids = eos_ids_of_checkpoint(model_path)
+        self._moe_layers = None   # with enable_return_routed_experts: the MoE layers of vLLM's all-layer rows
+        if llm_kwargs.get("enable_return_routed_experts"):
+            from mrl.models.facts import find_hf_config
+            from mrl.rollout.hf_routes import moe_layer_indices
+
+            self._moe_layers = moe_layer_indices(find_hf_config(model_path)[0])
         self._asleep = False
         self._cpu_threads = torch.get_num_threads() if _on_cpu() else None
 
@@ -299,12 +305,16 @@ class VLLMEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, rollout, model_path: str, *, seed: int, dtype: str,
-                    max_model_len: int) -> "VLLMEngine":
+                    max_model_len: int, return_routes: bool = False) -> "VLLMEngine":
         """An engine as the `[rollout]` section describes it, on this rank's engine group
-        (`mrl.rollout.plan.EngineGroups`); every rank of the world calls it."""
+        (`mrl.rollout.plan.EngineGroups`); every rank of the world calls it. `return_routes`:
+        responses carry the experts of every token (vLLM's routed-experts output; routing replay R3)."""
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        return cls(**engine_args(rollout, model_path, seed=seed, dtype=dtype, max_model_len=max_model_len,
-                                 rank=rank, on_cpu=_on_cpu()))
+        args = engine_args(rollout, model_path, seed=seed, dtype=dtype, max_model_len=max_model_len,
+                           rank=rank, on_cpu=_on_cpu())
+        if return_routes:
+            args["enable_return_routed_experts"] = True
+        return cls(**args)
 
     # --- generation ----------------------------------------------------------------------------
     def _params(self, sampling: Sampling, seed: Optional[int]):
@@ -340,7 +350,13 @@ class VLLMEngine(RolloutEngine):
                 ids = list(c.token_ids)
                 lps = [step[t].logprob for step, t in zip(c.logprobs, ids)]
                 reason = "length" if c.finish_reason == "length" else "stop"
-                responses.append(Response(prompt_index=i, token_ids=ids, logprobs=lps, finish_reason=reason))
+                routes = None
+                if self._moe_layers is not None:   # actor.moe.routing_replay = "r3"
+                    from mrl.rollout.hf_routes import from_all_layers
+
+                    routes = from_all_layers(c.routed_experts, self._moe_layers, len(prompts[i]["prompt_token_ids"]) + len(ids))
+                responses.append(Response(prompt_index=i, token_ids=ids, logprobs=lps, finish_reason=reason,
+                                          routes=routes))
         return responses
 
     def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:

@@ -7,7 +7,8 @@ actor pass replays and what a step reports.
   replay them, so the ratio compares the same experts. An on-policy step has no separate
   old-log-prob pass (the update's forward gives the old log-probs): nothing to replay there.
 - "r3": every actor pass (old log-probs and updates) replays the routes the rollout engine chose
-  (`rollout_*_routes`, from `Response.routes`), prompt tokens included.
+  (`rollout_*_routes`, from `Response.routes`: the hf engine's router outputs, or vLLM's
+  routed-experts output, `enable_return_routed_experts`), prompt tokens included.
 The reference model is not replayed: the KL is to the reference as it routes by itself.
 """
 from __future__ import annotations
@@ -34,9 +35,6 @@ def replay_problems(spec, facts) -> list[tuple[str, str]]:
     if spec.actor.recompute == "full":
         out.append((key, f"{mode!r} cannot run with actor.recompute = 'full' (the recomputed forward would route "
                          "again); use 'selective' or 'none'"))
-    if mode == "r3" and spec.rollout.engine != "hf":
-        out.append((key, f"'r3' needs the experts the rollout engine chose; rollout.engine = "
-                         f"{spec.rollout.engine!r} does not return them to mrl yet (use 'hf', or 'r2')"))
     return out
 
 

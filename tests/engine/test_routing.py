@@ -162,3 +162,21 @@ def test_routing_replay_benchmark_summarises_a_history():
     assert s["diff_mean"] == pytest.approx(2e-3) and s["diff_max"] == 0.2 and s["reward_last3"] == pytest.approx(0.3)
     text = bench.table([("bfloat16", "r3", s)])
     assert "agree@1" in text.splitlines()[0] and text.splitlines()[2].startswith("bfloat16  r3")
+
+
+def test_engine_rows_over_all_layers_become_moe_layer_routes():
+    """vLLM's routed-experts rows cover every layer and every token it fed (prompt + response - 1);
+    mrl keeps the MoE layers, sorts the top-k and marks the unfed last token unknown."""
+    from mrl.rollout.hf_routes import from_all_layers, moe_layer_indices
+
+    assert moe_layer_indices({"model_type": "qwen3_moe", "num_hidden_layers": 4, "mlp_only_layers": [1]}) == [0, 2, 3]
+    assert moe_layer_indices({"model_type": "qwen2_moe", "num_hidden_layers": 4, "decoder_sparse_step": 2}) == [1, 3]
+    assert moe_layer_indices({"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1}) == [1, 2, 3]
+    assert moe_layer_indices({"model_type": "mixtral", "num_hidden_layers": 2}) == [0, 1]
+    import numpy as np
+
+    rows = np.array([[[0, 0], [3, 1]], [[0, 0], [2, 0]]], dtype=np.uint8)   # 2 tokens fed, layer 0 dense
+    out = from_all_layers(rows, [1], 3)
+    assert out.dtype == torch.int16 and out.tolist() == [[[1, 3]], [[0, 2]], [[-1, -1]]]
+    with pytest.raises(ValueError):
+        from_all_layers(rows, [1], 1)
