@@ -214,6 +214,9 @@ class RouterHooks:
         hooks = self.routers.get(id(chunk), ())
         if not hooks:
             return
+        if any(hook.natural is None for _, hook in hooks):
+            raise RuntimeError("routing: a router did not report its routes (megatron's fused router, "
+                               "moe_router_fusion, bypasses the replay hook)")
         if torch.is_grad_enabled():
             self._train_calls += len(hooks)
         start = self.tp_rank * (mb.row_tokens // self.tp) if self.sp and self.tp > 1 else 0
