@@ -180,3 +180,30 @@ def test_engine_rows_over_all_layers_become_moe_layer_routes():
     assert out.dtype == torch.int16 and out.tolist() == [[[1, 3]], [[0, 2]], [[-1, -1]]]
     with pytest.raises(ValueError):
         from_all_layers(rows, [1], 1)
+
+
+def test_each_actor_pass_replays_what_the_mode_says():
+    from mrl.train.moe import actor_pass
+
+    batch = small_batch()
+    recorded = batch.add(trainer_prompt_routes=batch["rollout_prompt_routes"],
+                         trainer_response_routes=batch["rollout_response_routes"])
+    actor = SimpleNamespace(routing=SimpleNamespace(replay_from=None, record=False))
+    seen = {}
+    for mode, which, b in (("off", "old", batch), ("off", "update", recorded), ("r2", "old", batch),
+                           ("r2", "update", batch), ("r2", "update", recorded), ("r3", "old", batch),
+                           ("r3", "update", recorded)):
+        with actor_pass(actor, mode, which, b):
+            seen[(mode, which, "trainer_prompt_routes" in b)] = (actor.routing.replay_from, actor.routing.record)
+        assert (actor.routing.replay_from, actor.routing.record) == (None, False)   # reset after the pass
+    assert seen == {("off", "old", False): (None, False), ("off", "update", True): (None, False),
+                    ("r2", "old", False): (None, True),          # R2 records in the old-log-prob pass
+                    ("r2", "update", False): (None, False),      # on-policy: nothing was recorded
+                    ("r2", "update", True): ("trainer", False),
+                    ("r3", "old", False): ("rollout", False), ("r3", "update", True): ("rollout", False)}
+    plain = Batch.from_sequences([[1]], [[2]])
+    with pytest.raises(RuntimeError, match="returned no routes"):
+        with actor_pass(actor, "r3", "old", plain):
+            pass
+    with actor_pass(SimpleNamespace(routing=None), "r3", "old", plain):   # a dense actor: nothing to do
+        pass
