@@ -11,7 +11,9 @@ Per layout:
   micro-batches), give the recorded pass's log-probs, and they are transformers' routes;
 - training (EP1, EP2, PP2; MoE training at TP2 needs sequence parallelism, not on cpu): one
   update with R3 random routes has EP1's loss and gradient norm.
-bf16 (EP2): a pass replaying the routes it recorded reproduces its log-probs bit for bit.
+bf16 (EP2): a pass replaying the routes it recorded reproduces its log-probs bit for bit; against
+transformers in bf16, R3 brings the MoE model's log-prob mismatch to a dense model's of the same
+shape (and below its own without replay).
 """
 import json
 import os
@@ -70,7 +72,7 @@ def hf_pass(model, batch, forced=None):
                 if forced is not None:
                     current["routes"] = forced[i]
                 logits = model(input_ids=seq[None]).logits[0].float()
-                routes.append(cap.take(1, len(seq))[0])
+                routes.append(cap.take(1, len(seq))[0] if cap else None)   # None: a dense model
                 lp[i, :r] = torch.log_softmax(logits[p - 1:p - 1 + r], -1).gather(1, seq[p:, None]).squeeze(1)
     finally:
         for h in handles:
@@ -178,6 +180,39 @@ def main():
     hooks.replay_from = "trainer"
     again = eng.forward_only(mine.add(**hooks.take_recorded(mine)), out_fn, micro_batch_tokens=10_000)["logprobs"]
     C.report("bf16_ep2_r2_replayed_vs_recorded", (again - own).abs().max())
+    hooks.replay_from = None
+
+    # bf16 train/rollout mismatch (trainer vs transformers in bf16, mean |d log p| over the batch):
+    # R3 brings the MoE model to the level of a dense model of the same shape, and below its own
+    # level without replay (same seeds, so the figures are fixed on a machine)
+    hf16 = model.to(torch.bfloat16)
+    batch = E.synthetic_batch(prompts=24, per_prompt=2, seed=12)   # more tokens: a steadier mean
+    lp16, routes16 = hf_pass(hf16, batch)
+    b16 = with_routes(batch, routes16)
+    rows = batch.add(row=torch.arange(len(batch))).dp_shard(ctx.dp_rank, ctx.dp)["row"]
+    moe_off = eng.forward_only(b16.dp_shard(ctx.dp_rank, ctx.dp), out_fn, micro_batch_tokens=10_000)["logprobs"]
+    hooks.replay_from = "rollout"
+    moe_r3 = eng.forward_only(b16.dp_shard(ctx.dp_rank, ctx.dp), out_fn, micro_batch_tokens=10_000)["logprobs"]
+    hooks.replay_from = None
+    C.down()
+    dd = Path(sys.argv[1]) / f"dense{rank}"
+    dense_hf = make_hf_model("qwen3", dd, seed=3)
+    dense_lp16, _ = hf_pass(dense_hf.to(torch.bfloat16), batch)
+    ctx = C.up()
+    dense_eng = build(complete_hf_config(json.loads((dd / "config.json").read_text())), dd, "bfloat16", False)
+    dense = dense_eng.forward_only(batch.dp_shard(ctx.dp_rank, ctx.dp), out_fn, micro_batch_tokens=10_000)["logprobs"]
+    mask = (batch["response_mask"][rows] > 0).double()
+
+    def mean_diff(a, b):
+        t = torch.stack([((a.double() - b.double()).abs() * mask).sum(), mask.sum()])
+        torch.distributed.all_reduce(t)
+        return float(t[0] / t[1])
+
+    off16, r316, dense16 = mean_diff(moe_off, lp16[rows]), mean_diff(moe_r3, lp16[rows]), mean_diff(dense, dense_lp16[rows])
+    if rank == 0:
+        print(f"bf16 mean |dlogp| vs transformers: dense {dense16:.3e}, moe off {off16:.3e}, moe r3 {r316:.3e}", flush=True)
+    C.report("bf16_r3_over_dense_mismatch", r316 / dense16)
+    C.report("bf16_r3_over_off_mismatch", r316 / off16)
     C.down()
 
 
