@@ -189,11 +189,11 @@ class RouterHooks:
     def reset(self) -> None:
         """Start a step: forget the first pass's counts and any record."""
         self.first_pass_stats: Optional[RouteStats] = None
-        self._stats = self._zero()
+        self._stats = self.empty_stats()
         self.recorded = []
         self._train_calls = 0
 
-    def _zero(self) -> RouteStats:
+    def empty_stats(self) -> RouteStats:
         L = len(self.layers)
         return RouteStats(agree=torch.zeros(L, dtype=torch.float64), compared=torch.zeros(L, dtype=torch.float64),
                           load=torch.zeros(L, self.experts, dtype=torch.float64))
@@ -261,7 +261,7 @@ class RouterHooks:
     def end_pass(self) -> None:
         if self.first_pass_stats is None:
             self.first_pass_stats = self._stats
-        self._stats = self._zero()
+        self._stats = self.empty_stats()
 
     def take_recorded(self, batch) -> dict[str, torch.Tensor]:
         """The recorded routes of the last recording pass over `batch`, as `trainer_*` fields

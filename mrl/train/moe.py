@@ -114,7 +114,7 @@ def step_metrics(actor) -> dict[str, float]:
     from mrl.engine.routing import load_ratio
     from mrl.platform.collectives import world_reduce
 
-    stats = hooks.first_pass_stats or hooks._zero()
+    stats = hooks.first_pass_stats or hooks.empty_stats()
     aux = sum(float(v["values"].sum()) for v in get_moe_layer_wise_logging_tracker().values())
     clear_aux_losses_tracker()
     calls = hooks.take_train_calls()
