@@ -207,3 +207,26 @@ def test_each_actor_pass_replays_what_the_mode_says():
             pass
     with actor_pass(SimpleNamespace(routing=None), "r3", "old", plain):   # a dense actor: nothing to do
         pass
+
+
+def test_step_metrics_by_hand():
+    """moe/* from one rank's counts (on one process the collective is the identity)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    from mrl.engine.routing import RouteStats
+    from mrl.train.moe import step_metrics
+
+    stats = RouteStats(agree=torch.tensor([9.0, 5.0], dtype=torch.float64),
+                       compared=torch.tensor([10.0, 10.0], dtype=torch.float64),
+                       load=torch.tensor([[2.0, 2.0, 2.0, 2.0], [4.0, 2.0, 1.0, 1.0]], dtype=torch.float64))
+    hooks = SimpleNamespace(first_pass_stats=stats, layers=[1, 2], experts=4, take_train_calls=lambda: 4)
+    tracker = get_moe_layer_wise_logging_tracker()
+    tracker["load_balancing_loss"] = {"values": torch.tensor([2.0, 2.4])}   # summed over 2 micro-batches x 2 layers
+    try:
+        m = step_metrics(SimpleNamespace(routing=hooks, device="cpu"))
+    finally:
+        tracker.pop("load_balancing_loss")
+    assert m["moe/routing_agreement"] == pytest.approx(0.7) and m["moe/routing_agreement_min"] == pytest.approx(0.5)
+    assert m["moe/expert_load_max_over_mean"] == pytest.approx(1.5) and m["moe/expert_load_max_over_mean_max"] == 2.0
+    assert m["moe/router_aux_loss"] == pytest.approx(4.4 / 4)
+    assert step_metrics(SimpleNamespace(routing=None)) == {}
