@@ -417,6 +417,10 @@ def check(spec: JobSpec, report) -> None:
         err(key, message)
     for key, message in warnings:
         warn(key, message)
+    from mrl.train.moe import replay_problems
+
+    for key, message in replay_problems(spec, facts):
+        err(key, message)
     if lora.rank and spec.ref.enable and spec.ref.model_path != spec.model.path:
         err("ref.model_path", f"with actor.lora the reference is the actor's base ({spec.model.path}) with adapters "
                               f"off; a separate reference {spec.ref.model_path!r} is not supported")

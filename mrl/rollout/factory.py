@@ -26,11 +26,13 @@ def _architecture(hf_config: dict) -> str:
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[AutoConfig.for_model(hf_config["model_type"]).model_type]
 
 
-def build_engine(rollout, model, *, seed: int, device: torch.device | str, max_model_len: int) -> RolloutEngine:
+def build_engine(rollout, model, *, seed: int, device: torch.device | str, max_model_len: int,
+                 return_routes: bool = False) -> RolloutEngine:
     """The rollout engine for a job's `[rollout]` and `[model]` sections.
 
     `seed`: the job seed (rollout.seed wins when set); `max_model_len`: prompt + response tokens,
-    used when rollout.max_model_len is unset.
+    used when rollout.max_model_len is unset; `return_routes`: MoE responses carry their routes
+    (vllm: its routed-experts output, for routing replay R3; the hf engine always returns them).
     """
     seed = rollout.seed if rollout.seed is not None else seed
     dtype = rollout.dtype or model.dtype
@@ -53,7 +55,8 @@ def build_engine(rollout, model, *, seed: int, device: torch.device | str, max_m
     path = _config_only_dir(found[0], preset) if preset is not None else model.path
     if preset is not None and rollout.load_format != "dummy":
         raise UserError(f"rollout.load_format: {model.path!r} has no weights on disk; use 'dummy'")
-    return VLLMEngine.from_config(rollout, path, seed=seed, dtype=dtype, max_model_len=max_model_len)
+    return VLLMEngine.from_config(rollout, path, seed=seed, dtype=dtype, max_model_len=max_model_len,
+                                  return_routes=return_routes)
 
 
 def build_fixed_engine(kind: str, path: str, *, key: str, dtype: str, device: torch.device, seed: int,

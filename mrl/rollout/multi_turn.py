@@ -24,7 +24,7 @@ from mrl.rollout.engine import RolloutEngine
 from mrl.rollout.tool_formats import HermesFormat, resolve_format  # noqa: F401 - HermesFormat re-exported
 from mrl.rollout.tools import ToolCall, ToolResult, ToolRunner
 from mrl.rollout.turns import TurnTemplate
-from mrl.rollout.types import Response, Sampling, prompt_seed, resolve_prompt_seeds
+from mrl.rollout.types import Response, Sampling, prompt_seed, resolve_prompt_seeds, routes_to
 
 
 class Tokenizer(Protocol):
@@ -50,6 +50,7 @@ class _Conversation:
     statuses: list[str] = field(default_factory=list)
     pending: list = field(default_factory=list)  # (call or error text, call id) of the last assistant turn
     last_turn: list[int] = field(default_factory=list)  # ids the engine produced in the last assistant turn
+    routes: Any = None   # MoE routes of the last assistant turn's call (prompt + tokens so far)
 
     def add(self, ids: Sequence[int], logprobs: Sequence[float], mask: int) -> None:
         self.tokens += ids
@@ -140,6 +141,7 @@ class MultiTurnRollout:
                 self._tool_turn(calling, sampling.max_tokens)
             turn += 1
         return [Response(c.prompt_index, c.tokens, c.logprobs, c.finish_reason, loss_mask=c.mask,
+                         routes=routes_to(c.routes, len(c.prompt) + len(c.tokens)),
                          info={"assistant_turns": c.assistant_turns, "tool_turns": c.tool_turns,
                                "tool_calls": len(c.statuses), "tool_errors": c.statuses.count("error"),
                                "tool_timeouts": c.statuses.count("timeout")})
@@ -162,6 +164,7 @@ class MultiTurnRollout:
                 outs = self.engine.generate([c.prompt + c.tokens for c in group], s)
             for c, out in zip(group, outs):
                 c.add(out.token_ids, out.logprobs, 1)
+                c.routes = out.routes
                 c.assistant_turns += 1
                 c.finish_reason = out.finish_reason
                 c.last_turn = list(out.token_ids)

