@@ -71,25 +71,40 @@ def cmd_show(args) -> int:
     if len(jobs) != 1:
         raise UserError(f"mrl show takes one job file, got {len(jobs)}: {' '.join(jobs)}")
     spec, report = load(jobs[0], overrides)
-    if args.get:   # one line per key: scalars as they are, lists as space-separated shell words
-        import shlex
-
+    if args.get:
         for key in args.get:
             value = spec
             for part in key.split("."):
                 if not hasattr(value, part):
                     raise UserError(f"{key}: no such key in the resolved spec")
                 value = getattr(value, part)
-            if isinstance(value, bool):
-                value = str(value).lower()
-            elif isinstance(value, (tuple, list)):
-                value = shlex.join(str(v) for v in value)
-            print(value)
+            print(_get_text(value))
         return 0
     for line in report.warnings:
         print(f"# warning: {line}")
     sys.stdout.write(to_toml(spec))
     return 0
+
+
+def _get_text(value) -> str:
+    """One resolved value as `mrl show --get` prints it for scripts: scalars as they are (booleans
+    as TOML writes them, unset as an empty line), lists as space-separated shell words, tables
+    (a dict, or a whole section) as one line of JSON."""
+    import dataclasses
+    import json
+    import shlex
+
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (tuple, list)):
+        return shlex.join(str(v) for v in value)
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return json.dumps(value, default=str)
+    return str(value)
 
 
 def cmd_keys(args) -> int:
@@ -247,6 +262,7 @@ def cmd_train(args) -> int:
 
     from mrl.tracking.startup import STARTUP   # the first line, before torch is imported
 
+    STARTUP.start()
     STARTUP.say(f"mrl train {' '.join(_split_args(args.items)[0])}: checking the job")
     spec = _one_job(args, "train")
     if hasattr(spec, "sft"):
@@ -259,6 +275,9 @@ def cmd_train(args) -> int:
 
 
 def cmd_sft(args) -> int:
+    from mrl.tracking.startup import STARTUP
+
+    STARTUP.start()   # weight-loading progress lines on rank 0
     from mrl.sft.loop import sft
 
     spec = _one_job(args, "sft")
@@ -306,24 +325,35 @@ def cmd_eval(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    """Responses of a checkpoint's policy to --prompt / --prompts, as JSONL (stdout or --out)."""
+    """Responses of a checkpoint's policy to --prompt / --prompts / the job's data (--from-data, the
+    default), scored with the job's reward where answers are known; JSONL (stdout or --out) or parquet."""
     import json
-    from pathlib import Path
 
-    from mrl.offline.generate import SamplingOverrides, generate_rows, read_prompts
+    from mrl.offline.generate import Request, SamplingOverrides, from_data, generate_rows, read_requests, write_rows
 
-    if (args.prompt is None) == (args.prompts is None):
-        raise UserError("mrl generate takes one of --prompt TEXT or --prompts FILE.jsonl")
-    prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
+    given = [name for name, v in (("--prompt TEXT", args.prompt), ("--prompts FILE.jsonl", args.prompts),
+                                  ("--from-data [N]", args.from_data)) if v is not None]
+    if len(given) > 1:
+        raise UserError(f"mrl generate takes one of --prompt TEXT, --prompts FILE.jsonl or --from-data [N], got "
+                        f"{' and '.join(given)}")
+    if args.split is not None and (args.prompt is not None or args.prompts is not None):
+        raise UserError("mrl generate: --split picks the job's data (--from-data); it does not apply to --prompt(s)")
     target = _target(args, "generate")
+    if args.prompt is not None:
+        prompts = [Request(args.prompt)]
+    elif args.prompts is not None:
+        prompts = read_requests(args.prompts)
+    else:   # the job's own prompts, with their answers
+        prompts = from_data(target.spec, args.from_data, args.split)
     rows = generate_rows(target, prompts, SamplingOverrides(n=args.n, temperature=args.temperature,
-                                                            max_tokens=args.max_tokens))
-    lines = [json.dumps(row, ensure_ascii=False) for row in rows]
+                                                            max_tokens=args.max_tokens), scored=not args.no_score)
     if args.out:
-        Path(args.out).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-        print(f"wrote {len(lines)} responses to {args.out} ({target.label})")
+        write_rows(rows, args.out)
+        scored = [r["score"] for r in rows if "score" in r]
+        mean = f", mean score {sum(scored) / len(scored):.4g}" if scored else ""
+        print(f"wrote {len(rows)} responses to {args.out} ({target.label}{mean})")
     else:
-        print("\n".join(lines))
+        print("\n".join(json.dumps(row, ensure_ascii=False) for row in rows))
     return 0
 
 
@@ -458,6 +488,7 @@ def _checkpoint_target_arguments(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from mrl import __version__
     from mrl.config.loader import PATHS_HELP
+    from mrl.offline.generate import DATA_PROMPTS
 
     parser = argparse.ArgumentParser(prog="mrl", description="Megatron-centric RL post-training for LLMs.",
                                      epilog=f"Job specs: {PATHS_HELP}.")
@@ -470,7 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")
     p.add_argument("--get", metavar="KEY", action="append",
                    help="print only this resolved value (for scripts; repeat for several, one line each; a list as "
-                        "space-separated shell words), e.g. platform.world_size")
+                        "space-separated shell words, a table as JSON, an unset value as an empty line), e.g. "
+                        "platform.world_size")
     p.set_defaults(func=cmd_show)
     p = sub.add_parser("plan", help="what one weight sync costs (bytes full and delta, buckets, groups, memory, "
                                      "estimated time) from the model config alone; no weights are loaded")
@@ -498,8 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Evaluate a checkpoint on the job's validation set with the validation sampling "
                                    "settings and rewards, reporting the val/* metrics the training loop logs. The "
                                    "checkpoint is the run's latest, or --step N; a job with no checkpoint yet is "
-                                   "evaluated from its model.path. Example: mrl eval jobs/quickstart_cpu.toml "
-                                   "--json val.json")
+                                   "evaluated from its model.path.")
     _checkpoint_target_arguments(p)
     p.add_argument("--json", metavar="PATH", help="also write the metrics and sample rows here as JSON")
     p.set_defaults(func=cmd_eval)
@@ -508,13 +539,23 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate responses with a checkpoint's weights (the latest, or --step N; the "
                                    "job's model.path when none) through the job's rollout engine, rendering prompts "
                                    "with the job's chat settings and sampling as training samples (rollout.*), one "
-                                   "response per prompt. "
-                                   "Example: mrl generate runs/quickstart-cpu --prompt 'Write 12 in digits:' -n 4")
+                                   "response per prompt. Prompts come from --prompt, --prompts or, by default, the "
+                                   "job's data (--from-data N: its first N prompts, with their answers); responses "
+                                   "to prompts with answers get the job's reward as their score.")
     _checkpoint_target_arguments(p)
     p.add_argument("--prompt", metavar="TEXT", help="one prompt")
     p.add_argument("--prompts", metavar="FILE.jsonl",
-                   help="prompts, one a line: a JSON string or {\"prompt\": text or chat messages}")
-    p.add_argument("--out", metavar="FILE.jsonl", help="write the responses here (default: standard output)")
+                   help="prompts, one a line: a JSON string or {\"prompt\": text or chat messages, \"answer\": ..., "
+                        "\"data_source\": ...} (rows with answers are scored)")
+    p.add_argument("--from-data", type=int, nargs="?", const=DATA_PROMPTS, default=None, metavar="N",
+                   help=f"the first N prompts of the job's data (default {DATA_PROMPTS}; also what runs when no "
+                        "prompt is given)")
+    p.add_argument("--split", choices=("train", "val"), default=None,
+                   help="which data --from-data reads (default: val when the job has validation data, else train)")
+    p.add_argument("--no-score", action="store_true", help="do not score the responses with the job's reward")
+    p.add_argument("--out", metavar="FILE.jsonl|FILE.parquet",
+                   help="write the responses here, as JSONL or parquet by the suffix (default: JSONL on standard "
+                        "output)")
     p.add_argument("-n", type=int, default=None, help="responses per prompt (default 1)")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (0: greedy; default: "
                                                                     "rollout.temperature)")
@@ -609,7 +650,57 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf: full Hugging Face weights, LoRA adapters merged in (default); peft: a LoRA "
                         "checkpoint's adapters as a PEFT adapter directory over the job's base model")
     p.set_defaults(func=cmd_merge)
+    for name, command in sub.choices.items():   # every subcommand's --help: what it does, and examples
+        if not command.description:
+            help_text = next(a.help for a in sub._choices_actions if a.dest == name)
+            command.description = help_text[0].upper() + help_text[1:] + "."
+        command.epilog = "Examples:\n" + "\n".join(f"  {line}" for line in EXAMPLES[name])
+        command.formatter_class = _HelpFormatter
     return parser
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, with the lines of an "Examples:" epilog kept as written (not re-wrapped)."""
+
+    def _fill_text(self, text, width, indent):
+        if text.startswith("Examples:"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+# shown under each subcommand's --help (a test runs every command's --help and checks each has some)
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "validate": ("mrl validate jobs/quickstart_cpu.toml",
+                 "mrl validate my_job.toml actor.optim.lr=2e-6 'data.train_files=[a.parquet, b.parquet]'"),
+    "show": ("mrl show jobs/quickstart_cpu.toml                 # the whole resolved job as TOML",
+             "mrl show jobs/quickstart_cpu.toml --get platform.world_size --get tracking.backends"),
+    "plan": ("mrl plan jobs/grpo_qwen2.5_7b.toml",
+             "mrl plan jobs/grpo_qwen2.5_7b.toml --changed-fraction 0.05 --ib-gbps 25"),
+    "preflight": ("MRL_COMMAND=preflight launch/torchrun.sh jobs/grpo_qwen2.5_7b.toml",
+                  "torchrun --nproc_per_node 8 -m mrl preflight jobs/grpo_qwen2.5_7b.toml"),
+    "train": ("launch/torchrun.sh jobs/quickstart_cpu.toml       # one node, ranks from the job",
+              "torchrun --nproc_per_node 2 -m mrl train jobs/quickstart_cpu.toml trainer.total_steps=80",
+              "mrl train jobs/quickstart_cpu.toml platform.ranks_per_node=1 parallel.tensor=1   # one process"),
+    "sft": ("mrl launch jobs/sft_cpu.toml",
+            "torchrun --nproc_per_node 2 -m mrl sft jobs/sft_cpu.toml sft.lora.rank=8"),
+    "eval": ("mrl eval runs/quickstart-cpu                      # the run's latest checkpoint",
+             "mrl eval jobs/quickstart_cpu.toml --step 20 --json val.json"),
+    "generate": ("mrl generate runs/quickstart-cpu --prompt 'Write 12 in digits:' -n 4",
+                 "mrl generate runs/quickstart-cpu --from-data 64 --out samples.parquet",
+                 "mrl generate jobs/quickstart_cpu.toml --prompts prompts.jsonl --temperature 0"),
+    "compare": ("mrl compare runs/quickstart-cpu runs/quickstart-cpu-lr1e-3",
+                "mrl compare runs/quickstart-cpu --metrics reward,kl --out plots"),
+    "track": ("mrl track replay runs/quickstart-cpu",),
+    "launch": ("mrl launch jobs/quickstart_cpu.toml",
+               "mrl launch jobs/quickstart_cpu.toml --run preflight --dry-run"),
+    "keys": ("mrl keys rollout.", "mrl keys --verl actor_rollout_ref.rollout", "mrl keys --json > keys.json"),
+    "convert": ("mrl convert verl_ppo.yaml -o job.toml",
+                "mrl convert run_qwen2-7b_grpo.sh actor_rollout_ref.rollout.n=8 -o job.toml"),
+    "data": ("mrl data gsm8k ~/datasets/gsm8k data/gsm8k",
+             "mrl data gym chain_sum data/chain_sum --train-size 2000 --option min_terms=2"),
+    "merge": ("mrl merge runs/quickstart-cpu runs/quickstart-cpu/hf",
+              "mrl merge runs/my-lora-run out --format peft --dtype bfloat16"),
+}
 
 
 REPORT_GRACE_S = 3.0   # how long a failing rank waits to learn whether a lower rank failed too

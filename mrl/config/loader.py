@@ -395,6 +395,8 @@ PATH_KEYS: dict[str, str] = {
     "reward.model_path": "model",
     "checkpoint.dir": "file",
     "checkpoint.load_from": "file",
+    "actor.lora.adapter_path": "file",
+    "sft.lora.adapter_path": "file",
 }
 SOURCE_PATH_KEYS = {"function": "ref", "model_path": "model"}  # inside each [[reward.sources]] table
 PATHS_HELP = ("paths in a job file are relative to that file; paths in command-line overrides to the working "

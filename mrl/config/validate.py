@@ -17,6 +17,7 @@ from mrl.reward import function as reward_function
 
 _GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk", "gpg", "gdpo", "optimal_token_baseline",
                      "tir_optimal_token_baseline")
+GROUP_RESPONSES = 8   # rollout.responses_per_prompt when unset and the estimator compares a group's responses
 _SEQ_MEAN_LOSSES = ("sapo", "geo_mean")   # mrl.algos.losses.FORCED_AGG_MODE (importing it would import torch)
 
 
@@ -83,6 +84,8 @@ def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
         reward = _replace(reward, micro_batch_tokens=actor.micro_batch_tokens)
     data = shared["data"]
     rollout = spec.rollout
+    if rollout.responses_per_prompt is None:   # a group estimator needs a group: a minimal GRPO job is valid
+        rollout = _replace(rollout, responses_per_prompt=GROUP_RESPONSES if alg.advantage in _GROUP_ESTIMATORS else 1)
     if rollout.dtype is None:
         rollout = _replace(rollout, dtype=spec.model.dtype)
     if rollout.seed is None:
@@ -276,6 +279,14 @@ def check(spec: JobSpec, report) -> None:
 
     for key, message in server_problems(roll.multi_turn):
         err(key, message)
+    if roll.multi_turn.enable:
+        from mrl.rollout.tool_formats import model_template, template_problem
+
+        source = spec.model.tokenizer or spec.model.path
+        template, readable = model_template(source)
+        problem = template_problem(roll.multi_turn.format, template, source) if readable else None
+        if problem:
+            err("rollout.multi_turn.format", problem)
 
     # --- data source
     if data.generator is not None:
@@ -403,6 +414,17 @@ def check(spec: JobSpec, report) -> None:
     for key, message in lora_problems(lora, "actor.lora", sequence_parallel=par.sequence_parallel,
                                       num_experts=facts.num_experts if facts is not None else None):
         err(key, message)
+    from mrl.models.lora_adapter import adapter_problems
+
+    errors, warnings = adapter_problems(lora, "actor.lora")
+    for key, message in errors:
+        err(key, message)
+    for key, message in warnings:
+        warn(key, message)
+    from mrl.train.moe import replay_problems
+
+    for key, message in replay_problems(spec, facts):
+        err(key, message)
     if lora.rank and spec.ref.enable and spec.ref.model_path != spec.model.path:
         err("ref.model_path", f"with actor.lora the reference is the actor's base ({spec.model.path}) with adapters "
                               f"off; a separate reference {spec.ref.model_path!r} is not supported")
@@ -413,6 +435,13 @@ def check(spec: JobSpec, report) -> None:
 
     for key, message in reward_problems(rw):
         err(key, message)
+    from mrl.reward.judge import judge_placement_problems
+
+    judge_errors, judge_warnings = judge_placement_problems(rw.judge, roll, plat.device)
+    for key, message in judge_errors:
+        err(key, message)
+    for key, message in judge_warnings:
+        warn(key, message)
 
     # --- checkpoint / trainer
     if spec.checkpoint.resume == "must" and spec.checkpoint.load_from is None:

@@ -90,6 +90,14 @@ class Engine:
             no_sync = [c.no_sync for c in self.chunks]
             self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         self.steps = 0  # optimizer updates attempted (skipped ones included)
+        self.routing = None   # `mrl.engine.routing.RouterHooks` of an MoE model (`attach_routing`)
+
+    def attach_routing(self):
+        """Give every router of this (MoE) model a replay hook (`mrl.engine.routing`); returns them."""
+        from mrl.engine.routing import RouterHooks
+
+        self.routing = RouterHooks(self.chunks, self.config)
+        return self.routing
 
     # ---------------------------------------------------------------- packing
 
@@ -114,15 +122,22 @@ class Engine:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if self.routing is not None:
+                self.routing.before(model, mb)
             output = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
+            if self.routing is not None:
+                self.routing.after(model, mb)
             return output, step_fn(mb)
 
         multi = len(self.chunks) > 1
         iterators = [iter(mbs) for _ in self.chunks] if multi else iter(mbs)
-        return get_forward_backward_func()(
+        store = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterators,
             model=self.chunks if multi else self.chunks[0], num_microbatches=len(mbs),
             seq_length=max(mb.row_tokens for mb in mbs), micro_batch_size=1, forward_only=forward_only)
+        if self.routing is not None:
+            self.routing.end_pass()
+        return store
 
     # ---------------------------------------------------------------- training
 

@@ -7,6 +7,9 @@ sequences with per-sequence position ids and megatron's `PackedSeqParams` in the
 (`cu_seqlens`): every attention backend (`mrl.models.attention`) reads the sequence boundaries
 from them, RoPE restarts at each sequence, and no `[T, T]` mask is ever built.
 
+MoE routes in the batch (`rollout_*_routes`, `trainer_*_routes`: `mrl.engine.routing`) are laid
+out along the row the same way (`MicroBatch.routes`).
+
 A `MicroBatch` knows where each response token sits in the row, so a role's output
 `[1, T, ...]` is cut to the response tokens (`take`) and laid back out as `[n, R]` (`to_padded`).
 """
@@ -19,7 +22,10 @@ from typing import Any, Optional, Sequence
 import torch
 
 from mrl.batch import Batch
+from mrl.engine.routing import pack_row
 from mrl.errors import UserError
+
+ROUTE_SOURCES = ("rollout", "trainer")   # `<source>_prompt_routes` / `_response_routes` batch fields
 
 __all__ = ["plan", "pack", "MicroBatch"]
 
@@ -85,6 +91,7 @@ class MicroBatch:
     response_cols: torch.Tensor          # [N]
     sequence_tokens: int                 # tokens of real sequences in the row (padding excluded)
     loss_tokens: int                     # response tokens with response_mask = 1
+    routes: dict = dataclasses.field(default_factory=dict)   # source -> [T, L, k] MoE routes (`routing`)
 
     @property
     def row_tokens(self) -> int:
@@ -137,12 +144,14 @@ def pack(batch: Batch, index: Sequence[int], *, pad_to_multiple: int = 1,
     rows = torch.cat(resp_rows) if resp_rows else torch.zeros(0, dtype=torch.long)
     cols = torch.cat(resp_cols) if resp_cols else torch.zeros(0, dtype=torch.long)
     labels = sub["response_ids"][rows, cols]
+    routes = {src: pack_row(sub[f"{src}_prompt_routes"], sub[f"{src}_response_routes"], p_lens, r_lens, row).to(device)
+              for src in ROUTE_SOURCES if f"{src}_prompt_routes" in sub}
     packed = _thd_params([p + r for p, r in zip(p_lens, r_lens)] + ([row - used] if row > used else []), device)
     return MicroBatch(index=idx, batch=sub.to(device), tokens=tokens.to(device), position_ids=pos.to(device),
                       packed_seq_params=packed, response_positions=flat_pos.to(device),
                       response_labels=labels.to(device), response_rows=rows.to(device),
                       response_cols=cols.to(device), sequence_tokens=used,
-                      loss_tokens=int((sub["response_mask"] > 0).sum()))
+                      loss_tokens=int((sub["response_mask"] > 0).sum()), routes=routes)
 
 
 def _thd_params(lengths: list[int], device):

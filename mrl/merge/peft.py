@@ -20,9 +20,8 @@ from typing import Any, Optional
 import torch
 
 from mrl.errors import UserError
+from mrl.models.lora_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def adapter_config(lora: dict[str, Any], base: str) -> dict[str, Any]:

@@ -62,6 +62,10 @@ class LoraConfig:
     dropout: float = option(0.0, ge=0, lt=1, help="dropout on the adapter input (PEFT's lora_dropout)")
     target_modules: tuple[Target, ...] = option(HF_TARGETS, help="Hugging Face module names to adapt "
                                                 "(verl: target_modules; the default, all seven, is verl's 'all-linear')")
+    adapter_path: Optional[str] = option(None, help="start the adapters from a saved PEFT adapter directory "
+                                                    "(adapter_config.json + adapter_model.safetensors; its r, lora_alpha "
+                                                    "and target_modules must equal this table's) instead of B = 0 "
+                                                    "(verl: lora_adapter_path)")
 
 
 def lora_problems(cfg: LoraConfig, key: str, *, sequence_parallel: bool = False,

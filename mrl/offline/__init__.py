@@ -6,5 +6,5 @@
   reading of the checkpoint is the manifest-checked, restricted one of `mrl.checkpoint.trust`)
   and the job's rollout engine, rewarder and tokenizer on one rank.
 - `evaluate`: the training loop's validation (`mrl.train.evaluate.evaluate`) on that session.
-- `generate`: responses to given prompts, as JSONL.
+- `generate`: responses to given prompts or the job's own data, scored with the job's reward, as JSONL or parquet.
 """

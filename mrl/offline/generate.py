@@ -1,19 +1,23 @@
 """`mrl generate`: responses of a checkpoint's policy (through the job's rollout engine) to prompts
-given on the command line or in a JSONL file, as JSONL rows.
+given on the command line, in a JSONL file, or taken from the job's own data, as JSONL or
+parquet rows, scored with the job's reward where the prompts carry answers.
 
 A prompts file has one prompt per line: a JSON string, or an object whose `prompt` is a string
-or a list of chat messages. Prompts are rendered with the job's chat settings
-(`data.chat_template`, `data.system_prompt`), as training renders its data. Sampling is what
-the policy samples in training (`rollout.temperature`, `top_p`, `top_k`, `min_p`,
-`repetition_penalty`, `max_response_tokens`), one response per prompt; `-n`, `--temperature`
-(0: greedy) and `--max-tokens` override it.
+or a list of chat messages (and, to be scored, its `answer`, optionally its `data_source`).
+`--from-data N` takes the first N prompts of the job's data (`data.val_files`, or the
+generator's validation prompts, else the training data), with their answers. Prompts are
+rendered with the job's chat settings (`data.chat_template`, `data.system_prompt`), as training
+renders its data. Sampling is what the policy samples in training (`rollout.temperature`,
+`top_p`, `top_k`, `min_p`, `repetition_penalty`, `max_response_tokens`), one response per
+prompt; `-n`, `--temperature` (0: greedy) and `--max-tokens` override it. Scores are the job's
+reward (`reward.*`, a reward model included) as training computes them: the `score` column.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from mrl.errors import UserError
 from mrl.offline.target import Target
@@ -28,12 +32,32 @@ class SamplingOverrides:
     max_tokens: Optional[int] = None
 
 
-def read_prompts(path: str | Path) -> list[Any]:
+DATA_PROMPTS = 16   # prompts `--from-data` takes when it names no count (and when no prompt is given)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One prompt to answer; `answer` (None: unknown) and `data_source` are what the reward reads."""
+
+    prompt: Any
+    answer: Any = None
+    data_source: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class FromData:
+    """The first `count` prompts of the job's data, split `split` ("train" or "val")."""
+
+    count: int
+    split: str
+
+
+def read_requests(path: str | Path) -> list[Request]:
     """The prompts of a JSONL file (see the module docstring), one-line errors naming the line."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"generate: --prompts {path}: no such file")
-    prompts = []
+    requests = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -45,10 +69,30 @@ def read_prompts(path: str | Path) -> list[Any]:
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt))):
             raise UserError(f"generate: {path}:{number}: expected a string or an object with a \"prompt\" "
                             "(a string or a list of chat messages)")
-        prompts.append(prompt)
-    if not prompts:
+        extra = row if isinstance(row, dict) else {}
+        requests.append(Request(prompt, extra.get("answer"), str(extra.get("data_source") or "")))
+    if not requests:
         raise UserError(f"generate: --prompts {path}: no prompts in the file")
-    return prompts
+    return requests
+
+
+def read_prompts(path: str | Path) -> list[Any]:
+    """The prompts alone of a JSONL prompts file."""
+    return [r.prompt for r in read_requests(path)]
+
+
+def from_data(spec, count: Optional[int], split: Optional[str]) -> FromData:
+    """`--from-data [N] [--split S]` resolved: N prompts (default `DATA_PROMPTS`) of the split, by
+    default the held-out one when the job has one (val files, or a generator's validation
+    prompts), else the training data."""
+    if count is not None and count < 1:
+        raise UserError(f"generate: --from-data {count}: must be >= 1")
+    data = spec.data
+    if split is None:
+        split = "val" if data.val_files or data.generator else "train"
+    if split == "val" and not (data.val_files or data.generator):
+        raise UserError("generate: --split val: the job has no validation data (data.val_files); use --split train")
+    return FromData(count=count or DATA_PROMPTS, split=split)
 
 
 def sampling_of(spec, overrides: SamplingOverrides):
@@ -66,22 +110,72 @@ def sampling_of(spec, overrides: SamplingOverrides):
     return dataclasses.replace(sampling, **changes)
 
 
-def generate_rows(target: Target, prompts: list[Any], overrides: SamplingOverrides) -> Iterator[dict]:
+def generate_rows(target: Target, prompts: list[Request] | FromData, overrides: SamplingOverrides, *,
+                  scored: bool = True) -> list[dict]:
     """One row per response: the prompt, its index, the sample's index, the response text, its
-    token count and finish reason, and the policy step that generated it."""
-    from mrl.data.template import encode_prompt, render_prompt
+    token count and finish reason, the policy step that generated it and, when every prompt has
+    an answer (the job's data always does) and `scored`, its answer and the job's reward (`score`)."""
     from mrl.offline.session import session
-    from mrl.train.rollout import generate
+    from mrl.train.rollout import generate, score
 
     sampling = sampling_of(target.spec, overrides)
-    with session(target) as (run, gen, _):
-        data, tok = run.spec.data, run.tokenizer
-        ids = [encode_prompt(render_prompt(p, tok, chat_template=data.chat_template, system_prompt=data.system_prompt,
-                                           origin=f"prompt {i}"), tok, chat_template=data.chat_template)
-               for i, p in enumerate(prompts)]
-        responses = generate(run, gen, ids, sampling)
+    with session(target) as (run, gen, reward_model):
+        tok = run.tokenizer
+        items = _items(run, prompts)
+        scored = scored and all(it.answer is not None for it in items)
+        responses = generate(run, gen, [list(it.token_ids) for it in items], sampling)
+        scores = score(run, gen, items, responses, sampling.n, target.step,
+                       reward_model=reward_model)["scores"] if scored else None
+    rows = []
     for k, r in enumerate(responses):
-        i = k // sampling.n
-        yield {"index": i, "sample": k % sampling.n, "prompt": prompts[i],
+        it = items[k // sampling.n]
+        row = {"index": it.index, "sample": k % sampling.n, "prompt": it.prompt,
                "response": tok.decode(r.token_ids, skip_special_tokens=True), "response_tokens": len(r.token_ids),
                "finish_reason": r.finish_reason, "step": target.step}
+        if scores is not None:
+            row.update(answer=it.answer, data_source=it.data_source, score=float(scores[k]))
+        rows.append(row)
+    return rows
+
+
+def _items(run, prompts: list[Request] | FromData) -> list:
+    """`PromptItem`s (`mrl.data.prompts`) of the requests, rendered and tokenized as training
+    renders its data; or the first prompts of the job's data split."""
+    from mrl.data.prompts import PromptItem
+    from mrl.data.source import load_prompts
+    from mrl.data.template import encode_prompt, render_prompt
+
+    if isinstance(prompts, FromData):
+        dataset = load_prompts(run.spec.data, run.tokenizer, prompts.split)
+        return dataset.items[:prompts.count]
+    data, tok = run.spec.data, run.tokenizer
+    items = []
+    for i, req in enumerate(prompts):
+        text = render_prompt(req.prompt, tok, chat_template=data.chat_template, system_prompt=data.system_prompt,
+                             origin=f"prompt {i}")
+        items.append(PromptItem(index=i, token_ids=tuple(encode_prompt(text, tok, chat_template=data.chat_template)),
+                                text=text, prompt=req.prompt, answer=req.answer, data_source=req.data_source,
+                                origin=f"prompt {i}"))
+    return items
+
+
+def write_rows(rows: list[dict], path: str | Path) -> None:
+    """`rows` as JSONL, or as parquet when `path` ends in `.parquet` (a column whose values have no
+    single Arrow type, such as prompts that are sometimes text and sometimes chat messages, is
+    stored as JSON text)."""
+    path = Path(path)
+    if path.suffix != ".parquet":
+        path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+        return
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = {}
+    for key in dict.fromkeys(k for row in rows for k in row):
+        values = [row.get(key) for row in rows]
+        try:
+            columns[key] = pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError):
+            columns[key] = pa.array([v if isinstance(v, str) or v is None else json.dumps(v, ensure_ascii=False)
+                                     for v in values], type=pa.string())
+    pq.write_table(pa.table(columns), path)

@@ -66,7 +66,10 @@ class MultiTurnConfig:
     max_parallel_calls: int = option(1, ge=1, help="tool calls executed (in parallel) per assistant turn; later calls are ignored")
     max_tool_response_tokens: int = option(256, ge=1, help="longest tool response kept, in tokens")
     tool_response_truncate_side: Literal["left", "middle", "right"] = option("middle", help="where a long tool response is cut")
-    format: Literal["hermes"] = option("hermes", help="tool-call format: hermes <tool_call>{json}</tool_call> in ChatML turns")
+    format: Literal["auto", "hermes", "llama3_json", "mistral"] = option(
+        "hermes", help="tool-call format the model writes: hermes <tool_call>{json}</tool_call> (Qwen), llama3_json "
+                       "(Llama 3.1+), mistral [TOOL_CALLS]; auto: the one the chat template writes. Tool turns are "
+                       "the chat template's own tokens; the template must write this format")
 
 
 @section
@@ -78,11 +81,13 @@ class WeightSyncConfig:
     mode: Literal["full", "delta"] = option("full", help="full: every tensor every sync; delta: only what changed since "
                                                          "the engine's last version, compared bit for bit in the export "
                                                          "dtype (a host copy of the model per engine; full after the "
-                                                         "engine lost its weights); colocated hf engine only")
+                                                         "engine lost its weights); colocated engines only (vllm: "
+                                                         "changed tensors go whole, with their fused module)")
     sparse_fraction: float = option(0.25, ge=0, le=1, help="delta: a tensor with fewer than this fraction of its elements "
                                                            "changed goes as index/value pairs, else whole")
     verify_every_steps: int = option(10, ge=0, help="every N syncs, check that each tensor the engine holds hashes to "
-                                                    "the trainer's (0: never; every bucket is checksummed regardless)")
+                                                    "the trainer's, read back from the engine (vllm: from its sharded, "
+                                                    "fused parameters); 0: never; every bucket is checksummed regardless")
 
 
 @section
@@ -99,7 +104,9 @@ class RolloutConfig:
     partial_rollout_tokens: int = option(0, ge=0, help="partial rollouts: tokens an unfinished response advances per "
                                                        "generation round; a step trains the groups finished when it has "
                                                        "enough and carries the rest over to the next step (0: off)")
-    responses_per_prompt: int = option(1, ge=1, help="responses sampled per prompt (verl: n)")
+    responses_per_prompt: Optional[int] = option(
+        None, ge=1, help="responses sampled per prompt (verl: n); default: 8 for an estimator that compares the "
+                         "responses of a group (grpo, rloo, ...), else 1")
     max_response_tokens: int = option(512, ge=1, help="longest response, in tokens (verl: response_length)")
     do_sample: bool = option(True, help="sample (True) or decode greedily (False)")
     temperature: float = option(1.0, gt=0, help="sampling temperature; the trainer's log-probs use the same")

@@ -43,6 +43,14 @@ class HFEngine(RolloutEngine):
         self._seeds = torch.Generator().manual_seed(seed)  # draws one seed per response
         self._set_targets()
         self._asleep = False
+        from mrl.rollout.hf_routes import RouteCapture
+
+        self._capture = RouteCapture(self.model)   # MoE models: every response carries its routes
+
+    @property
+    def returns_routes(self) -> bool:
+        """Whether responses carry `routes` (an MoE model: `mrl.rollout.hf_routes`)."""
+        return bool(self._capture)
 
     def _set_targets(self) -> None:
         """Stream name -> tensor to copy into: the state dict (tied weights under both names) and,
@@ -119,6 +127,18 @@ class HFEngine(RolloutEngine):
         stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
         stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
 
+        routes = self._capture.__enter__() if self._capture else None
+        try:
+            return self._decode(ids, mask, positions, prompts, prompt_index, gens, seen, stop, sampling, routes)
+        finally:
+            if routes is not None:
+                routes.__exit__(None, None, None)
+
+    def _decode(self, ids, mask, positions, prompts, prompt_index, gens, seen, stop, sampling, routes):
+        """The decoding loop of `_generate_batch`; with `routes` (a `RouteCapture`) each response
+        gets the experts of its prompt tokens (prefill) and of each response token (the call that
+        fed it; one extra call feeds the last sampled tokens)."""
+        dev, B, width = self.device, ids.shape[0], ids.shape[1]
         tokens = torch.zeros(B, sampling.max_tokens, dtype=torch.long, device=dev)
         logps = torch.zeros(B, sampling.max_tokens, dtype=torch.float32, device=dev)
         lengths = torch.zeros(B, dtype=torch.long, device=dev)
@@ -126,6 +146,7 @@ class HFEngine(RolloutEngine):
         stopped = torch.zeros(B, dtype=torch.bool, device=dev)
 
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        fed = [routes.take(B, width)] if routes is not None else []   # [B, tokens, L, k] per call
         cache, next_pos = out.past_key_values, positions[:, -1] + 1
         for t in range(sampling.max_tokens):
             logits = out.logits[:, -1, :self.vocab_size]
@@ -154,14 +175,24 @@ class HFEngine(RolloutEngine):
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=dev)], dim=1)
             out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                              past_key_values=cache, use_cache=True)
+            if routes is not None:
+                fed.append(routes.take(B, 1))
             cache, next_pos = out.past_key_values, next_pos + 1
+        if routes is not None:   # the last sampled tokens, fed once for their routes alone
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=dev)], dim=1)
+            self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                       past_key_values=cache, use_cache=True, logits_to_keep=1)
+            fed.append(routes.take(B, 1))
+        decoded = torch.cat(fed[1:], dim=1) if routes is not None else None   # [B, calls, L, k]
 
         responses = []
         for r in range(B):
             n = int(lengths[r])
             responses.append(Response(prompt_index=prompt_index[r], token_ids=tokens[r, :n].tolist(),
                                       logprobs=logps[r, :n].tolist(),
-                                      finish_reason="stop" if bool(stopped[r]) else "length"))
+                                      finish_reason="stop" if bool(stopped[r]) else "length",
+                                      routes=None if routes is None else
+                                      torch.cat([fed[0][r, width - len(prompts[r]):], decoded[r, :n]])))
         return responses
 
     @torch.no_grad()

@@ -44,9 +44,9 @@ def placement_problems(rollout, world_size: int) -> list[tuple[str, str]]:
 
 def weight_sync_problems(rollout) -> list[tuple[str, str]]:
     """`rollout.weight_sync` settings this build cannot honour: delta syncs run through the
-    colocated channel (`mrl.rollout.weight_channel`), which the hf engine takes today."""
-    if rollout.weight_sync.mode == "delta" and (rollout.engine != "hf" or rollout.placement != "colocated"):
-        return [("rollout.weight_sync.mode", f"'delta' runs with the colocated hf engine only (this job: "
+    colocated channel (`mrl.rollout.weight_channel`), which the hf and vllm engines take."""
+    if rollout.weight_sync.mode == "delta" and rollout.placement != "colocated":
+        return [("rollout.weight_sync.mode", f"'delta' runs with colocated engines only (this job: "
                                              f"{rollout.engine}, {rollout.placement}); use 'full'")]
     return []
 

@@ -14,7 +14,6 @@ the chat template's `tools=`), `ToolRunner.run([ToolCall]) -> [ToolResult]`, `to
 """
 from __future__ import annotations
 
-import ast
 import concurrent.futures
 import importlib.util
 import json
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from mrl.errors import UserError
-from mrl.reward.function import _definition, source_file, split_ref
+from mrl.reward.function import source_file, split_ref
 
 
 @dataclass(frozen=True)
@@ -73,52 +72,6 @@ def tool_metrics(responses) -> dict[str, float]:
     if not infos:
         return {}
     return {name: float(sum(i.get(key, 0) for i in infos)) for key, name in METRICS.items()}
-
-
-_JSON_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "list": "array",
-               "tuple": "array", "dict": "object"}
-
-
-def _json_type(node: Optional[ast.expr]) -> dict:
-    """A JSON-schema fragment for a parameter annotation (by name, unevaluated); {} for anything else."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):   # a string annotation
-        try:
-            node = ast.parse(node.value, mode="eval").body
-        except SyntaxError:
-            return {}
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):   # X | None
-        sides = [n for n in (node.left, node.right) if not (isinstance(n, ast.Constant) and n.value is None)]
-        return _json_type(sides[0]) if len(sides) == 1 else {}
-    if isinstance(node, ast.Subscript):
-        base = node.value.id if isinstance(node.value, ast.Name) else getattr(node.value, "attr", "")
-        if base == "Optional":
-            return _json_type(node.slice)
-        node = node.value
-    name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
-    return {"type": _JSON_TYPES[name]} if name in _JSON_TYPES else {}
-
-
-def function_tool_schema(ref: str) -> dict:
-    """The OpenAI function-tool schema of tool function `ref`, read from its source without running
-    it: the docstring's first paragraph describes it, each parameter's annotation gives its type,
-    parameters without a default are required. A function defined dynamically (assigned, imported)
-    gets an empty parameter list."""
-    from mrl.rollout.tool_servers.base import function_schema
-
-    name = split_ref(ref)[1]
-    problem, fn = _definition(ref)
-    if problem is not None:
-        raise UserError(f"rollout.multi_turn.tools: {problem}")
-    if fn is None:
-        return function_schema(name, "", None)
-    a = fn.args
-    params = a.posonlyargs + a.args
-    first_default = len(params) - len(a.defaults)
-    props = {p.arg: _json_type(p.annotation) for p in params + a.kwonlyargs}
-    required = [p.arg for k, p in enumerate(params) if k < first_default]
-    required += [p.arg for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
-    doc = (ast.get_docstring(fn) or "").split("\n\n")[0].strip()
-    return function_schema(name, " ".join(doc.split()), {"type": "object", "properties": props, "required": required})
 
 
 def _cut(text: str, max_bytes: int) -> tuple[str, bool]:
@@ -219,9 +172,12 @@ class ToolRunner:
     def schemas(self) -> list[dict]:
         """Every tool as an OpenAI function-tool schema (`{"type": "function", "function": {name,
         description, parameters}}`), functions first then each server's in listing order: what a
-        chat template's `tools=` takes. Functions' schemas are read from their source once."""
+        chat template's `tools=` takes. Functions' schemas are read from their source once
+        (`tool_schema.function_schema`: signature and docstring, without importing it)."""
         if self._function_schemas is None:
-            self._function_schemas = [function_tool_schema(ref) for ref in self.refs.values()]
+            from mrl.rollout.tool_schema import function_schema
+
+            self._function_schemas = [function_schema(ref) for ref in self.refs.values()]
         return [*self._function_schemas, *(schema for s in self.servers for schema in s.schemas)]
 
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:

@@ -6,7 +6,7 @@ changing what the trainer sees.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
 FinishReason = Literal["stop", "length"]
@@ -80,6 +80,9 @@ class Response:
     sampled tokens and 0 for tokens the policy did not sample (tool outputs in multi-turn
     rollouts, whose `logprobs` entries are 0). `policy_version`: the trainer step whose weights
     generated its first token (a partial rollout continues under later ones).
+    `routes` (MoE models, engines that return them): `[prompt + response tokens, moe_layers, top_k]`
+    int16 expert indices the engine routed every token of the call's prompt and of the response
+    to (`mrl.engine.routing`; routing replay R3).
     """
 
     prompt_index: int
@@ -89,12 +92,27 @@ class Response:
     loss_mask: list[int] = field(default_factory=list)
     info: dict = field(default_factory=dict)
     policy_version: Optional[int] = None   # the policy version of its first token (set by the RL loop)
+    routes: Optional[Any] = None           # torch int16 [prompt + response tokens, MoE layers, top-k]
 
     def __post_init__(self):
         if not self.loss_mask:
             self.loss_mask = [1] * len(self.token_ids)
         if not len(self.token_ids) == len(self.logprobs) == len(self.loss_mask):
             raise ValueError("token_ids, logprobs and loss_mask must have the same length")
+
+
+def routes_to(routes, tokens: int):
+    """`routes` (a `Response.routes` of an earlier call over a prefix) for `tokens` tokens: rows
+    past the prefix (tokens no engine call has fed yet, e.g. a tool's output that ends a
+    conversation) are -1, "unknown" (`mrl.engine.routing`); None stays None."""
+    if routes is None or routes.shape[0] == tokens:
+        return routes
+    if routes.shape[0] > tokens:
+        raise ValueError(f"routes of {routes.shape[0]} tokens for {tokens} tokens")
+    import torch
+
+    extra = tokens - routes.shape[0]
+    return torch.cat([routes, torch.full((extra, *routes.shape[1:]), -1, dtype=routes.dtype)])
 
 
 def sampling_from_config(rollout, *, validation: bool = False, seed: Optional[int] = None) -> Sampling:

@@ -74,6 +74,8 @@ VERL_SFT_TO_MRL: dict[str, str] = {
     "model.lora.alpha": "sft.lora.alpha",
     "model.lora.dropout": "sft.lora.dropout",
     "model.lora.target_modules": "sft.lora.target_modules",
+    "model.lora_adapter_path": "sft.lora.adapter_path",
+    "model.lora.adapter_path": "sft.lora.adapter_path",
     "optim.lr_warmup_steps_ratio": "sft.schedule.warmup_ratio",
     "optim.lr_warmup_steps": "sft.schedule.warmup_steps",
     "trainer.max_ckpt_to_keep": "checkpoint.keep_last",
@@ -83,14 +85,10 @@ VERL_SFT_TO_MRL: dict[str, str] = {
     "trainer.device": "platform.device",
 }
 
-_SFT_ADAPTER_PATH = ("training does not start from a saved adapter: merge it into its base (`mrl merge CKPT OUT`) "
-                     "and use OUT as model.path; new adapters then start from B = 0 on that model")
 _SFT_TOKEN_BUDGET = "always on: every micro-batch is a packed token budget (sft.micro_batch_tokens), no padding"
 
 # verl SFT trainer keys with no `mrl sft` counterpart, and why (CONTRIBUTING.md lists them).
 VERL_SFT_NOT_APPLICABLE: dict[str, str] = {
-    "model.lora_adapter_path": _SFT_ADAPTER_PATH,
-    "model.lora.adapter_path": _SFT_ADAPTER_PATH,
     "model.exclude_modules": "adapters go only on the modules listed in sft.lora.target_modules (Hugging Face names)",
     "data.use_dynamic_bsz": _SFT_TOKEN_BUDGET,
     "data.pad_mode": _SFT_TOKEN_BUDGET,
@@ -209,6 +207,13 @@ def check(spec: SFTJobSpec, report) -> None:
         for key, message in lora_problems(sft.lora, "sft.lora", sequence_parallel=par.sequence_parallel,
                                           num_experts=facts.num_experts if facts is not None else None):
             err(key, message)
+    from mrl.models.lora_adapter import adapter_problems
+
+    errors, warnings = adapter_problems(sft.lora, "sft.lora")
+    for key, message in errors:
+        err(key, message)
+    for key, message in warnings:
+        warn(key, message)
     sched = sft.schedule
     if sched.warmup_ratio is not None and sched.warmup_steps:
         err("sft.schedule.warmup_ratio", f"set either warmup_ratio ({sched.warmup_ratio}) or warmup_steps ({sched.warmup_steps})")

@@ -51,15 +51,14 @@ def steps_planned(spec, examples: int) -> int:
 def build_engine(spec, hf: dict, device: str, total_optimizer_steps: int):
     """The trained model (LoRA adapters when `sft.lora.rank > 0`), its optimizer and scheduler."""
     from mrl.engine import Engine
-    from mrl.models.lora import adapters_only_checkpoints, apply_lora
     from mrl.optim.build import build_optimizer, build_scheduler, wrap_ddp
-    from mrl.train.build import load_weights, role_chunks
+    from mrl.train.build import load_weights, role_chunks, with_adapters
 
     s = spec.sft
     chunks = role_chunks("actor", spec, hf, device, s.recompute)
     load_weights(chunks, spec.model.path, hf, "actor")
     if s.lora.rank:
-        chunks = [adapters_only_checkpoints(apply_lora(c, s.lora, seed=spec.job.seed)) for c in chunks]
+        chunks = with_adapters(chunks, s.lora, spec, hf, "sft.lora")
     ddp = wrap_ddp(chunks, distributed_optimizer=spec.parallel.distributed_optimizer)
     optimizer = build_optimizer(ddp, s.optim, distributed_optimizer=spec.parallel.distributed_optimizer, section="sft")
     scheduler = build_scheduler(optimizer, s.optim, s.schedule, total_optimizer_steps)

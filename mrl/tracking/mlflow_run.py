@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 PARAMS_PER_BATCH = 100  # MLflow's log_batch limit for params
 METRICS_PER_BATCH = 1000
+HOST_TAG = "mrl.env.host"   # the one host tag (with the package versions of `mrl.tracking.environment`)
 
 
 def default_tracking_uri(run_dir: str | os.PathLike) -> str:
@@ -66,8 +67,9 @@ def _sqlite_dir(uri: str) -> Path | None:
 
 
 def source_tags(cwd: str | os.PathLike | None = None) -> dict[str, str]:
-    """Git commit (MLflow's standard tag), whether the tree was dirty, and the host."""
-    tags = {"mrl.host": socket.gethostname()}
+    """Git commit (MLflow's standard tag) and whether the tree was dirty (the host is
+    `mrl.env.host`, `mrl.tracking.environment`)."""
+    tags: dict[str, str] = {}
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
         if commit.returncode == 0:
@@ -118,7 +120,7 @@ class MlflowRun:
         hide_empty_default_experiment(self.client)
         self.run_name = run.info.run_name
         # who writes to the run now: lets a later start tell a dead run from a live one
-        self.set_tags({**(tags or {}), "mrl.host": socket.gethostname(), "mrl.pid": str(os.getpid())})
+        self.set_tags({**(tags or {}), HOST_TAG: socket.gethostname(), "mrl.pid": str(os.getpid())})
 
     def end_stale_runs(self) -> list[str]:
         """Mark KILLED the other runs of this experiment and run name still RUNNING whose process is
@@ -131,7 +133,8 @@ class MlflowRun:
         for r in runs:
             if r.info.run_id == self.run_id:
                 continue
-            host, pid = r.data.tags.get("mrl.host"), r.data.tags.get("mrl.pid", "")
+            # runs written by earlier mrl versions name the host `mrl.host`
+            host, pid = r.data.tags.get(HOST_TAG, r.data.tags.get("mrl.host")), r.data.tags.get("mrl.pid", "")
             if host == socket.gethostname() and pid.isdigit() and _alive(int(pid)):
                 continue
             self.client.set_tag(r.info.run_id, "mrl.ended_by", "still RUNNING when the job started again: its process had died")

@@ -42,13 +42,16 @@ STAGE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 60
 
 def stage_timings(metrics: Mapping[str, float]) -> dict[str, float]:
     """The stage durations among a step's metrics: `time/<stage>` in seconds, without the step's
-    total, the rollout's share and the wall-clock `*_at` timestamps."""
+    total, the rollout's share, the durations `mrl.tracking.timeline` derives and any wall-clock
+    `*_at` timestamp."""
+    from mrl.tracking.timeline import DERIVED
+
     out = {}
     for key, value in metrics.items():
         if not key.startswith("time/"):
             continue
         stage = key[len("time/"):]
-        if stage in ("step", "rollout_share") or stage.endswith("_at") or "/" in stage:
+        if stage in ("step", "rollout_share") + DERIVED or stage.endswith("_at") or "/" in stage:
             continue
         out[stage] = float(value)
     return out

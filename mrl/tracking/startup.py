@@ -6,8 +6,11 @@ model) before the first step are not silent:
 
     mrl train jobs/quickstart_cpu.toml: checking the job
     spec ok (2.1s): run directory /.../runs/quickstart-cpu
-    building the model, loading weights, starting engines ...
-    built (14.2s)
+    process groups (1.3s): world 2, TP 2 x PP 1 x DP 1
+    prompts (0.2s): 256 train prompts
+    loading actor weights 120/291 (5.0s)          (rank 0's tensors, every few seconds)
+    actor (9.8s): builtin:tiny-qwen2
+    rollout engine (0.4s): hf
 
 The end: the final checkpoint, the best and last reward, the wall time and what to run next.
 This module imports nothing heavy, so `mrl.cli` can use it first.
@@ -34,21 +37,51 @@ class StartupLog:
         self.on = is_rank_zero() if rank_zero is None else rank_zero
         self.t0 = self._last = time.monotonic()
 
-    def say(self, text: str, *, timed: bool = False) -> Optional[str]:
-        """Print `text`; `timed`: with the seconds since the previous line, e.g. "spec ok (2.1s)"."""
+    def start(self) -> None:
+        """Speak from now on (rank 0), timing from now: the commands that train call it first."""
+        self.on = is_rank_zero()
+        self.t0 = self._last = time.monotonic()
+
+    def say(self, text: str, *, timed: bool = False, mark: bool = True) -> Optional[str]:
+        """Print `text`; `timed`: with the seconds since the previous phase line, e.g. "spec ok
+        (2.1s)"; `mark=False`: a line within a phase (progress), which does not end the phase."""
         now = time.monotonic()
         if timed:
             head, sep, rest = text.partition(":")
             text = f"{head} ({now - self._last:.1f}s){sep}{rest}"
-        self._last = now
+        if mark:
+            self._last = now
         if self.on:
             print(text, file=self.stream or sys.stdout, flush=True)
             return text
         return None
 
 
-# one per process: `mrl.cli` starts it, the training loop continues it
-STARTUP = StartupLog()
+# one per process: `mrl train` / `mrl sft` start it, the training loop continues it; silent until
+# started, so the weight loads of other commands (`mrl eval`, `mrl generate`: JSONL on stdout) say nothing
+STARTUP = StartupLog(rank_zero=False)
+
+
+class LoadProgress:
+    """`progress(done, total)` for a weight import: "loading actor weights 120/291 (14.2s)" on
+    rank 0, at most one line every `every_s` seconds and always the last one, so a 7B model's
+    minutes of loading show their pace without flooding the console."""
+
+    def __init__(self, what: str, *, log: Optional[StartupLog] = None, every_s: float = 5.0, clock=time.monotonic):
+        self.what, self.every_s, self.clock = what, every_s, clock
+        self.log = log or STARTUP
+        self.t0 = clock()
+        self._shown = self.t0
+        self.lines: list[str] = []
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self.clock()
+        if done < total and now - self._shown < self.every_s:
+            return
+        self._shown = now
+        line = self.log.say(f"loading {self.what} {done}/{total} ({now - self.t0:.1f}s)", mark=False)
+        if line is not None:
+            self.lines.append(line)
 
 
 class RunSummary:

@@ -6,19 +6,24 @@ to `<run dir>/wandb/offline-run-*/` and `wandb sync <that dir>` uploads it later
 without a network (or a CI box) logs the same way. Every metric is plotted against `trainer/step`
 (not wandb's own step counter), so a record for an earlier step (the checkpoint's time, a
 validation the rollout side finished late) is kept instead of dropped. The wandb run id is kept in
-`<run dir>/wandb/mrl_run_id`, so a resumed job continues the same wandb run.
+`<run dir>/wandb/mrl_run_id`, so a resumed job continues the same wandb run (in a directory of its
+own: `wait_for_a_new_second`).
 """
 from __future__ import annotations
 
+import math
 import os
 import secrets
+import time
 import tomllib
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Mapping
 
 from mrl.tracking.names import numbers
 
 STEP_KEY = "trainer/step"
+SERVICE_ENV = "WANDB_SERVICE"   # wandb.env.SERVICE: the running service's token
 
 
 def wandb_mode(environ: Mapping[str, str] = os.environ) -> str:
@@ -26,6 +31,20 @@ def wandb_mode(environ: Mapping[str, str] = os.environ) -> str:
     if environ.get("WANDB_MODE"):
         return environ["WANDB_MODE"]
     return "online" if environ.get("WANDB_API_KEY") else "offline"
+
+
+def wait_for_a_new_second(root: Path, run_id: str, *, clock=time.time, sleep=time.sleep) -> float:
+    """wandb names a run's directory `[offline-]run-<start second>-<run id>`: a run re-attached
+    within the second its previous attempt started (a job that failed at once and was started
+    again) would write over that attempt's file and lose its records. When that directory exists,
+    sleep into the next second; returns the seconds slept."""
+    now = clock()
+    second = datetime.fromtimestamp(now).strftime("%Y%m%d_%H%M%S")
+    if not any((root / f"{mode}-{second}-{run_id}").exists() for mode in ("offline-run", "run")):
+        return 0.0
+    pause = math.floor(now) + 1 - now + 0.01
+    sleep(pause)
+    return pause
 
 
 class WandbRun:
@@ -42,6 +61,13 @@ class WandbRun:
         run_id = id_file.read_text().strip() if resume and id_file.is_file() else secrets.token_hex(4)
         id_file.write_text(run_id + "\n")
         self.mode = wandb_mode()
+        if resume:
+            wait_for_a_new_second(root, run_id)
+        # A wandb service inherited from a parent process (its token in WANDB_SERVICE: a launcher or a
+        # test process that used wandb) would write this run, and `finish` would then return without
+        # waiting for it: the run file could be read (or the parent's service exit) before it is
+        # flushed. This run starts and owns its service, so `finish` waits until the file is complete.
+        os.environ.pop(SERVICE_ENV, None)
         self.run = wandb.init(project=project, name=name, dir=str(Path(run_dir)), id=run_id, mode=self.mode,
                               resume="allow", tags=[f"{k}={v}"[:64] for k, v in (tags or {}).items()],
                               settings=wandb.Settings(console="off", silent=True))

@@ -42,11 +42,14 @@ def role_chunks(role: str, spec: JobSpec, hf: dict, device: str, recompute: str 
 
 
 def load_weights(chunks: list, path: Optional[str], hf: dict, role: str) -> bool:
+    """Load the HF checkpoint at `path` into `chunks` (False when `path` has no weights: a preset),
+    with "loading <role> weights N/M" progress lines on rank 0."""
+    from mrl.tracking.startup import LoadProgress
     from mrl.weights import load_hf_checkpoint
 
     if not _has_weights(path):
         return False
-    report = load_hf_checkpoint(chunks, path, hf, role=role)
+    report = load_hf_checkpoint(chunks, path, hf, role=role, progress=LoadProgress(f"{role} weights"))
     log.info("%s: loaded %d tensors (%.1f MB) from %s", role, report.tensors_read, report.bytes_read / 1e6, path)
     return True
 
@@ -61,6 +64,21 @@ def _copy_from(dst: list, src: list) -> None:
             for name, p in unwrap(d).named_parameters():
                 if name in src_params and src_params[name].shape == p.shape:
                     p.copy_(src_params[name])
+
+
+def with_adapters(chunks: list, lora, spec, hf: dict, key: str) -> list:
+    """`chunks` with LoRA adapters (`lora`: the table at `key`) on their frozen base: B = 0, or the
+    saved PEFT adapter of `lora.adapter_path`; checkpoints then hold only the adapters."""
+    from mrl.models.lora import adapters_only_checkpoints, apply_lora
+
+    chunks = [apply_lora(c, lora, seed=spec.job.seed) for c in chunks]
+    if lora.adapter_path:
+        from mrl.models.lora_adapter import start_adapters
+        from mrl.tracking.startup import LoadProgress
+
+        report = start_adapters(chunks, lora, hf, key, progress=LoadProgress("adapter weights"))
+        log.info("%s: loaded %d adapter tensors from %s", key, report.tensors_read, lora.adapter_path)
+    return [adapters_only_checkpoints(c) for c in chunks]
 
 
 def steps_planned(spec: JobSpec, prompts: int) -> int:
@@ -80,9 +98,7 @@ def _trainable(role: str, spec: JobSpec, hf: dict, device: str, section, total_o
         _copy_from(chunks, init_from)
     lora = getattr(section, "lora", None)
     if lora is not None and lora.rank:   # frozen base + adapters; checkpoints hold the adapters
-        from mrl.models.lora import adapters_only_checkpoints, apply_lora
-
-        chunks = [adapters_only_checkpoints(apply_lora(c, lora, seed=spec.job.seed)) for c in chunks]
+        chunks = with_adapters(chunks, lora, spec, hf, f"{role}.lora")
     ddp = wrap_ddp(chunks, distributed_optimizer=spec.parallel.distributed_optimizer)
     optimizer = build_optimizer(ddp, section.optim, distributed_optimizer=spec.parallel.distributed_optimizer,
                                 section=role)
@@ -143,13 +159,21 @@ def build(spec: JobSpec) -> tuple[Run, Optional[Learner], Optional[Generation], 
     ctx = setup(spec.platform, spec.parallel, seed=spec.job.seed, rollout_ranks=spec.rollout.ranks if separate else 0,
                 bridge_timeout_s=wait_s)
     create_wait_group(wait_s)
+    from mrl.tracking.startup import STARTUP
+
+    par = spec.parallel
+    STARTUP.say(f"process groups: world {spec.platform.world_size}, TP {par.tensor} x PP {par.pipeline} x DP {dp}"
+                + (f" + {spec.rollout.ranks} rollout rank(s)" if separate else ""), timed=True)
 
     hf = hf_config(spec.model)
     tokenizer = load_tokenizer(spec.model)
     device = ctx.platform
-    dataset = load_prompts(spec.data, tokenizer, "train")
+    from mrl.rollout.multi_turn import prompt_tools
+
+    dataset = load_prompts(spec.data, tokenizer, "train", tools=prompt_tools(spec))
     total = steps_planned(spec, len(dataset))
     run = Run(spec=spec, ctx=ctx, hf=hf, tokenizer=tokenizer, total_steps=total, plan=plan)
+    STARTUP.say(f"prompts: {len(dataset)} training prompts, tokenizer of {spec.model.tokenizer}", timed=True)
 
     learner = None
     if ctx.role == "train":
@@ -166,13 +190,22 @@ def build(spec: JobSpec) -> tuple[Run, Optional[Learner], Optional[Generation], 
         prompts = Prompts(dataset=dataset, samplers=samplers)
         generation = build_generation(spec, plan, ctx, tokenizer,
                                       reward_model=learner.reward_model if learner else None)
+        STARTUP.say(f"rollout engine: {spec.rollout.engine}", timed=True)
     return run, learner, generation, prompts
 
 
 def build_learner(spec: JobSpec, plan: StepPlan, hf: dict, device: str, total: int) -> Learner:
     """The actor (with its exporter), reference, critic and reward model on a trainer rank."""
+    from mrl.tracking.startup import STARTUP
+
     actor = _trainable("actor", spec, hf, device, spec.actor, plan.actor.optimizer_steps * total,
                        path=spec.model.path)
+    lora = spec.actor.lora
+    STARTUP.say(f"actor: {spec.model.path}" + (f", LoRA rank {lora.rank}" if lora.rank else "")
+                + (f" from {lora.adapter_path}" if lora.adapter_path else ""), timed=True)
+    from mrl.train.moe import attach
+
+    attach(actor, hf)   # MoE: routing replay and the moe/* metrics
     ref = None
     if spec.ref.enable and spec.actor.lora.rank:
         from mrl.models.lora import reference_engine
@@ -191,8 +224,14 @@ def build_learner(spec: JobSpec, plan: StepPlan, hf: dict, device: str, total: i
                             init_from=actor.chunks, path=spec.critic.model_path)
     from mrl.weights import Exporter
 
+    if ref is not None or critic is not None:
+        STARTUP.say("models: " + ", ".join(n for n, m in (("reference", ref), ("critic", critic)) if m is not None),
+                    timed=True)
+    reward_model = build_reward_model(spec, hf, device)
+    if reward_model is not None:
+        STARTUP.say("reward model: loaded", timed=True)
     return Learner(actor=actor, exporter=Exporter(actor.chunks, hf, dtype=DTYPES[spec.rollout.weight_sync.dtype]),
-                   ref=ref, critic=critic, reward_model=build_reward_model(spec, hf, device), kl=kl_controller(spec))
+                   ref=ref, critic=critic, reward_model=reward_model, kl=kl_controller(spec))
 
 
 def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_model=None) -> Generation:
@@ -217,10 +256,12 @@ def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_mo
         leader = dist.get_process_group_ranks(mp_group)[0] if dist.is_initialized() else 0
         gen = Generation(mp_group=mp_group, leader=leader, is_leader=ctx.rank == leader)
     gen.engine, gen.generator, gen.groups = build_rollout(spec, plan, ctx, tokenizer, is_leader=gen.is_leader)
-    if ctx.role != "rollout" and gen.engine is not None and spec.rollout.engine == "hf":
+    if ctx.role != "rollout" and gen.engine is not None:
         from mrl.rollout.weight_channel import ColocatedChannel
 
-        gen.channel = ColocatedChannel.from_config(gen.engine, spec.rollout.weight_sync, group=f"rank {ctx.global_rank}")
+        group = (f"rank {ctx.global_rank}" if spec.rollout.engine == "hf"
+                 else f"{plan.engine_group_of(ctx.rank)} (rank {ctx.global_rank})")
+        gen.channel = ColocatedChannel.from_config(gen.engine, spec.rollout.weight_sync, group=group)
     if gen.is_leader:
         from mrl.reward.compose import Rewarder
 
@@ -228,7 +269,8 @@ def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_mo
             gen.rm_scores = PrecomputedScores()
         run_dir = Path(spec.job.output_dir) / spec.job.name   # unwritable from reward workers (Landlock)
         gen.rewarder = Rewarder.from_config(spec.reward, model_scorer=gen.rm_scores,
-                                            protect_dirs=(str(run_dir), spec.checkpoint.dir))
+                                            protect_dirs=(str(run_dir), spec.checkpoint.dir),
+                                            device=ctx.device, seed=spec.job.seed + ctx.global_rank)   # a local judge
     return gen
 
 

@@ -43,6 +43,8 @@ def advance(run, gen, active: list[GroupInProgress], chunk: int, seed: int, dp_r
         for (g, j), r in zip(todo, out):
             g.tokens[j] += r.token_ids
             g.logprobs[j] += r.logprobs
+            if g.routes:   # the call fed prompt + every token so far: its routes cover them all
+                g.routes[j] = r.routes
             st["generated"] += 1
             st["tokens"] += len(r.token_ids)
             if r.finish_reason == "stop":
@@ -68,7 +70,8 @@ def encode_carry(carry: dict[int, ShardCarry]) -> dict:
     def group(g: GroupInProgress) -> dict:
         return {"item": g.item.index, "tokens": [list(t) for t in g.tokens], "logprobs": [list(x) for x in g.logprobs],
                 "finish": [f or "" for f in g.finish], "versions": list(g.versions), "carried": list(g.carried),
-                "scores": list(g.scored["scores"]) if g.scored else None}
+                "scores": list(g.scored["scores"]) if g.scored else None,
+                "routes": list(g.routes)}
 
     return {str(d): {"active": [group(g) for g in c.active], "ready": [group(g) for g in c.ready]}
             for d, c in carry.items()}
@@ -79,7 +82,8 @@ def decode_carry(encoded: Optional[dict], dataset) -> dict[int, ShardCarry]:
         return GroupInProgress(item=dataset[e["item"]], tokens=[list(t) for t in e["tokens"]],
                                logprobs=[list(x) for x in e["logprobs"]], finish=[f or None for f in e["finish"]],
                                versions=list(e["versions"]), carried=list(e["carried"]),
-                               scored={"scores": list(e["scores"])} if e["scores"] is not None else None)
+                               scored={"scores": list(e["scores"])} if e["scores"] is not None else None,
+                               routes=list(e.get("routes") or [None] * len(e["finish"])))
 
     return {int(d): ShardCarry(active=[group(g) for g in c["active"]], ready=[group(g) for g in c["ready"]])
             for d, c in (encoded or {}).items()}

@@ -29,6 +29,7 @@ def encode_rollout(r: StepRollout) -> dict:
             "stats": {k: float(v) for k, v in s.stats.items()},
             "version": s.version,
             "greedy_scores": None if s.greedy_scores is None else list(map(float, s.greedy_scores)),
+            "routes": [x.routes for x in s.responses],   # MoE routes (int16 tensors) or None
         }
     return {"step": r.step, "version": r.version, "position": dict(r.position), "produce_s": r.produce_s,
             "finished_at": r.finished_at, "shards": shards, "carry": r.carry}
@@ -42,9 +43,9 @@ def decode_rollout(e: dict, dataset) -> StepRollout:
         ends = torch.tensor(lengths).cumsum(0).tolist()
         tok, lp, lm = s["token_ids"].tolist(), s["logprobs"].tolist(), s["loss_mask"].tolist()
         responses = [Response(prompt_index=pi, token_ids=tok[end - n:end], logprobs=lp[end - n:end], finish_reason=f,
-                              loss_mask=lm[end - n:end], info=json.loads(info), policy_version=v)
-                     for n, end, f, info, pi, v in zip(lengths, ends, s["finish"], s["info"], s["prompt_index"],
-                                                       s["policy_version"])]
+                              loss_mask=lm[end - n:end], info=json.loads(info), policy_version=v, routes=rt)
+                     for n, end, f, info, pi, v, rt in zip(lengths, ends, s["finish"], s["info"], s["prompt_index"],
+                                                           s["policy_version"], s.get("routes") or [None] * len(lengths))]
         shards[int(d)] = ShardRollout(dp_rank=int(d), items=[dataset[i] for i in s["items"]], responses=responses,
                                       scores=list(s["scores"]), stats=dict(s["stats"]), version=int(s["version"]),
                                       greedy_scores=s.get("greedy_scores"))

@@ -12,6 +12,15 @@ from mrl.optim.config import OptimConfig, ScheduleConfig
 
 
 @section
+class MoeConfig:
+    """Mixture-of-experts training (`mrl.engine.routing`, docs/algorithms.md "Routing replay")."""
+
+    routing_replay: Literal["off", "r2", "r3"] = option(
+        "off", help="replay MoE routes in the trainer: 'r2' the experts of the trainer's own old-log-prob pass in "
+                    "the update passes; 'r3' the experts the rollout engine chose, in every actor pass (hf engine)")
+
+
+@section
 class ActorConfig:
     """Policy update. A step's responses are split into mini-batches (one optimizer step each),
     and each rank's share of a mini-batch into token-balanced micro-batches."""
@@ -26,6 +35,7 @@ class ActorConfig:
     schedule: ScheduleConfig = option(factory=ScheduleConfig, help="learning-rate schedule")
     lora: LoraConfig = option(factory=LoraConfig, help="LoRA adapters (rank 0 = full fine-tuning); with adapters "
                               "the reference model is the base with adapters off")
+    moe: MoeConfig = option(factory=MoeConfig, help="mixture-of-experts options (routing replay)")
 
 
 def _critic_optim() -> OptimConfig:

@@ -36,7 +36,8 @@ def build_rollout(spec, plan, ctx, tokenizer, *, is_leader: bool) -> tuple[Any, 
         groups = EngineGroups(dist.get_world_size() if dist.is_initialized() else 1, plan.engine_ranks)
     elif not is_leader:
         return None, None, None
-    engine = build_engine(r, spec.model, seed=spec.job.seed, device=ctx.device, max_model_len=r.max_model_len)
+    engine = build_engine(r, spec.model, seed=spec.job.seed, device=ctx.device, max_model_len=r.max_model_len,
+                          return_routes=spec.actor.moe.routing_replay == "r3")
     generator = engine
     if r.multi_turn.enable:
         from mrl.rollout.engine import engine_group
@@ -44,7 +45,8 @@ def build_rollout(spec, plan, ctx, tokenizer, *, is_leader: bool) -> tuple[Any, 
 
         group, src = (engine_group(groups.ranks_per_engine) if groups is not None and groups.ranks_per_engine > 1
                       else (None, 0))
-        generator = MultiTurnRollout.from_config(engine, tokenizer, r.multi_turn, group=group, group_src=src)
+        generator = MultiTurnRollout.from_config(engine, tokenizer, r.multi_turn, group=group, group_src=src,
+                                                 origin=spec.model.tokenizer or spec.model.path)
     return engine, generator, groups
 
 

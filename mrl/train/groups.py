@@ -24,6 +24,7 @@ class GroupInProgress:
     carried: list[int] = field(default_factory=list)   # tokens each response brought from earlier steps
     scored: Optional[dict] = None                  # once kept: {"scores": [...]}
     whole: Optional[list[Response]] = None         # whole generation: the engine's responses as they came
+    routes: list = field(default_factory=list)     # MoE routes of each response's latest call (`Response.routes`)
 
     @property
     def finished(self) -> bool:
@@ -33,13 +34,14 @@ class GroupInProgress:
         if self.whole is not None:
             return self.whole
         return [Response(prompt_index=0, token_ids=list(self.tokens[j]), logprobs=list(self.logprobs[j]),
-                         finish_reason=self.finish[j], policy_version=self.versions[j])
+                         finish_reason=self.finish[j], policy_version=self.versions[j],
+                         routes=self.routes[j] if self.routes else None)
                 for j in range(len(self.finish))]
 
     @classmethod
     def new(cls, item, n: int, version: int) -> "GroupInProgress":
         return cls(item=item, tokens=[[] for _ in range(n)], logprobs=[[] for _ in range(n)], finish=[None] * n,
-                   versions=[version] * n, carried=[0] * n)
+                   versions=[version] * n, carried=[0] * n, routes=[None] * n)
 
     @classmethod
     def generated(cls, item, responses: list[Response]) -> "GroupInProgress":

@@ -87,9 +87,10 @@ def train(spec: JobSpec) -> dict[str, float]:
 
     from mrl.tracking.startup import STARTUP, say_summary
 
-    STARTUP.say("building the model, loading weights, starting engines ...")
+    STARTUP.say("building: process groups, prompts, models (loading weights), rollout engine ...", mark=False)
+    started = time.monotonic()
     run, learner, generation, prompts = build(spec)
-    STARTUP.say("built", timed=True)
+    STARTUP.say(f"built ({time.monotonic() - started:.1f}s in all)", mark=False)
     with run_lifecycle(spec, rank=run.ctx.global_rank, checkpoint_root=checkpoint_root(spec),
                        close=lambda: close(generation)) as life:
         if learner is None:   # a rollout-only rank (separate placement): the producer
@@ -122,11 +123,13 @@ def _train(run: Run, learner: Learner, prompts, rollouts, samples: SampleLog, tr
     """The trainer ranks' loop from step `start + 1`; returns the last step's metrics."""
     from mrl.tracking.perf import actor_mfu, throughput
     from mrl.tracking.profile import profile_step
+    from mrl.tracking.timeline import StepTimeline
     from mrl.tracking.tracker import run_dir_of
 
     spec = run.spec
     last: dict[str, float] = {}
     validated: dict[str, float] = {}   # the newest validation logged on its own
+    timeline = StepTimeline()           # wall-clock stage timestamps -> durations
     try:
         if start == 0:
             tracker.log_spec(spec)
@@ -145,7 +148,7 @@ def _train(run: Run, learner: Learner, prompts, rollouts, samples: SampleLog, tr
             with profile_step(spec.trainer.profile_steps, step, run_dir_of(spec), run.ctx.rank):
                 step_metrics = train_step(run, learner, rollouts, step, on_stage=tracker.stage, samples=samples)
                 rollouts.publish(step)   # the weights leave the trainer here, whatever the placement
-            metrics = reduce_over_ranks(step_metrics, run.dp)
+            metrics = timeline.durations(reduce_over_ranks(step_metrics, run.dp))
             metrics.update(throughput(metrics, run.dp))
             if torch.cuda.is_available():   # model FLOP utilisation of the actor update
                 world = dist.get_world_size() if dist.is_initialized() else 1

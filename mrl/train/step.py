@@ -20,6 +20,7 @@ import torch
 from mrl.batch import Batch
 from mrl.platform.collectives import dp_sum
 from mrl.rollout.tools import tool_metrics
+from mrl.train import moe
 from mrl.train.parts import Learner, Run, SampleLog
 from mrl.train.timer import StageTimer
 
@@ -41,8 +42,10 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
     if samples is not None:
         samples.put("train", rows)
     train_started_at = time.time()
+    replay = spec.actor.moe.routing_replay
+    moe.begin_step(learner.actor)
     if not reuse:
-        with t("old_logprobs"):
+        with t("old_logprobs"), moe.actor_pass(learner.actor, replay, "old", batch):
             if alg.advantage in ("optimal_token_baseline", "tir_optimal_token_baseline"):
                 batch = batch.add(**logprobs_of(learner.actor, run, batch, spec.actor.logprob_micro_batch_tokens,
                                                 pi_squared=True))
@@ -52,6 +55,7 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
             batch = batch.add(old_logprobs=batch["rollout_logprobs" if alg.correction.old_logprobs == "rollout"
                                                  else "trainer_logprobs"])
             metrics.update(audit(batch))
+        batch = moe.recorded(learner.actor, replay, batch)
     elif alg.correction.old_logprobs == "rollout":
         batch = batch.add(old_logprobs=batch["rollout_logprobs"])
     if learner.ref is not None:
@@ -69,13 +73,14 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
                                   "critic"))
     if learner.critic is None or step > spec.critic.warmup_steps:
         recorded = UpdateLogprobs(batch) if reuse else None
-        with t("actor_update"):
+        with t("actor_update"), moe.actor_pass(learner.actor, replay, "update", batch):
             metrics.update(update(learner.actor, batch, spec.actor, run.plan.actor, policy_objective(run, recorded),
                                   step, "actor"))
         metrics["tokens/actor_update"] = float(batch.sequence_lengths.sum()) * spec.actor.epochs
         if recorded is not None:   # the audit from the update's forward pass
             batch = batch.add(trainer_logprobs=recorded.logprobs)
             metrics.update(audit(batch))
+    metrics.update(moe.step_metrics(learner.actor))
     # when this step learned (wall clock: with a separate rollout, generation overlaps it)
     metrics.update({"time/train_started_at": train_started_at, "time/train_ended_at": time.time()})
     metrics.update(t.metrics())
@@ -315,6 +320,8 @@ def to_batch(run: Run, shard, step: int) -> tuple[Batch, dict[str, float], Optio
     if alg.gdpo_reward_keys:
         batch = batch.add(reward_components=torch.tensor([r.info["reward_components"] for r in kept_resp],
                                                          dtype=torch.float32).view(len(kept_resp), -1))
+    batch = batch.add(**moe.rollout_routes(kept_resp, [list(it.token_ids) for it in kept_items for _ in range(n)],
+                                           batch))
     if shard.greedy_scores is not None:   # ReMax: the baseline produced with the group
         batch = batch.add(greedy_scores=torch.tensor(shard.greedy_scores, dtype=torch.float32).repeat_interleave(n))
     metrics = {

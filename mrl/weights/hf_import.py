@@ -11,7 +11,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -28,14 +28,24 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class Checkpoint:
-    """A safetensors checkpoint directory (single file or sharded with an index), opened lazily."""
+    """A safetensors checkpoint directory (single file or sharded with an index), opened lazily.
 
-    def __init__(self, path: str | Path):
+    `file`: read only that file of the directory, its tensor names without `prefix` (a PEFT
+    adapter directory: `adapter_model.safetensors`, names under `base_model.model.`)."""
+
+    def __init__(self, path: str | Path, *, file: str | None = None, prefix: str = ""):
         from safetensors import safe_open
 
         self.path = Path(path)
+        self.prefix = prefix
         index = self.path / INDEX
-        if index.is_file():
+        if file is not None:
+            if not (self.path / file).is_file():
+                raise UserError(f"weights: {self.path} has no {file}")
+            with safe_open(self.path / file, framework="pt") as f:
+                # a name outside `prefix` keeps its full name: reported as unexpected, never read
+                weight_map = {k[len(prefix):] if k.startswith(prefix) else k: file for k in f.keys()}
+        elif index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
         elif (self.path / SINGLE).is_file():
             with safe_open(self.path / SINGLE, framework="pt") as f:
@@ -59,7 +69,7 @@ class Checkpoint:
             if not path.is_file():
                 raise UserError(f"weights: {INDEX} names {file} for {name!r}, but {path} does not exist")
             self._handles[file] = self._open(path, framework="pt")
-        sl = self._handles[file].get_slice(name)
+        sl = self._handles[file].get_slice(self.prefix + name)
         return SliceReader(name, sl, sl.get_shape())
 
     def close(self) -> None:
@@ -80,21 +90,25 @@ def _sources(p: Placement, ckpt: Checkpoint, tied: bool) -> tuple[str, ...]:
     return p.hf_names
 
 
-def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], path: str | Path, hf: dict[str, Any], *,
-                       role: str = "actor") -> ImportReport:
+def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], path: str | Path | Checkpoint, hf: dict[str, Any], *,
+                       role: str = "actor", adapters: bool = False,
+                       progress: Callable[[int, int], None] | None = None) -> ImportReport:
     """Copy the checkpoint at `path` into this rank's Megatron model `chunks` (in place).
 
     Models with a value head map it to `score.weight`. `role="critic"` may start from a policy
     checkpoint (the value head then keeps its initialisation); a reward model needs `score.weight`.
-    A collective over the world: every rank must call it.
+    `adapters`: only the LoRA adapters of `chunks`, from a `Checkpoint` of PEFT-named tensors
+    (`mrl.models.lora_adapter`). `progress(done, total)` is called after each of this rank's
+    parameters is copied. A collective over the world: every rank must call it.
     """
     chunks = list(chunks)
-    ckpt = Checkpoint(path)
+    ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
+    path = ckpt.path
     dims = model_dims(hf)
     tied = is_tied(chunks)
     # A critic or reward model built from a policy checkpoint has no use for its LM head.
-    lm_head_unused = tied or any(has_value_head(unwrap(c)) for c in chunks)
-    placements = local_placements(chunks, hf)
+    lm_head_unused = not adapters and (tied or any(has_value_head(unwrap(c)) for c in chunks))
+    placements = local_placements(chunks, hf, adapters=adapters)
     problems: list[str] = []
     consumed: set[str] = set()
     plan: list[tuple[Placement, tuple[str, ...]]] = []
@@ -132,7 +146,7 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], path: str | Path, hf: 
 
     report = ImportReport(initialised=keep_init)
     with torch.no_grad():
-        for p, names in plan:
+        for done, (p, names) in enumerate(plan, 1):
             readers = [ckpt.reader(n) for n in names]
             shard = p.transform.shard_from_hf(readers, p.tp_rank, p.tp_size, p.partition_dim, p.full_shape, dims)
             if tuple(shard.shape) != tuple(p.param.shape):
@@ -141,6 +155,8 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], path: str | Path, hf: 
             p.param.data.copy_(shard.to(p.param.dtype))
             report.tensors_read += len(names)
             report.bytes_read += shard.numel() * shard.element_size()
+            if progress is not None:
+                progress(done, len(plan))
     ckpt.close()
     if keep_init:
         log.info("weights: %s has no value head; %d parameter(s) keep their initialisation", path, len(keep_init))

@@ -1,6 +1,7 @@
 """The `mrl` command itself: version, keys, paths from any directory, errors once under torchrun."""
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -27,7 +28,10 @@ def test_keys_json_lists_every_leaf_with_its_default(cli):
     rc, out, _ = cli("keys", "--json")
     rows = json.loads(out)
     by_key = {r["key"]: r for r in rows}
-    assert rc == 0 and by_key["rollout.responses_per_prompt"]["default"] == 1
+    # derived when unset (None): a group for the group estimators, one response otherwise
+    assert rc == 0 and by_key["rollout.responses_per_prompt"]["default"] is None
+    assert "8 for an estimator that compares" in by_key["rollout.responses_per_prompt"]["meaning"]
+    assert by_key["rollout.validation.responses_per_prompt"]["default"] == 1
     assert by_key["model.path"]["required"] and by_key["tracking.backends"]["default"] == ["console", "mlflow"]
     assert "job" not in by_key and len(rows) > 150 and set(rows[0]) == {"key", "type", "required", "default", "meaning"}
 
@@ -85,3 +89,45 @@ def test_docs_exist_and_every_cited_doc_is_in_the_repository():
     missing = sorted(f"{p.relative_to(REPO)} cites {m}" for p, m in cited
                      if not (REPO / m).is_file() and m not in ("README.md", "CONTRIBUTING.md"))
     assert not missing, missing
+
+
+def test_show_get_prints_values_for_scripts(cli):
+    rc, out, _ = cli("show", "jobs/quickstart_cpu.toml", "--get", "platform.world_size", "--get", "tracking.backends",
+                     "--get", "trainer.val_before_train", "--get", "checkpoint.load_from", "--get", "rollout.engine_kwargs",
+                     "--get", "actor.lora")
+    assert rc == 0
+    size, backends, flag, unset, table, section = out.split("\n")[:6]
+    assert (size, backends, flag, unset, table) == ("2", "console mlflow", "false", "", "{}")   # no Python reprs
+    assert json.loads(section)["target_modules"][0] == "q_proj" and json.loads(section)["adapter_path"] is None
+
+
+def test_every_subcommand_help_has_a_description_and_examples():
+    from mrl.cli import EXAMPLES, build_parser
+
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(sub.choices) == set(EXAMPLES)
+    for name, command in sub.choices.items():
+        text = command.format_help()
+        assert command.description and "\nExamples:\n" in text, (name, text)
+        assert EXAMPLES[name] and all(f"  {line}\n" in text + "\n" for line in EXAMPLES[name]), name   # as written
+
+
+def test_readme_job_is_the_shipped_grpo_recipe_and_its_commands_exist(tmp_path):
+    """The README's one real job validates and resolves to `jobs/grpo_qwen2.5_7b.toml`; its two
+    commands are the Makefile's targets (CI runs the test command through .ci/run)."""
+    import re
+
+    from mrl.config.dump import to_toml
+    from mrl.config.loader import load
+
+    readme = (REPO / "README.md").read_text()
+    [job] = re.findall(r"```toml\n(.*?)```", readme, re.S)
+    (tmp_path / "my_job.toml").write_text(job)
+    same = [f"job.output_dir={tmp_path}"]
+    ours, _ = load(tmp_path / "my_job.toml", same)
+    shipped, _ = load(REPO / "jobs/grpo_qwen2.5_7b.toml", same)
+    assert to_toml(ours) == to_toml(shipped)
+    make = (REPO / "Makefile").read_text()
+    assert "make demo" in readme and "make test " in readme and re.search(r"^demo:", make, re.M)
+    assert re.search(r"^test:", make, re.M) and "\nmake test\n" in (REPO / ".ci/run").read_text()

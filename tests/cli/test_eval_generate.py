@@ -5,6 +5,7 @@ single-process training of the quickstart): `mrl eval` reproduces the val/* metr
 loop logged at the same step, and `mrl generate` uses the checkpoint's weights."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -51,9 +52,46 @@ def test_a_bad_prompts_line_is_named(cli, tmp_path):
     assert rc == 2 and f"{prompts}:2: expected a string" in one_error(err)
 
 
-def test_prompt_and_prompts_are_one_of(cli, tmp_path):
-    rc, _, err = cli("generate", "jobs/quickstart_cpu.toml")
-    assert rc == 2 and "one of --prompt TEXT or --prompts" in one_error(err)
+def test_prompt_prompts_and_from_data_are_one_of(cli, tmp_path):
+    # with none of them, the job's data is used (the slow test below); two at once are refused
+    rc, _, err = cli("generate", "jobs/quickstart_cpu.toml", "--prompt", "hi", "--from-data", "4")
+    assert rc == 2 and "one of --prompt TEXT, --prompts FILE.jsonl or --from-data [N], got --prompt TEXT and " \
+                       "--from-data [N]" in one_error(err)
+    rc, _, err = cli("generate", "jobs/quickstart_cpu.toml", "--prompt", "hi", "--split", "val")
+    assert rc == 2 and "--split picks the job's data" in one_error(err)
+    rc, _, err = cli("generate", "jobs/quickstart_cpu.toml", "--from-data", "0")
+    assert rc == 2 and "--from-data 0: must be >= 1" in one_error(err)
+
+
+def test_from_data_defaults_to_the_held_out_prompts_when_there_are_some():
+    from mrl.config.loader import load
+    from mrl.errors import UserError
+    from mrl.offline.generate import DATA_PROMPTS, FromData, from_data
+
+    spec, _ = load(REPO / "jobs/quickstart_cpu.toml")   # a generator: it has validation prompts
+    assert from_data(spec, None, None) == FromData(DATA_PROMPTS, "val")
+    assert from_data(spec, 3, "train") == FromData(3, "train")
+    # training files only: the training data
+    files = dataclasses.replace(spec, data=dataclasses.replace(spec.data, generator=None, train_files=("t.parquet",)))
+    assert from_data(files, None, None) == FromData(DATA_PROMPTS, "train")
+    with pytest.raises(UserError, match="no validation data"):
+        from_data(files, 2, "val")
+
+
+def test_rows_are_written_as_jsonl_or_parquet(tmp_path):
+    import pyarrow.parquet as pq
+
+    from mrl.offline.generate import write_rows
+
+    rows = [{"index": 0, "prompt": "plain", "response": "1", "score": 1.0, "answer": "1"},
+            {"index": 1, "prompt": [{"role": "user", "content": "hi"}], "response": "x", "score": 0.0, "answer": 7}]
+    write_rows(rows, tmp_path / "r.jsonl")
+    assert [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()] == rows
+    write_rows(rows, tmp_path / "r.parquet")
+    back = pq.read_table(tmp_path / "r.parquet").to_pylist()
+    # text and chat-message prompts share no Arrow type: the column holds JSON text for the messages
+    assert [r["prompt"] for r in back] == ["plain", '[{"role": "user", "content": "hi"}]']
+    assert [r["answer"] for r in back] == ["1", "7"] and [r["score"] for r in back] == [1.0, 0.0]
 
 
 def test_a_directory_that_is_not_a_run_is_refused(cli, tmp_path):
@@ -117,6 +155,21 @@ def test_eval_and_generate_use_the_checkpoint(trained, tmp_path):
     assert [r["step"] for r in initial] == [0, 0]
     assert [r["response"] for r in initial] != [r["response"] for r in rows]
 
+    # the job's own prompts (its validation prompts: the generator's), scored with the job's reward
+    proc = mrl("generate", run_dir, "--from-data", "4", "-n", "2", "--out", tmp_path / "data.parquet")
+    assert proc.returncode == 0 and "wrote 8 responses" in proc.stdout, proc.stderr[-3000:]
+    import importlib.util
+
+    import pyarrow.parquet as pq
+
+    found = importlib.util.spec_from_file_location("digits", REPO / "jobs/tasks/digits.py")
+    digits = importlib.util.module_from_spec(found)
+    found.loader.exec_module(digits)
+    rows = pq.read_table(tmp_path / "data.parquet").to_pylist()
+    assert [(r["index"], r["sample"], r["step"]) for r in rows] == [(i, j, 2) for i in range(4) for j in range(2)]
+    for r in rows:
+        assert r["score"] == pytest.approx(digits.score(r["prompt"], r["response"], r["answer"], {})["score"]), r
+
 
 def test_generate_samples_as_training_does_one_response_unless_told():
     from mrl.config.loader import load
@@ -135,3 +188,11 @@ def test_prompts_file_takes_strings_and_chat_messages(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('"plain"\n\n{"prompt": [{"role": "user", "content": "hi"}], "other": 1}\n{"prompt": "x"}\n')
     assert read_prompts(path) == ["plain", [{"role": "user", "content": "hi"}], "x"]
+
+
+def test_prompts_file_rows_may_carry_answers_to_score(tmp_path):
+    from mrl.offline.generate import Request, read_requests
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('"plain"\n{"prompt": "Write 3 in digits:", "answer": "3", "data_source": "digits"}\n')
+    assert read_requests(path) == [Request("plain"), Request("Write 3 in digits:", "3", "digits")]

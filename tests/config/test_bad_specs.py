@@ -82,6 +82,15 @@ CASES = [
     ("hf-engine-tp", {"rollout": {"tensor_parallel": 2}}, "rollout.tensor_parallel", "the 'hf' engine does not shard"),
     ("engine-pp", {"rollout": {"engine": "vllm", "pipeline_parallel": 2}}, "rollout.pipeline_parallel",
      "tensor parallelism only"),
+    ("routing-replay-dense", {"actor": {"moe": {"routing_replay": "r3"}}}, "actor.moe.routing_replay",
+     "has no experts"),
+    ("routing-replay-typo", {"actor": {"moe": {"routing_replay": "r4"}}}, "actor.moe.routing_replay", "did you mean 'r3'"),
+    ("routing-replay-full-recompute", {"actor": {"recompute": "full", "moe": {"routing_replay": "r2"}},
+                                       "model": {"path": "builtin:tiny-qwen3-moe"}},
+     "actor.moe.routing_replay", "actor.recompute = 'full'"),
+    ("routing-replay-r3-vllm-cpu", {"actor": {"moe": {"routing_replay": "r3"}}, "rollout": {"engine": "vllm"},
+                                    "model": {"path": "builtin:tiny-qwen3-moe"}},
+     "actor.moe.routing_replay", "V2 model runner"),
     ("engine-ep-without-experts", {"rollout": {"engine": "vllm", "expert_parallel": True}}, "rollout.expert_parallel",
      "the model has no experts"),
     ("vpp-without-pp", {"parallel": {"virtual_pipeline": 2}}, "parallel.virtual_pipeline", "needs parallel.pipeline > 1"),
@@ -137,6 +146,12 @@ CASES = [
     ("unknown-advantage", {"algorithm": {"advantage": "gpro"}}, "algorithm.advantage", "did you mean 'grpo'"),
     ("unknown-policy-loss", {"algorithm": {"policy_loss": "ppo2"}}, "algorithm.policy_loss", "did you mean 'ppo'"),
     ("unknown-preset", {"model": {"path": "builtin:tiny-qwen"}}, "model.path", "did you mean 'builtin:tiny-qwen2'"),
+    # the judge's engine keys where nothing reads them
+    ("judge-engine-with-url", {"reward": {"builtin": DELETE, "judge": {"url": "http://x/v1/chat/completions",
+                                                                       "engine": "vllm"}}},
+     "reward.judge.engine", "applies to a local judge (model without url)"),
+    ("judge-vllm-key-on-hf", {"reward": {"builtin": DELETE, "judge": {"model": "builtin:tiny-qwen2", "tensor_parallel": 2}}},
+     "reward.judge.tensor_parallel", "applies to reward.judge.engine = 'vllm' only"),
     # required keys and the reward source
     ("missing-model-path", {"model": {"path": DELETE}}, "model.path", "missing required key"),
     ("no-reward-source", {"reward": {"builtin": DELETE}}, "reward", "set exactly one of"),
@@ -319,3 +334,15 @@ def test_extends_reads_only_bounded_regular_files(tmp_path, cli, target):
     if target in ("fifo", "/dev/zero"):
         rc, _, err = cli("validate", tmp_path / name if target == "fifo" else name)
         assert rc == 2 and "not a regular file" in err, err
+
+
+def test_a_vllm_judge_where_vllm_is_not_importable_is_one_line(write_job, cli):
+    from mrl.rollout.vllm_engine import vllm_available
+
+    if vllm_available():
+        pytest.skip("vllm is importable here")
+    rc, out, err = cli("validate", write_job({"reward": {"builtin": DELETE, "judge": {"model": "builtin:tiny-qwen2",
+                                                                                       "engine": "vllm"}}}))
+    assert rc == 2 and "Traceback" not in err
+    [line] = [line for line in err.splitlines() if line.startswith("error:")]
+    assert ": reward.judge.engine: " in line and "vllm is not importable here" in line, err

@@ -108,3 +108,19 @@ def test_save_killed_half_way_leaves_previous_checkpoint_loadable(tmp_path):
     out = run_torchrun(SCRIPTS / "ckpt_kill.py", "load", str(root), nproc=1, timeout=120).stdout
     loaded = int(re.search(r"^LOADED (\d+)$", out, re.M).group(1))
     assert loaded in (killed_in - 1, killed_in), (loaded, killed_in)
+
+
+def test_routing_replay_r2_r3_at_ep1_ep2_tp2_pp2(tmp_path):
+    """One launch, four layouts (+ bf16 at EP2): R3 replays transformers' routes (and random ones:
+    transformers forced to them gives the same log-probs), R2 replays recorded routes under another
+    packing, and an R3 update has EP1's loss and grad norm (`scripts/routing_replay.py`)."""
+    fp = 2e-6
+    expect = {"bf16_ep2_r2_replayed_vs_recorded": 0.0, "bf16_r3_over_dense_mismatch": 1.2,
+              "bf16_r3_over_off_mismatch": 0.9}
+    for layout in ("ep1", "ep2", "tp2", "pp2"):
+        expect.update({f"{layout}_off_vs_hf": 1e-5, f"{layout}_agreement_shortfall": 0.0,
+                       f"{layout}_r3_natural_vs_off": 0.0, f"{layout}_r3_forced_vs_hf": 1e-5,
+                       f"{layout}_r2_recorded_vs_hf_routes": 0.0, f"{layout}_r2_replayed_vs_recorded": fp})
+        if layout != "tp2":
+            expect.update({f"{layout}_r3_train_loss_vs_ep1": 1e-6, f"{layout}_r3_train_grad_norm_vs_ep1": 1e-6})
+    _run("routing_replay.py", str(tmp_path), expect=expect)

@@ -189,3 +189,32 @@ def test_moe_checkpoint_stream_fills_the_fused_experts(tmp_path, arch):
         assert torch.equal(eng.model(tokens).logits, want)
     with pytest.raises(RuntimeError, match="gate_up_proj"):   # an expert short: the fused tensor is not complete
         eng.update_weights([(k, v) for k, v in stream.items() if "experts" not in k or ".experts.gate_up" in k])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_moe_responses_carry_the_experts_the_engine_used(tmp_path, arch):
+    """Each response's `routes` ([prompt + response tokens, MoE layers, top-k]) are the routers'
+    own choices (DeepSeek-V3: group-limited, bias-corrected), equal to a single forward over the
+    whole sequence, for rows of different prompt lengths that stop at different steps."""
+    from mrl.rollout.hf_routes import RouteCapture
+    from tests.weights.archs import make_hf_model
+
+    model = make_hf_model(arch, tmp_path)
+    eng = HFEngine(model, seed=0)
+    assert eng.returns_routes
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+    out = eng.generate(prompts, Sampling(n=2, max_tokens=7, seed=4, stop_token_ids=tuple(range(0, 250, 5))))
+    assert len({len(r.token_ids) for r in out}) > 1   # rows finish at different steps
+    moe_layers = sum(1 for _ in RouteCapture(model).routers)
+    for i, r in enumerate(out):
+        seq = prompts[i // 2] + r.token_ids
+        with RouteCapture(model) as cap, torch.no_grad():
+            model(input_ids=torch.tensor([seq]))
+            want = cap.take(1, len(seq))[0]
+        assert r.routes.shape == (len(seq), moe_layers, model.config.num_experts_per_tok)
+        assert torch.equal(r.routes, want), i
+
+
+def test_dense_responses_carry_no_routes(engine):
+    assert not engine.returns_routes
+    assert all(r.routes is None for r in engine.generate([[1, 2, 3]], Sampling(n=2, max_tokens=3, seed=1)))

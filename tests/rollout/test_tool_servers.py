@@ -19,7 +19,8 @@ from mrl.rollout.config import MultiTurnConfig, ToolServerConfig
 from mrl.rollout.multi_turn import MultiTurnRollout
 from mrl.rollout.tool_servers import server_problems
 from mrl.rollout.tool_servers.base import normalize_schema
-from mrl.rollout.tools import ToolCall, ToolResult, ToolRunner, function_tool_schema, tool_counts, tool_metrics
+from mrl.rollout.tool_schema import function_schema
+from mrl.rollout.tools import ToolCall, ToolResult, ToolRunner, tool_counts, tool_metrics
 from mrl.rollout.types import Response, Sampling
 from tests.rollout.servers import http_tool_server
 from tests.rollout.test_multi_turn import TOK, ScriptedEngine, call, spans
@@ -70,7 +71,7 @@ def stdio(name="mcp", **kw) -> ToolServerConfig:
     return ToolServerConfig(name=name, kind="mcp_stdio", command=sys.executable, args=(MCP_SERVER, "stdio"), **kw)
 
 
-def test_schema_forms_and_function_schemas():
+def test_schema_forms():
     simple = {"name": "f", "description": "d", "parameters": {"type": "object", "properties": {"x": {}}}}
     openai = {"type": "function", "function": simple}
     assert normalize_schema(simple, "t") == normalize_schema(openai, "t") == openai
@@ -79,12 +80,6 @@ def test_schema_forms_and_function_schemas():
     for bad in ({"description": "no name"}, {"name": "f", "parameters": {"type": "string"}}, "f"):
         with pytest.raises(ValueError):
             normalize_schema(bad, "t")
-    schema = function_tool_schema(str(REPO / "jobs/tools/calculator.py") + ":calculator")
-    assert schema == {"type": "function", "function": {
-        "name": "calculator", "description": 'The value of an arithmetic expression, e.g. "2 * (3 + 4) / 7" -> "2".',
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
-    echo = function_tool_schema(str(HERE / "tools_for_tests.py") + ":echo")["function"]
-    assert echo["parameters"] == {"type": "object", "properties": {"text": {}}, "required": ["text"]}
 
 
 def test_http_tools_answers_errors_timeouts_and_truncation(http_server):
@@ -146,6 +141,10 @@ def test_start_problems_are_one_line_naming_the_server(http_server):
         runner(ToolServerConfig(name="web", kind="http", url=url, header_env={"Authorization": "MRL_UNSET_VAR"}))
     with pytest.raises(UserError, match="tool 'lookup' of server 'b' is also offered by server 'a'"):
         runner(ToolServerConfig(name="a", kind="http", url=url), ToolServerConfig(name="b", kind="http", url=url))
+    calc = str(REPO / "jobs/tools/calculator.py") + ":calculator"
+    r = runner(ToolServerConfig(name="web", kind="http", url=url, tools=("add",)), refs=[calc])
+    assert r.schemas() == [function_schema(calc), {"type": "function", "function": http_tool_server.SCHEMAS[1]}]
+    r.close()
     with pytest.raises(UserError, match="tool 'echo' of server 'web' is also offered by rollout.multi_turn.tools"):
         http_tool_server.SCHEMAS.append({"name": "echo"})
         try:

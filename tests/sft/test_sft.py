@@ -141,11 +141,13 @@ def test_verl_sft_tables_target_real_keys_are_documented_and_explained(tmp_path,
     assert not [k for k in VERL_SFT_NOT_APPLICABLE if f"| `{k}` |" not in text]
     job = sft_job(tmp_path, str(tiny_hf), pairs_parquet)
     with pytest.raises(SpecError) as e:
-        load(job, ["trainer.max_ckpt_to_keep=2", "model.lora.rank=8", "model.lora_adapter_path=x"])
+        load(job, ["trainer.max_ckpt_to_keep=2", "model.lora.rank=8", "model.lora_adapter_path=x",
+                   "model.exclude_modules=x"])
     text = "\n".join(e.value.problems)
     assert "trainer.max_ckpt_to_keep: unknown key; did you mean `checkpoint.keep_last`?" in text
     assert "model.lora.rank: unknown key; did you mean `sft.lora.rank`?" in text
-    assert "model.lora_adapter_path: not an mrl key: training does not start from a saved adapter" in text
+    assert "model.lora_adapter_path: unknown key; did you mean `sft.lora.adapter_path`?" in text
+    assert "model.exclude_modules: not an mrl key: adapters go only on the modules listed" in text
 
 
 def test_mrl_train_refuses_an_sft_job_and_mrl_sft_an_rl_job(tmp_path, tiny_hf, pairs_parquet):

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from mrl.tracking.startup import RunSummary, StartupLog
+from mrl.tracking.startup import LoadProgress, RunSummary, StartupLog
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,6 +22,24 @@ def test_phases_say_how_long_the_previous_one_took():
     assert log.say("built", timed=True).startswith("built (0.")
     assert StartupLog(io.StringIO(), rank_zero=False).say("x") is None
     assert out.getvalue().splitlines()[0] == "mrl train job.toml: checking the job"
+
+
+def test_weight_loading_progress_is_throttled_and_does_not_end_the_phase():
+    out = io.StringIO()
+    log = StartupLog(out, rank_zero=True)
+    now = [100.0]
+    progress = LoadProgress("actor weights", log=log, every_s=5.0, clock=lambda: now[0])
+    phase_started = log._last
+    for done, t in ((1, 101.0), (2, 104.9), (3, 105.0), (4, 107.0), (5, 110.5), (6, 111.0)):
+        now[0] = t
+        progress(done, 6)
+    # one line per 5 s at most, and always the last
+    assert progress.lines == ["loading actor weights 3/6 (5.0s)", "loading actor weights 5/6 (10.5s)",
+                              "loading actor weights 6/6 (11.0s)"]
+    assert log._last == phase_started   # progress lines are inside the phase: its line times all of it
+    silent = LoadProgress("x", log=StartupLog(io.StringIO(), rank_zero=False), every_s=0)
+    silent(1, 1)
+    assert silent.lines == []
 
 
 def test_summary_has_last_and_best_rewards_checkpoint_wall_time_and_next_commands():
@@ -56,3 +74,17 @@ def test_mrl_train_speaks_before_it_imports_torch(tmp_path):
     assert "mrl.cli" in before and not re.search(r"\|\s+torch$", before, re.M)
     assert re.search(r"\|\s+torch$", err, re.M)   # it is imported later (the check can see it)
     assert seconds < 3, seconds
+
+
+def test_the_process_log_is_silent_until_a_training_command_starts_it(capsys, monkeypatch):
+    """`mrl generate` writes JSONL on stdout: a weight load there must not print progress lines."""
+    from mrl.tracking import startup
+
+    log = startup.StartupLog(rank_zero=False)   # as the module's STARTUP begins
+    monkeypatch.setattr(startup, "STARTUP", log)
+    startup.LoadProgress("reward weights")(3, 3)
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "0")
+    log.start()
+    startup.LoadProgress("reward weights")(3, 3)
+    assert capsys.readouterr().out.startswith("loading reward weights 3/3 (")

@@ -48,7 +48,8 @@ def test_mlflow_run_in_the_run_directory_and_resume(spec):
     assert p["data.prompts_per_step"] == "8" and p["tracking.backends"] == '["console", "mlflow"]'
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "reward/mean")] == [(1, 0.25), (2, 0.5)]
     assert math.isnan(client.get_metric_history(run_id, "actor/kl")[-1].value)
-    assert len(run.data.tags["mlflow.source.git.commit"]) == 40 and run.data.tags["mrl.host"]
+    assert len(run.data.tags["mlflow.source.git.commit"]) == 40 and run.data.tags["mrl.env.host"]
+    assert "mrl.host" not in run.data.tags   # one host tag
     assert [a.path for a in client.list_artifacts(run_id)] == ["spec.toml"]
     local = client.download_artifacts(run_id, "spec.toml", str(run_dir / "dl"))
     assert f'function = "{digits}"' in open(local).read()

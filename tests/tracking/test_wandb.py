@@ -19,6 +19,8 @@ def test_offline_without_an_api_key_unless_wandb_mode_says_otherwise():
 def test_an_offline_run_holds_metrics_config_and_samples_and_a_resume_continues_it(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
+    # a parent process's wandb service: not used (finish must wait for a service the run owns)
+    monkeypatch.setenv("WANDB_SERVICE", "not-a-service-token")
     spec, _ = load("jobs/quickstart_cpu.toml", [f"job.output_dir={tmp_path}", 'tracking.backends=["wandb"]',
                                                 "tracking.tags={team = \"rl\"}"])
     stream = io.StringIO()
@@ -55,3 +57,20 @@ def test_an_offline_run_holds_metrics_config_and_samples_and_a_resume_continues_
     files = sorted((run_dir_of(spec) / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
     steps = [r["trainer/step"] for f in files for r in records(f)["history"] if "reward/mean" in r]
     assert sorted(steps) == [1, 2, 3]
+
+
+def test_a_resume_in_the_same_second_waits_for_a_directory_of_its_own(tmp_path):
+    """wandb names a run directory by its start second and id: the resumed attempt must not
+    reuse (and overwrite) the directory of the attempt before it."""
+    from datetime import datetime
+
+    from mrl.tracking.wandb_run import wait_for_a_new_second
+
+    now = 1_700_000_000.25
+    slept = []
+    assert wait_for_a_new_second(tmp_path, "abc", clock=lambda: now, sleep=slept.append) == 0.0 and not slept
+    second = datetime.fromtimestamp(now).strftime("%Y%m%d_%H%M%S")
+    (tmp_path / f"offline-run-{second}-abc").mkdir()
+    pause = wait_for_a_new_second(tmp_path, "abc", clock=lambda: now, sleep=slept.append)
+    assert slept == [pause] and 0.75 < pause < 0.8   # into the next second
+    assert wait_for_a_new_second(tmp_path, "other", clock=lambda: now, sleep=slept.append) == 0.0

@@ -43,10 +43,13 @@ def payloads(path: str | Path) -> list[bytes]:
 
 
 def records(path: str | Path) -> dict:
-    """{"history": [{key: value}, ...], "config": {key: value}, "run": Record.run} of a run file."""
+    """{"history": [{key: value}, ...], "config": {key: value}, "run": Record.run} of a run file.
+
+    A file without its closing `exit` record is still being written (read back too early): that is
+    an assertion error saying so, not a short history."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    history, config, run = [], {}, None
+    history, config, run, ended = [], {}, None, False
     for raw in payloads(path):
         r = pb.Record()
         r.ParseFromString(raw)
@@ -58,4 +61,7 @@ def records(path: str | Path) -> dict:
             config.update({u.key: json.loads(u.value_json) for u in r.run.config.update})
         elif kind == "config":
             config.update({u.key: json.loads(u.value_json) for u in r.config.update})
+        elif kind == "exit":
+            ended = True
+    assert ended, f"{path} has no exit record: wandb has not finished writing it"
     return {"history": history, "config": config, "run": run}

@@ -231,3 +231,38 @@ def test_reward_metrics_are_the_same_with_and_without_partial_rollouts():
         assert s.stats["reward/errors"] == 0.0
     assert {k: v for k, v in whole.stats.items() if k.startswith("reward/")} == \
         {k: v for k, v in partial.stats.items() if k.startswith("reward/")}
+
+
+class RouteEngine(LengthEngine):
+    """`LengthEngine` whose responses carry MoE routes: token position x 10 + the call's number
+    (a continuation's routes cover the prompt and every token so far, as the hf engine's do)."""
+
+    def generate(self, prompt_ids, sampling):
+        out = super().generate(prompt_ids, sampling)
+        call = len(self.calls)
+        for ids, r in zip(prompt_ids, out):
+            r.routes = (torch.arange(len(ids) + len(r.token_ids)) * 10 + call).to(torch.int16).view(-1, 1, 1)
+        return out
+
+
+def test_partial_rollouts_keep_the_routes_of_each_responses_latest_call():
+    import io
+
+    from mrl.train.carry import decode_carry, encode_carry
+    from mrl.train.produce import produce as produce_partial
+
+    run, gen, prompts = _parts([2, 8, 3, 9, 2, 2])
+    gen.generator = RouteEngine(prompt_len=3)
+    gen.version = 0
+    s1 = produce_partial(run, gen, prompts, 1, agree_min=lambda x: x).shards[0]
+    for x in s1.responses:
+        assert x.routes.shape == (3 + len(x.token_ids), 1, 1)
+        assert torch.equal(x.routes.view(-1) // 10, torch.arange(3 + len(x.token_ids)))
+    assert {int(x.routes.view(-1)[0] % 10) for x in s1.responses[2:]} == {2}   # 3 tokens: two calls of 2
+    buf = io.BytesIO()
+    torch.save(encode_carry(prompts.carry), buf)
+    buf.seek(0)
+    back = decode_carry(torch.load(buf, weights_only=True), prompts.dataset)
+    carried = back[0].active[0]
+    assert carried.item.index == 1 and all(torch.equal(a, b) for a, b in zip(carried.routes, prompts.carry[0].active[0].routes))
+    assert carried.routes[0].shape[0] == 3 + len(carried.tokens[0])

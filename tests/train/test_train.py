@@ -199,10 +199,12 @@ def test_quickstart_reward_rises_within_five_minutes(tmp_path):
 def test_moe_quickstart_learns_at_expert_parallel_two(tmp_path):
     """The tiny Qwen3-MoE with its experts split over 2 ranks (EP=2, all-to-all over gloo) and the
     hf engine: the engine's log-probs equal the trainer's on step 1 (same weights, fused experts
-    filled from the per-expert stream) and the digits reward rises as the dense quickstart's does."""
+    filled from the per-expert stream) and the digits reward rises as the dense quickstart's does.
+    With routing replay R3 on (`actor.moe.routing_replay`): the trainer's own top-k equals the
+    engine's on every token of every MoE layer on step 1, and the moe/* metrics are logged."""
     t0 = time.monotonic()
     run_torchrun("-m mrl train", "jobs/quickstart_moe_cpu.toml", f"job.output_dir={tmp_path}", "trainer.total_steps=16",
-                 "checkpoint.every_steps=0", timeout=600)
+                 "checkpoint.every_steps=0", "actor.moe.routing_replay=r3", timeout=600)
     h = history(tmp_path / "quickstart-moe-cpu")
     rewards = h["reward/mean"]
     first, last = rewards[1], [rewards[s] for s in sorted(rewards)[-3:]]
@@ -210,6 +212,8 @@ def test_moe_quickstart_learns_at_expert_parallel_two(tmp_path):
           f"log-prob mismatch max {h['rollout/logprob_abs_diff_max'][1]:.2e}")
     assert h["rollout/logprob_abs_diff_max"][1] < 1e-5
     assert first <= 0.2 and sum(last) / 3 >= 0.8
+    assert h["moe/routing_agreement"][1] == 1.0 and h["moe/routing_agreement_min"][1] == 1.0
+    assert 1.0 <= h["moe/expert_load_max_over_mean"][1] <= 4.0 and h["moe/router_aux_loss"][1] > 0
 
 
 @pytest.mark.slow

@@ -29,12 +29,12 @@ this tiny model in milliseconds) retune `--reward-sleep-ms` and `--epochs` until
 Metrics are read back from each run's MLflow store (`<output>/mlflow.db`), averaged over the
 steady-state steps (`--skip` first steps left out: start-up, first compilation, the first
 separate step that has nothing to overlap with):
-- step: the wall-clock period between consecutive steps' ends (`time/train_ended_at`), which
+- step: the wall-clock period between consecutive steps' ends (`time/step_period`), which
   counts everything a step costs (weight broadcast, rollout transfer, logging), and its spread;
 - time/step: the trainer's own step timer (wait/rollout + training stages);
 - rollout: generation + scoring of one step, `time/rollout` (a) or `time/rollout_generate`
   measured on the rollout rank (b, c);
-- train: `time/train_ended_at - time/train_started_at` (log-probs, advantages, actor update);
+- train: `time/train` (log-probs, advantages, actor update);
 - wait: `time/rollout_wait`, how long the trainer waited for the step's rollouts (b, c);
 - lag: `rollout/version_lag_max` (0 in a and b, 1 in c after step 1).
 Printed ratios:
@@ -121,8 +121,7 @@ def history(out: Path) -> dict[str, dict[int, float]]:
 
 
 def summarize(h: dict[str, dict[int, float]], steps: list[int]) -> dict[str, float]:
-    ended, started = h["time/train_ended_at"], h["time/train_started_at"]
-    periods = [ended[s] - ended[s - 1] for s in steps]
+    periods = [h["time/step_period"][s] for s in steps]
     rollout = h.get("time/rollout_generate") or h["time/rollout"]
     wait = h.get("time/rollout_wait")
 
@@ -130,7 +129,7 @@ def summarize(h: dict[str, dict[int, float]], steps: list[int]) -> dict[str, flo
         return statistics.fmean(series[s] for s in steps)
 
     return {"step": statistics.fmean(periods), "spread": statistics.pstdev(periods), "time/step": mean(h["time/step"]),
-            "rollout": mean(rollout), "train": statistics.fmean(ended[s] - started[s] for s in steps),
+            "rollout": mean(rollout), "train": mean(h["time/train"]),
             "wait": mean(wait) if wait else float("nan"), "lag": max(h["rollout/version_lag_max"][s] for s in steps)}
 
 
