@@ -115,7 +115,8 @@ def test_a_multi_turn_job_learns_to_call_tools_on_http_and_mcp_servers(tmp_path)
 
     first, final = (1, 2, 3), tuple(range(21, 31))
     assert server.calls > calls_before and last["tools/errors_server"] == 0 and last["tools/errors_timeout"] == 0, last
-    # measured (this machine): 27 -> 54 calls per 64 responses, reward 0.33 -> 0.47
+    # measured (2-core machine, under load; 297 s in all): 24.7 -> 53.5 calls per 64 responses, reward
+    # 0.23 -> 0.36, lookup (HTTP) 0.20 -> 0.37 and add (MCP) 0.17 -> 0.40 of the responses
     assert mean("tools/calls", final) > 1.5 * mean("tools/calls", first), h["tools/calls"]
     assert mean("reward/mean", final) > mean("reward/mean", first) + 0.05, h["reward/mean"]
     for tool in ("called_lookup", "called_add"):   # both servers' tools are used more
