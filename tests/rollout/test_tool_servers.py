@@ -108,9 +108,12 @@ def test_http_tools_answers_errors_timeouts_and_truncation(http_server):
         r.close()
 
 
-def test_http_server_in_simple_form_with_an_allowlist_and_a_server_that_goes_away():
+def test_http_server_in_simple_form_with_an_allowlist_and_a_server_that_goes_away(monkeypatch):
     server, url = http_tool_server.start(simple=True)
-    r = runner(ToolServerConfig(name="web", kind="http", url=url, tools=("lookup", "add")))
+    monkeypatch.setenv("MRL_TEST_TOOLS_AUTH", "Bearer s3")
+    r = runner(ToolServerConfig(name="web", kind="http", url=url, tools=("lookup", "add"), headers={"X-Team": "rl"},
+                                header_env={"Authorization": "MRL_TEST_TOOLS_AUTH"}))
+    assert server.headers["X-Team"] == "rl" and server.headers["Authorization"] == "Bearer s3"
     assert r.names == ["lookup", "add"]
     assert r.run([ToolCall("lookup", {"key": "beta"}), ToolCall("boom", {})])[0].text == "3"
     assert r.run([ToolCall("boom", {})])[0].error == "unknown"   # not on the allowlist
@@ -324,3 +327,26 @@ def test_bench_tool_servers_smoke():
                            "--batch", "4"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [line.split()[0] for line in proc.stdout.splitlines()] == ["http", "http", "mcp_stdio", "mcp_stdio"]
+
+
+def test_a_process_that_exits_without_closing_its_runner_exits_and_stops_its_mcp_server(tmp_path):
+    """No hang at exit and no orphan server (the runner's finalizer closes the session; the server also
+    exits when its stdin closes)."""
+    pid_file = tmp_path / "pid"
+    script = (f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+              "from mrl.rollout.config import MultiTurnConfig, ToolServerConfig\n"
+              "from mrl.rollout.tools import ToolRunner, ToolCall\n"
+              f"s = ToolServerConfig(name='m', kind='mcp_stdio', command={sys.executable!r}, "
+              f"args=({MCP_SERVER!r}, 'stdio'), env={{'PID_FILE': {str(pid_file)!r}}})\n"
+              "r = ToolRunner.from_config(MultiTurnConfig(enable=True, servers=(s,)))\n"
+              "print(r.run([ToolCall('add', {'a': 1, 'b': 2})])[0].text)\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "3", proc.stderr[-2000:]
+    assert time.monotonic() - t0 < 30
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists() and \
+            Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"

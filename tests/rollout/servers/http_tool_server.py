@@ -7,7 +7,7 @@ Tools: `lookup(key)`, `add(a, b)`, `sleepy(seconds)`, `boom()` (answers {"error"
 `bad_args` (HTTP 400 with {"error": ...}), `big(n)`, `crash()` (HTTP 500), `garbage()` (not
 JSON). `simple=True` lists the schemas in the simple form ({name, description, parameters}) as
 a bare list instead of OpenAI's form under "tools". `server.calls` counts the calls answered, `server.listings`
-the tool listings.
+the tool listings, `server.headers` the last listing's request headers.
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.path.rstrip("/") != "/tools":
             return self._send(404, b'{"error": "not found"}')
         self.server.listings += 1
+        self.server.headers = dict(self.headers)
         if self.server.simple:
             return self._send(200, json.dumps(SCHEMAS).encode())
         return self._send(200, json.dumps({"tools": [{"type": "function", "function": s} for s in SCHEMAS]}).encode())
@@ -95,7 +96,7 @@ def start(simple: bool = False, port: int = 0):
     """(server, base url): serving in a daemon thread until `server.shutdown()`."""
     server = Server(("127.0.0.1", port), Handler)
     server.handle_error = lambda request, address: None   # a client that gave up (timeout tests) is no news
-    server.simple, server.calls, server.listings = simple, 0, 0
+    server.simple, server.calls, server.listings, server.headers = simple, 0, 0, {}
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 

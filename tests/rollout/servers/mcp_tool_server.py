@@ -61,6 +61,9 @@ def exit_now() -> str:
 
 
 if __name__ == "__main__":
+    if os.environ.get("PID_FILE"):   # the exit test checks this process is gone
+        with open(os.environ["PID_FILE"], "w") as f:
+            f.write(str(os.getpid()))
     if sys.argv[1] == "stdio":
         server.run("stdio")
     else:
