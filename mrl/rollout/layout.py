@@ -43,11 +43,13 @@ def placement_problems(rollout, world_size: int) -> list[tuple[str, str]]:
 
 
 def weight_sync_problems(rollout) -> list[tuple[str, str]]:
-    """`rollout.weight_sync` settings this build cannot honour: delta syncs run through the
-    colocated channel (`mrl.rollout.weight_channel`), which the hf engine takes today."""
-    if rollout.weight_sync.mode == "delta" and (rollout.engine != "hf" or rollout.placement != "colocated"):
-        return [("rollout.weight_sync.mode", f"'delta' runs with the colocated hf engine only (this job: "
-                                             f"{rollout.engine}, {rollout.placement}); use 'full'")]
+    """`rollout.weight_sync` settings this build cannot honour: delta syncs load through
+    `mrl.rollout.weight_channel` (colocated) or `mrl.train.wire` (separate rollout ranks) into
+    the hf engine; vllm engines take full syncs only."""
+    if rollout.weight_sync.mode == "delta" and rollout.engine != "hf":
+        return [("rollout.weight_sync.mode", f"'delta' runs with the hf engine only, colocated or on separate "
+                                             f"rollout ranks (this job: {rollout.engine}, {rollout.placement}); "
+                                             f"use 'full'")]
     return []
 
 

@@ -228,8 +228,8 @@ def plan_sync(spec, *, links: Links = Links(), changed_fraction: float = 0.02) -
     else:
         notes.append(f"colocated: every trainer rank receives full tensors; engine groups of "
                      f"{spec.rollout.tensor_parallel} ranks ({spec.rollout.engine}) shard them locally")
-    if spec.rollout.engine != "hf" or rollout_ranks:
-        notes.append(f"delta sync runs with the colocated hf engine only in this build; the delta figures are what it "
+    if spec.rollout.engine != "hf":
+        notes.append(f"delta sync runs with the hf engine only in this build; the delta figures are what it "
                      f"would move with {spec.rollout.engine} engines ({spec.rollout.placement})")
     pcie = Group("host copy compare (delta), per rank", 1, "PCIe")
     compare_s = full / _bw(links, "PCIe") if spec.platform.device == "cuda" else 0.0
