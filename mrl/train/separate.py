@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -195,10 +194,9 @@ class SeparateRollouts:
 
     def _sync(self, stream, version: int) -> None:
         """Rank 0 (the sender thread when k > 0): send `version`, keep what it moved for `take`."""
-        started = time.perf_counter()
         stats = self.channel.send(stream, version, self.sender_liveness)
-        with self.synced_cv:
-            self.synced[version] = {**stats.metrics(), "time/weight_sync": time.perf_counter() - started}
+        with self.synced_cv:   # time/weight_sync: from the rollout ranks being ready to the last frame sent
+            self.synced[version] = {**stats.metrics(), "time/weight_sync": self.channel.seconds}
             self.synced_cv.notify_all()
 
     def _sync_metrics(self, step: int) -> dict[str, float]:

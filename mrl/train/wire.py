@@ -88,6 +88,7 @@ class BridgeSender:
         self.verify_every_steps = verify_every_steps
         self.sent_version: Optional[int] = None   # the version the rollout ranks hold, as far as the sender knows
         self.syncs = 0
+        self.seconds = 0.0   # the last sync's wall time, from the rollout ranks being ready to its last frame
 
     @classmethod
     def from_config(cls, bridge: Bridge, rollout_ranks: list[int], rollout) -> "BridgeSender":
@@ -108,6 +109,7 @@ class BridgeSender:
         the broadcast only when the other is there, so no collective timeout covers a rollout or
         a training step.)"""
         liveness.wait_until_ready(version, f"weight sync of version {version}")
+        started = time.perf_counter()
         held = self.held_by_rollout_ranks()
         if self.sent_version is None or any(v != self.sent_version for v in held.values()):
             self.sender.forget()   # some rollout rank lost (or never had) what was sent: full sync
@@ -128,6 +130,7 @@ class BridgeSender:
             stats.verified = True
             send_frame(self.bridge, _json(["verify", version, expected, dtypes]), None)
         self.sent_version = version
+        self.seconds = time.perf_counter() - started
         return stats
 
 
