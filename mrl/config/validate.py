@@ -272,6 +272,14 @@ def check(spec: JobSpec, report) -> None:
         problem = reward_function.static_problem(ref, n_args=None)
         if problem:
             err("rollout.multi_turn.tools", problem)
+    if roll.multi_turn.enable:
+        from mrl.rollout.tool_formats import model_template, template_problem
+
+        source = spec.model.tokenizer or spec.model.path
+        template, readable = model_template(source)
+        problem = template_problem(roll.multi_turn.format, template, source) if readable else None
+        if problem:
+            err("rollout.multi_turn.format", problem)
 
     # --- data source
     if data.generator is not None:
@@ -409,6 +417,13 @@ def check(spec: JobSpec, report) -> None:
 
     for key, message in reward_problems(rw):
         err(key, message)
+    from mrl.reward.judge import judge_placement_problems
+
+    judge_errors, judge_warnings = judge_placement_problems(rw.judge, roll, plat.device)
+    for key, message in judge_errors:
+        err(key, message)
+    for key, message in judge_warnings:
+        warn(key, message)
 
     # --- checkpoint / trainer
     if spec.checkpoint.resume == "must" and spec.checkpoint.load_from is None:

@@ -57,8 +57,10 @@ def fit_length(ids: list[int], max_tokens: int, overflow: Overflow, origin: str)
 
 def tokenize_rows(rows: list[PromptRow], tokenizer: Any, *, max_prompt_tokens: int, overflow: Overflow,
                   chat_template: bool, system_prompt: str | None = None,
-                  stats: Counter | None = None, special_tokens_in_text: str = "escape") -> PromptDataset:
+                  stats: Counter | None = None, special_tokens_in_text: str = "escape",
+                  tools: list[dict] | None = None) -> PromptDataset:
     """Render and tokenize `rows`; `stats` (rows counters from loading) gains the prompt counters.
+    `tools`: function schemas the chat template lists (multi-turn jobs).
     Special-token text in a row follows `special_tokens_in_text` (`mrl.data.special`)."""
     from mrl.data import special
 
@@ -74,14 +76,14 @@ def tokenize_rows(rows: list[PromptRow], tokenizer: Any, *, max_prompt_tokens: i
             counts["prompts_special_text_escaped"] += 1
             marked, pieces = special.mark(row.prompt, specials)
             rendered = render_prompt(marked, tokenizer, chat_template=chat_template, system_prompt=system_prompt,
-                                     origin=row.origin)
+                                     origin=row.origin, tools=tools)
             text = special.unmark(rendered, pieces)
             ids = special.encode_escaped(rendered, pieces, tokenizer, add_special_tokens=not chat_template)
         else:
             if found:
                 counts["prompts_special_text_allowed"] += 1
             text = render_prompt(row.prompt, tokenizer, chat_template=chat_template, system_prompt=system_prompt,
-                                 origin=row.origin)
+                                 origin=row.origin, tools=tools)
             ids = encode_prompt(text, tokenizer, chat_template=chat_template)
         fitted = fit_length(ids, max_prompt_tokens, overflow, row.origin)
         if fitted is None:

@@ -23,13 +23,14 @@ def to_messages(prompt: Prompt, system_prompt: str | None) -> list[dict]:
 
 
 def render_prompt(prompt: Prompt, tokenizer: Any, *, chat_template: bool, system_prompt: str | None = None,
-                  origin: str = "prompt") -> str:
-    """The text to tokenize for `prompt` (see the module docstring for the rules)."""
+                  origin: str = "prompt", tools: list[dict] | None = None) -> str:
+    """The text to tokenize for `prompt` (see the module docstring for the rules); `tools`
+    (function schemas of a multi-turn job) go to the template, which lists them for the model."""
     if chat_template:
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(f"the tokenizer has no chat template; set data.chat_template = false ({origin})")
         return tokenizer.apply_chat_template(to_messages(prompt, system_prompt), add_generation_prompt=True,
-                                             tokenize=False)
+                                             tokenize=False, **({"tools": tools} if tools else {}))
     if not isinstance(prompt, str):
         raise UserError(f"{origin}: a chat-message prompt needs data.chat_template = true")
     return f"{system_prompt}\n\n{prompt}" if system_prompt else prompt

@@ -1,7 +1,8 @@
 """The job's tokenizer: the checkpoint's own, or a byte-level one for the builtin tiny presets.
 
 Builtin presets have no tokenizer files; they get a byte-level tokenizer (token id = byte value,
-then `<|endoftext|>` (eos and pad), `<|im_start|>`, `<|im_end|>`) with a ChatML template, built
+then `<|endoftext|>` (eos and pad), `<|im_start|>`, `<|im_end|>`) with a ChatML template (Hermes
+tool turns when given tools), built
 in memory with `tokenizers`. Ids beyond it (the preset's vocabulary is larger) decode to nothing.
 """
 from __future__ import annotations
@@ -14,8 +15,24 @@ from mrl.models.config import ModelConfig
 from mrl.models.facts import builtin_preset
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# ChatML; with tools (transformers renders with trim_blocks, hence {{ '\\n' }} after a tag), Qwen2.5's Hermes tool turns (a system block listing them, <tool_call> in
+# assistant turns, consecutive tool messages in one user turn of <tool_response> blocks)
+CHATML = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function "
+    "signatures within <tools></tools> XML tags:\n<tools>{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{{ '\\n' }}</tools>"
+    "\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'system' and tools and loop.first %}"
+    "{% elif m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}{{ '\\n' }}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @lru_cache(maxsize=None)

@@ -143,11 +143,13 @@ class Rewarder:
         return pool + (self._services_budget(responses) if self._services_budget is not None else 0.0)
 
     @classmethod
-    def from_config(cls, cfg: RewardConfig, model_scorer: RewardModelScorer | None = None, **kw) -> "Rewarder":
+    def from_config(cls, cfg: RewardConfig, model_scorer: RewardModelScorer | None = None, *, device="cpu",
+                    seed: int = 0, **kw) -> "Rewarder":
+        """`device` and `seed`: where a local judge's engine runs and what it samples from."""
         sources = reward_sources(cfg)
         return cls(sources, on_error=cfg.on_error, workers=cfg.workers, timeout_s=cfg.timeout_s,
                    model_scorer=model_scorer, memory_mb=cfg.memory_mb, max_output_bytes=cfg.max_output_bytes,
-                   env_allow=cfg.env_allow, services=service_scorers(cfg, sources),
+                   env_allow=cfg.env_allow, services=service_scorers(cfg, sources, device=device, seed=seed),
                    services_budget=lambda n: services_budget_s(cfg, sources, n), **kw)
 
     def __enter__(self) -> "Rewarder":
@@ -159,6 +161,9 @@ class Rewarder:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+        for scorer in {id(s): s for s in self.services.values()}.values():   # a judge serves several sources once
+            if hasattr(scorer, "close"):
+                scorer.close()
 
     def _rule_outcomes(self, samples: Sequence[RewardSample]) -> dict[str, list]:
         rule = [s for s in self.sources if s.kind in ("function", "builtin")]

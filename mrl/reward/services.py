@@ -1,7 +1,8 @@
 """The scorers of `url` (reward service) and `judge` sources, built from the `reward` section.
 
 Unlike rule sources they do not run in the worker pool: a service call is I/O (threads wait on
-HTTP), and a local judge model is loaded once in the scoring process. Each scorer takes the
+HTTP), and a local judge model is loaded once in the scoring process, on a rollout engine of its
+own (`mrl.reward.judge.EngineJudge`). Each scorer takes the
 batch's `RewardSample`s and returns one `mrl.reward.pool.Outcome` per sample, which the
 `Rewarder` reads, counts and weighs exactly like a reward function's outcomes.
 """
@@ -15,8 +16,10 @@ from mrl.reward.sources import RewardSource
 SERVICE_KINDS = ("remote", "judge")
 
 
-def service_scorers(cfg: RewardConfig, sources: Sequence[RewardSource]) -> dict[str, Callable]:
-    """Source name -> scorer for every remote and judge source (the judge is built once)."""
+def service_scorers(cfg: RewardConfig, sources: Sequence[RewardSource], *, device="cpu",
+                    seed: int = 0) -> dict[str, Callable]:
+    """Source name -> scorer for every remote and judge source (the judge is built once; a local
+    judge's engine on `device`, sampling from `seed`)."""
     from mrl.reward.judge import JudgeScorer
     from mrl.reward.remote import RemoteScorer
 
@@ -26,7 +29,7 @@ def service_scorers(cfg: RewardConfig, sources: Sequence[RewardSource]) -> dict[
         if src.kind == "remote":
             out[src.name] = RemoteScorer.from_config(src.ref, cfg.remote)
         elif src.kind == "judge":
-            judge = judge or JudgeScorer(cfg.judge, cfg.remote)
+            judge = judge or JudgeScorer(cfg.judge, cfg.remote, device=device, seed=seed)
             out[src.name] = judge
     return out
 

@@ -153,7 +153,7 @@ def reward_problems(cfg: RewardConfig, check_files: bool = True) -> list[tuple[s
 
 
 def _judge_problems(judge) -> list[tuple[str, str]]:
-    from mrl.reward.judge import pattern_problem, template_problem
+    from mrl.reward.judge import judge_engine_problems, pattern_problem, template_problem
 
     problems = []
     if judge.url is None and judge.model is None:
@@ -164,7 +164,7 @@ def _judge_problems(judge) -> list[tuple[str, str]]:
     for key, problem in (("template", template_problem(judge.template)), ("pattern", pattern_problem(judge.pattern))):
         if problem:
             problems.append((f"reward.judge.{key}", problem))
-    return problems
+    return problems + judge_engine_problems(judge)
 
 
 def reward_sources(cfg: RewardConfig, check_files: bool = True) -> tuple[RewardSource, ...]:

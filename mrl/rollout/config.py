@@ -36,7 +36,10 @@ class MultiTurnConfig:
     max_parallel_calls: int = option(1, ge=1, help="tool calls executed (in parallel) per assistant turn; later calls are ignored")
     max_tool_response_tokens: int = option(256, ge=1, help="longest tool response kept, in tokens")
     tool_response_truncate_side: Literal["left", "middle", "right"] = option("middle", help="where a long tool response is cut")
-    format: Literal["hermes"] = option("hermes", help="tool-call format: hermes <tool_call>{json}</tool_call> in ChatML turns")
+    format: Literal["auto", "hermes", "llama3_json", "mistral"] = option(
+        "hermes", help="tool-call format the model writes: hermes <tool_call>{json}</tool_call> (Qwen), llama3_json "
+                       "(Llama 3.1+), mistral [TOOL_CALLS]; auto: the one the chat template writes. Tool turns are "
+                       "the chat template's own tokens; the template must write this format")
 
 
 @section
@@ -48,12 +51,14 @@ class WeightSyncConfig:
     mode: Literal["full", "delta"] = option("full", help="full: every tensor every sync; delta: only what changed since "
                                                          "the engine's last version, compared bit for bit in the export "
                                                          "dtype (a host copy of the model per engine; full after the "
-                                                         "engine lost its weights); hf engine, colocated or on "
-                                                         "separate rollout ranks (docs/weight_sync.md)")
+                                                         "engine lost its weights); the hf engine colocated or on "
+                                                         "separate rollout ranks, vllm colocated (changed tensors go "
+                                                         "whole, with their fused module)")
     sparse_fraction: float = option(0.25, ge=0, le=1, help="delta: a tensor with fewer than this fraction of its elements "
                                                            "changed goes as index/value pairs, else whole")
     verify_every_steps: int = option(10, ge=0, help="every N syncs, check that each tensor the engine holds hashes to "
-                                                    "the trainer's (0: never; every bucket is checksummed regardless)")
+                                                    "the trainer's, read back from the engine (vllm: from its sharded, "
+                                                    "fused parameters); 0: never; every bucket is checksummed regardless")
 
 
 @section

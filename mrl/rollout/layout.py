@@ -44,10 +44,10 @@ def placement_problems(rollout, world_size: int) -> list[tuple[str, str]]:
 
 def weight_sync_problems(rollout) -> list[tuple[str, str]]:
     """`rollout.weight_sync` settings this build cannot honour: delta syncs load through
-    `mrl.rollout.weight_channel` (colocated) or `mrl.train.wire` (separate rollout ranks) into
-    the hf engine; vllm engines take full syncs only."""
-    if rollout.weight_sync.mode == "delta" and rollout.engine != "hf":
-        return [("rollout.weight_sync.mode", f"'delta' runs with the hf engine only, colocated or on separate "
+    `mrl.rollout.weight_channel` (colocated: the hf and vllm engines) or `mrl.train.wire`
+    (separate rollout ranks: the hf engine; vllm's fused load units are not sent over the bridge)."""
+    if rollout.weight_sync.mode == "delta" and rollout.placement != "colocated" and rollout.engine != "hf":
+        return [("rollout.weight_sync.mode", f"'delta' runs with colocated engines and with the hf engine on separate "
                                              f"rollout ranks (this job: {rollout.engine}, {rollout.placement}); "
                                              f"use 'full'")]
     return []

@@ -2,60 +2,37 @@
 
 Loop, per conversation (all conversations of a call advance together, one engine call per turn):
   1. the engine samples an assistant turn (up to the remaining response budget);
-  2. tool calls are parsed from the turn's text (hermes format:
-     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`);
+  2. tool calls are parsed from the turn's text by the format's parser (`tool_formats.py`:
+     hermes, llama3_json, mistral, or the one the chat template writes);
   3. without calls, or when the turn hit the budget, the conversation ends; otherwise the tools
      run (first `max_parallel_calls` calls of the turn, in parallel, with a timeout) and their
-     output, wrapped as a ChatML user turn of `<tool_response>` blocks and ending with the next
-     assistant header, is appended with loss mask 0 and log-prob 0;
+     results become tool messages; the chat template's tokens for them and for the next
+     assistant header (`turns.TurnTemplate`) are appended with loss mask 0 and log-prob 0;
   4. repeat until `max_assistant_turns` assistant turns or `max_user_turns` tool turns.
-The response is everything after the prompt: assistant tokens (mask 1, engine log-probs) and
-tool tokens (mask 0). `rollout.max_response_tokens` bounds the whole response.
+The response is everything after the prompt: assistant tokens (mask 1, engine log-probs), exactly
+the ids the engine produced and never re-tokenized, and tool tokens (mask 0).
+`rollout.max_response_tokens` bounds the whole response.
 """
 from __future__ import annotations
 
-import json
-import re
+import sys
 from dataclasses import dataclass, field, replace
-from typing import Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 from mrl.errors import UserError
 from mrl.rollout.engine import RolloutEngine
+from mrl.rollout.tool_formats import HermesFormat, resolve_format  # noqa: F401 - HermesFormat re-exported
 from mrl.rollout.tools import ToolCall, ToolResult, ToolRunner
+from mrl.rollout.turns import TurnTemplate
 from mrl.rollout.types import Response, Sampling, prompt_seed, resolve_prompt_seeds
 
 
 class Tokenizer(Protocol):
+    chat_template: Optional[str]
+
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
-
-
-class HermesFormat:
-    """Hermes tool calls (Qwen2.5/Qwen3, NousHermes) inside ChatML turns."""
-
-    CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-    def parse(self, text: str) -> list[ToolCall | str]:
-        """The tool calls in `text`; a malformed call becomes an error string for the model."""
-        calls: list[ToolCall | str] = []
-        for body in self.CALL.findall(text):
-            try:
-                obj = json.loads(body)
-                args = obj.get("arguments", {})
-                args = json.loads(args) if isinstance(args, str) else args
-                if not isinstance(obj.get("name"), str) or not isinstance(args, dict):
-                    raise ValueError("needs a string 'name' and an object 'arguments'")
-                calls.append(ToolCall(obj["name"], args))
-            except (ValueError, AttributeError) as e:
-                calls.append(f"error: malformed tool call ({e})")
-        return calls
-
-    def observation_template(self) -> tuple[str, str, str]:
-        """(prefix, per-response template, suffix) of the user turn that carries tool output."""
-        return "\n<|im_start|>user\n", "<tool_response>\n{}\n</tool_response>", "<|im_end|>\n<|im_start|>assistant\n"
-
-
-FORMATS = {"hermes": HermesFormat}
+    def apply_chat_template(self, conversation: list[dict], **kwargs) -> Any: ...
 
 
 @dataclass
@@ -71,12 +48,22 @@ class _Conversation:
     assistant_turns: int = 0
     tool_turns: int = 0
     statuses: list[str] = field(default_factory=list)
-    pending: list = field(default_factory=list)  # parsed calls of the last assistant turn
+    pending: list = field(default_factory=list)  # (call or error text, call id) of the last assistant turn
+    last_turn: list[int] = field(default_factory=list)  # ids the engine produced in the last assistant turn
 
     def add(self, ids: Sequence[int], logprobs: Sequence[float], mask: int) -> None:
         self.tokens += ids
         self.logprobs += logprobs
         self.mask += [mask] * len(ids)
+
+
+def prompt_tools(spec) -> Optional[list[dict]]:
+    """The function schemas a job's prompts list through the chat template (`tools=`): those of
+    `rollout.multi_turn.tools` when multi-turn is on and prompts are chat-rendered, else None."""
+    mt = spec.rollout.multi_turn
+    if not (mt.enable and spec.data.chat_template and mt.tools):
+        return None
+    return ToolRunner(mt.tools, mt.tool_timeout_s).schemas()
 
 
 def _truncate(ids: list[int], limit: int, side: str) -> list[int]:
@@ -96,11 +83,13 @@ class MultiTurnRollout:
     def __init__(self, engine: RolloutEngine, tokenizer: Tokenizer, tools: ToolRunner, *,
                  max_assistant_turns: Optional[int] = None, max_user_turns: Optional[int] = None,
                  max_parallel_calls: int = 1, max_tool_response_tokens: int = 256,
-                 tool_response_truncate_side: str = "middle", format: str = "hermes", group=None, group_src: int = 0):
-        if format not in FORMATS:
-            raise UserError(f"rollout.multi_turn.format: unknown format {format!r} (known: {', '.join(FORMATS)})")
+                 tool_response_truncate_side: str = "middle", format: str = "hermes", group=None, group_src: int = 0,
+                 origin: str = "the tokenizer"):
         self.engine, self.tokenizer, self.tools = engine, tokenizer, tools
-        self.format = FORMATS[format]()
+        self.format = resolve_format(format, getattr(tokenizer, "chat_template", None), origin)
+        self.turns = TurnTemplate(tokenizer, tools.schemas(), origin=origin)
+        for note in self.turns.notes:
+            print(f"mrl multi-turn: {note}", file=sys.stderr)
         self.max_assistant_turns = max_assistant_turns
         self.max_user_turns = max_user_turns
         self.max_parallel_calls = max_parallel_calls
@@ -113,8 +102,9 @@ class MultiTurnRollout:
 
     @classmethod
     def from_config(cls, engine: RolloutEngine, tokenizer: Tokenizer, cfg, *, group=None,
-                    group_src: int = 0) -> "MultiTurnRollout":
-        """From a `rollout.multi_turn` section; `group`, `group_src` from `engine.engine_group` for vllm TP > 1."""
+                    group_src: int = 0, origin: str = "the tokenizer") -> "MultiTurnRollout":
+        """From a `rollout.multi_turn` section; `group`, `group_src` from `engine.engine_group` for vllm TP > 1;
+        `origin` names the tokenizer in errors (model.tokenizer's value)."""
         if cfg.interaction_config is not None:
             raise UserError("rollout.multi_turn.interaction_config: simulated-user interactions are not supported")
         if cfg.tool_config is not None:
@@ -124,7 +114,7 @@ class MultiTurnRollout:
                    max_assistant_turns=cfg.max_assistant_turns, max_user_turns=cfg.max_user_turns,
                    max_parallel_calls=cfg.max_parallel_calls, max_tool_response_tokens=cfg.max_tool_response_tokens,
                    tool_response_truncate_side=cfg.tool_response_truncate_side, format=cfg.format,
-                   group=group, group_src=group_src)
+                   group=group, group_src=group_src, origin=origin)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -174,7 +164,9 @@ class MultiTurnRollout:
                 c.add(out.token_ids, out.logprobs, 1)
                 c.assistant_turns += 1
                 c.finish_reason = out.finish_reason
-                c.pending = [] if out.finish_reason == "length" else self.format.parse(self.tokenizer.decode(out.token_ids))
+                c.last_turn = list(out.token_ids)
+                c.pending = ([] if out.finish_reason == "length"
+                             else self.format.parse_with_ids(self.tokenizer.decode(out.token_ids)))
                 out_of_turns = self.max_assistant_turns is not None and c.assistant_turns >= self.max_assistant_turns
                 out_of_tool_turns = self.max_user_turns is not None and c.tool_turns >= self.max_user_turns
                 if not c.pending or out_of_turns or out_of_tool_turns or len(c.tokens) >= sampling.max_tokens:
@@ -193,18 +185,21 @@ class MultiTurnRollout:
         return box[0]
 
     def _tool_turn(self, calling: list[_Conversation], max_tokens: int) -> None:
-        jobs = [(c, k, call) for c in calling for k, call in enumerate(c.pending[:self.max_parallel_calls])]
+        jobs = [(c, k, call) for c in calling for k, (call, _) in enumerate(c.pending[:self.max_parallel_calls])]
         runnable = [(c, k, call) for c, k, call in jobs if isinstance(call, ToolCall)]
         results = dict(zip(((id(c), k) for c, k, _ in runnable), self._run_tools([call for _, _, call in runnable])))
-        prefix, block, suffix = self.format.observation_template()
         for c in calling:
-            texts = []
-            for k, call in enumerate(c.pending[:self.max_parallel_calls]):
+            messages = []
+            for k, (call, call_id) in enumerate(c.pending[:self.max_parallel_calls]):
                 res = results.get((id(c), k)) or ToolResult(str(call), "error", 0.0)
                 c.statuses.append(res.status)
                 ids = _truncate(self._encode(res.text), self.max_tool_response_tokens, self.truncate_side)
-                texts.append(block.format(self.tokenizer.decode(ids)))
-            obs = self._encode(prefix + "\n".join(texts) + suffix)
+                message = {"role": "tool", "content": self.tokenizer.decode(ids),
+                           "tool_call_id": call_id or f"call{c.tool_turns % 100:02d}{k:03d}"}  # 9 characters (Mistral)
+                if isinstance(call, ToolCall):
+                    message["name"] = call.name
+                messages.append(message)
+            obs = self.turns.tool_turn_ids(c.last_turn, messages)
             room = max_tokens - len(c.tokens)
             c.add(obs[:room], [0.0] * min(len(obs), room), 0)
             c.tool_turns += 1

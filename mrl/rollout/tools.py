@@ -78,6 +78,12 @@ class ToolRunner:
     def names(self) -> list[str]:
         return list(self.refs)
 
+    def schemas(self) -> list[dict]:
+        """OpenAI function-tool schemas of the tools, for the chat template's `tools=`."""
+        from mrl.rollout.tool_schema import function_schema
+
+        return [function_schema(ref) for ref in self.refs.values()]
+
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """Run `calls` in parallel; results in call order."""
         started = []

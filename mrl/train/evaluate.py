@@ -30,9 +30,10 @@ class ValidationResult:
 def validation_set(run: Run, prompts: Prompts):
     """The validation prompts, loaded on first use and kept."""
     from mrl.data.source import load_prompts
+    from mrl.rollout.multi_turn import prompt_tools
 
     if prompts.val_dataset is None:
-        prompts.val_dataset = load_prompts(run.spec.data, run.tokenizer, "val")
+        prompts.val_dataset = load_prompts(run.spec.data, run.tokenizer, "val", tools=prompt_tools(run.spec))
     return prompts.val_dataset
 
 

@@ -90,7 +90,7 @@ class Generation:
     is_leader: bool = True
     weights_key: Optional[int] = None   # actor updates the engine's weights reflect (None: none loaded)
     version: int = 0                # policy version of the engine's weights (trainer steps completed)
-    channel: Optional["ColocatedChannel"] = None   # colocated hf: checksummed full / delta syncs
+    channel: Optional["ColocatedChannel"] = None   # colocated engines: checksummed full / delta syncs
 
 
 @dataclass

@@ -27,6 +27,7 @@ it does not hold refuses it.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import TYPE_CHECKING, Iterable, Iterator, Optional
 
@@ -39,6 +40,8 @@ from mrl.weights.verify import WeightSyncError
 if TYPE_CHECKING:
     from mrl.rollout.engine import RolloutEngine
     from mrl.train.liveness import Liveness
+
+log = logging.getLogger(__name__)
 
 
 def held_key(rank: int) -> str:
@@ -148,6 +151,7 @@ class BridgeReceiver:
         self.group = group
         self.held: Optional[int] = None   # the version this rank's engine holds
         self.last: Optional[SyncStats] = None
+        self.warned_unreadable = False
         self._publish()
 
     def _publish(self) -> None:
@@ -180,8 +184,13 @@ class BridgeReceiver:
                                       f"{version}, received a {kind!r} frame of version {v}")
             if self.engine is not None and _lists_weights(self.engine):
                 t0 = time.perf_counter()
-                self.receiver.verify({n: tuple(s) for n, s in expected.items()},
-                                     {n: getattr(torch, d) for n, d in dtypes.items()}, version)
+                unreadable = self.receiver.verify({n: tuple(s) for n, s in expected.items()},
+                                                  {n: getattr(torch, d) for n, d in dtypes.items()}, version)
+                if unreadable and not self.warned_unreadable:
+                    self.warned_unreadable = True
+                    log.warning("weight verification: %d of %d tensors cannot be read back from the %s engine of "
+                                "engine group %s (e.g. %s); they are checked on arrival only", len(unreadable),
+                                len(expected), type(self.engine).__name__, self.group, unreadable[0])
                 stats.seconds_verify = time.perf_counter() - t0
                 stats.verified = True
         self.held = version

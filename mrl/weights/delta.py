@@ -14,13 +14,18 @@ sync. A sync is full (everything, whole) when the sender holds nothing for the e
 sync, after the engine lost its weights (`forget`: sleep level 2, a restart) and after a resume
 (a new process). LoRA actors export merged tensors, so only those whose adapters moved differ.
 
+Load units: an engine may load some tensors only together (`RolloutEngine.load_unit`: vLLM
+rebuilds a fused module such as `qkv_proj` from what one sync loads, so q, k and v, and a layer's
+bias with its weight, arrive together or not at all). In a delta sync, when one tensor of a unit
+changed, the unit's other tensors go too, whole (their new bytes equal the held ones).
+
 `mode = "full"` keeps no copy, only each tensor's checksum (what the periodic full verification
 compares the engine's weights with).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Literal, Optional
+from typing import Callable, Iterable, Iterator, Literal, Optional
 
 import torch
 
@@ -108,6 +113,10 @@ class SyncStats:
         return out
 
 
+def _own_unit(name: str) -> str:
+    return name
+
+
 def _index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
@@ -122,6 +131,7 @@ class WeightSender:
     held: dict[str, torch.Tensor] = field(default_factory=dict)      # delta: host copy, export dtype
     sums: dict[str, Checksum] = field(default_factory=dict)          # full: checksum of what the engine holds
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    unit_of: Callable[[str], str] = _own_unit   # the engine's load unit of a tensor (`RolloutEngine.load_unit`)
 
     def forget(self) -> None:
         """The engine lost its weights: the next sync is full."""
@@ -146,15 +156,7 @@ class WeightSender:
         names: list[list[str]] = []
         items: list[Item] = []
         size = 0
-        for name, tensor in stream:
-            tensor = tensor.detach()
-            nbytes = tensor.numel() * tensor.element_size()
-            stats.tensors += 1
-            stats.elements += tensor.numel()
-            stats.bytes_full += nbytes
-            item = self._item(name, tensor, full, stats)
-            if item is None:
-                continue
+        for name, tensor, item in self._by_unit(stream, full, stats):
             t0 = time.perf_counter()
             item.checksum = item.payload_checksum()
             if self.mode == "full":
@@ -175,6 +177,42 @@ class WeightSender:
             yield Bucket(version, len(names) - 1, items)
         stats.buckets = len(names)
         yield End(version, names, full)
+
+    def _by_unit(self, stream: Iterable[tuple[str, torch.Tensor]], full: bool,
+                 stats: SyncStats) -> Iterator[tuple[str, torch.Tensor, Item]]:
+        """(name, tensor, item) of every tensor to send. A delta sync holds a unit's tensors back
+        until the unit's last one has been seen (units are consecutive in the exporter's order,
+        so this holds one module), then sends all of them when any changed."""
+        units: dict[str, set[str]] = {}
+        if not full:
+            for held in self.held:
+                units.setdefault(self.unit_of(held), set()).add(held)
+        pending: dict[str, list[tuple[str, torch.Tensor, Optional[Item]]]] = {}
+        for name, tensor in stream:
+            tensor = tensor.detach()
+            stats.tensors += 1
+            stats.elements += tensor.numel()
+            stats.bytes_full += tensor.numel() * tensor.element_size()
+            item = self._item(name, tensor, full, stats)
+            unit = self.unit_of(name) if not full else name
+            members = units.get(unit, {name})
+            if len(members) <= 1:
+                if item is not None:
+                    yield name, tensor, item
+                continue
+            waiting = pending.setdefault(unit, [])
+            waiting.append((name, tensor, item))
+            if {n for n, _, _ in waiting} >= members:
+                yield from self._unit_items(pending.pop(unit))
+        for waiting in pending.values():   # a unit some of whose tensors the stream did not carry
+            yield from self._unit_items(waiting)
+
+    @staticmethod
+    def _unit_items(waiting: list) -> Iterator[tuple[str, torch.Tensor, Item]]:
+        if any(item is not None for _, _, item in waiting):
+            for name, tensor, item in waiting:
+                yield name, tensor, (item if item is not None and not item.sparse
+                                     else Item(name, tuple(tensor.shape), tensor))
 
     def _item(self, name: str, tensor: torch.Tensor, full: bool, stats: SyncStats) -> Optional[Item]:
         shape = tuple(tensor.shape)

@@ -137,6 +137,12 @@ CASES = [
     ("unknown-advantage", {"algorithm": {"advantage": "gpro"}}, "algorithm.advantage", "did you mean 'grpo'"),
     ("unknown-policy-loss", {"algorithm": {"policy_loss": "ppo2"}}, "algorithm.policy_loss", "did you mean 'ppo'"),
     ("unknown-preset", {"model": {"path": "builtin:tiny-qwen"}}, "model.path", "did you mean 'builtin:tiny-qwen2'"),
+    # the judge's engine keys where nothing reads them
+    ("judge-engine-with-url", {"reward": {"builtin": DELETE, "judge": {"url": "http://x/v1/chat/completions",
+                                                                       "engine": "vllm"}}},
+     "reward.judge.engine", "applies to a local judge (model without url)"),
+    ("judge-vllm-key-on-hf", {"reward": {"builtin": DELETE, "judge": {"model": "builtin:tiny-qwen2", "tensor_parallel": 2}}},
+     "reward.judge.tensor_parallel", "applies to reward.judge.engine = 'vllm' only"),
     # required keys and the reward source
     ("missing-model-path", {"model": {"path": DELETE}}, "model.path", "missing required key"),
     ("no-reward-source", {"reward": {"builtin": DELETE}}, "reward", "set exactly one of"),
@@ -319,3 +325,15 @@ def test_extends_reads_only_bounded_regular_files(tmp_path, cli, target):
     if target in ("fifo", "/dev/zero"):
         rc, _, err = cli("validate", tmp_path / name if target == "fifo" else name)
         assert rc == 2 and "not a regular file" in err, err
+
+
+def test_a_vllm_judge_where_vllm_is_not_importable_is_one_line(write_job, cli):
+    from mrl.rollout.vllm_engine import vllm_available
+
+    if vllm_available():
+        pytest.skip("vllm is importable here")
+    rc, out, err = cli("validate", write_job({"reward": {"builtin": DELETE, "judge": {"model": "builtin:tiny-qwen2",
+                                                                                       "engine": "vllm"}}}))
+    assert rc == 2 and "Traceback" not in err
+    [line] = [line for line in err.splitlines() if line.startswith("error:")]
+    assert ": reward.judge.engine: " in line and "vllm is not importable here" in line, err

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from mrl.errors import UserError
+from mrl.models.tokenizer import byte_tokenizer
 from mrl.rollout.engine import RolloutEngine
 from mrl.rollout.multi_turn import HermesFormat, MultiTurnRollout
 from mrl.rollout.tools import ToolCall, ToolRunner
@@ -21,18 +22,8 @@ sys.path.insert(0, str(REPO / "jobs" / "tools"))
 from calculator import calculator  # noqa: E402
 
 
-class ByteTokenizer:
-    """One token per UTF-8 byte (ids 0..255; larger ids of a real model decode to '?')."""
-
-    def encode(self, text, add_special_tokens=False):
-        return list(text.encode())
-
-    def decode(self, ids):
-        return "".join(bytes([i]).decode(errors="replace") if i < 256 else "?" for i in ids) if any(
-            i >= 256 for i in ids) else bytes(ids).decode(errors="replace")
-
-
-TOK = ByteTokenizer()
+# one token per UTF-8 byte, <|im_start|>/<|im_end|> special, Hermes tool turns in its ChatML template
+TOK = byte_tokenizer()
 
 
 def call(name, **arguments):

@@ -3,7 +3,8 @@
 Run from the vllm test environment: `bash .ci/vllm-setup.sh && .venv-vllm/bin/pytest -m vllm tests/rollout`.
 The checks themselves (seeded determinism, log-probs vs a teacher-forced transformers forward,
 weight updates through the layerwise-reload protocol, EOS without a tokenizer, sleep/wake) are in
-scripts/vllm_checks.py and run on every rank.
+scripts/vllm_checks.py and run on every rank; in the two-engine case rank 0 also scores with a vllm
+judge (`reward.judge.engine = "vllm"`, engine processes of its own) started beside its engine.
 """
 from __future__ import annotations
 
@@ -21,9 +22,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
 SCRIPT = "tests/rollout/scripts/vllm_checks.py"
 
 
-@pytest.mark.parametrize("nproc,tp", [(2, 2), (2, 1)], ids=["one-engine-tp2", "two-engines-tp1"])
-def test_vllm_engine_checks(tmp_path, nproc, tp):
+@pytest.mark.parametrize("nproc,tp,judge", [(2, 2, False), (2, 1, True)], ids=["one-engine-tp2", "two-engines-tp1"])
+def test_vllm_engine_checks(tmp_path, nproc, tp, judge):
+    """`judge`: rank 0 also scores with a vllm judge model beside its engine (reward.judge.engine)."""
     model_dir = save_tiny_model(tmp_path / "tiny")
-    proc = run_torchrun(SCRIPT, model_dir, str(tp), nproc=nproc, timeout=600)
+    proc = run_torchrun(SCRIPT, model_dir, str(tp), *(["judge"] if judge else []), nproc=nproc, timeout=600)
     for rank in range(nproc):
         assert f"rank {rank} ok" in proc.stdout, proc.stdout[-3000:]
+    if judge:
+        assert "rank 0 judge ok" in proc.stdout, proc.stdout[-3000:]
+        print([line for line in proc.stdout.splitlines() if "judge ok" in line])

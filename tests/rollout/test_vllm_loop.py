@@ -6,7 +6,9 @@ model is the quickstart's builtin tiny Qwen2 (head size 32, tied embeddings).
   trainer log-probs of fixed sequences agree (fp32, <= 1e-4) at step 1 and after an update; a
   wrong shard and incomplete streams are caught;
 - the quickstart job itself trains on vLLM: its step-1 audit is below 1e-3 and the mean reward
-  rises.
+  rises (full syncs, verified by reading the engine's weights back every 10);
+- delta syncs in bf16 (layout b) leave the engine bit-identical to full syncs
+  (scripts/vllm_delta_sync.py).
 Run from the vllm test environment: `make test-vllm`.
 """
 from __future__ import annotations
@@ -37,6 +39,20 @@ def test_weight_sync_into_engine_groups_is_proven(tmp_path, layout):
     for rank in range(2):
         assert f"rank {rank} ok" in proc.stdout, proc.stdout[-3000:]
     print([line for line in proc.stdout.splitlines() if " ok: " in line])
+
+
+def test_delta_syncs_into_a_vllm_engine_equal_full_syncs_in_bf16(tmp_path):
+    """Trainer DP2 feeding one TP2 engine in bf16 at lr 1e-5 (few bf16 elements change per step):
+    4 steps of delta syncs, each verified by reading the engine's weights back; they equal the
+    export bit for bit and the engine's log-probs equal a full sync's (scripts/vllm_delta_sync.py);
+    a flipped byte is named; a level-2 sleep forces a full sync."""
+    proc = run_torchrun("tests/rollout/scripts/vllm_delta_sync.py", JOB, "4", *VLLM, *LAYOUTS["b-trainer-dp2-one-tp2-engine"],
+                        "model.dtype=bfloat16", "actor.optim.lr=1e-5", "rollout.weight_sync.mode=delta",
+                        "rollout.weight_sync.verify_every_steps=1", f"job.output_dir={tmp_path}", "tracking.backends=[]",
+                        timeout=900)
+    for rank in range(2):
+        assert f"rank {rank} ok" in proc.stdout, proc.stdout[-3000:]
+    print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("rank 0 ")))
 
 
 def _metric(db, key: str) -> dict[int, float]:

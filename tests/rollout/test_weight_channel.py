@@ -182,17 +182,16 @@ def test_checksum_sees_every_single_byte_flip_and_word_swaps():
     assert checksum(t.clone()) == base
 
 
-def test_delta_with_vllm_is_a_spec_error_and_with_hf_on_separate_ranks_is_not():
+def test_delta_with_vllm_on_separate_ranks_is_a_spec_error_and_colocated_vllm_or_separate_hf_is_not():
     from mrl.rollout.config import RolloutConfig, WeightSyncConfig
     from mrl.rollout.layout import weight_sync_problems
 
     delta = WeightSyncConfig(mode="delta")
     assert weight_sync_problems(RolloutConfig(engine="hf", weight_sync=delta)) == []
+    assert weight_sync_problems(RolloutConfig(engine="vllm", weight_sync=delta)) == []
     assert weight_sync_problems(RolloutConfig(engine="hf", placement="separate", ranks=1, weight_sync=delta)) == []
-    for placement, ranks in (("colocated", 0), ("separate", 1)):
-        (key, msg), = weight_sync_problems(RolloutConfig(engine="vllm", placement=placement, ranks=ranks,
-                                                         weight_sync=delta))
-        assert key == "rollout.weight_sync.mode" and "hf engine only" in msg and placement in msg
+    (key, msg), = weight_sync_problems(RolloutConfig(engine="vllm", placement="separate", ranks=1, weight_sync=delta))
+    assert key == "rollout.weight_sync.mode" and "hf engine on separate rollout ranks" in msg and "vllm, separate" in msg
 
 
 @pytest.mark.parametrize("level,second_full", [(1, False), (2, True)])

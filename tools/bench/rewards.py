@@ -8,7 +8,8 @@
   cost; 16 is the default of `reward.remote.batch_size`); the service adds `--latency-ms` to each
   request, as a real verifier would.
 - judge: `JudgeScorer` against a local fake chat-completions judge (concurrency 8), and the local
-  HF judge on the builtin tiny model (CPU, 8 new tokens).
+  judge on the builtin tiny model (CPU, 8 new tokens) on the hf engine and, where vllm is
+  importable (.venv-vllm), on the vllm engine; `--judge-batch` responses per call.
 - code: sandboxed test executions per second (`mrl.reward.code.run_case`, one stdio test per
   process), one at a time and through a `Rewarder` with `--workers` reward workers.
 Prints one line per configuration: items/s.
@@ -61,12 +62,21 @@ def bench_judge(args) -> None:
         r.score(samples(256))
         print(f"judge   http fake (concurrency 8, latency {args.latency_ms:g} ms): {256 / (time.perf_counter() - t):8.1f} rewards/s")
     server.shutdown()
-    cfg = RewardConfig(judge=JudgeConfig(model="builtin:tiny-qwen2", max_tokens=8))
-    with Rewarder.from_config(cfg) as r:
-        r.score(samples(8))
+    from mrl.rollout.vllm_engine import vllm_available
+
+    engines = ("hf", "vllm") if vllm_available() else ("hf",)
+    for engine in engines:
+        extra = {"engine_kwargs": {"enforce_eager": True}} if engine == "vllm" else {}
+        cfg = RewardConfig(judge=JudgeConfig(model="builtin:tiny-qwen2", max_tokens=8, engine=engine, **extra))
         t = time.perf_counter()
-        r.score(samples(64))
-        print(f"judge   local tiny-qwen2 on CPU (8 new tokens):      {64 / (time.perf_counter() - t):8.1f} rewards/s")
+        with Rewarder.from_config(cfg) as r:
+            start = time.perf_counter() - t
+            r.score(samples(8))
+            t = time.perf_counter()
+            r.score(samples(args.judge_batch))
+            dt = time.perf_counter() - t
+        print(f"judge   local tiny-qwen2 on the {engine} engine, CPU ({args.judge_batch} responses, 8 new tokens, "
+              f"engine start {start:.1f} s): {args.judge_batch / dt:8.1f} rewards/s")
 
 
 def bench_code(args) -> None:
@@ -100,6 +110,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--latency-ms", type=float, default=0.0)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--judge-batch", type=int, default=64, help="responses per call of the local judge")
     args = p.parse_args()
     for name, fn in (("remote", bench_remote), ("judge", bench_judge), ("code", bench_code)):
         if args.only in (None, name):
