@@ -43,11 +43,13 @@ def placement_problems(rollout, world_size: int) -> list[tuple[str, str]]:
 
 
 def weight_sync_problems(rollout) -> list[tuple[str, str]]:
-    """`rollout.weight_sync` settings this build cannot honour: delta syncs run through the
-    colocated channel (`mrl.rollout.weight_channel`), which the hf and vllm engines take."""
-    if rollout.weight_sync.mode == "delta" and rollout.placement != "colocated":
-        return [("rollout.weight_sync.mode", f"'delta' runs with colocated engines only (this job: "
-                                             f"{rollout.engine}, {rollout.placement}); use 'full'")]
+    """`rollout.weight_sync` settings this build cannot honour: delta syncs load through
+    `mrl.rollout.weight_channel` (colocated: the hf and vllm engines) or `mrl.train.wire`
+    (separate rollout ranks: the hf engine; vllm's fused load units are not sent over the bridge)."""
+    if rollout.weight_sync.mode == "delta" and rollout.placement != "colocated" and rollout.engine != "hf":
+        return [("rollout.weight_sync.mode", f"'delta' runs with colocated engines and with the hf engine on separate "
+                                             f"rollout ranks (this job: {rollout.engine}, {rollout.placement}); "
+                                             f"use 'full'")]
     return []
 
 

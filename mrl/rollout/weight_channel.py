@@ -33,15 +33,17 @@ log = logging.getLogger(__name__)
 class WeightReceiver:
     """Checks and loads one engine's syncs; `group` names the engine group in errors."""
 
-    def __init__(self, engine: RolloutEngine, group: str):
-        self.engine = engine
+    def __init__(self, engine: Optional[RolloutEngine], group: str):
+        self.engine = engine   # None: a rank holding no engine checks the buckets only
         self.group = group
 
     def apply(self, messages: Messages, version: int, *, full: bool, stats: Optional[SyncStats] = None) -> int:
         """Load one sync of policy `version`; returns the tensors loaded (whole and sparse)."""
         stats = stats if stats is not None else SyncStats(version=version, full=full)
         counted = {"sparse": 0}
-        whole = self.engine.update_weights(self._checked(iter(messages), version, stats, counted), partial=not full)
+        checked = self._checked(iter(messages), version, stats, counted)
+        whole = (sum(1 for _ in checked) if self.engine is None
+                 else self.engine.update_weights(checked, partial=not full))
         return whole + counted["sparse"]
 
     def _checked(self, messages: Iterator, version: int, stats: SyncStats, counted: dict) -> Iterator[tuple[str, torch.Tensor]]:
@@ -69,7 +71,8 @@ class WeightReceiver:
             stats.seconds_checksums += time.perf_counter() - t0
             for item in msg.items:
                 if item.sparse:
-                    self.engine.apply_sparse(item.name, item.indices, item.values)
+                    if self.engine is not None:
+                        self.engine.apply_sparse(item.name, item.indices, item.values)
                     counted["sparse"] += 1
                 else:
                     yield item.name, item.values

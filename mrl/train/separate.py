@@ -6,8 +6,10 @@ The exchange:
   samples prompts itself, with one sampler per trainer data-parallel shard, seeded as the
   trainer's own would be, so the prompts and seeds equal the colocated run's.
 - weights (`publish`): trainer rank 0 broadcasts version v over the weights group
-  (`mrl.train.wire`), right after step v, when a later step needs it or the rollout side
-  validates it (and version 0, or the resumed version, at the start).
+  (`mrl.train.wire`: versioned, checksummed buckets, full or delta, periodically verified),
+  right after step v, when a later step needs it or the rollout side validates it (and version
+  0, or the resumed version, at the start). A step reports the `weight_sync/*` figures of the
+  version its rollouts were generated with, the first time one does.
 - rollouts: the rollout ranks gather their shards on rollout rank 0, which sends the step's
   `StepRollout` to trainer rank 0; trainer rank 0 broadcasts it to the trainer's world when the
   step consumes it, and receives rollouts ahead of need (it waits only when the queue is empty).
@@ -34,7 +36,7 @@ from mrl.train.liveness import Liveness, Worker
 from mrl.train.parts import Learner, Run
 from mrl.train.produce import ShardRollout, StepRollout
 from mrl.train.evaluate import ValidationResult, validation_steps
-from mrl.train.wire import send_weights
+from mrl.train.wire import BridgeSender
 
 
 def needed_version(step: int, max_staleness: int, start_version: int = 0) -> int:
@@ -91,6 +93,10 @@ class SeparateRollouts:
         self.validated: list[int] = []       # versions the rollout side validates
         self.results: collections.deque[ValidationResult] = collections.deque()   # arrived, not yet logged
         self.results_seen = 0
+        self.channel: Optional[BridgeSender] = None   # rank 0: what the rollout ranks hold
+        self.synced: dict[int, dict[str, float]] = {}   # rank 0: version -> its sync's metrics
+        self.synced_cv = threading.Condition()
+        self.reported: set[int] = set()
 
     @property
     def is_root(self) -> bool:
@@ -123,6 +129,7 @@ class SeparateRollouts:
             liveness = Liveness(self.bridge.store, ranks, self.run.spec.platform.collective_timeout_s)
             # the sender thread's own view (each thread tracks the beats it has seen)
             self.sender_liveness = Liveness(self.bridge.store, ranks, self.run.spec.platform.collective_timeout_s)
+            self.channel = BridgeSender.from_config(self.bridge, ranks, self.run.spec.rollout)
             self.bridge.send_object(Start(self.first_step, total, self.start_version, self.position,
                                            self.validated, self.carry), self.bridge.rollout_leader, "rollout start")
             self.receiver = Worker("mrl-rollout-receiver")
@@ -173,7 +180,6 @@ class SeparateRollouts:
         self.receiver.check()
 
     def _send_weights(self, version: int) -> None:
-        bucket_mb = self.run.spec.rollout.weight_sync.bucket_mb
         if not self.is_root:
             for _ in self.learner.exporter.stream(0):   # the gathers need every trainer rank
                 pass
@@ -181,14 +187,35 @@ class SeparateRollouts:
         if self.k == 0:   # the producer waits for these weights: stream them, no copy
             self.sender.idle.wait()
             self.sender.check()
-            send_weights(self.bridge, self.learner.exporter.stream(0), version, bucket_mb, self.sender_liveness)
+            self._sync(self.learner.exporter.stream(0), version)
             return
         staged = [(name, t.detach().to("cpu", copy=True)) for name, t in self.learner.exporter.stream(0)]
-        self.sender.submit(lambda: send_weights(self.bridge, iter(staged), version, bucket_mb, self.sender_liveness))
+        self.sender.submit(lambda: self._sync(iter(staged), version))
+
+    def _sync(self, stream, version: int) -> None:
+        """Rank 0 (the sender thread when k > 0): send `version`, keep what it moved for `take`."""
+        stats = self.channel.send(stream, version, self.sender_liveness)
+        with self.synced_cv:   # time/weight_sync: from the rollout ranks being ready to the last frame sent
+            self.synced[version] = {**stats.metrics(), "time/weight_sync": self.channel.seconds}
+            self.synced_cv.notify_all()
+
+    def _sync_metrics(self, step: int) -> dict[str, float]:
+        """Rank 0: the `weight_sync/*` figures of the version step `step` was generated with, the
+        first time a step reports it (none for a version a resumed run did not send itself)."""
+        version = needed_version(step, self.k, self.start_version)
+        if version in self.reported or version not in self.sent:
+            return {}
+        self.reported.add(version)
+        with self.synced_cv:   # its rollouts arrived, so the sync is done; its stats follow at once
+            while version not in self.synced:
+                self.sender.check()
+                self.synced_cv.wait(timeout=0.1)
+            return self.synced.pop(version)
 
     def take(self, step: int, t) -> tuple[ShardRollout, dict[str, float]]:
         with t("rollout_wait"):
             got = None
+            synced: dict[str, float] = {}
             if self.is_root:
                 self.sender.check()
                 self._wait_received(step)
@@ -196,6 +223,7 @@ class SeparateRollouts:
                     while self.queue[0].step < step:
                         self.queue.popleft()
                     got = self.queue.popleft()
+                synced = self._sync_metrics(step)
             wait_for_peers("rollout wait")
             got: StepRollout = broadcast_object(got, "rollouts to trainer ranks")
         self.position, self.carry = got.position, got.carry
@@ -203,7 +231,7 @@ class SeparateRollouts:
         return got.shards[self.run.ctx.dp_rank], {"time/rollout_generate": got.produce_s,
                                                   "time/rollout_generate_started_at": got.finished_at - got.produce_s,
                                                   "time/rollout_generate_ended_at": got.finished_at,
-                                                  "train/epoch": float(self.position["epoch"])}
+                                                  "train/epoch": float(self.position["epoch"]), **synced}
 
     def publish(self, version: int) -> None:
         """Send version `version` when a later step is generated from it or the rollout side

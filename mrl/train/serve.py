@@ -1,5 +1,6 @@
 """The rollout ranks' loop, separate placement (the producer side of `mrl.train.separate`): take
-the start, then for each step take the weights it needs (`mrl.train.wire`), produce its rollouts
+the start, then for each step take the weights it needs (`mrl.train.wire`: checked, full or delta,
+loaded into this rank's engine), produce its rollouts
 (`mrl.train.produce`) and send them to trainer rank 0; validate the versions the trainer asks for.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from mrl.train.liveness import Heartbeat
 from mrl.train.parts import Generation, Prompts, Run, SampleLog
 from mrl.train.produce import produce
 from mrl.train.separate import Start, needed_version, versions_sent
-from mrl.train.wire import receive_weights
+from mrl.train.wire import BridgeReceiver
 
 
 def agree_min(count: int) -> int:
@@ -29,6 +30,8 @@ def serve(run: Run, gen: Generation, prompts: Prompts) -> None:
     weights it needs, produce its rollouts and send them to trainer rank 0."""
     bridge: Bridge = run.ctx.bridge
     heartbeat = Heartbeat(bridge.store, bridge.rank)
+    weights = BridgeReceiver(bridge, gen.engine, group=f"{run.plan.engine_group_of(run.ctx.rank)} "
+                                                      f"(rollout rank {run.ctx.rank})")
     try:
         start: Optional[Start] = None
         if bridge.rank == bridge.rollout_leader:
@@ -54,15 +57,7 @@ def serve(run: Run, gen: Generation, prompts: Prompts) -> None:
         def take_version() -> None:
             """Load the next version trainer rank 0 sends, and validate it when asked to."""
             heartbeat.wait_for_weights(pending[0])
-            version, stream = receive_weights(bridge)
-            if version != pending[0]:
-                raise RuntimeError(f"expected policy version {pending[0]} from the trainer, received {version}")
-            pending.pop(0)
-            if gen.engine is not None:
-                gen.engine.update_weights(stream)
-            else:
-                for _ in stream:
-                    pass
+            version = weights.receive(pending.pop(0))
             gen.version = version
             if version in start.validated:
                 send(_validate(run, gen, prompts, version), f"validation of step {version}")

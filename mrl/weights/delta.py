@@ -20,7 +20,8 @@ bias with its weight, arrive together or not at all). In a delta sync, when one 
 changed, the unit's other tensors go too, whole (their new bytes equal the held ones).
 
 `mode = "full"` keeps no copy, only each tensor's checksum (what the periodic full verification
-compares the engine's weights with).
+compares the engine's weights with); delta keeps both, the checksums updated as syncs go
+(`mrl.weights.verify.checksum_update` for sparse tensors), so a verification never rehashes the copy.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from typing import Callable, Iterable, Iterator, Literal, Optional
 
 import torch
 
-from mrl.weights.verify import Checksum, checksum, same_bits
+from mrl.weights.verify import Checksum, checksum, checksum_update, same_bits
 
 Mode = Literal["full", "delta"]
 
@@ -139,9 +140,9 @@ class WeightSender:
         self.sums.clear()
 
     def expected(self) -> dict[str, Checksum]:
-        """name -> checksum of the tensor the engine should hold now (for the full verification)."""
-        if self.mode == "delta":
-            return {name: checksum(t) for name, t in self.held.items()}
+        """name -> checksum of the tensor the engine should hold now (for the full verification):
+        kept as the syncs go, never by rehashing the host copy (a whole tensor's is its payload's,
+        a sparse one's is updated from the words its changed elements sit in)."""
         return dict(self.sums)
 
     def encode(self, stream: Iterable[tuple[str, torch.Tensor]], version: int,
@@ -159,7 +160,7 @@ class WeightSender:
         for name, tensor, item in self._by_unit(stream, full, stats):
             t0 = time.perf_counter()
             item.checksum = item.payload_checksum()
-            if self.mode == "full":
+            if not item.sparse:
                 self.sums[name] = item.checksum
             stats.seconds_checksums += time.perf_counter() - t0
             self.dtypes[name] = tensor.dtype
@@ -230,13 +231,15 @@ class WeightSender:
         stats.elements_changed += count
         if count == 0:
             return None
-        old.copy_(host)   # the engine holds the new bytes once this sync lands
         if count < self.sparse_fraction * tensor.numel():
             idx = changed.nonzero().reshape(-1).to(_index_dtype(tensor.numel()))
+            self.sums[name] = checksum_update(self.sums[name], old, host, idx)   # a whole item resets it
+            old.copy_(host)   # the engine holds the new bytes once this sync lands
             values = tensor.reshape(-1)[idx.to(tensor.device)]
             sparse = Item(name, shape, values, indices=idx.to(tensor.device))
             if sparse.nbytes < tensor.numel() * tensor.element_size():
                 return sparse
+        old.copy_(host)
         return Item(name, shape, tensor)
 
 

@@ -40,6 +40,23 @@ def checksum(t: torch.Tensor) -> Checksum:
     return total & _MASK, weighted & _MASK, t.numel() * t.element_size()
 
 
+def checksum_update(before: Checksum, old: torch.Tensor, new: torch.Tensor, changed: torch.Tensor) -> Checksum:
+    """`checksum(new)` from `before = checksum(old)` (same shape and dtype), where only the flat
+    elements `changed` (indices) differ: both sums are linear in the words, so only the words
+    holding a changed element are read (a delta sync's sparse tensors, without rehashing them)."""
+    old_w, new_w = _words(old), _words(new)
+    per_word, size = old_w.element_size(), old.element_size()
+    idx = changed.reshape(-1).to(torch.int64)
+    if size >= per_word:   # each element spans size / per_word whole words
+        span = size // per_word
+        words = (idx[:, None] * span + torch.arange(span, dtype=torch.int64)).reshape(-1)
+    else:                  # several elements share a word
+        words = torch.unique(idx * size // per_word)
+    diff = new_w[words].to(torch.int64) - old_w[words].to(torch.int64)
+    pos = words % _WEIGHT_MOD + 1
+    return ((before[0] + int(diff.sum())) & _MASK, (before[1] + int((diff * pos).sum())) & _MASK, before[2])
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Elementwise: do `a` and `b` (same shape and dtype) hold the same bytes? (NaNs and -0.0 by bits.)"""
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]

@@ -80,7 +80,9 @@ def test_lora_grpo_job_learns_syncs_merged_weights_and_checkpoints_only_adapters
     alone (measured 0.03 -> 0.92; here: step 1 <= 0.1 and the first 3 steps' mean <= 0.2, the last
     5 steps' mean >= 0.8), the policy moves away from the reference (KL > 0), the rollout engine's
     log-probs equal the trainer's every step up to round-off (the merged weights it received are
-    the adapted model), and the checkpoint holds adapters only."""
+    the adapted model), and the checkpoint holds adapters only. The syncs are deltas: after the
+    first (full) one, only the merged projections whose adapters moved are sent; the embedding,
+    the norms and the projections' biases (frozen, not adapted) never again."""
     from mrl.merge.source import _model_tensors, resolve_checkpoint
 
     from tests.dist_util import free_port
@@ -89,7 +91,7 @@ def test_lora_grpo_job_learns_syncs_merged_weights_and_checkpoints_only_adapters
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
          "-m", "mrl", "train", "jobs/grpo_lora_cpu.toml", f"job.output_dir={tmp_path}", "checkpoint.every_steps=20",
-         "tracking.backends=[\"mlflow\"]"],
+         "tracking.backends=[\"mlflow\"]", "rollout.weight_sync.mode=delta"],
         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     h = history(tmp_path / "grpo-lora-cpu")
@@ -101,6 +103,13 @@ def test_lora_grpo_job_learns_syncs_merged_weights_and_checkpoints_only_adapters
     # wrong sync differs by orders of magnitude more)
     assert all(v <= 1e-5 for v in h["rollout/logprob_abs_diff_mean"].values()), h["rollout/logprob_abs_diff_mean"]
     assert all(v <= 1e-3 for v in h["rollout/logprob_abs_diff_max"].values()), h["rollout/logprob_abs_diff_max"]
+    sent = h["weight_sync/tensors_sent"]
+    from mrl.models.facts import BUILTIN_PRESETS
+
+    layers = BUILTIN_PRESETS["tiny-qwen2"]["num_hidden_layers"]   # the quickstart's model
+    assert h["weight_sync/full"] == {s: float(s == 1) for s in range(1, 21)}, h["weight_sync/full"]
+    # 7 adapted projections per layer; the other tensors (embedding, norms, q/k/v biases) only at step 1
+    assert sent[1] > 7 * layers and all(0 < sent[s] <= 7 * layers for s in range(2, 21)), sent
     ckpt = resolve_checkpoint(tmp_path / "grpo-lora-cpu/checkpoints/actor")
     keys = list(_model_tensors(ckpt))
     assert keys and all(".lora." in k for k in keys), [k for k in keys if ".lora." not in k][:3]

@@ -10,7 +10,7 @@ import torch
 from mrl.models.facts import BUILTIN_PRESETS
 from mrl.rollout.hf import HFEngine
 from mrl.rollout.weight_channel import ColocatedChannel
-from mrl.weights.delta import Bucket, End, WeightSender
+from mrl.weights.delta import Bucket, End, SyncStats, WeightSender
 from mrl.weights.verify import WeightSyncError, checksum, same_bits
 
 
@@ -182,16 +182,16 @@ def test_checksum_sees_every_single_byte_flip_and_word_swaps():
     assert checksum(t.clone()) == base
 
 
-def test_delta_with_separate_ranks_is_a_spec_error_and_with_colocated_vllm_is_not():
+def test_delta_with_vllm_on_separate_ranks_is_a_spec_error_and_colocated_vllm_or_separate_hf_is_not():
     from mrl.rollout.config import RolloutConfig, WeightSyncConfig
     from mrl.rollout.layout import weight_sync_problems
 
     delta = WeightSyncConfig(mode="delta")
     assert weight_sync_problems(RolloutConfig(engine="hf", weight_sync=delta)) == []
     assert weight_sync_problems(RolloutConfig(engine="vllm", weight_sync=delta)) == []
+    assert weight_sync_problems(RolloutConfig(engine="hf", placement="separate", ranks=1, weight_sync=delta)) == []
     (key, msg), = weight_sync_problems(RolloutConfig(engine="vllm", placement="separate", ranks=1, weight_sync=delta))
-    assert key == "rollout.weight_sync.mode" and "colocated engines only" in msg
-    assert weight_sync_problems(RolloutConfig(engine="hf", placement="separate", ranks=1, weight_sync=delta))
+    assert key == "rollout.weight_sync.mode" and "hf engine on separate rollout ranks" in msg and "vllm, separate" in msg
 
 
 @pytest.mark.parametrize("level,second_full", [(1, False), (2, True)])
@@ -229,3 +229,33 @@ def test_buckets_survive_the_byte_wire_and_a_flipped_wire_byte_is_caught():
     wire[0][1][7] ^= 0x01    # one byte of the first buffer, as a broken link would
     bad = unpack(*wire[0])
     assert any(it.payload_checksum() != it.checksum for it in bad.items)
+
+
+@pytest.mark.parametrize("dtype,numel", [(torch.bfloat16, 1000), (torch.bfloat16, 33), (torch.float32, 257),
+                                         (torch.float64, 40), (torch.uint8, 4096)])
+def test_checksum_update_equals_a_rehash(dtype, numel):
+    from mrl.weights.verify import checksum_update
+
+    g = torch.Generator().manual_seed(numel)
+    old = (torch.randn(numel, generator=g) * 100).to(dtype)
+    for k in (1, 2, 7, numel // 3):
+        idx = torch.randperm(numel, generator=g)[:k].sort().values
+        new = old.clone()
+        new[idx] = (torch.randn(k, generator=g) * 100).to(dtype)
+        assert checksum_update(checksum(old), old, new, idx) == checksum(new), (dtype, numel, k)
+        old = new
+
+
+def test_the_delta_sender_keeps_the_checksums_of_what_the_engine_holds():
+    engine = _engine()
+    trainer = Trainer(_shapes(engine))
+    sender = WeightSender(mode="delta", bucket_bytes=50_000)
+    sparse = []
+    for version in range(6):
+        stats = SyncStats(version=version, full=False)
+        list(sender.encode(trainer.stream(), version, stats))
+        sparse.append(stats.tensors_sparse > 0)
+        assert sender.expected() == {n: checksum(t) for n, t in sender.held.items()}
+        trainer.step(lr=1e-4 if version % 2 else 3e-2)   # sparse and whole changes in turn
+    assert sparse == [False, False, True, False, True, False]
+

@@ -31,19 +31,24 @@ def test_separate_on_policy_equals_colocated(tmp_path, advantage):
     """max_staleness 0 on 1 rollout + 2 trainer ranks gives every non-time metric of the 2-rank
     colocated run, step for step (same seeds, prompts, responses and updates), validation
     included (run by the rollout rank when separate). ReMax's greedy baseline is produced with
-    its group, on the rollout rank when separate."""
+    its group, on the rollout rank when separate. The ReMax run's bridge sends deltas, verified
+    on the rollout rank after every sync (streamed from the exporter: max_staleness 0)."""
     args = ["trainer.total_steps=3", "trainer.val_every_steps=2", "trainer.val_before_train=true", "data.val_prompts=16",
             f"algorithm.advantage={advantage}"]
+    delta = ["rollout.weight_sync.mode=delta", "rollout.weight_sync.verify_every_steps=1"] if advantage == "remax" else []
     _train(tmp_path / "colocated", *args, nproc=2)
-    _train(tmp_path / "separate", *args, *SEPARATE, nproc=3)
+    _train(tmp_path / "separate", *args, *SEPARATE, *delta, nproc=3)
     colocated, separate = _history(tmp_path / "colocated"), _history(tmp_path / "separate")
-    # weight_sync/* (bytes sent, full or delta) come from the colocated engine's verified channel;
-    # the bridge to rollout ranks does not report them yet, so they are compared where they exist.
+    # weight_sync/* (bytes sent, full or delta) differ with the mode and with what is sent when
+    # (versions sent only for validation report none), so they are left out here
     keys = [k for k in colocated if not k.startswith(("time/", "throughput/", "memory/", "weight_sync/"))]
     assert "val/reward_mean" in keys and sorted(colocated["val/reward_mean"]) == [0, 2, 3]
     for k in keys:
         assert separate.get(k) == colocated[k], (k, colocated[k], separate.get(k))
     assert separate["rollout/version_lag_max"] == {1: 0.0, 2: 0.0, 3: 0.0}
+    # each step reports the bridge sync of the version it was generated with (0, 1, 2)
+    assert separate["weight_sync/full"] == {1: 1.0, 2: float(not delta), 3: float(not delta)}
+    assert separate["weight_sync/bytes"][1] == separate["weight_sync/bytes_full"][1] > 0
 
 
 def test_one_step_off_policy_overlaps_lags_by_one_and_learns(tmp_path):
@@ -67,11 +72,15 @@ def test_killed_async_run_resumes_exactly(tmp_path):
     killed (SIGKILL to every process) after its step-2 checkpoint: the resumed run restores the
     two steps of rollouts that were in flight and the partial groups in hand after them, and
     equals the uninterrupted run, metric for metric; the resumed producer starts after them (no
-    prompt generated twice)."""
+    prompt generated twice). The killed and the resumed run send deltas over the bridge (from the
+    sender thread's staged copy), every one verified on the rollout rank: the engine ends
+    bit-identical to the full syncs of the whole run, so every rollout, audit and update is the
+    same; the resumed trainer holds no copy, so its first sync is full."""
     args = ["trainer.total_steps=5", "checkpoint.every_steps=2", "rollout.max_staleness=1", *SEPARATE,
             "model.dtype=bfloat16",
             "rollout.partial_rollout_tokens=3", "algorithm.dynamic_sampling.generation_batch_prompts=12"]
     _train(tmp_path / "whole", *args, nproc=3)
+    args += ["rollout.weight_sync.mode=delta", "rollout.weight_sync.verify_every_steps=1"]
 
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_addr", "127.0.0.1",
@@ -90,10 +99,16 @@ def test_killed_async_run_resumes_exactly(tmp_path):
     resumed = _train(out, *args, nproc=3)
     assert "resumed from step" in resumed.stdout and "2 steps of rollouts restored" in resumed.stdout, resumed.stdout
     whole, again = _history(tmp_path / "whole"), _history(out)
-    keys = [k for k in whole if not k.startswith(("time/", "throughput/", "memory/"))]
+    keys = [k for k in whole if not k.startswith(("time/", "throughput/", "memory/", "weight_sync/"))]
     assert sorted(whole["reward/mean"]) == [1, 2, 3, 4, 5]
     assert all(again.get(k) == whole[k] for k in keys), [k for k in keys if again.get(k) != whole[k]]
     assert sum(whole["rollout/partial_tokens_carried"].values()) > 0
+    # steps 1 and 3 report versions 0 and 1 (the killed run), step 5 version 3, the resumed run's
+    # first sync (steps 3 and 4 of the resumed run come from the restored queue: versions 1 and 2
+    # were sent before the kill)
+    assert whole["weight_sync/full"] == {1: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}
+    assert {s: v for s, v in again["weight_sync/full"].items() if v} == {1: 1.0, 5: 1.0}, again["weight_sync/full"]
+    assert set(again["weight_sync/full"]) <= {1, 3, 4, 5}
 
 
 def test_a_hung_rollout_rank_is_an_error_naming_it(tmp_path):
