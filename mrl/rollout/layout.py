@@ -42,24 +42,12 @@ def placement_problems(rollout, world_size: int) -> list[tuple[str, str]]:
     return out
 
 
-def weight_sync_problems(rollout) -> list[tuple[str, str]]:
-    """`rollout.weight_sync` settings this build cannot honour: delta syncs load through
-    `mrl.rollout.weight_channel` (colocated: the hf and vllm engines) or `mrl.train.wire`
-    (separate rollout ranks: the hf engine; vllm's fused load units are not sent over the bridge)."""
-    if rollout.weight_sync.mode == "delta" and rollout.placement != "colocated" and rollout.engine != "hf":
-        return [("rollout.weight_sync.mode", f"'delta' runs with colocated engines and with the hf engine on separate "
-                                             f"rollout ranks (this job: {rollout.engine}, {rollout.placement}); "
-                                             f"use 'full'")]
-    return []
-
-
 def rollout_layout_problems(rollout, world_size: int, facts=None, device: Optional[str] = None) -> list[tuple[str, str]]:
     """Every reason the job's rollout engines cannot be laid out on `world_size` ranks
     (`device`: platform.device, when known)."""
     out = placement_problems(rollout, world_size)
     if out:
         return out
-    out = weight_sync_problems(rollout)
     tp, pp = rollout.tensor_parallel, rollout.pipeline_parallel
     if rollout.engine == "hf":
         # The hf engine is one transformers model per trainer replica (or per rollout rank): a

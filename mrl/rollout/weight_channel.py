@@ -71,6 +71,10 @@ class WeightReceiver:
             stats.seconds_checksums += time.perf_counter() - t0
             for item in msg.items:
                 if item.sparse:
+                    if self.engine is not None and not self.engine.accepts_sparse:
+                        raise WeightSyncError(f"weight sync: {item.name} (version {version}, bucket {msg.index}) "
+                                              f"arrived as index/value pairs at engine group {self.group}, whose "
+                                              f"{type(self.engine).__name__} engine loads whole tensors only")
                     if self.engine is not None:
                         self.engine.apply_sparse(item.name, item.indices, item.values)
                     counted["sparse"] += 1

@@ -23,6 +23,15 @@ or a rollout rank does not hold the version the sender last sent it (a restarted
 process, an engine rebuilt: it publishes the version it holds on the store after every sync,
 `weights/held/<rank>`, and -1 until its first). A rollout rank given a delta based on a version
 it does not hold refuses it.
+
+Load units (`RolloutEngine.load_unit`): an engine such as vLLM loads some tensors only together
+(q/k/v into `qkv_proj`, gate/up, a module's weight with its bias), and trainer rank 0 holds no
+engine to ask. So after every full sync each rollout rank publishes, before the version it holds,
+what its engine told it about the tensors that sync carried: `weights/units/<rank>`, JSON
+`{"sparse": takes index/value updates, "units": [[names of one unit], ...]}` (units of more than
+one tensor only). Before its first delta after a full sync the sender reads them (the units of
+all ranks merged) and completes units as the colocated channel does; where any rank's engine
+takes no sparse updates, changed tensors go whole, so index/value pairs never reach vLLM.
 """
 from __future__ import annotations
 
@@ -47,6 +56,45 @@ log = logging.getLogger(__name__)
 def held_key(rank: int) -> str:
     """The store key a rollout rank (global `rank`) publishes the weight version it holds on."""
     return f"weights/held/{rank}"
+
+
+def units_key(rank: int) -> str:
+    """The store key a rollout rank (global `rank`) publishes its engine's load units on."""
+    return f"weights/units/{rank}"
+
+
+def engine_units(engine: Optional["RolloutEngine"], names: Iterable[str]) -> Optional[dict]:
+    """What a rollout rank publishes after a full sync of `names`: whether its engine takes sparse
+    updates, and its load units of more than one tensor (None: the rank holds no engine)."""
+    if engine is None:
+        return None
+    units: dict[str, list[str]] = {}
+    for name in names:
+        units.setdefault(engine.load_unit(name), []).append(name)
+    return {"sparse": bool(engine.accepts_sparse), "units": [m for m in units.values() if len(m) > 1]}
+
+
+def merged_units(published: Iterable[Optional[dict]]) -> tuple[dict[str, str], bool]:
+    """(name -> unit id, every engine takes sparse updates) from the ranks' `engine_units`: tensors
+    that any rank loads together share a unit (one rank's units, or a union if ranks differ)."""
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while parent.get(name, name) != name:
+            name = parent[name]
+        return name
+
+    sparse = True
+    for pub in published:
+        if pub is None:
+            continue
+        sparse = sparse and pub["sparse"]
+        for members in pub["units"]:
+            for other in members[1:]:
+                a, b = root(members[0]), root(other)
+                if a != b:
+                    parent[b] = a
+    return {name: root(name) for name in parent}, sparse   # a unit's root names it (absent: its own unit)
 
 
 # ------------------------------------------------------------------------------------------- frames
@@ -78,16 +126,19 @@ def _json(obj) -> bytes:
 class BridgeSender:
     """Trainer rank 0's side: what the rollout ranks hold, and the frames that bring them to a version.
 
-    `rollout_ranks` are the global ranks that receive (each publishes the version it holds);
-    `accepts_sparse`: the rollout engines take index/value updates (the hf engine), else changed
-    tensors go whole. Used from one thread at a time (the weight sender's)."""
+    `rollout_ranks` are the global ranks that receive (each publishes the version it holds and
+    its engine's load units); `accepts_sparse`: the rollout engines may take index/value updates
+    (the hf engine), else changed tensors go whole, as they do where a rank's engine says it takes
+    none. Used from one thread at a time (the weight sender's)."""
 
     def __init__(self, bridge: Bridge, rollout_ranks: list[int], *, mode: str = "full", sparse_fraction: float = 0.25,
                  bucket_mb: float = 512, verify_every_steps: int = 0, accepts_sparse: bool = True):
         self.bridge = bridge
         self.rollout_ranks = rollout_ranks
-        self.sender = WeightSender(mode=mode, sparse_fraction=sparse_fraction if accepts_sparse else 0.0,
+        self.sparse_fraction = sparse_fraction if accepts_sparse else 0.0
+        self.sender = WeightSender(mode=mode, sparse_fraction=self.sparse_fraction,
                                    bucket_bytes=int(bucket_mb * 2**20))
+        self.units_known = False   # the load units of the last full sync were read from the store
         self.verify_every_steps = verify_every_steps
         self.sent_version: Optional[int] = None   # the version the rollout ranks hold, as far as the sender knows
         self.syncs = 0
@@ -106,6 +157,20 @@ class BridgeSender:
         return {r: int(store.get(held_key(r)).decode()) if store.check([held_key(r)]) else -1
                 for r in self.rollout_ranks}
 
+    def _read_units(self) -> None:
+        """The rollout engines' load units and sparse support, as the ranks published them after
+        the last full sync (each publishes them before the version it holds, which the sender has
+        just read, so every rank's are there)."""
+        store = self.bridge.store
+        missing = [r for r in self.rollout_ranks if not store.check([units_key(r)])]
+        if missing:
+            raise WeightSyncError(f"weight sync: rollout rank {missing[0]} holds version {self.sent_version} but "
+                                  f"published no load units ({units_key(missing[0])})")
+        units, sparse = merged_units(json.loads(store.get(units_key(r)).decode()) for r in self.rollout_ranks)
+        self.sender.unit_of = lambda name: units.get(name, name)
+        self.sender.sparse_fraction = self.sparse_fraction if sparse else 0.0
+        self.units_known = True
+
     def send(self, stream: Iterable[tuple[str, torch.Tensor]], version: int, liveness: "Liveness") -> SyncStats:
         """Once every rollout rank waits for it, announce and broadcast version `version` of the
         actor (the HF-named tensors of `stream`); returns what the sync moved. (Both sides enter
@@ -117,6 +182,10 @@ class BridgeSender:
         if self.sent_version is None or any(v != self.sent_version for v in held.values()):
             self.sender.forget()   # some rollout rank lost (or never had) what was sent: full sync
         full = self.sender.mode == "full" or not self.sender.held
+        if not full and not self.units_known:
+            self._read_units()
+        if full:
+            self.units_known = False
         self.syncs += 1
         verify = bool(self.verify_every_steps) and self.syncs % self.verify_every_steps == 0
         self.bridge.store.set("weights/announced", str(version))
@@ -150,6 +219,7 @@ class BridgeReceiver:
         self.receiver = WeightReceiver(engine, group)
         self.group = group
         self.held: Optional[int] = None   # the version this rank's engine holds
+        self.names: list[str] = []        # the tensors of the sync being received
         self.last: Optional[SyncStats] = None
         self.warned_unreadable = False
         self._publish()
@@ -176,7 +246,10 @@ class BridgeReceiver:
                                   f"{self.group} holds {'nothing' if self.held is None else f'version {self.held}'}")
         stats = SyncStats(version=version, full=full)
         self.held = None   # a sync that fails half-way leaves the engine holding neither version
+        self.names = []
         self.receiver.apply(self._messages(), version, full=full, stats=stats)
+        if full:   # before the version: a sender that sees it may send deltas by these units
+            self.bridge.store.set(units_key(self.bridge.rank), _json(engine_units(self.engine, self.names)))
         if verify:
             kind, v, expected, dtypes = json.loads(receive_frame(self.bridge)[0])
             if kind != "verify" or v != version:
@@ -203,6 +276,8 @@ class BridgeReceiver:
         while True:
             header, flat = receive_frame(self.bridge)
             msg = unpack(header, flat)
+            if not isinstance(msg, End):
+                self.names += [it.name for it in msg.items]
             yield msg
             if isinstance(msg, End):
                 return

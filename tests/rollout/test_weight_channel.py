@@ -182,16 +182,15 @@ def test_checksum_sees_every_single_byte_flip_and_word_swaps():
     assert checksum(t.clone()) == base
 
 
-def test_delta_with_vllm_on_separate_ranks_is_a_spec_error_and_colocated_vllm_or_separate_hf_is_not():
+def test_delta_is_accepted_with_either_engine_colocated_or_on_separate_rollout_ranks():
     from mrl.rollout.config import RolloutConfig, WeightSyncConfig
-    from mrl.rollout.layout import weight_sync_problems
+    from mrl.rollout.layout import rollout_layout_problems
 
     delta = WeightSyncConfig(mode="delta")
-    assert weight_sync_problems(RolloutConfig(engine="hf", weight_sync=delta)) == []
-    assert weight_sync_problems(RolloutConfig(engine="vllm", weight_sync=delta)) == []
-    assert weight_sync_problems(RolloutConfig(engine="hf", placement="separate", ranks=1, weight_sync=delta)) == []
-    (key, msg), = weight_sync_problems(RolloutConfig(engine="vllm", placement="separate", ranks=1, weight_sync=delta))
-    assert key == "rollout.weight_sync.mode" and "hf engine on separate rollout ranks" in msg and "vllm, separate" in msg
+    for engine in ("hf", "vllm"):
+        assert rollout_layout_problems(RolloutConfig(engine=engine, weight_sync=delta), 2) == []
+        assert rollout_layout_problems(RolloutConfig(engine=engine, placement="separate", ranks=1,
+                                                     weight_sync=delta), 3) == []
 
 
 @pytest.mark.parametrize("level,second_full", [(1, False), (2, True)])

@@ -191,3 +191,101 @@ def test_a_rank_without_an_engine_checks_the_buckets_and_reads_the_whole_sync():
     wire.tensors[4][0] ^= 0x01            # the first bucket's buffer (after the sync frame: sizes, header)
     with pytest.raises(WeightSyncError, match="failed its checksum"):
         receiver.receive(2)
+
+
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+class FusedEngine:
+    """A vLLM-like engine: whole HF tensors only (no `apply_sparse`), loaded per module as vLLM's
+    layerwise reload does, so a sync that carries part of a unit (k without q and v) is refused."""
+
+    accepts_sparse = False
+
+    def __init__(self):
+        self.w: dict[str, torch.Tensor] = {}
+        self.loads: list[set[str]] = []   # the tensors of each sync
+
+    def load_unit(self, name):
+        from mrl.rollout.vllm_readback import load_unit
+
+        return load_unit(name, PACKED)
+
+    def update_weights(self, stream, partial=False):
+        got = {name: t.clone() for name, t in stream}
+        units = {}
+        for name in self.w or got:
+            units.setdefault(self.load_unit(name), set()).add(name)
+        for name in got:
+            if not units[self.load_unit(name)] <= set(got):
+                raise RuntimeError(f"unit {self.load_unit(name)} loaded in part: {sorted(set(got))}")
+        self.w.update(got)
+        self.loads.append(set(got))
+        return len(got)
+
+    def held_weights(self, names):
+        for name in names:
+            yield name, self.w[name]
+
+
+def test_delta_to_a_fused_engine_over_the_bridge_sends_whole_units_and_equals_a_full_sync():
+    """vLLM on separate rollout ranks: the sender learns the engine's load units from the store
+    after the first (full) sync and sends every changed unit whole, never index/value pairs."""
+    names_shapes = _shapes(_engine())
+    trainer = Trainer(names_shapes)
+    full_engine, delta_engine = FusedEngine(), FusedEngine()
+    full, full_rx, full_wire = _pair(full_engine, mode="full", verify_every_steps=1)
+    store, delta_wire = dist.HashStore(), Wire()
+    delta = BridgeSender(FakeBridge(0, store, delta_wire), [ROLLOUT_RANK], mode="delta", bucket_mb=0.05,
+                         verify_every_steps=1)   # accepts_sparse as for hf: the engine's word decides
+    delta_rx = BridgeReceiver(FakeBridge(ROLLOUT_RANK, store, delta_wire), delta_engine, "0 (rollout rank 3)")
+    k, o = "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    gate = "model.layers.1.mlp.gate_proj.weight"
+    qkv = {k.replace("k_proj", p) for p in ("q_proj", "k_proj", "v_proj")}
+    gate_up = {gate, gate.replace("gate_proj", "up_proj")}
+    changes = [({k}, qkv), ({o}, {o}), ({gate}, gate_up), (None, {n for n, _ in names_shapes}), (set(), set())]
+    for step in range(len(changes) + 1):
+        f = full.send(trainer.stream(), step, Ready())
+        d = delta.send(trainer.stream(), step, Ready())
+        full_rx.receive(step), delta_rx.receive(step)
+        assert not full_wire.tensors and not delta_wire.tensors
+        assert full_rx.last.verified and delta_rx.last.verified
+        for n in full_engine.w:
+            assert same_bits(full_engine.w[n], delta_engine.w[n]).all(), (step, n)
+        assert d.full == (step == 0) and d.tensors_sparse == 0
+        if step == 0:
+            published = json.loads(store.get("weights/units/3"))
+            assert published["sparse"] is False and sorted(qkv) in [sorted(u) for u in published["units"]]
+        else:   # the tensors of every unit one of whose tensors changed, whole
+            assert delta_engine.loads[-1] == changes[step - 1][1], step
+            assert d.bytes_sent == sum(delta_engine.w[n].numel() * 2 for n in changes[step - 1][1])
+        if step < len(changes):
+            trainer.step(only=changes[step][0])
+
+
+def test_a_sparse_item_at_an_engine_that_loads_whole_tensors_is_one_line():
+    engine = FusedEngine()
+    trainer = Trainer(_shapes(_engine()))
+    sender, receiver, wire = _pair(engine)
+    sender.send(trainer.stream(), 0, Ready())
+    receiver.receive(0)
+    sender._read_units = lambda: None   # as if the sender never learned that the engine takes no sparse updates
+    sender.units_known = True
+    trainer.step(only={"model.layers.0.self_attn.o_proj.weight"})
+    sender.send(trainer.stream(), 1, Ready())
+    with pytest.raises(WeightSyncError, match=r"^weight sync: model.layers.0.self_attn.o_proj.weight \(version 1, "
+                                              r"bucket 0\) arrived as index/value pairs at engine group 0 "
+                                              r"\(rollout rank 0\), whose FusedEngine engine loads whole tensors only$"):
+        receiver.receive(1)
+
+
+def test_units_published_by_several_rollout_ranks_merge_and_any_whole_only_engine_turns_sparse_off():
+    from mrl.train.wire import merged_units
+
+    units, sparse = merged_units([{"sparse": True, "units": [["q", "k", "v"]]},
+                                  None,                                        # a rank holding no engine
+                                  {"sparse": False, "units": [["v", "o"], ["g", "u"]]}])
+    assert not sparse
+    assert len({units[n] for n in "qkvo"}) == 1 and units["g"] == units["u"] != units["q"]
+    assert "x" not in units   # a tensor no rank names is its own unit
+    assert merged_units([{"sparse": True, "units": []}]) == ({}, True)
