@@ -228,10 +228,6 @@ def plan_sync(spec, *, links: Links = Links(), changed_fraction: float = 0.02) -
     else:
         notes.append(f"colocated: every trainer rank receives full tensors; engine groups of "
                      f"{spec.rollout.tensor_parallel} ranks ({spec.rollout.engine}) shard them locally")
-    if rollout_ranks and spec.rollout.engine != "hf":
-        notes.append(f"delta sync runs with colocated engines and the hf engine on separate rollout ranks in this "
-                     f"build; the delta figures are what it "
-                     f"would move with {spec.rollout.engine} engines ({spec.rollout.placement})")
     if spec.rollout.engine == "vllm":
         notes.append("vllm delta syncs send changed tensors whole, with the rest of their fused module (q/k/v, "
                      "gate/up): more than the delta figure where few elements change")

@@ -100,16 +100,20 @@ def test_one_rank_plain_process_runs_vllm(tmp_path):
 def test_separate_vllm_rollout_rank_feeds_the_trainer(tmp_path):
     """`rollout.placement = "separate"`: 1 rollout rank (a vLLM engine in a world of its own) + 2
     trainer ranks (TP 2), one-step off-policy. The step-1 audit proves the weights arrived over
-    the bridge (same version on both sides), and the lag is 1 after step 1. Every sync over the
-    bridge is checksummed and then verified against the engine's read-back tensors."""
+    the bridge (same version on both sides), and the lag is 1 after step 1. The syncs after the
+    first are deltas (whole load units: the rollout rank published its engine's after the first
+    sync); every sync is checksummed and then verified against the engine's read-back tensors."""
     steps = 4
     run_torchrun("-m mrl train", JOB, *VLLM, "parallel.tensor=2", "platform.ranks_per_node=3",
                  "rollout.placement=separate", "rollout.ranks=1", "rollout.max_staleness=1",
-                 "rollout.weight_sync.verify_every_steps=1",
+                 "rollout.weight_sync.mode=delta", "rollout.weight_sync.verify_every_steps=1",
                  f"job.output_dir={tmp_path}", f"trainer.total_steps={steps}", "checkpoint.every_steps=0",
                  "tracking.backends=[\"mlflow\"]", nproc=3, timeout=900)
     [db] = [p for p in tmp_path.rglob("mlflow.db") if _metric(p, "reward/mean")]
     audit, lag = _metric(db, "rollout/logprob_abs_diff_mean"), _metric(db, "rollout/version_lag_max")
     assert audit[1] < 1e-3, audit
     assert lag == {s: float(s > 1) for s in range(1, steps + 1)}, lag
-    assert _metric(db, "weight_sync/full") == {1: 1.0, 3: 1.0, 4: 1.0}   # versions 0, 1, 2; 3 is not needed
+    assert _metric(db, "weight_sync/full") == {1: 1.0, 3: 0.0, 4: 0.0}   # versions 0, 1, 2; 3 is not needed
+    sent, full = _metric(db, "weight_sync/bytes"), _metric(db, "weight_sync/bytes_full")
+    print(f"bytes per sync over the bridge: sent {sent}, full {full}")
+    assert sent[1] == full[1] and all(0 < sent[s] <= full[s] for s in (3, 4)), (sent, full)
