@@ -275,14 +275,18 @@ def cmd_train(args) -> int:
 
 
 def cmd_sft(args) -> int:
-    from mrl.tracking.startup import STARTUP
+    from pathlib import Path
 
-    STARTUP.start()   # weight-loading progress lines on rank 0
-    from mrl.sft.loop import sft
+    from mrl.tracking.startup import STARTUP   # the first line, before torch is imported
 
+    STARTUP.start()   # the phases of `mrl train`, and weight-loading progress lines, on rank 0
+    STARTUP.say(f"mrl sft {' '.join(_split_args(args.items)[0])}: checking the job")
     spec = _one_job(args, "sft")
     if not hasattr(spec, "sft"):
         raise UserError(f"{_split_args(args.items)[0][0]}: not an SFT job (no [sft] section): RL jobs run with `mrl train`")
+    STARTUP.say(f"spec ok: run directory {(Path(spec.job.output_dir) / spec.job.name).resolve()}", timed=True)
+    from mrl.sft.loop import sft
+
     sft(spec)
     return 0
 

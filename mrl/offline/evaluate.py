@@ -35,7 +35,7 @@ def evaluate_target(target: Target) -> EvalReport:
     from mrl.train.parts import Prompts, SampleLog
 
     with session(target) as (run, gen, reward_model):
-        val = validation_set(run, Prompts(dataset=None, samplers={}))
+        val = validation_set(run, Prompts(dataset=None, samplers={}, tool_schemas=gen.tool_schemas))
         prompts = Prompts(dataset=val, samplers={}, val_dataset=val)
         samples = SampleLog()
         metrics = evaluate(run, gen, prompts, target.step, samples=samples, reward_model=reward_model)

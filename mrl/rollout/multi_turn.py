@@ -58,13 +58,71 @@ class _Conversation:
         self.mask += [mask] * len(ids)
 
 
-def prompt_tools(spec) -> Optional[list[dict]]:
-    """The function schemas a job's prompts list through the chat template (`tools=`): those of
-    `rollout.multi_turn.tools` and of its tool servers (connected to list them, then closed) when
-    multi-turn is on and prompts are chat-rendered, else None."""
+def lists_tools(spec) -> bool:
+    """Whether a job's prompts list tools through the chat template: multi-turn on, prompts
+    chat-rendered, and some tool configured."""
     mt = spec.rollout.multi_turn
-    if not (mt.enable and spec.data.chat_template and (mt.tools or mt.servers or mt.tool_config)):
+    return bool(mt.enable and spec.data.chat_template and (mt.tools or mt.servers or mt.tool_config))
+
+
+def prompt_tools(spec, schemas: Optional[list[dict]] = None) -> Optional[list[dict]]:
+    """The function schemas a job's prompts list through the chat template (`tools=`) when
+    `lists_tools(spec)`, else None. `schemas`: those already listed (`JobTools.schemas`); without
+    them the tools are connected to list them, then closed (a one-off: a run lists them once, in
+    `job_tools`)."""
+    if not lists_tools(spec):
         return None
+    return schemas if schemas is not None else _listed_once(spec.rollout.multi_turn)
+
+
+@dataclass
+class JobTools:
+    """A job's tools on one rank: `runner` (its servers connected) on the ranks that call tools,
+    None elsewhere; `schemas`, every tool's schema, on every rank (None: multi-turn off);
+    `prompt_schemas`, what the prompts' chat template lists (`prompt_tools`)."""
+
+    runner: Optional[ToolRunner] = None
+    schemas: Optional[list[dict]] = None
+    prompt_schemas: Optional[list[dict]] = None
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+
+
+def job_tools(spec, *, calls_tools: bool) -> JobTools:
+    """This rank's `JobTools`, each server connected (and its tools listed) once per rank that calls
+    tools (`calls_tools`) and nowhere else. Collective over this role's world when tools are
+    configured: rank 0 lists them (with its own runner, or a runner closed at once where it calls no
+    tools) and broadcasts the schemas, so the other ranks render prompts and tool turns without
+    connecting; a server rank 0 cannot reach is the same one-line `UserError` on every rank."""
+    from mrl.platform.collectives import broadcast_object
+
+    mt = spec.rollout.multi_turn
+    if not mt.enable:
+        return JobTools()
+    if not (mt.tools or mt.servers or mt.tool_config):   # nothing to list
+        return JobTools(ToolRunner.from_config(mt) if calls_tools else None, [], prompt_tools(spec, []))
+    import torch.distributed as dist
+
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    runner, listed = None, None
+    if first:
+        try:
+            runner = ToolRunner.from_config(mt) if calls_tools else None
+            listed = ("ok", runner.schemas() if runner is not None else _listed_once(mt))
+        except UserError as e:
+            listed = ("error", str(e))
+    status, payload = broadcast_object(listed, "tool schemas")
+    if status == "error":
+        raise UserError(payload)
+    if calls_tools and runner is None:
+        runner = ToolRunner.from_config(mt)
+    return JobTools(runner, payload, prompt_tools(spec, payload))
+
+
+def _listed_once(mt) -> list[dict]:
+    """The schemas of a `rollout.multi_turn` section's tools, its servers connected, listed and closed."""
     runner = ToolRunner.from_config(mt)
     try:
         return runner.schemas()
@@ -86,14 +144,19 @@ def _truncate(ids: list[int], limit: int, side: str) -> list[int]:
 class MultiTurnRollout:
     """Tool-calling rollouts over any `RolloutEngine` (configured by `rollout.multi_turn`)."""
 
-    def __init__(self, engine: RolloutEngine, tokenizer: Tokenizer, tools: ToolRunner, *,
+    def __init__(self, engine: RolloutEngine, tokenizer: Tokenizer, tools: Optional[ToolRunner], *,
                  max_assistant_turns: Optional[int] = None, max_user_turns: Optional[int] = None,
                  max_parallel_calls: int = 1, max_tool_response_tokens: int = 256,
                  tool_response_truncate_side: str = "middle", format: str = "hermes", group=None, group_src: int = 0,
-                 origin: str = "the tokenizer"):
+                 origin: str = "the tokenizer", schemas: Optional[list[dict]] = None):
+        """`tools`: the runner, or None on the ranks of an engine group other than `group_src`
+        (they never call tools), which take the tools' `schemas` instead."""
+        if tools is None and (group is None or schemas is None):
+            raise ValueError("MultiTurnRollout: without a ToolRunner, a rank of an engine group (group=) takes "
+                             "the tools' schemas= from the group's source rank, which runs them")
         self.engine, self.tokenizer, self.tools = engine, tokenizer, tools
         self.format = resolve_format(format, getattr(tokenizer, "chat_template", None), origin)
-        self.turns = TurnTemplate(tokenizer, tools.schemas(), origin=origin)
+        self.turns = TurnTemplate(tokenizer, tools.schemas() if tools is not None else schemas, origin=origin)
         for note in self.turns.notes:
             print(f"mrl multi-turn: {note}", file=sys.stderr)
         self.max_assistant_turns = max_assistant_turns
@@ -108,12 +171,15 @@ class MultiTurnRollout:
 
     @classmethod
     def from_config(cls, engine: RolloutEngine, tokenizer: Tokenizer, cfg, *, group=None,
-                    group_src: int = 0, origin: str = "the tokenizer") -> "MultiTurnRollout":
+                    group_src: int = 0, origin: str = "the tokenizer",
+                    tools: Optional[JobTools] = None) -> "MultiTurnRollout":
         """From a `rollout.multi_turn` section; `group`, `group_src` from `engine.engine_group` for vllm TP > 1;
-        `origin` names the tokenizer in errors (model.tokenizer's value)."""
+        `origin` names the tokenizer in errors (model.tokenizer's value); `tools`: the job's tools on
+        this rank (`job_tools`; its runner is owned from here on), else a runner is built here."""
         if cfg.interaction_config is not None:
             raise UserError("rollout.multi_turn.interaction_config: simulated-user interactions are not supported")
-        return cls(engine, tokenizer, ToolRunner.from_config(cfg),
+        runner, schemas = (tools.runner, tools.schemas) if tools is not None else (ToolRunner.from_config(cfg), None)
+        return cls(engine, tokenizer, runner, schemas=schemas,
                    max_assistant_turns=cfg.max_assistant_turns, max_user_turns=cfg.max_user_turns,
                    max_parallel_calls=cfg.max_parallel_calls, max_tool_response_tokens=cfg.max_tool_response_tokens,
                    tool_response_truncate_side=cfg.tool_response_truncate_side, format=cfg.format,

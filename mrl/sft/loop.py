@@ -73,7 +73,12 @@ def build(spec) -> SFTRun:
     from mrl.platform import setup
     from mrl.sft.data import load_examples
 
+    from mrl.tracking.startup import STARTUP
+
     ctx = setup(spec.platform, spec.parallel, seed=spec.job.seed)
+    par = spec.parallel
+    STARTUP.say(f"process groups: world {spec.platform.world_size}, TP {par.tensor} x PP {par.pipeline} x DP {ctx.dp}",
+                timed=True)
     hf = hf_config(spec.model)
     tokenizer = load_tokenizer(spec.model)
     train = load_examples(spec, tokenizer, "train")
@@ -85,9 +90,14 @@ def build(spec) -> SFTRun:
     if s.val_every_steps:
         val = load_examples(spec, tokenizer, "val")
     total = steps_planned(spec, len(train))
+    STARTUP.say(f"data: {len(train)} training examples" + (f", {len(val)} validation" if val is not None else "")
+                + f", tokenizer of {spec.model.tokenizer or spec.model.path}", timed=True)
     sampler = PromptSampler(len(train), s.examples_per_step, dp_rank=ctx.dp_rank, dp_size=ctx.dp,
                             seed=spec.data.seed, shuffle=spec.data.shuffle)
     engine = build_engine(spec, hf, ctx.platform, total)
+    lora = s.lora
+    STARTUP.say(f"model: {spec.model.path}" + (f", LoRA rank {lora.rank}" if lora.rank else "")
+                + (f" from {lora.adapter_path}" if lora.adapter_path else ""), timed=True)
     return SFTRun(spec=spec, ctx=ctx, hf=hf, tokenizer=tokenizer, engine=engine, train=train, val=val,
                   sampler=sampler, total_steps=total)
 
@@ -178,7 +188,12 @@ def sft(spec) -> dict[str, float]:
     from mrl.train.lifecycle import run_lifecycle
     from mrl.train.metrics import reduce_over_ranks
 
+    from mrl.tracking.startup import STARTUP
+
+    STARTUP.say("building: process groups, data, model (loading weights) ...", mark=False)
+    started = time.monotonic()
     r = build(spec)
+    STARTUP.say(f"built ({time.monotonic() - started:.1f}s in all)", mark=False)
     last: dict[str, float] = {}
     with run_lifecycle(spec, rank=r.ctx.rank, checkpoint_root=Path(spec.checkpoint.dir)) as life:
         from mrl.checkpoint import state, store

@@ -168,9 +168,12 @@ def build(spec: JobSpec) -> tuple[Run, Optional[Learner], Optional[Generation], 
     hf = hf_config(spec.model)
     tokenizer = load_tokenizer(spec.model)
     device = ctx.platform
-    from mrl.rollout.multi_turn import prompt_tools
+    from mrl.rollout.multi_turn import job_tools
+    from mrl.train.engine_groups import calls_tools
 
-    dataset = load_prompts(spec.data, tokenizer, "train", tools=prompt_tools(spec))
+    generates = not separate or ctx.role == "rollout"
+    tools = job_tools(spec, calls_tools=generates and calls_tools(spec, plan, ctx, is_leader=_leads(plan, ctx)))
+    dataset = load_prompts(spec.data, tokenizer, "train", tools=tools.prompt_schemas)
     total = steps_planned(spec, len(dataset))
     run = Run(spec=spec, ctx=ctx, hf=hf, tokenizer=tokenizer, total_steps=total, plan=plan)
     STARTUP.say(f"prompts: {len(dataset)} training prompts, tokenizer of {spec.model.tokenizer}", timed=True)
@@ -179,17 +182,18 @@ def build(spec: JobSpec) -> tuple[Run, Optional[Learner], Optional[Generation], 
     if ctx.role == "train":
         learner = build_learner(spec, plan, hf, device, total)
     generation = None
-    prompts = Prompts(dataset=dataset, samplers={})   # trainer ranks of a separate placement sample nothing
-    if not separate or ctx.role == "rollout":
+    # trainer ranks of a separate placement sample nothing
+    prompts = Prompts(dataset=dataset, samplers={}, tool_schemas=tools.prompt_schemas)
+    if generates:
         # One sampler batch is one generation round (dynamic sampling runs several rounds per step).
         # separate: engine group g of G generates for every G-th trainer DP rank
         shards = [ctx.dp_rank] if not separate else plan.shards_of_group(plan.engine_group_of(ctx.rank))
         samplers = {d: PromptSampler(len(dataset), spec.algorithm.dynamic_sampling.generation_batch_prompts,
                                      dp_rank=d, dp_size=dp, seed=spec.data.seed, shuffle=spec.data.shuffle)
                     for d in shards}
-        prompts = Prompts(dataset=dataset, samplers=samplers)
+        prompts = Prompts(dataset=dataset, samplers=samplers, tool_schemas=tools.prompt_schemas)
         generation = build_generation(spec, plan, ctx, tokenizer,
-                                      reward_model=learner.reward_model if learner else None)
+                                      reward_model=learner.reward_model if learner else None, tools=tools)
         STARTUP.say(f"rollout engine: {spec.rollout.engine}", timed=True)
     return run, learner, generation, prompts
 
@@ -234,12 +238,28 @@ def build_learner(spec: JobSpec, plan: StepPlan, hf: dict, device: str, total: i
                    ref=ref, critic=critic, reward_model=reward_model, kl=kl_controller(spec))
 
 
-def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_model=None) -> Generation:
-    """This rank's engine, generator, rewarder and leadership (every rank of the rollout's world
-    calls it: vllm engines are built collectively)."""
+def _colocated_leader(ctx) -> tuple:
+    """(model-parallel group, the global rank of its leader: its first rank) of a colocated rank."""
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
-    from mrl.train.engine_groups import build_rollout
+    mp_group = ps.get_model_parallel_group()
+    return mp_group, dist.get_process_group_ranks(mp_group)[0] if dist.is_initialized() else 0
+
+
+def _leads(plan: StepPlan, ctx) -> bool:
+    """Whether this rank generates and scores for its group (`Generation.is_leader`)."""
+    if ctx.role == "rollout":
+        return ctx.rank == plan.engine_leader_of(ctx.rank)
+    return ctx.rank == _colocated_leader(ctx)[1]
+
+
+def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_model=None, tools=None) -> Generation:
+    """This rank's engine, generator, rewarder and leadership (every rank of the rollout's world
+    calls it: vllm engines are built collectively). `tools`: this rank's multi-turn `JobTools`
+    (`mrl.rollout.multi_turn.job_tools`, which `build` lists once for the prompts too), else they
+    are built here."""
+    from mrl.train.engine_groups import build_rollout, calls_tools
 
     if ctx.role == "rollout":   # separate: the first rank of each engine group scores
         leader = ctx.global_rank - ctx.rank + plan.engine_leader_of(ctx.rank)
@@ -250,12 +270,15 @@ def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_mo
             group = engine_group(plan.engine_ranks)[0]
         gen = Generation(mp_group=group, leader=leader, is_leader=ctx.global_rank == leader)
     else:
-        from megatron.core import parallel_state as ps
-
-        mp_group = ps.get_model_parallel_group()
-        leader = dist.get_process_group_ranks(mp_group)[0] if dist.is_initialized() else 0
+        mp_group, leader = _colocated_leader(ctx)
         gen = Generation(mp_group=mp_group, leader=leader, is_leader=ctx.rank == leader)
-    gen.engine, gen.generator, gen.groups = build_rollout(spec, plan, ctx, tokenizer, is_leader=gen.is_leader)
+    if tools is None and spec.rollout.multi_turn.enable:
+        from mrl.rollout.multi_turn import job_tools
+
+        tools = job_tools(spec, calls_tools=calls_tools(spec, plan, ctx, is_leader=gen.is_leader))
+    gen.tool_schemas = tools.prompt_schemas if tools is not None else None
+    gen.engine, gen.generator, gen.groups = build_rollout(spec, plan, ctx, tokenizer, is_leader=gen.is_leader,
+                                                          tools=tools)
     if ctx.role != "rollout" and gen.engine is not None:
         from mrl.rollout.weight_channel import ColocatedChannel
 

@@ -25,9 +25,24 @@ from mrl.rollout.plan import EngineGroups, plan_prompts
 from mrl.rollout.types import Response, Sampling, resolve_prompt_seeds
 
 
-def build_rollout(spec, plan, ctx, tokenizer, *, is_leader: bool) -> tuple[Any, Any, Optional[EngineGroups]]:
+def calls_tools(spec, plan, ctx, *, is_leader: bool) -> bool:
+    """Whether this rank runs a multi-turn job's tools: the rank that generates with the hf engine
+    (`is_leader`: its model-parallel group's leader, or any rollout rank of a separate placement),
+    and the first rank of each vllm engine group (`MultiTurnRollout.group_src`); never a trainer
+    rank of a separate placement."""
+    if not spec.rollout.multi_turn.enable or (plan.separate and ctx.role != "rollout"):
+        return False
+    if spec.rollout.engine == "vllm":
+        return ctx.rank % plan.engine_ranks == 0
+    return is_leader
+
+
+def build_rollout(spec, plan, ctx, tokenizer, *, is_leader: bool,
+                  tools=None) -> tuple[Any, Any, Optional[EngineGroups]]:
     """(engine, generator, engine groups) on this rank: the hf engine on model-parallel leaders
-    only (groups None), vllm engines on every rank (every rank must call this)."""
+    only (groups None), vllm engines on every rank (every rank must call this). `tools`: this
+    rank's `JobTools` (`mrl.rollout.multi_turn.job_tools`) for a multi-turn generator, whose
+    runner it then owns; without them the generator connects its own."""
     from mrl.rollout.factory import build_engine
 
     r = spec.rollout
@@ -46,7 +61,7 @@ def build_rollout(spec, plan, ctx, tokenizer, *, is_leader: bool) -> tuple[Any, 
         group, src = (engine_group(groups.ranks_per_engine) if groups is not None and groups.ranks_per_engine > 1
                       else (None, 0))
         generator = MultiTurnRollout.from_config(engine, tokenizer, r.multi_turn, group=group, group_src=src,
-                                                 origin=spec.model.tokenizer or spec.model.path)
+                                                 origin=spec.model.tokenizer or spec.model.path, tools=tools)
     return engine, generator, groups
 
 

@@ -32,8 +32,9 @@ def validation_set(run: Run, prompts: Prompts):
     from mrl.data.source import load_prompts
     from mrl.rollout.multi_turn import prompt_tools
 
-    if prompts.val_dataset is None:
-        prompts.val_dataset = load_prompts(run.spec.data, run.tokenizer, "val", tools=prompt_tools(run.spec))
+    if prompts.val_dataset is None:   # the tools as listed at build (`Prompts.tool_schemas`): no second listing
+        prompts.val_dataset = load_prompts(run.spec.data, run.tokenizer, "val",
+                                           tools=prompt_tools(run.spec, prompts.tool_schemas))
     return prompts.val_dataset
 
 

@@ -91,6 +91,7 @@ class Generation:
     weights_key: Optional[int] = None   # actor updates the engine's weights reflect (None: none loaded)
     version: int = 0                # policy version of the engine's weights (trainer steps completed)
     channel: Optional["ColocatedChannel"] = None   # colocated engines: checksummed full / delta syncs
+    tool_schemas: Optional[list[dict]] = None   # the multi-turn tools the prompts list (`Prompts.tool_schemas`)
 
 
 @dataclass
@@ -101,6 +102,7 @@ class Prompts:
     samplers: dict[int, "PromptSampler"]   # DP rank -> its sampler (colocated: this rank's own)
     val_dataset: Optional["PromptDataset"] = None
     carry: dict[int, "ShardCarry"] = field(default_factory=dict)   # DP rank -> groups in hand (partial rollouts)
+    tool_schemas: Optional[list[dict]] = None   # the multi-turn tools the chat template lists (listed once, at build)
 
     @property
     def shards(self) -> list[int]:

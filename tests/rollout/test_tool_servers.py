@@ -350,3 +350,60 @@ def test_a_process_that_exits_without_closing_its_runner_exits_and_stops_its_mcp
             Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
         time.sleep(0.1)
     assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def test_a_run_lists_each_server_once_per_rank_that_calls_tools(http_server, tmp_path, monkeypatch):
+    """Building a multi-turn job's prompts, generator and validation set lists the HTTP server's
+    tools once on a rank that calls tools (its runner, owned by the generator) and never on another
+    rank of the world, which takes rank 0's schemas from the broadcast."""
+    import torch.distributed as dist
+
+    from mrl.data.source import load_prompts
+    from mrl.models.tokenizer import load_tokenizer
+    from mrl.platform import collectives
+    from mrl.rollout.multi_turn import job_tools
+    from mrl.train.engine_groups import build_rollout, calls_tools
+    from mrl.train.evaluate import validation_set
+    from mrl.train.parts import Prompts, Run
+    from mrl.train.plan import step_plan
+
+    server, url = http_server
+    job = tmp_path / "job.toml"
+    job.write_text(f'extends = "{QUICKSTART}"\n[data]\nchat_template = true\nmax_prompt_tokens = 1024\n'
+                   f'generator_size = 16\n[actor]\nmicro_batch_tokens = 2048\n'
+                   f'[rollout.multi_turn]\nenable = true\n'
+                   f'[[rollout.multi_turn.servers]]\nname = "web"\nkind = "http"\nurl = "{url}"\ntools = ["lookup"]\n')
+    spec, _ = load(job)
+    plan = step_plan(spec)
+    tokenizer = load_tokenizer(spec.model)
+    ctx = type("Ctx", (), {"role": "train", "rank": 0, "global_rank": 0, "device": "cpu"})()
+
+    def build_rank(is_leader: bool):
+        """What `mrl.train.build.build` does with the tools on one rank: prompts, generator, validation."""
+        tools = job_tools(spec, calls_tools=calls_tools(spec, plan, ctx, is_leader=is_leader))
+        prompts = Prompts(dataset=load_prompts(spec.data, tokenizer, "train", tools=tools.prompt_schemas), samplers={},
+                          tool_schemas=tools.prompt_schemas)
+        engine, generator, _ = build_rollout(spec, plan, ctx, tokenizer, is_leader=is_leader, tools=tools)
+        run = Run(spec=spec, ctx=ctx, hf={}, tokenizer=tokenizer, total_steps=1, plan=plan)
+        validation_set(run, prompts)
+        return tools, prompts, generator
+
+    before = server.listings
+    tools, prompts, generator = build_rank(is_leader=True)   # rank 0 of the world, the generating leader
+    try:
+        assert server.listings - before == 1
+        assert generator.tools is tools.runner and [t["function"]["name"] for t in tools.schemas] == ["lookup"]
+        assert '"name": "lookup"' in prompts.dataset.items[0].text
+    finally:
+        tools.close()
+    listed = [("ok", tools.schemas)]   # what rank 0 broadcast
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(collectives, "broadcast_object", lambda obj, name, src=0: listed[0])
+    before = server.listings
+    other, other_prompts, none = build_rank(is_leader=False)   # rank 1: a model-parallel follower, no engine
+    assert server.listings == before and other.runner is None and none is None
+    assert other.schemas == tools.schemas and other_prompts.dataset.items[0].text == prompts.dataset.items[0].text
+    listed[0] = ("error", "rollout.multi_turn.servers[0]: server 'web': cannot list its tools")
+    with pytest.raises(UserError, match="cannot list its tools"):   # rank 0's failure, on every rank
+        job_tools(spec, calls_tools=False)

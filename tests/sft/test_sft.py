@@ -107,6 +107,30 @@ def test_too_long_examples_follow_sft_truncation(tmp_path, tiny_hf, pairs_parque
     assert cut.stats["examples_truncated"] == 2 and len(cut) == 8 and max(e.tokens for e in cut.examples) == 40
 
 
+def test_sft_build_says_its_start_up_phases_with_durations(tmp_path, tiny_hf, pairs_parquet, monkeypatch):
+    """`mrl sft` says the phases `mrl train` says: process groups, data, model (its weights loaded)."""
+    import io
+
+    from mrl import platform
+    from mrl.config.loader import load
+    from mrl.sft.loop import build
+    from mrl.tracking import startup
+
+    out = io.StringIO()
+    monkeypatch.setattr(startup, "STARTUP", startup.StartupLog(out, rank_zero=True))
+    spec, _ = load(sft_job(tmp_path, str(tiny_hf), pairs_parquet), ["platform.cpu_threads=1"])
+    try:
+        build(spec)
+    finally:
+        platform.teardown()
+    lines = out.getvalue().splitlines()
+    phases = [re.sub(r" \(\d+\.\ds\)", " (T)", line) for line in lines if not line.startswith("loading ")]
+    assert phases == ["process groups (T): world 1, TP 1 x PP 1 x DP 1",
+                      f"data (T): 8 training examples, tokenizer of {tiny_hf}",
+                      f"model (T): {tiny_hf}"], lines
+    assert any(re.fullmatch(r"loading actor weights (\d+)/\1 \(\d+\.\ds\)", line) for line in lines), lines
+
+
 # ---- the spec ---------------------------------------------------------------------------------
 
 def test_sft_spec_errors_name_the_key(tmp_path, tiny_hf, pairs_parquet):
@@ -156,6 +180,7 @@ def test_mrl_train_refuses_an_sft_job_and_mrl_sft_an_rl_job(tmp_path, tiny_hf, p
     assert proc.returncode == 2 and "an SFT job (it has an [sft] section): run it with `mrl sft`" in proc.stderr
     proc = mrl("sft", REPO / "jobs/quickstart_cpu.toml")
     assert proc.returncode == 2 and "not an SFT job (no [sft] section)" in proc.stderr
+    assert proc.stdout == f"mrl sft {REPO / 'jobs/quickstart_cpu.toml'}: checking the job\n"   # as `mrl train` starts
 
 
 # ---- training ---------------------------------------------------------------------------------
