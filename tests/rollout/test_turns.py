@@ -10,13 +10,13 @@ import pytest
 from mrl.batch import Batch
 from mrl.errors import UserError
 from mrl.models.tokenizer import byte_tokenizer
-from mrl.rollout.engine import RolloutEngine
 from mrl.rollout.multi_turn import MultiTurnRollout
 from mrl.rollout.tool_formats import (HermesFormat, Llama3JsonFormat, MistralFormat, detect_format, model_template,
                                       resolve_format, template_problem)
 from mrl.rollout.tools import ToolCall, ToolRunner
 from mrl.rollout.turns import TurnTemplate
 from mrl.rollout.types import Response, Sampling
+from tests.rollout.test_multi_turn import ScriptedEngine
 
 HERE = Path(__file__).parent
 TOOLS = str(HERE / "tools_for_tests.py")
@@ -113,8 +113,9 @@ def bpe_tokenizer(template: str, specials: tuple[str, ...], merges=(("a", "b"),)
     return fast
 
 
-class RecordingEngine(RolloutEngine):
-    """Answers turn k with the ids script[k] (any spelling, canonical or not); records what it saw and produced."""
+class RecordingEngine(ScriptedEngine):
+    """Answers turn k with the ids script[k] (any spelling, canonical or not); records what it saw and produced.
+    Weight, sleep and shutdown calls are ScriptedEngine's no-ops."""
 
     def __init__(self, script):
         self.script, self.calls = script, []   # calls: (context ids, produced ids, their log-probs)
@@ -131,18 +132,6 @@ class RecordingEngine(RolloutEngine):
 
     def sequence_logprobs(self, token_ids):
         return [[0.0] * (len(t) - 1) for t in token_ids]
-
-    def update_weights(self, weights, *, partial=False):
-        return 0
-
-    def sleep(self, level=None):
-        pass
-
-    def wake(self, tags=None):
-        pass
-
-    def shutdown(self):
-        pass
 
 
 def _spelled_apart(tok, text: str) -> list[int]:

@@ -66,6 +66,18 @@ def _pair(engine, *, mode="delta", verify_every_steps=0, bucket_mb=0.05, group="
     return sender, receiver, wire
 
 
+def _synced_then_delta_sent():
+    """A rollout rank that received version 0 in full, and version 1 (a delta) sent but not yet received."""
+    engine = _engine()
+    trainer = Trainer(_shapes(engine))
+    sender, receiver, wire = _pair(engine)
+    sender.send(trainer.stream(), 0, Ready())
+    receiver.receive(0)
+    trainer.step()
+    sender.send(trainer.stream(), 1, Ready())
+    return engine, trainer, sender, receiver, wire
+
+
 def test_delta_across_the_bridge_is_bit_identical_to_full_after_every_step_of_a_20_step_bf16_run():
     full_engine, delta_engine = _engine(0), _engine(1)   # different random starts: the first sync must be full
     trainer = Trainer(_shapes(full_engine))
@@ -95,13 +107,7 @@ def _tensor_frames(wire: Wire, kind: str) -> list[tuple[int, int]]:
 
 
 def test_a_byte_flipped_on_the_bridge_is_one_line_naming_tensor_version_and_group():
-    engine = _engine()
-    trainer = Trainer(_shapes(engine))
-    sender, receiver, wire = _pair(engine)
-    sender.send(trainer.stream(), 0, Ready())
-    receiver.receive(0)
-    trainer.step()
-    sender.send(trainer.stream(), 1, Ready())   # a delta: sparse and whole items
+    engine, trainer, sender, receiver, wire = _synced_then_delta_sent()   # a delta: sparse and whole items
     first, _ = _tensor_frames(wire, "bucket")[0]
     wire.tensors[first + 2][1] ^= 0x04     # a byte of the first payload (not alignment padding)
     with pytest.raises(WeightSyncError) as e:
@@ -143,13 +149,7 @@ def test_full_syncs_on_first_sync_after_a_trainer_resume_and_after_a_rollout_ran
 
 
 def test_a_delta_on_a_version_the_rollout_rank_does_not_hold_is_refused():
-    engine = _engine()
-    trainer = Trainer(_shapes(engine))
-    sender, receiver, wire = _pair(engine)
-    sender.send(trainer.stream(), 0, Ready())
-    receiver.receive(0)
-    trainer.step()
-    sender.send(trainer.stream(), 1, Ready())
+    engine, trainer, sender, receiver, wire = _synced_then_delta_sent()
     receiver.held = 7      # e.g. a rollout rank that applied something else since
     with pytest.raises(WeightSyncError, match=r"version 1 is a delta on version 0, but engine group .* holds version 7"):
         receiver.receive(1)
