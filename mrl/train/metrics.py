@@ -2,8 +2,9 @@
 (`RewardStats`) and over ranks (`reduce_over_ranks`).
 
 A metric is one of three kinds (`kind`):
-- "sum": events counted (`mrl.reward.compose.is_count`: errors, dropped responses, calls) add up
-  over a step's scoring calls and over data-parallel replicas;
+- "sum": events counted (`mrl.reward.compose.is_count`: errors, dropped responses, calls; and the
+  multi-turn tool counts `tools/*`) add up over a step's scoring calls and over data-parallel
+  replicas, each of which generated its own responses;
 - "max": times (`time/*`), peak memory (`memory/*`) and `*_max` values: a stage takes as long as
   its slowest rank, and times add up over a step's scoring calls;
 - "mean": everything else.
@@ -22,7 +23,7 @@ from mrl.reward.compose import is_count
 
 def kind(key: str) -> str:
     """"sum", "max" or "mean" (see the module docstring)."""
-    if is_count(key):
+    if is_count(key) or key.startswith("tools/"):
         return "sum"
     if key.endswith("_max") or key.startswith(("time/", "memory/")):
         return "max"

@@ -61,11 +61,11 @@ def test_fewer_kept_prompts_than_planned_train_in_whole_mini_batches():
 def test_metric_kinds_and_their_combination_over_ranks():
     from mrl.train.metrics import RewardStats, combine, kind
 
-    assert [kind(k) for k in ("reward/errors", "time/step", "actor/grad_norm_max", "memory/x", "reward/mean")] == \
-        ["sum", "max", "max", "max", "mean"]
-    ranks = [{"reward/errors": 1.0, "time/step": 2.0, "reward/mean": 1.0},
-             {"reward/errors": 3.0, "time/step": 5.0, "reward/mean": float("nan")}]
-    assert combine(ranks, dp=2) == {"reward/errors": 4.0, "time/step": 5.0, "reward/mean": 1.0}
+    assert [kind(k) for k in ("reward/errors", "tools/calls", "time/step", "actor/grad_norm_max", "memory/x",
+                              "reward/mean")] == ["sum", "sum", "max", "max", "max", "mean"]
+    ranks = [{"reward/errors": 1.0, "tools/calls": 5.0, "time/step": 2.0, "reward/mean": 1.0},
+             {"reward/errors": 3.0, "tools/calls": 2.0, "time/step": 5.0, "reward/mean": float("nan")}]
+    assert combine(ranks, dp=2) == {"reward/errors": 4.0, "tools/calls": 7.0, "time/step": 5.0, "reward/mean": 1.0}
     acc = RewardStats()
     acc.add({"reward/mean": 1.0, "reward/errors": 1.0, "time/reward_scoring": 0.5}, responses=2)
     acc.add({"reward/mean": 4.0, "reward/errors": 2.0, "time/reward_scoring": 0.5}, responses=6)
