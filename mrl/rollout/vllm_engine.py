@@ -41,6 +41,7 @@ definition both engines share); each response carries the log-prob of every samp
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Optional, Sequence
 
 import torch
@@ -425,7 +426,6 @@ class VLLMEngine(RolloutEngine):
         finally:
             renderer_log.removeFilter(quiet)
         self.eos_token_ids = eos_ids_of_checkpoint(model_path)
-        self._packed = self.llm.collective_rpc(_packed_modules)[0]
         self._moe_layers = None   # with enable_return_routed_experts: the MoE layers of vLLM's all-layer rows
         if llm_kwargs.get("enable_return_routed_experts"):
             from mrl.models.facts import find_hf_config
@@ -536,6 +536,13 @@ class VLLMEngine(RolloutEngine):
                                f"parameter(s) of the engine's model: {shown} (layers left as they were: "
                                f"{', '.join(layers) or 'none'})")
         return sent
+
+    @functools.cached_property
+    def _packed(self) -> dict[str, list[str]]:
+        """The model's stacked modules, asked of this rank's own worker when a sync or a read-back
+        first needs them: an engine that never receives weights (a judge in engine processes of its
+        own, whose RPCs cannot carry a function) never asks."""
+        return self.llm.collective_rpc(_packed_modules)[0]
 
     def load_unit(self, name: str) -> str:
         """The vLLM module `name` loads into: q/k/v share `qkv_proj`, gate/up `gate_up_proj`."""
