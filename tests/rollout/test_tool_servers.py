@@ -46,10 +46,8 @@ def http_server():
     server.shutdown()
 
 
-@pytest.fixture(scope="module")
-def mcp_http_url():
-    """An MCP server on streamable HTTP in a subprocess; its endpoint URL."""
-    port = free_port()
+def start_mcp_http(port: int) -> subprocess.Popen:
+    """An MCP server on streamable HTTP at http://127.0.0.1:`port`/mcp in a subprocess, once it listens."""
     proc = subprocess.Popen([sys.executable, MCP_SERVER, "http", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
@@ -60,6 +58,14 @@ def mcp_http_url():
         except OSError:
             assert proc.poll() is None, "the MCP server exited"
             time.sleep(0.2)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def mcp_http_url():
+    """An MCP server on streamable HTTP in a subprocess; its endpoint URL."""
+    port = free_port()
+    proc = start_mcp_http(port)
     yield f"http://127.0.0.1:{port}/mcp"
     proc.kill()
     proc.wait()
@@ -278,6 +284,25 @@ def test_mcp_streamable_http_with_an_allowlist(mcp_http_url, monkeypatch):
         assert [x.text for x in res] == ["42", "7"] * 4
     finally:
         r.close()
+
+
+def test_an_mcp_http_session_that_broke_is_reopened_when_the_service_is_back():
+    port = free_port()
+    proc = start_mcp_http(port)
+    r = runner(ToolServerConfig(name="remote", kind="mcp_http", url=f"http://127.0.0.1:{port}/mcp", timeout_s=5.0))
+    try:
+        assert r.run([ToolCall("add", {"a": 1, "b": 1})])[0].text == "2"
+        proc.kill()
+        proc.wait()
+        [broke] = r.run([ToolCall("add", {"a": 1, "b": 1})])   # the service is down: a server error
+        assert (broke.error, broke.restarted) == ("server", False), broke
+        proc = start_mcp_http(port)   # a new process on the same endpoint
+        [back] = r.run([ToolCall("add", {"a": 2, "b": 3})])    # the session is reopened on it
+        assert (back.text, back.restarted) == ("5", True), back
+    finally:
+        r.close()
+        proc.kill()
+        proc.wait()
 
 
 def test_close_is_bounded_and_idempotent_with_calls_in_flight():
