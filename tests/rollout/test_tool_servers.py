@@ -248,6 +248,31 @@ def test_a_killed_stdio_mcp_server_is_restarted_on_the_next_call_and_its_tools_r
     assert all(_gone(p) for p in pids), pids   # no orphan server process
 
 
+def test_a_restart_that_hangs_is_given_up_at_the_connect_timeout_and_tried_again_later(tmp_path):
+    pid_file, hang = tmp_path / "pid", tmp_path / "hang"
+    r = runner(stdio(connect_timeout_s=5.0, env={"PID_FILE": str(pid_file), "HANG_FILE": str(hang)}))
+    pids = [_pid(pid_file)]
+    try:
+        hang.write_text("")
+        os.kill(pids[0], signal.SIGKILL)
+        assert _gone(pids[0])
+        assert r.run([ToolCall("add", {"a": 1, "b": 1})])[0].error == "server"
+        t0 = time.monotonic()
+        [res] = r.run([ToolCall("add", {"a": 1, "b": 1})])    # the new process never lists its tools
+        assert 5.0 <= time.monotonic() - t0 < 7.0
+        assert (res.error, res.restarted) == ("server", False) and res.text.endswith(
+            "failed: restart failed: no tool listing within connect_timeout_s = 5 s"), res
+        pids.append(_pid(pid_file))
+        assert pids[1] != pids[0] and _gone(pids[1])          # the hung process was stopped
+        hang.unlink()
+        [res] = r.run([ToolCall("add", {"a": 1, "b": 1})])    # the next call tries again
+        assert (res.text, res.restarted) == ("2", True), res
+        pids.append(_pid(pid_file))
+    finally:
+        r.close()
+    assert all(_gone(p) for p in pids), pids
+
+
 def test_an_mcp_server_that_keeps_dying_stops_being_restarted(tmp_path):
     from mrl.rollout.tool_servers.mcp_tools import MAX_RESTARTS
 
