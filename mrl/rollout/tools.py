@@ -20,7 +20,7 @@ import json
 import multiprocessing as mp
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -40,30 +40,34 @@ class ToolResult:
     failure: "tool" (the tool raised or reported an error; a function's process crashed), "server"
     (the server was unreachable, answered HTTP 5xx or garbage, or its process died), "unknown"
     (no such tool), "malformed" (the call could not be parsed), "timeout"; "" when ok. `truncated`:
-    the answer was longer than the runner's `max_result_bytes` and was cut."""
+    the answer was longer than the runner's `max_result_bytes` and was cut. `restarted`: the
+    server had died and was restarted for this call (`ToolServer.revive`)."""
 
     text: str
     status: str
     seconds: float
     error: str = ""
     truncated: bool = False
+    restarted: bool = False
 
 
-COUNTS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_server_errors", "tool_truncated")
+COUNTS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_server_errors", "tool_truncated", "tool_server_restarts")
 
 
 def tool_counts(results: Sequence[ToolResult]) -> dict[str, int]:
     """Per-conversation counts for `Response.info`: calls, errors (every non-timeout failure, the
-    server errors included), timeouts, server errors, truncated answers."""
+    server errors included), timeouts, server errors, truncated answers, server restarts."""
     return {"tool_calls": len(results),
             "tool_errors": sum(r.status == "error" for r in results),
             "tool_timeouts": sum(r.status == "timeout" for r in results),
             "tool_server_errors": sum(r.error == "server" for r in results),
-            "tool_truncated": sum(r.truncated for r in results)}
+            "tool_truncated": sum(r.truncated for r in results),
+            "tool_server_restarts": sum(r.restarted for r in results)}
 
 
 METRICS = {"tool_calls": "tools/calls", "tool_errors": "tools/errors", "tool_timeouts": "tools/errors_timeout",
-           "tool_server_errors": "tools/errors_server", "tool_truncated": "tools/truncated"}
+           "tool_server_errors": "tools/errors_server", "tool_truncated": "tools/truncated",
+           "tool_server_restarts": "tools/server_restarts"}
 
 
 def tool_metrics(responses) -> dict[str, float]:
@@ -210,37 +214,42 @@ class ToolRunner:
 
     def _capped(self, res: ToolResult) -> ToolResult:
         text, cut = _cut(res.text, self.max_result_bytes)
-        return ToolResult(text, res.status, res.seconds, res.error, cut) if cut else res
+        return replace(res, text=text, truncated=True) if cut else res
 
     def _call_server(self, server, call: ToolCall, began: list) -> ToolResult:
         from mrl.rollout.tool_servers.base import ServerError, ToolCallError
 
         began.append(t0 := time.monotonic())
+        restarted = False
         try:
+            restarted = server.revive()
             text = server.call(call.name, call.arguments, self.max_result_bytes)
-            return self._capped(ToolResult(text, "ok", time.monotonic() - t0))
+            return self._capped(ToolResult(text, "ok", time.monotonic() - t0, restarted=restarted))
         except TimeoutError:
             return ToolResult(f"error: {call.name} timed out after {server.timeout_s:g} s", "timeout",
-                              time.monotonic() - t0, "timeout")
+                              time.monotonic() - t0, "timeout", restarted=restarted)
         except ToolCallError as e:
-            return self._capped(ToolResult(f"error: {call.name}: {e}", "error", time.monotonic() - t0, "tool"))
+            return self._capped(ToolResult(f"error: {call.name}: {e}", "error", time.monotonic() - t0, "tool",
+                                           restarted=restarted))
         except ServerError as e:
             return ToolResult(f"error: {call.name}: tool server {server.name!r} failed: {e}", "error",
-                              time.monotonic() - t0, "server")
+                              time.monotonic() - t0, "server", restarted=restarted)
         except Exception as e:   # noqa: BLE001 - whatever a client library raises is the server's failure
             return ToolResult(f"error: {call.name}: tool server {server.name!r} failed: {type(e).__name__}: {e}",
-                              "error", time.monotonic() - t0, "server")
+                              "error", time.monotonic() - t0, "server", restarted=restarted)
 
     def _await_server(self, call: ToolCall, server, fut: concurrent.futures.Future, began: list) -> ToolResult:
         """The call's result; a call that overruns its server's timeout by `GRACE_S` once running
-        (its client did not stop it) is abandoned as a timeout. Time queued for the server's
-        concurrency does not count."""
+        (its client did not stop it) is abandoned as a timeout; a server that may first restart
+        (`revive`) gets its `restart_s` more. Time queued for the server's concurrency does
+        not count."""
+        limit = server.timeout_s + server.restart_s + GRACE_S
         while True:
-            wait = server.timeout_s + GRACE_S - (time.monotonic() - began[0]) if began else server.timeout_s + GRACE_S
+            wait = limit - (time.monotonic() - began[0]) if began else limit
             try:
                 return fut.result(max(wait, 0.0))
             except concurrent.futures.TimeoutError:
-                if began and time.monotonic() - began[0] >= server.timeout_s + GRACE_S:
+                if began and time.monotonic() - began[0] >= limit:
                     return ToolResult(f"error: {call.name} timed out after {server.timeout_s:g} s", "timeout",
                                       time.monotonic() - began[0], "timeout")
 

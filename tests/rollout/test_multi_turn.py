@@ -91,7 +91,7 @@ def test_tool_output_is_masked_in_the_middle_of_the_response():
     assert all(lp == -0.5 for lp, m in zip(r.logprobs, r.loss_mask) if m == 1)
     assert r.finish_reason == "stop"
     assert r.info == {"assistant_turns": 2, "tool_turns": 1, "tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0,
-                      "tool_server_errors": 0, "tool_truncated": 0}
+                      "tool_server_errors": 0, "tool_truncated": 0, "tool_server_restarts": 0}
     # the second turn was generated from prompt + first turn + tool output
     assert mt.engine.contexts[1] == prompt + r.token_ids[:len(mt.engine.contexts[1]) - len(prompt)]
 

@@ -4,6 +4,8 @@ verl's tool file; a multi-turn rollout whose tools live on the servers."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -44,10 +46,8 @@ def http_server():
     server.shutdown()
 
 
-@pytest.fixture(scope="module")
-def mcp_http_url():
-    """An MCP server on streamable HTTP in a subprocess; its endpoint URL."""
-    port = free_port()
+def start_mcp_http(port: int) -> subprocess.Popen:
+    """An MCP server on streamable HTTP at http://127.0.0.1:`port`/mcp in a subprocess, once it listens."""
     proc = subprocess.Popen([sys.executable, MCP_SERVER, "http", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
@@ -58,6 +58,14 @@ def mcp_http_url():
         except OSError:
             assert proc.poll() is None, "the MCP server exited"
             time.sleep(0.2)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def mcp_http_url():
+    """An MCP server on streamable HTTP in a subprocess; its endpoint URL."""
+    port = free_port()
+    proc = start_mcp_http(port)
     yield f"http://127.0.0.1:{port}/mcp"
     proc.kill()
     proc.wait()
@@ -103,7 +111,7 @@ def test_http_tools_answers_errors_timeouts_and_truncation(http_server):
         assert res[7].text == "error: sleepy timed out after 1 s"
         assert res[8].text == "x" * 100 + "\n[truncated: the answer is longer than 100 bytes]"
         assert tool_counts(res) == {"tool_calls": 10, "tool_errors": 6, "tool_timeouts": 1, "tool_server_errors": 2,
-                                    "tool_truncated": 1}
+                                    "tool_truncated": 1, "tool_server_restarts": 0}
     finally:
         r.close()
 
@@ -121,7 +129,15 @@ def test_http_server_in_simple_form_with_an_allowlist_and_a_server_that_goes_awa
     server.server_close()
     [res] = r.run([ToolCall("add", {"a": 1, "b": 1})])
     assert (res.status, res.error) == ("error", "server") and "cannot reach" in res.text
-    r.close()
+    # one request per call: the service back on its port answers the next call, no restart needed
+    again, _ = http_tool_server.start(simple=True, port=server.server_address[1])
+    try:
+        [res] = r.run([ToolCall("add", {"a": 1, "b": 1})])
+        assert (res.status, res.text, res.restarted) == ("ok", "2", False)
+    finally:
+        again.shutdown()
+        again.server_close()
+        r.close()
 
 
 def test_start_problems_are_one_line_naming_the_server(http_server):
@@ -173,15 +189,114 @@ def test_mcp_stdio_tools_errors_timeout_truncation_and_a_dying_server():
             ("error", "tool", True), ("ok", "", True)]
         assert [x.text for x in res[:3]] == ["9", "7", "error: sleepy timed out after 1 s"]
         assert res[3].text == "error: boom: Error executing tool boom" and res[4].text.startswith("error: lookup: Error executing")
-        # the server process dies mid-call: that call and every later one are server errors, no hang
+        # the server process dies mid-call: that call is a server error, no hang; the next call restarts it
         [died] = r.run([ToolCall("exit_now", {})])
-        assert (died.status, died.error) == ("error", "server"), died
+        assert (died.status, died.error) == ("error", "server") and "tool server 'mcp' failed" in died.text, died
         [after] = r.run([ToolCall("add", {"a": 1, "b": 1})])
-        assert after.error == "server" and "tool server 'mcp' failed" in after.text
+        assert (after.text, after.restarted) == ("2", True), after
     finally:
         t0 = time.monotonic()
         r.close()
         assert time.monotonic() - t0 < 10
+
+
+def _pid(path: Path) -> int:
+    return int(path.read_text())
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    """Whether process `pid` has exited (gone or a zombie) within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_killed_stdio_mcp_server_is_restarted_on_the_next_call_and_its_tools_rechecked(tmp_path):
+    pid_file, without = tmp_path / "pid", tmp_path / "without"
+    r = runner(stdio(env={"PID_FILE": str(pid_file), "WITHOUT_FILE": str(without)}))
+    pids = [_pid(pid_file)]
+    results = []
+    try:
+        results += r.run([ToolCall("add", {"a": 1, "b": 2})])
+        os.kill(pids[0], signal.SIGKILL)
+        assert _gone(pids[0])
+        results += r.run([ToolCall("add", {"a": 1, "b": 2})])      # finds it dead: the model reads a server error
+        assert (results[-1].error, results[-1].restarted) == ("server", False) and "tool server 'mcp' failed" in results[-1].text
+        results += r.run([ToolCall("add", {"a": 2, "b": 2})])      # a fresh process answers
+        assert (results[-1].text, results[-1].restarted) == ("4", True), results[-1]
+        pids.append(_pid(pid_file))
+        assert pids[1] != pids[0] and not _gone(pids[1], 0.0)
+        # the next process comes back without an allowlisted tool: calls to it are server errors
+        without.write_text("lookup\n")
+        os.kill(pids[1], signal.SIGKILL)
+        assert _gone(pids[1])
+        results += r.run([ToolCall("lookup", {"key": "alpha"})])
+        results += r.run([ToolCall("add", {"a": 3, "b": 3}), ToolCall("lookup", {"key": "alpha"})])
+        pids.append(_pid(pid_file))
+        assert [(x.text, x.restarted) for x in results[-2:]] == [
+            ("6", True), ("error: lookup: tool server 'mcp' failed: the restarted server no longer offers 'lookup'", False)]
+        assert results[-3].error == "server"
+        assert r.names == ["lookup", "add", "sleepy", "boom", "big", "exit_now"]   # the prompt's tool list stays
+        counts = tool_counts(results)
+        assert (counts["tool_calls"], counts["tool_server_errors"], counts["tool_server_restarts"]) == (6, 3, 2)
+        assert tool_metrics([Response(0, [1], [0.0], "stop", info=counts)])["tools/server_restarts"] == 2.0
+    finally:
+        r.close()
+    assert all(_gone(p) for p in pids), pids   # no orphan server process
+
+
+def test_a_restart_that_hangs_is_given_up_at_the_connect_timeout_and_tried_again_later(tmp_path):
+    pid_file, hang = tmp_path / "pid", tmp_path / "hang"
+    r = runner(stdio(connect_timeout_s=5.0, env={"PID_FILE": str(pid_file), "HANG_FILE": str(hang)}))
+    pids = [_pid(pid_file)]
+    try:
+        hang.write_text("")
+        os.kill(pids[0], signal.SIGKILL)
+        assert _gone(pids[0])
+        assert r.run([ToolCall("add", {"a": 1, "b": 1})])[0].error == "server"
+        t0 = time.monotonic()
+        [res] = r.run([ToolCall("add", {"a": 1, "b": 1})])    # the new process never lists its tools
+        assert 5.0 <= time.monotonic() - t0 < 7.0
+        assert (res.error, res.restarted) == ("server", False) and res.text.endswith(
+            "failed: restart failed: no tool listing within connect_timeout_s = 5 s"), res
+        pids.append(_pid(pid_file))
+        assert pids[1] != pids[0] and _gone(pids[1])          # the hung process was stopped
+        hang.unlink()
+        [res] = r.run([ToolCall("add", {"a": 1, "b": 1})])    # the next call tries again
+        assert (res.text, res.restarted) == ("2", True), res
+        pids.append(_pid(pid_file))
+    finally:
+        r.close()
+    assert all(_gone(p) for p in pids), pids
+
+
+def test_an_mcp_server_that_keeps_dying_stops_being_restarted(tmp_path):
+    from mrl.rollout.tool_servers.mcp_tools import MAX_RESTARTS
+
+    pid_file = tmp_path / "pid"
+    r = runner(stdio(env={"PID_FILE": str(pid_file)}))
+    pids, results = [_pid(pid_file)], []
+    try:
+        for _ in range(MAX_RESTARTS):
+            results += r.run([ToolCall("exit_now", {})])
+            results += r.run([ToolCall("add", {"a": 1, "b": 1})])
+            assert (results[-1].text, results[-1].restarted) == ("2", True), results[-1]
+            pids.append(_pid(pid_file))
+        results += r.run([ToolCall("exit_now", {})])
+        for _ in range(3):   # past the bound: a counted server error at once, no restart tried
+            t0 = time.monotonic()
+            results += r.run([ToolCall("add", {"a": 1, "b": 1})])
+            assert time.monotonic() - t0 < 0.5
+            assert (results[-1].error, results[-1].restarted) == ("server", False), results[-1]
+        assert _pid(pid_file) == pids[-1]
+        counts = tool_counts(results)
+        assert (counts["tool_server_errors"], counts["tool_server_restarts"]) == (MAX_RESTARTS + 4, MAX_RESTARTS)
+    finally:
+        r.close()
+    assert all(_gone(p) for p in pids), pids
 
 
 def test_mcp_streamable_http_with_an_allowlist(mcp_http_url, monkeypatch):
@@ -194,6 +309,25 @@ def test_mcp_streamable_http_with_an_allowlist(mcp_http_url, monkeypatch):
         assert [x.text for x in res] == ["42", "7"] * 4
     finally:
         r.close()
+
+
+def test_an_mcp_http_session_that_broke_is_reopened_when_the_service_is_back():
+    port = free_port()
+    proc = start_mcp_http(port)
+    r = runner(ToolServerConfig(name="remote", kind="mcp_http", url=f"http://127.0.0.1:{port}/mcp", timeout_s=5.0))
+    try:
+        assert r.run([ToolCall("add", {"a": 1, "b": 1})])[0].text == "2"
+        proc.kill()
+        proc.wait()
+        [broke] = r.run([ToolCall("add", {"a": 1, "b": 1})])   # the service is down: a server error
+        assert (broke.error, broke.restarted) == ("server", False), broke
+        proc = start_mcp_http(port)   # a new process on the same endpoint
+        [back] = r.run([ToolCall("add", {"a": 2, "b": 3})])    # the session is reopened on it
+        assert (back.text, back.restarted) == ("5", True), back
+    finally:
+        r.close()
+        proc.kill()
+        proc.wait()
 
 
 def test_close_is_bounded_and_idempotent_with_calls_in_flight():
@@ -312,7 +446,7 @@ def test_a_multi_turn_rollout_calls_tools_on_http_and_mcp_servers(http_server):
         assert r.info["tool_calls"] == 3 and r.info["tool_timeouts"] == 1 and r.info["tool_errors"] == 0
         assert tool_metrics([r, r2, Response(0, [1], [0.0], "stop")]) == {
             "tools/calls": 6.0, "tools/errors": 0.0, "tools/errors_timeout": 2.0, "tools/errors_server": 0.0,
-            "tools/truncated": 0.0}
+            "tools/truncated": 0.0, "tools/server_restarts": 0.0}
     finally:
         tools.close()
 

@@ -50,10 +50,12 @@ def normalize_schema(entry: Any, where: str) -> dict:
 class ToolServer(ABC):
     """A connected tool server: `schemas` (listed at start, after the allowlist), `call`, `close`.
 
-    `timeout_s` bounds one call; `concurrency` bounds the calls in flight to this server."""
+    `timeout_s` bounds one call; `concurrency` bounds the calls in flight to this server;
+    `restart_s` bounds a `revive()` (0 for servers that never restart)."""
 
     name: str
     timeout_s: float
+    restart_s: float = 0.0
     concurrency: int
     schemas: list[dict]
 
@@ -65,6 +67,12 @@ class ToolServer(ABC):
     def call(self, tool: str, arguments: dict, max_bytes: int) -> str:
         """The tool's answer as text (at most `max_bytes` + 1 bytes of it need be read: the runner
         truncates); raises `ToolCallError`, `ServerError` or `TimeoutError`."""
+
+    def revive(self) -> bool:
+        """Called before each call: reconnect a server that an earlier call found dead, if it is
+        allowed to; True when this call restarted it (raises `ServerError` when the restart failed).
+        Servers without a session (HTTP: one request per call) have nothing to restart."""
+        return False
 
     def close(self) -> None:
         """Release connections and processes; bounded in time, safe to call twice."""

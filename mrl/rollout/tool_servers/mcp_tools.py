@@ -86,28 +86,42 @@ def _text_of(result) -> str:
     return "\n".join(parts)
 
 
+MAX_RESTARTS = 3   # reconnects tried per MCP server per run (each bounded by its connect_timeout_s)
+
+
 class MCPToolServer(ToolServer):
     """An MCP server (`kind` "mcp_stdio": `command` + `args` + `env`; "mcp_http": `url`), connected
-    and listed on construction, its session held on `loop` until `close()`."""
+    and listed on construction, its session held on `loop` until `close()`.
+
+    A session that fails (the stdio process exited, the HTTP session broke) is seen by the call
+    that meets it, which is a server error; `revive()`, run by the runner before each later call,
+    then opens a fresh session (a new process for stdio) within `connect_timeout_s`, at most
+    `MAX_RESTARTS` times per run, and re-checks the listing: a tool the new session no longer
+    offers is a server error on each call to it."""
 
     def __init__(self, name: str, kind: str, loop: EventLoopThread, *, url: Optional[str] = None,
                  command: Optional[str] = None, args: tuple[str, ...] = (), env: Optional[dict[str, str]] = None,
                  cwd: Optional[str] = None, headers: Optional[dict[str, str]] = None, allow: tuple[str, ...] = (),
                  timeout_s: float = 30.0, connect_timeout_s: float = 30.0, concurrency: int = 8):
         self.name, self.kind, self.loop = name, kind, loop
-        self.timeout_s, self.concurrency = timeout_s, concurrency
+        self.timeout_s, self.connect_timeout_s, self.concurrency = timeout_s, connect_timeout_s, concurrency
+        self.restart_s = connect_timeout_s
         self.where = url if kind == "mcp_http" else " ".join([command or "", *args])
-        self._target = self._transport(kind, url, command, args, env, cwd, headers)
+        self._spec = (kind, url, command, args, env, cwd, headers)
         self._client = None
         self._closing: Optional[asyncio.Event] = None
         self._holder: Optional[concurrent.futures.Future] = None
         self._lost: Optional[str] = None   # why the session ended while in use
-        ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._holder = loop.future(self._hold(ready))
+        self._generation = 0               # sessions opened so far; a failure of an older one is stale
+        self._failed = False               # a call met a dead session: the next call restarts it
+        self._restarts_tried = 0
+        self._missing: set[str] = set()    # listed tools a restarted session no longer offers
+        self._lock = threading.Lock()
+        self._closed = False
         try:
-            offered = ready.result(connect_timeout_s)
+            offered = self._open(connect_timeout_s)
             self.schemas = select_tools(name, offered, allow)
-        except concurrent.futures.TimeoutError:
+        except TimeoutError:
             self.close()
             raise UserError(f"rollout.multi_turn.servers: MCP server {name!r} ({self.where}): no tool listing "
                             f"within connect_timeout_s = {connect_timeout_s:g} s") from None
@@ -118,6 +132,7 @@ class MCPToolServer(ToolServer):
 
     @staticmethod
     def _transport(kind, url, command, args, env, cwd, headers):
+        """A fresh transport target (an httpx client cannot be reused once its session closed)."""
         if kind == "mcp_stdio":
             from mcp.client.stdio import StdioServerParameters
 
@@ -129,13 +144,41 @@ class MCPToolServer(ToolServer):
             return streamable_http_client(url, http_client=create_mcp_http_client(headers=dict(headers)))
         return url
 
-    async def _hold(self, ready: concurrent.futures.Future) -> None:
-        """Open the session, list the tools into `ready`, keep the session until `close()`."""
+    def _open(self, timeout_s: float) -> list[dict]:
+        """Open a session (replacing the current one) and list its tools; `TimeoutError` after
+        `timeout_s`, or the connection's exception. The session is current once listed."""
+        ready: concurrent.futures.Future = concurrent.futures.Future()
+        closing = asyncio.Event()
+        holder = self.loop.future(self._hold(self._transport(*self._spec), ready, closing))
+        self._retire()
+        self._closing, self._holder = closing, holder
+        try:
+            client, offered = ready.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._retire()
+            holder.cancel()   # still connecting: stop it (a stdio transport kills its process)
+            raise TimeoutError(f"no tool listing within connect_timeout_s = {timeout_s:g} s") from None
+        except BaseException:
+            self._retire()
+            holder.cancel()
+            raise
+        self._client, self._lost, self._generation = client, None, self._generation + 1
+        return offered
+
+    def _retire(self) -> None:
+        """Tell the current session to leave, without waiting (its exit runs on the loop)."""
+        closing = self._closing
+        self._client, self._closing, self._holder = None, None, None
+        if closing is not None and not self.loop.loop.is_closed():
+            self.loop.loop.call_soon_threadsafe(closing.set)
+
+    async def _hold(self, target, ready: concurrent.futures.Future, closing: asyncio.Event) -> None:
+        """Open the session, put (client, tools) into `ready`, keep the session until `closing`."""
         from mcp import Client
 
-        self._closing = asyncio.Event()
+        client = None
         try:
-            async with Client(self._target) as client:
+            async with Client(target) as client:
                 offered, cursor = [], None
                 while True:
                     page = await client.list_tools(cursor=cursor)
@@ -145,19 +188,44 @@ class MCPToolServer(ToolServer):
                     cursor = page.next_cursor
                     if not cursor:
                         break
-                self._client = client
                 if not ready.done():
-                    ready.set_result(offered)
-                await self._closing.wait()
-        except BaseException as e:   # noqa: BLE001 - reported to the waiting constructor or to later calls
-            self._client = None
+                    ready.set_result((client, offered))
+                await closing.wait()
+        except BaseException as e:   # noqa: BLE001 - reported to the opener or to later calls
             if not ready.done():
                 ready.set_exception(e)
-            elif self._closing is not None and not self._closing.is_set():
+            elif not closing.is_set() and self._client is client:
                 self._lost = _describe(e)
                 log.warning("tool server %r: MCP session lost: %s", self.name, self._lost)
             if isinstance(e, asyncio.CancelledError):
                 raise
+        finally:
+            if client is not None and self._client is client:
+                self._client = None
+
+    def revive(self) -> bool:
+        """Restart the session if a call found it dead and restarts are left; True when this call
+        restarted it. A restart that fails (or times out at `connect_timeout_s`) spends one of the
+        `MAX_RESTARTS` and raises `ServerError`."""
+        if not self._failed:
+            return False
+        with self._lock:
+            if not self._failed or self._closed or self._restarts_tried >= MAX_RESTARTS:
+                return False
+            self._restarts_tried += 1
+            try:
+                offered = self._open(self.connect_timeout_s)
+            except BaseException as e:   # noqa: BLE001 - the server stays down until the next try
+                why = str(e) if isinstance(e, TimeoutError) else _describe(e)
+                log.warning("tool server %r: restart %d of %d failed: %s", self.name, self._restarts_tried,
+                            MAX_RESTARTS, why)
+                raise ServerError(f"restart failed: {why}") from None
+            self._failed = False
+            names = {s["function"]["name"] for s in offered}
+            self._missing = {n for n in self.tool_names if n not in names}
+            log.warning("tool server %r: restarted (%d of %d)%s", self.name, self._restarts_tried, MAX_RESTARTS,
+                        f"; it no longer offers {', '.join(sorted(self._missing))}" if self._missing else "")
+            return True
 
     async def _call(self, tool: str, arguments: dict):
         client = self._client
@@ -166,13 +234,20 @@ class MCPToolServer(ToolServer):
         return await client.call_tool(tool, arguments, read_timeout_seconds=self.timeout_s)
 
     def call(self, tool: str, arguments: dict, max_bytes: int) -> str:
+        if tool in self._missing:
+            raise ServerError(f"the restarted server no longer offers {tool!r}")
+        generation = self._generation
         try:
             result = self.loop.submit(self._call(tool, arguments), self.timeout_s)
-        except (TimeoutError, ServerError):
+        except TimeoutError:
             raise
         except Exception as e:   # noqa: BLE001 - transport and protocol failures
-            if "timed out" in str(e).lower():
+            if not isinstance(e, ServerError) and "timed out" in str(e).lower():
                 raise TimeoutError(str(e)) from None
+            if generation == self._generation:
+                self._failed = True
+            if isinstance(e, ServerError):
+                raise
             raise ServerError(_describe(e)) from None
         text = _text_of(result)
         if result.is_error:
@@ -180,14 +255,15 @@ class MCPToolServer(ToolServer):
         return text
 
     def close(self) -> None:
-        if self._closing is not None and not self._closing.is_set():
-            self.loop.loop.call_soon_threadsafe(self._closing.set)
-        if self._holder is not None:
+        with self._lock:
+            self._closed = True
+            holder = self._holder
+            self._retire()
+        if holder is not None:
             try:
-                self._holder.result(CLOSE_TIMEOUT_S)
+                holder.result(CLOSE_TIMEOUT_S)
             except BaseException:   # noqa: BLE001 - a slow or failed exit; the loop's close cancels it
-                self._holder.cancel()
-            self._holder = None
+                holder.cancel()
 
 
 def _describe(e: BaseException) -> str:

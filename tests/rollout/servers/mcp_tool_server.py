@@ -6,6 +6,9 @@
 
 Tools: `lookup(key)` (a secret per key, what the toy task asks for), `add(a, b)`, `sleepy(seconds)`,
 `boom()` (raises), `big(n)` (n characters) and `exit_now()` (the process dies mid-call).
+`PID_FILE` (env): where the process writes its pid; `WITHOUT_FILE` (env): a file that, when it
+exists at start, names tools (one per line) this process does not offer (a restart that lost one);
+`HANG_FILE` (env): a file that, when it exists at start, makes the process hang before serving.
 """
 from __future__ import annotations
 
@@ -64,6 +67,14 @@ if __name__ == "__main__":
     if os.environ.get("PID_FILE"):   # the exit test checks this process is gone
         with open(os.environ["PID_FILE"], "w") as f:
             f.write(str(os.getpid()))
+    if os.environ.get("HANG_FILE") and os.path.exists(os.environ["HANG_FILE"]):
+        import time
+
+        time.sleep(3600)
+    if os.environ.get("WITHOUT_FILE") and os.path.exists(os.environ["WITHOUT_FILE"]):
+        with open(os.environ["WITHOUT_FILE"]) as f:
+            for name in f.read().split():
+                server.remove_tool(name)
     if sys.argv[1] == "stdio":
         server.run("stdio")
     else:
