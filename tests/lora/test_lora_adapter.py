@@ -79,10 +79,13 @@ def test_verl_lora_adapter_path_converts(tmp_path):
 
 
 @pytest.mark.slow
-def test_training_starts_from_a_peft_adapter_with_its_logits(tmp_path, write_job):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_training_starts_from_a_peft_adapter_with_its_logits(tmp_path, write_job, dtype):
     """A PEFT adapter (random A and B) saved from a tiny Qwen2 by peft itself; mrl's actor built from
     the job (`train.build._trainable`: base weights, adapters, the saved adapter) gives the PEFT
-    model's logits at step 0 (fp32, <= 1e-5); a job whose rank disagrees is refused at build too."""
+    model's logits at step 0 (fp32: <= 1e-5; bf16: the adapter tensors hold the saved values rounded to
+    bf16 (compared tensor by tensor through their absolute sums), and the logits are the fp32 PEFT model's within bf16 rounding); a job whose
+    rank disagrees is refused at build too."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -108,7 +111,7 @@ def test_training_starts_from_a_peft_adapter_with_its_logits(tmp_path, write_job
     assert (expected - base).abs().max() > 0.05   # the adapter changes the model
 
     job = write_job({"platform": {"ranks_per_node": 1}, "parallel": {"distributed_optimizer": False},
-                     "model": {"path": str(hf_dir)},
+                     "model": {"path": str(hf_dir), "dtype": dtype},
                      "actor": {"lora": {"rank": 4, "alpha": 8.0, "adapter_path": str(adapter)}}})
     spec, _ = load(job)
     hf = hf_config(spec.model)
@@ -117,8 +120,20 @@ def test_training_starts_from_a_peft_adapter_with_its_logits(tmp_path, write_job
         model = unwrap(actor.chunks[0])
         with torch.no_grad():
             got = gather_vocab_parallel_logits(model(tokens, position_ids(*tokens.shape), None))
-        got = got[..., :hf["vocab_size"]]
-        assert (got - expected).abs().max() <= 1e-5, (got - expected).abs().max()
+        got = got[..., :hf["vocab_size"]].float()
+        if dtype == "float32":
+            assert (got - expected).abs().max() <= 1e-5, (got - expected).abs().max()
+        else:
+            from safetensors.torch import load_file
+
+            saved = {k.split("base_model.model.")[-1].replace(".weight", ""): v
+                     for k, v in load_file(adapter / "adapter_model.safetensors").items()}
+            held = {n: p for n, p in model.named_parameters() if "lora" in n.lower() or "adapter" in n.lower()}
+            assert held and all(p.dtype == torch.bfloat16 for p in held.values())
+            assert sorted(round(float(v.to(torch.bfloat16).float().abs().sum()), 2) for v in saved.values()) == \
+                sorted(round(float(p.detach().float().abs().sum()), 2) for p in held.values())
+            bf16_err = (got - expected).abs().max() / expected.abs().max()
+            assert bf16_err <= 0.03, bf16_err   # measured 0.016; without the adapter 1.15
         # the tensors are checked too: an adapter of another rank cannot load
         (adapter / ADAPTER_CONFIG).write_text((adapter / ADAPTER_CONFIG).read_text().replace('"r": 4', '"r": 8'))
         wrong = spec.actor.lora.__class__(**{**spec.actor.lora.__dict__, "rank": 8})
