@@ -482,6 +482,11 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _job_items(p: argparse.ArgumentParser) -> None:
+    """The positional arguments of the commands that take one job: its file and dotted overrides."""
+    p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")
+
+
 def _checkpoint_target_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments `mrl eval` and `mrl generate` share: what to load (`mrl.offline.target`)."""
     p.add_argument("items", nargs="+", metavar="JOB|RUN_DIR|key=value",
@@ -502,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("items", nargs="+", metavar="JOB|key=value", help="job files and dotted overrides")
     p.set_defaults(func=cmd_validate)
     p = sub.add_parser("show", help="print the fully resolved job spec as TOML")
-    p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")
+    _job_items(p)
     p.add_argument("--get", metavar="KEY", action="append",
                    help="print only this resolved value (for scripts; repeat for several, one line each; a list as "
                         "space-separated shell words, a table as JSON, an unset value as an empty line), e.g. "
@@ -519,15 +524,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("preflight", help="bring the job's platform up on its real layout and run one forward/backward "
                                          "(run under torchrun or srun with the job's world size)")
-    p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")
+    _job_items(p)
     p.set_defaults(func=cmd_preflight)
     p = sub.add_parser("train", help="run a job (under torchrun or srun with the job's world size; a 1-rank job "
                                      "also runs as a plain process); resumes from its latest checkpoint")
-    p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")
+    _job_items(p)
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("sft", help="supervised fine-tuning of a job with an [sft] section (under torchrun or srun; "
                                    "a 1-rank job also runs as a plain process); resumes from its latest checkpoint")
-    p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")
+    _job_items(p)
     p.set_defaults(func=cmd_sft)
     p = sub.add_parser("eval", help="validate a checkpoint as training does (val/* metrics on the job's validation "
                                     "set) in one process",
@@ -587,7 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_track)
     p = sub.add_parser("launch", help="run a one-machine job under torchrun with the job's platform.ranks_per_node "
                                       "(multi-node jobs: launch/slurm.sh)")
-    p.add_argument("items", nargs="+", metavar="JOB|key=value", help="a job file and dotted overrides")
+    _job_items(p)
     p.add_argument("--run", metavar="CMD", help="the mrl subcommand each rank runs: train, preflight or validate "
                                                 "(default: $MRL_COMMAND, else train)")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
