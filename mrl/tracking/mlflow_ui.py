@@ -103,9 +103,10 @@ def _id(kind: str, name: str) -> str:
 
 
 def _group(key: str) -> str:
-    """MLflow's chart group of a metric key: the part before its last `/` ("Model metrics" without one)."""
+    """MLflow's chart group of a metric key: the part before its last `/`, "Model metrics" without
+    one, "System metrics" for `system/NAME` (module 63989, `extractChartSectionName`)."""
     head = key.rpartition("/")[0]
-    return head if head else _MODEL_METRICS
+    return _MODEL_METRICS if not head else _SYSTEM_METRICS if head == "system" else head
 
 
 def _line_chart(key: str, group: str, display_name: str) -> dict:
