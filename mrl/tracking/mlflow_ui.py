@@ -51,6 +51,7 @@ VIEW_NAME = "mrl: reward first"               # its name in the runs tab's saved
 MAX_TAG_CHARS = 20000                         # MLflow's limit on an experiment tag's value
 _MODEL_METRICS, _SYSTEM_METRICS = "Model metrics", "System metrics"
 _LOCAL_DEFAULT = ("127.0.0.1", "5000")        # where `mlflow ui` listens by default
+_DEFLATE = "deflate;"                         # the UI's mark of a compressed text
 
 
 def ui_command(tracking_uri: str) -> str | None:
@@ -138,14 +139,14 @@ def chart_layout(metric_keys: Iterable[str], *, all_charts: bool = True) -> dict
 
 def _compress(text: str) -> str:
     """The UI's compressed text: `deflate;` + base64 of zlib's deflate (pako's `deflate`)."""
-    return "deflate;" + base64.b64encode(zlib.compress(text.encode(), 9)).decode()
+    return _DEFLATE + base64.b64encode(zlib.compress(text.encode(), 9)).decode()
 
 
 def decode_view(value: str) -> dict:
     """The state of a saved-view tag value (what the UI reads back)."""
     state = json.loads(value)["state"]
-    if state.startswith("deflate;"):
-        state = zlib.decompress(base64.b64decode(state[len("deflate;"):])).decode()
+    if state.startswith(_DEFLATE):
+        state = zlib.decompress(base64.b64decode(state[len(_DEFLATE):])).decode()
     return json.loads(state)
 
 
