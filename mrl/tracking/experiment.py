@@ -1,11 +1,13 @@
 """How an mrl experiment presents itself in the MLflow UI.
 
-MLflow 3 opens an experiment in its GenAI view (traces, judges, prompts) unless the experiment's
-`mlflow.experimentKind` tag says otherwise; an RL training run's metrics belong in the model
-training view ("custom_model_development"). A new sqlite store also gets MLflow's "Default"
-experiment (id 0), whose artifacts would go to `./mlruns` of whatever directory the store was
-opened from; mrl never logs to it, so an empty one is deleted (MLflow keeps it as deleted, hidden
-in the UI) instead of sitting next to the job's experiment.
+The experiment is tagged a model training experiment (`mlflow.experimentKind` =
+"custom_model_development", the value MLflow's UI writes when a user sets the kind). The UI of
+MLflow 3.17.2 (pinned) does not choose its view by that tag: it opens the GenAI view (traces,
+judges, prompts) unless the address carries `workflowType=machine_learning` or the user switched
+to "Model training", so mrl prints such addresses (`mrl.tracking.mlflow_ui`). A new sqlite store
+also gets MLflow's "Default" experiment (id 0), whose artifacts would go to `./mlruns` of whatever
+directory the store was opened from; mrl never logs to it, so an empty one is deleted (MLflow
+keeps it as deleted, hidden in the UI) instead of sitting next to the job's experiment.
 """
 from __future__ import annotations
 

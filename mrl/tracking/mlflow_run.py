@@ -216,5 +216,20 @@ class MlflowRun:
     def log_text(self, text: str, artifact_path: str) -> None:
         self.client.log_text(self.run_id, text, artifact_path)
 
+    def save_chart_view(self, metric_keys) -> None:
+        """The experiment's saved chart layout (`mrl.tracking.mlflow_ui`): reward first, then
+        every group of `metric_keys` by name; it keeps the time it was first saved."""
+        import json
+
+        from mrl.tracking.mlflow_ui import VIEW_TAG, view_tag_value
+
+        created = None
+        old = self.client.get_experiment(self.experiment_id).tags.get(VIEW_TAG)
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            created = int(json.loads(old)["createdAt"]) if old else None
+        now = int(time.time() * 1000)
+        self.client.set_experiment_tag(self.experiment_id, VIEW_TAG, view_tag_value(metric_keys, now_ms=now,
+                                                                                     created_ms=created))
+
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)

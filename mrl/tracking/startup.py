@@ -12,15 +12,17 @@ model) before the first step are not silent:
     actor (9.8s): builtin:tiny-qwen2
     rollout engine (0.4s): hf
 
-The end: the final checkpoint, the best and last reward, the wall time and what to run next.
+The end: the final checkpoint, the best and last reward, the wall time, what to run next and the
+addresses of the run's charts in MLflow's UI (`mrl.tracking.mlflow_ui`).
 This module imports nothing heavy, so `mrl.cli` can use it first.
 """
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
-from typing import IO, Mapping, Optional
+from typing import IO, Mapping, Optional, Sequence
 
 REWARD_KEYS = ("reward/mean", "val/reward_mean")
 
@@ -104,8 +106,11 @@ class RunSummary:
                 self.best[key] = (step, value)
 
     def lines(self, *, steps: int, wall_s: float, checkpoint: Optional[str], run_dir: str,
-              tracking_uri: Optional[str]) -> list[str]:
-        """The closing summary: what the run ended with, and the commands to run next."""
+              tracking_uri: Optional[str], addresses: Sequence[str] = ()) -> list[str]:
+        """The closing summary: what the run ended with, the commands to run next (paths quoted
+        for the shell) and `addresses`, the lines naming where the run's charts are."""
+        from mrl.tracking.mlflow_ui import ui_command
+
         parts = [f"done: {steps} steps in {_duration(wall_s)}"]
         for key, label in (("reward/mean", "reward"), ("val/reward_mean", "val reward")):
             if key in self.last:
@@ -114,11 +119,12 @@ class RunSummary:
         parts.append(f"final checkpoint {checkpoint}" if checkpoint else "no checkpoint saved")
         nxt = []
         if checkpoint:
-            nxt.append(f"mrl merge {run_dir} {run_dir}/hf")
-        nxt.append(f"mrl compare {run_dir}")
-        if tracking_uri:
-            nxt.append(f"mlflow ui --backend-store-uri {tracking_uri}")
-        return ["; ".join(parts), "next: " + "   ".join(nxt)]
+            nxt.append(f"mrl merge {shlex.quote(run_dir)} {shlex.quote(run_dir + '/hf')}")
+        nxt.append(f"mrl compare {shlex.quote(run_dir)}")
+        command = ui_command(tracking_uri) if tracking_uri else None
+        if command:
+            nxt.append(command)
+        return ["; ".join(parts), "next: " + "   ".join(nxt), *addresses]
 
 
 def _duration(seconds: float) -> str:
@@ -141,7 +147,7 @@ def say_summary(tracker, spec, *, steps: int, checkpoint_root) -> list[str]:
     uri = spec.tracking.tracking_uri if "mlflow" in spec.tracking.backends else None
     lines = tracker.summary.lines(steps=steps, wall_s=time.monotonic() - STARTUP.t0,
                                   checkpoint=str(found.resolve()) if found else None, run_dir=str(run_dir),
-                                  tracking_uri=uri)
+                                  tracking_uri=uri, addresses=tracker.ui_addresses)
     for line in lines:
         tracker.message(line)
     return lines

@@ -30,6 +30,7 @@ from mrl.errors import UserError
 from mrl.tracking.config import TrackingConfig
 from mrl.tracking.console import ConsoleProgress
 from mrl.tracking.journal import WriteGuard
+from mrl.tracking.mlflow_ui import charts_address, run_address, ui_base, ui_command
 from mrl.tracking.names import NameMap, numbers
 from mrl.tracking.mlflow_run import MlflowRun, default_tracking_uri, ensure_store_dir, source_tags
 from mrl.tracking.params import spec_params
@@ -60,6 +61,8 @@ class Tracker:
         self.summary = RunSummary()   # best and last rewards, for the closing summary
         self._run_id: str | None = None
         self._target: dict[str, Any] = {}   # where MLflow writes go (journal records name it)
+        self._charted: set[str] = set()     # metric keys the saved chart layout lists
+        self.ui_addresses: list[str] = []   # "charts: URL", "run: URL" (`mrl.tracking.mlflow_ui`)
         self.guard = WriteGuard(run_dir, retry_s=cfg.retry_s, say=self.message)
         self.names = NameMap(self.message)   # MLflow-legal keys, each renamed key said once
         if self.rank != 0:
@@ -94,6 +97,11 @@ class Tracker:
                     self._write("the removal of re-run steps", lambda: self.mlflow.forget_steps_after(start_step),
                                 "forget_after", step=start_step)
                 self._write("the end of stale runs", self.mlflow.end_stale_runs, "none")
+                self._write("the chart layout", lambda: self.mlflow.save_chart_view(()), "none")
+                base = ui_base(uri)
+                if base is not None:
+                    self.ui_addresses = [f"charts: {charts_address(base, self.mlflow.experiment_id)}",
+                                         f"run: {run_address(base, self.mlflow.experiment_id, self.mlflow.run_id)}"]
         if "tensorboard" in cfg.backends:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -143,12 +151,13 @@ class Tracker:
         self._write("tags", lambda: self.mlflow.set_tags(tags), "tags", values=tags)
 
     def start_lines(self, run_dir) -> list[str]:
-        """Where this run's files are, and the command that shows its metrics."""
+        """Where this run's files are, the command that serves its metrics and the addresses of its
+        charts (the experiment's runs with the reward first, and the run's own page)."""
         lines = [f"run directory: {Path(run_dir).resolve()}"]
         if self.mlflow is not None:
             uri = self.mlflow.tracking_uri
-            lines.append(f"metrics: mlflow ui --backend-store-uri {uri}"
-                         + (f"   (run {self.mlflow.run_id})" if self.mlflow.run_id else ""))
+            lines.append(f"metrics: {ui_command(uri) or 'MLflow at ' + uri}   (run {self.mlflow.run_id})")
+            lines += self.ui_addresses
         if self.tensorboard is not None:
             lines.append(f"metrics: tensorboard --logdir {Path(self.tensorboard.log_dir).resolve()}")
         if self.wandb is not None:
@@ -207,6 +216,10 @@ class Tracker:
         values = self.names.keys(numbers(metrics)) if self._target else {}
         self._write(f"metrics of step {step}", lambda: self.mlflow.log_metrics(values, step), "metrics", step=step,
                     values=values, time_ms=int(time.time() * 1000))
+        if self.mlflow is not None and not set(values) <= self._charted:   # a key the layout does not list yet
+            self._charted |= set(values)
+            keys = sorted(self._charted)
+            self._write("the chart layout", lambda: self.mlflow.save_chart_view(keys), "none")
         if self.tensorboard is not None:
             for name, value in metrics.items():
                 self.tensorboard.add_scalar(name, float(value), step)

@@ -168,7 +168,8 @@ def test_quickstart_reward_rises_within_five_minutes(tmp_path):
     done = next(line for line in lines if line.startswith("done: 40 steps in "))
     assert f"final checkpoint {tmp_path / 'quickstart-cpu/checkpoints/actor/step_00000040'}" in done
     assert f"reward last {rewards[40]:.4g} (step 40)" in done
-    assert lines[-1].startswith(f"next: mrl merge {tmp_path / 'quickstart-cpu'}") and "mlflow ui" in lines[-1]
+    assert lines[-3].startswith(f"next: mrl merge {tmp_path / 'quickstart-cpu'}") and "mlflow ui" in lines[-3]
+    assert lines[-2].startswith("charts: http://") and lines[-1].startswith("run: http://")   # MLflow UI addresses
 
     steps = scraper.series("mrl_step")
     assert steps == sorted(steps) and len(set(steps)) >= 10 and max(steps) >= 30, steps
