@@ -40,7 +40,7 @@ import torch
 
 from ._masked import broadcast_tokens, count, masked_sum, metric_mean, valid
 
-__all__ = ["AGG_MODES", "FORCED_AGG_MODE", "ppo", "gspo", "cispo", "sapo", "gpg", "dppo_tv", "dppo_kl",
+__all__ = ["AGG_MODES", "FORCED_AGG_MODE", "ALL_ROWS_LOSSES", "ppo", "gspo", "cispo", "sapo", "gpg", "dppo_tv", "dppo_kl",
            "clip_cov", "kl_cov", "geo_mean", "dro", "reinforce", "aggregate", "value"]
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -49,6 +49,10 @@ FORCED_AGG_MODE = {"sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-me
 """Losses whose definition fixes the aggregation (docs/algorithms.md; verl 0.9.1 ignores
 loss_agg_mode for these). A trainer aggregates their per-token losses with this mode, whatever is
 configured. GSPO is not among them: verl 0.9.1 aggregates it with the configured mode."""
+
+ALL_ROWS_LOSSES = frozenset({"geo_mean"})
+"""Losses whose sequence mean counts every row, fully masked ones too (verl 0.9.1's geo_mean is
+`torch.mean` over the rows): a trainer passes the mini-batch's row count as `global_sequences`."""
 
 Count = Union[int, float, torch.Tensor]
 
@@ -351,8 +355,10 @@ def geo_mean(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask
     pessimistically: `d'_t = sgn(A_t) * min(sgn(A_t) d_t, sgn(A_t) clip(d_t))`. Sequence ratio
     `R_i = exp(mean_t d'_t)`, sequence advantage `A_i = mean_t A_t`, sequence loss
     `-A_i * R_i`, times the geometric mean of the correction `weights` over the sequence when
-    given. The per-token output repeats the sequence loss, so `seq-mean-token-mean` gives the mean
-    over non-empty sequences (verl averages over all rows of its micro-batch).
+    given. The per-token output repeats the sequence loss, so `seq-mean-token-mean` with
+    `global_sequences` = the number of rows (`ALL_ROWS_LOSSES`) is verl 0.9.1's mean over all
+    rows, fully masked ones (loss 0) included; over the mini-batch, where verl's is over each
+    micro-batch.
     Metrics: `clipfrac_upper` (A > 0, token clipped), `clipfrac_lower` (A < 0), `approx_kl`.
     """
     _check_eps(eps_low, eps_high)
@@ -392,20 +398,29 @@ def dro(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: tor
 
 def reinforce(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
               is_level: Optional[str] = None, is_threshold=2.0, is_mode: str = "truncate",
-              *, weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              *, is_mask: Optional[torch.Tensor] = None,
+              weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """REINFORCE per token with IS weights to the sampling policy: `L = -sg(w) * A * lp`.
 
     verl's `bypass_mode` with `loss_type = reinforce`, where `old_logp` is the rollout engine's
-    log-prob. `w = correction.weights(lp, lp_old, mask, is_level, is_threshold, is_mode)` from the
-    *current* log-probs (token or sequence level, truncated or masked); `is_level=None`: w = 1.
-    `weights` (e.g. rejection masks) multiply the loss as in every loss. No clip.
-    Metrics: `approx_kl` (to the sampling policy), `is_weight_mean`.
+    log-prob. `w = correction.weights(lp, lp_old, is_mask, is_level, is_threshold, is_mode)` from
+    the *current* log-probs (token or sequence level, truncated or masked); `is_level=None`: w = 1.
+    `is_mask` (default `mask`) is the response mask before rejection sampling: verl 0.9.1's
+    `compute_policy_loss_bypass_mode` computes the weights over it and rejects afterwards, so a
+    sequence weight sums the log ratios of rejected tokens too. `weights` multiply the loss as in
+    every loss. No clip. Metrics: `approx_kl` (to the sampling policy), `is_weight_mean`.
     """
     from .correction import weights as is_weights
 
+    raw_logp, raw_old = logp.detach(), old_logp.detach()
     ok, zero, logp, old_logp, a, w = _prepare(logp, old_logp, adv, mask, weights)
-    iw = torch.ones_like(logp) if is_level is None else is_weights(logp.detach(), old_logp, ok, is_level,
-                                                                     is_threshold, is_mode)
+    if is_level is None:
+        iw = torch.ones_like(logp)
+    else:
+        if is_mask is not None and is_mask.shape != ok.shape:
+            raise ValueError(f"is_mask must be [B,T] like mask {tuple(ok.shape)}, got {tuple(is_mask.shape)}")
+        full = ok if is_mask is None else valid(is_mask) | ok
+        iw = is_weights(raw_logp, raw_old.to(raw_logp.dtype), full, is_level, is_threshold, is_mode)
     metrics = {"approx_kl": metric_mean(-torch.clamp(logp - old_logp, -20.0, 20.0), ok),
                "is_weight_mean": metric_mean(iw, ok)}
     return _finish(-iw * a * logp, ok, zero, w), metrics
