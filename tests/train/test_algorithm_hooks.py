@@ -85,3 +85,21 @@ def test_bypass_mode_rejects_after_the_advantages_as_in_verl():
                                rtol=0)
     assert out["response_mask"].tolist() == [[1, 0], [1, 1]]
     assert out["unrejected_mask"].tolist() == [[1, 1], [1, 1]]
+
+
+def test_pf_ppo_resamples_with_a_group_estimator_too():
+    """verl 0.9.1 resamples (compute_pf_ppo_reweight_data) only in compute_advantage's gae branch and
+    ignores use_pf_ppo otherwise; mrl resamples with every estimator (docs/algorithms.md)."""
+    from types import SimpleNamespace
+
+    from mrl.algos.config import AlgorithmConfig, PFPPOConfig
+    from mrl.train.step import advantages
+
+    run = SimpleNamespace(spec=SimpleNamespace(algorithm=AlgorithmConfig(advantage="grpo", pf_ppo=PFPPOConfig(enable=True)),
+                                               job=SimpleNamespace(seed=0)), dp=1)
+    b, _ = _batch()
+    out, _ = advantages(run, None, Batch({k: v for k, v in b.tensors.items() if k != "advantages"}, b.meta))
+    # |score|^2 puts nearly all weight on response 1 (score 3): every row is a copy of it, with its GRPO
+    # advantage (3 - 1.5) / (std(0, 3) + 1e-6) = 0.7071
+    assert out["rewards"].tolist() == [3.0] * 4
+    torch.testing.assert_close(out["advantages"], torch.full((4, 2), 1.5 / 4.5 ** 0.5), atol=1e-5, rtol=0)
