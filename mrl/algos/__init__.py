@@ -5,8 +5,8 @@ Semantics reference: docs/algorithms.md. Modules:
   reinforce_pp_baseline, remax, opo, grpo_passk, gpg, gdpo, optimal_token_baseline,
   tir_optimal_token_baseline, token_rewards;
 - `losses`: ppo (dual-clip), gspo, cispo, sapo, gpg, dppo_tv, dppo_kl, clip_cov, kl_cov, geo_mean,
-  dro, reinforce per-token losses, `aggregate` (loss_agg_mode, split-invariant with global
-  counts), clipped `value` loss;
+  dro, reinforce per-token losses; re-exports `aggregation`'s `aggregate` (loss_agg_mode,
+  split-invariant with global counts) and clipped `value` loss;
 - `kl`: k1/abs/k2/k3 and straight-through `+` estimators, KL controllers;
 - `correction`: rollout-correction importance weights (TIS, IcePop-style masking) and mismatch
   metrics;
@@ -16,7 +16,7 @@ Semantics reference: docs/algorithms.md. Modules:
 """
 import importlib
 
-__all__ = ["advantages", "correction", "dapo", "kl", "losses", "rejection", "rejection_spec"]
+__all__ = ["advantages", "aggregation", "correction", "dapo", "kl", "losses", "rejection", "rejection_spec"]
 
 
 def __getattr__(name: str):

@@ -52,10 +52,15 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8,
                   all_reduce: Optional[AllReduce] = None) -> torch.Tensor:
     """`(x - mean) * rsqrt(var + eps)` over valid entries; invalid entries of the result are 0.
 
-    Matches verl's `masked_whiten`: mean over valid entries, *unbiased* variance
-    `sum((x - mean)^2) / (n - 1)`, then `(x - mean) * rsqrt(var + 1e-8)`. verl raises when
-    n <= 1; here var is taken as 0 then, so one valid entry whitens to 0 and none gives all 0.
-    With `all_reduce` the statistics are those of the union over all ranks (two reductions).
+    verl's `masked_whiten` with exact statistics: mean over valid entries, *unbiased* variance
+    `sum((x - mean)^2) / (n - 1)`, then `(x - mean) * rsqrt(var + 1e-8)`, accumulated in float64.
+    Two departures from verl 0.9.1 (`verl/utils/torch_functional.py`), documented in
+    docs/algorithms.md: verl's `masked_mean` divides by `n + 1e-8`, so where every valid entry
+    equals c its mean misses c by `c 1e-8 / n` and the `rsqrt(var + 1e-8) ~ 1e4` turns that into
+    `~1e-4 c / n` (5e-5 for two entries of 1 in float64; in float32 the sum's rounding decides),
+    where this gives exactly 0; and verl raises when n <= 1, where var is taken as 0 here, so one
+    valid entry whitens to 0 and none gives all 0. With `all_reduce` the statistics are those of
+    the union over all ranks (two reductions).
     """
     ok = valid(mask)
     work = x if x.dtype in (torch.float32, torch.float64) else x.float()

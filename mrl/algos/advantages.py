@@ -91,7 +91,9 @@ def grpo(scores: torch.Tensor, group: torch.Tensor, norm_by_std: bool = True, ep
     std is the unbiased (n-1) standard deviation of the group's scores. A group of one response
     gets mean 0 and std 1, so its advantage is `s_i / (1 + eps)` (verl's convention).
     `norm_by_std=False` is Dr.GRPO: `s_i - mean_g` (a group of one keeps `s_i`). A group whose
-    scores are all equal gets exactly 0.
+    scores are all equal gets exactly 0 (a departure: verl 0.9.1 takes the group's float32 mean,
+    which can miss the common value by a rounding step that the division by `std + 1e-6` then
+    magnifies; three scores of 1.7694676 get -0.104 each there).
     """
     s = _float(scores)
     size, mean, std, _ = group_stats(s, group)
@@ -259,6 +261,9 @@ def gdpo(components: torch.Tensor, group: torch.Tensor, mask: torch.Tensor, weig
     conventions as `grpo`), so a dominant reward cannot drown a weak one; then
     `A = sum_k w_k A_k` (`weights` [K], default all 1) on every valid token, whitened over the
     valid tokens of the batch (`masked_whiten`, global with `all_reduce`), 0 at masked tokens.
+    `norm_by_std` applies to every component (verl 0.9.1's trainer never passes
+    `norm_adv_by_std_in_grpo` to GDPO, so there it is always True). When every `A` is equal the
+    result is exactly 0, where verl's `masked_whiten` leaves `~1e-4 A / n` (see `masked_whiten`).
     """
     if components.dim() != 2 or components.shape[0] != group.shape[0]:
         raise ValueError(f"components must be [B,K] with B = {group.shape[0]}, got {tuple(components.shape)}")
@@ -315,7 +320,7 @@ def _otb_returns_and_weights(token_rewards: torch.Tensor, ok: torch.Tensor, old_
 @torch.no_grad()
 def optimal_token_baseline(token_rewards: torch.Tensor, mask: torch.Tensor, group: torch.Tensor,
                            old_logp: torch.Tensor, sum_pi_squared: torch.Tensor,
-                           is_weights: Optional[torch.Tensor] = None, *, handle_zero_tail: bool = False,
+                           is_weights: Optional[torch.Tensor] = None, *, handle_zero_tail: bool = True,
                            eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
     """Optimal Token Baseline advantage; returns `(adv [B,T], returns [B,T])`.
 
@@ -324,8 +329,11 @@ def optimal_token_baseline(token_rewards: torch.Tensor, mask: torch.Tensor, grou
     sum of squared probabilities over the vocabulary), times `is_weights^2` when given, is summed
     over the valid tokens up to t: `W_t`. The baseline at position t is, over the responses of
     the group, `B_t = sum_i G_it W_it / (sum_i W_it + eps)` (valid entries only); a group of one
-    gets 0. `handle_zero_tail`: when one response is strictly the longest of its group, its
-    baseline beyond the second-longest length is 0. `A = (G - B)` on valid tokens, 0 elsewhere.
+    gets 0. `handle_zero_tail` (default True, as verl 0.9.1's `compute_optimal_token_baseline_
+    advantage`, which its trainers call without overriding it): when one response is strictly the
+    longest of its group, its baseline beyond the second-longest length is 0 (else it would be
+    its own return, `G W / (W + eps)`, and its advantage ~1e-8 G there). `A = (G - B)` on valid
+    tokens, 0 elsewhere.
     """
     _check_bt("token_rewards", token_rewards, mask)
     _check_bt("old_logp", old_logp, mask)

@@ -60,7 +60,7 @@ class CorrectionConfig:
                                                                         "'lower_upper' ratios (or 'upper'), others an upper bound "
                                                                         "(verl's rollout_rs_threshold)")
     preset: Optional[Literal[REJECTION_PRESETS]] = option(None, help="a verl RolloutCorrectionConfig preset by name; sets level, "
-                                                                     "threshold, rejection, old_logprobs and (for bypass_pg_*) policy_loss")
+                                                                     "threshold, rejection, old_logprobs, (IcePop) mode and mask bounds, and (bypass_pg_*) policy_loss")
 
 
 @section

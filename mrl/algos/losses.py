@@ -20,10 +20,8 @@
   (Richemond et al. 2024, arXiv:2405.19107), as verl's `dro`.
 - `reinforce`: REINFORCE with truncated IS weights against the rollout policy, verl's
   `bypass_mode` with `loss_type = reinforce`.
-- `value`: clipped value loss of PPO's critic.
-- `aggregate`: `loss_agg_mode` reduction (token-mean; token-sum; seq-mean-token-sum; seq-mean-token-mean;
-  seq-mean-token-sum-norm of Dr.GRPO, Liu et al. 2025, arXiv:2503.20783), split-invariant over
-  micro-batches and data-parallel ranks when given the global counts.
+- `value` (clipped value loss of PPO's critic) and `aggregate` (`loss_agg_mode`, split-invariant
+  with the global counts) live in `mrl.algos.aggregation` and are re-exported here.
 
 Policy losses return `(per_token [B,T], metrics)`: the loss of every token *before*
 aggregation, 0 at masked positions, multiplied by the rollout-correction `weights` when given;
@@ -34,23 +32,25 @@ neither the loss nor the gradient. Ratios are `r = exp(clamp(lp - lp_old, -20, 2
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
 from ._masked import broadcast_tokens, count, masked_sum, metric_mean, valid
+from .aggregation import AGG_MODES, aggregate, value   # re-exported: losses.aggregate, losses.value
 
-__all__ = ["AGG_MODES", "FORCED_AGG_MODE", "ppo", "gspo", "cispo", "sapo", "gpg", "dppo_tv", "dppo_kl",
+__all__ = ["AGG_MODES", "FORCED_AGG_MODE", "ALL_ROWS_LOSSES", "ppo", "gspo", "cispo", "sapo", "gpg", "dppo_tv", "dppo_kl",
            "clip_cov", "kl_cov", "geo_mean", "dro", "reinforce", "aggregate", "value"]
-
-AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 FORCED_AGG_MODE = {"sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
 """Losses whose definition fixes the aggregation (docs/algorithms.md; verl 0.9.1 ignores
 loss_agg_mode for these). A trainer aggregates their per-token losses with this mode, whatever is
 configured. GSPO is not among them: verl 0.9.1 aggregates it with the configured mode."""
 
-Count = Union[int, float, torch.Tensor]
+ALL_ROWS_LOSSES = frozenset({"geo_mean"})
+"""Losses whose sequence mean counts every row, fully masked ones too (verl 0.9.1's geo_mean is
+`torch.mean` over the rows): a trainer passes the mini-batch's row count as `global_sequences`."""
+
 
 
 def _prepare(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
@@ -351,8 +351,10 @@ def geo_mean(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask
     pessimistically: `d'_t = sgn(A_t) * min(sgn(A_t) d_t, sgn(A_t) clip(d_t))`. Sequence ratio
     `R_i = exp(mean_t d'_t)`, sequence advantage `A_i = mean_t A_t`, sequence loss
     `-A_i * R_i`, times the geometric mean of the correction `weights` over the sequence when
-    given. The per-token output repeats the sequence loss, so `seq-mean-token-mean` gives the mean
-    over non-empty sequences (verl averages over all rows of its micro-batch).
+    given. The per-token output repeats the sequence loss, so `seq-mean-token-mean` with
+    `global_sequences` = the number of rows (`ALL_ROWS_LOSSES`) is verl 0.9.1's mean over all
+    rows, fully masked ones (loss 0) included; over the mini-batch, where verl's is over each
+    micro-batch.
     Metrics: `clipfrac_upper` (A > 0, token clipped), `clipfrac_lower` (A < 0), `approx_kl`.
     """
     _check_eps(eps_low, eps_high)
@@ -392,127 +394,29 @@ def dro(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: tor
 
 def reinforce(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
               is_level: Optional[str] = None, is_threshold=2.0, is_mode: str = "truncate",
-              *, weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              *, is_mask: Optional[torch.Tensor] = None,
+              weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """REINFORCE per token with IS weights to the sampling policy: `L = -sg(w) * A * lp`.
 
     verl's `bypass_mode` with `loss_type = reinforce`, where `old_logp` is the rollout engine's
-    log-prob. `w = correction.weights(lp, lp_old, mask, is_level, is_threshold, is_mode)` from the
-    *current* log-probs (token or sequence level, truncated or masked); `is_level=None`: w = 1.
-    `weights` (e.g. rejection masks) multiply the loss as in every loss. No clip.
-    Metrics: `approx_kl` (to the sampling policy), `is_weight_mean`.
+    log-prob. `w = correction.weights(lp, lp_old, is_mask, is_level, is_threshold, is_mode)` from
+    the *current* log-probs (token or sequence level, truncated or masked); `is_level=None`: w = 1.
+    `is_mask` (default `mask`) is the response mask before rejection sampling: verl 0.9.1's
+    `compute_policy_loss_bypass_mode` computes the weights over it and rejects afterwards, so a
+    sequence weight sums the log ratios of rejected tokens too. `weights` multiply the loss as in
+    every loss. No clip. Metrics: `approx_kl` (to the sampling policy), `is_weight_mean`.
     """
     from .correction import weights as is_weights
 
+    raw_logp, raw_old = logp.detach(), old_logp.detach()
     ok, zero, logp, old_logp, a, w = _prepare(logp, old_logp, adv, mask, weights)
-    iw = torch.ones_like(logp) if is_level is None else is_weights(logp.detach(), old_logp, ok, is_level,
-                                                                     is_threshold, is_mode)
+    if is_level is None:
+        iw = torch.ones_like(logp)
+    else:
+        if is_mask is not None and is_mask.shape != ok.shape:
+            raise ValueError(f"is_mask must be [B,T] like mask {tuple(ok.shape)}, got {tuple(is_mask.shape)}")
+        full = ok if is_mask is None else valid(is_mask) | ok
+        iw = is_weights(raw_logp, raw_old.to(raw_logp.dtype), full, is_level, is_threshold, is_mode)
     metrics = {"approx_kl": metric_mean(-torch.clamp(logp - old_logp, -20.0, 20.0), ok),
                "is_weight_mean": metric_mean(iw, ok)}
     return _finish(-iw * a * logp, ok, zero, w), metrics
-
-
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: Optional[float] = None,
-              global_tokens: Optional[Count] = None, *, global_sequences: Optional[Count] = None,
-              dp_size: int = 1) -> torch.Tensor:
-    """Reduce a per-token loss [B,T] to the scalar this micro-batch contributes.
-
-    Modes (`loss_agg_mode`), with L the per-token loss and m the mask:
-    - `token-mean`: `sum(m*L) / N_tok`;
-    - `token-sum`: `sum(m*L)`, no normalisation (needs no global count; verl PR #7197 defines it the
-      same way: the local masked sum times dp_size, below);
-    - `seq-mean-token-sum`: `sum_i sum_t m*L / N_seq`;
-    - `seq-mean-token-mean`: `sum_i (sum_t m*L / sum_t m) / N_seq`;
-    - `seq-mean-token-sum-norm` (Dr.GRPO): `sum_i sum_t m*L / (N_seq * norm)`; `norm` defaults
-      to T, the padded width of *this* call, so pass the configured max response length when
-      micro-batches are padded to different widths.
-    `norm` is read only by the last mode. A fully masked sequence is in no N_seq and adds 0.
-
-    Split invariance (micro-batches x data-parallel ranks). Without global counts, N_tok and N_seq
-    are those of this call: right for one call over the whole mini-batch. When the mini-batch is
-    split, every call passes `global_tokens` = valid tokens of the whole mini-batch (all
-    micro-batches, all DP ranks, e.g. an all-reduce of `mask.sum()` before the micro-batch loop)
-    and, for the seq-mean modes, `global_sequences` = its number of non-empty sequences, plus
-    `dp_size` = the number of DP ranks. The trainer then backpropagates every call's result,
-    *sums* gradients over micro-batches (no division by their number) and *averages* them over
-    the DP ranks (DDP/FSDP/Megatron default); the result is multiplied by `dp_size` to cancel
-    that averaging. The accumulated gradient then equals that of one call on the whole
-    mini-batch. (A framework that sums gradients over DP passes dp_size=1; a pipeline schedule
-    that divides each micro-batch loss by the number of micro-batches needs that factor back.)
-    `dp_size > 1` without the global count the mode needs is an error. Empty input gives 0.
-
-    A trainer's mini-batch step, per DP rank::
-
-        n_tok = all_reduce_sum(mask.sum())                    # whole mini-batch, all ranks
-        n_seq = all_reduce_sum((mask.sum(-1) > 0).sum())
-        for mb in micro_batches:
-            per_token, metrics = losses.ppo(lp, mb.old_logp, mb.adv, mb.mask, 0.2, 0.28, 3.0)
-            loss = losses.aggregate(per_token, mb.mask, mode, norm=max_response_tokens,
-                                    global_tokens=n_tok, global_sequences=n_seq, dp_size=dp)
-            loss.backward()                                   # gradients add up
-        # DP all-reduce averages gradients; optimizer step
-    """
-    if mode not in AGG_MODES:
-        raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {AGG_MODES}")
-    if per_token.dim() != 2 or per_token.shape != mask.shape:
-        raise ValueError(f"per_token and mask must both be [B,T]; got {tuple(per_token.shape)}, {tuple(mask.shape)}")
-    if int(dp_size) != dp_size or dp_size < 1:
-        raise ValueError(f"dp_size must be a positive integer, got {dp_size}")
-    needed, given = ("global_tokens", global_tokens) if mode == "token-mean" else ("global_sequences", global_sequences)
-    if dp_size > 1 and given is None and mode != "token-sum":
-        raise ValueError(f"{mode} with dp_size={dp_size} needs {needed} (the count over the global mini-batch); "
-                         "a per-rank count makes the loss depend on the split")
-    ok = valid(mask)
-    dtype, device = per_token.dtype, per_token.device
-
-    def denominator(local: torch.Tensor, total: Optional[Count]) -> torch.Tensor:
-        n = local if total is None else torch.as_tensor(total, device=device).to(dtype)
-        return n.clamp(min=1)
-
-    if mode == "token-mean":
-        loss = masked_sum(per_token, ok) / denominator(count(ok, dtype=dtype), global_tokens)
-        return loss * dp_size
-    if mode == "token-sum":
-        return masked_sum(per_token, ok) * dp_size
-    seq_sum = masked_sum(per_token, ok, dim=-1)
-    seq_tokens = count(ok, dim=-1, dtype=dtype)
-    if mode == "seq-mean-token-sum":
-        per_seq = seq_sum
-    elif mode == "seq-mean-token-mean":
-        per_seq = seq_sum / seq_tokens.clamp(min=1)
-    else:
-        if norm is not None and not norm > 0:
-            raise ValueError(f"norm must be > 0, got {norm}")
-        per_seq = seq_sum / (float(norm) if norm is not None else float(max(per_token.shape[-1], 1)))
-    non_empty = seq_tokens > 0
-    total = torch.where(non_empty, per_seq, torch.zeros((), dtype=dtype, device=device)).sum()
-    return total / denominator(non_empty.sum().to(dtype), global_sequences) * dp_size
-
-
-def value(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-          clip_eps: Optional[float], mode: str, *, norm: Optional[float] = None,
-          global_tokens: Optional[Count] = None, global_sequences: Optional[Count] = None,
-          dp_size: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss: `0.5 * aggregate(max((v-R)^2, (clip(v, v_old-eps, v_old+eps) - R)^2))`.
-
-    `mode` and the keywords are those of `aggregate`. `clip_eps=None` disables the clip (plain
-    `0.5*(v-R)^2`). Returns `(loss, metrics)`; `vf_clipfrac` is the fraction of valid tokens where
-    the clipped term is the larger one (gradient 0 there), as verl's `vf_clipfrac`.
-    """
-    if values.shape != old_values.shape or values.shape != returns.shape or values.shape != mask.shape:
-        raise ValueError("values, old_values, returns and mask must all be [B,T]")
-    if clip_eps is not None and clip_eps < 0:
-        raise ValueError(f"clip_eps must be >= 0 or None, got {clip_eps}")
-    ok = valid(mask)
-    zero = torch.zeros((), dtype=values.dtype, device=values.device)
-    v = torch.where(ok, values, zero)
-    v_old = torch.where(ok, old_values.detach().to(v.dtype), zero)
-    ret = torch.where(ok, returns.detach().to(v.dtype), zero)
-    unclipped = (v - ret) ** 2
-    if clip_eps is None:
-        per_token, clip_active = unclipped, torch.zeros_like(ok)
-    else:
-        clipped = (torch.clamp(v, v_old - clip_eps, v_old + clip_eps) - ret) ** 2
-        per_token, clip_active = torch.maximum(unclipped, clipped), clipped > unclipped
-    loss = 0.5 * aggregate(per_token, ok, mode, norm, global_tokens,
-                           global_sequences=global_sequences, dp_size=dp_size)
-    return loss, {"vf_clipfrac": metric_mean(clip_active, ok)}

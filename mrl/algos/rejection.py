@@ -78,8 +78,10 @@ def mask(old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torc
 def mask_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor,
                  criteria: Sequence[Criterion]) -> dict[str, torch.Tensor]:
     """What rejection does (detached 0-dim tensors), per criterion `<name>/...` and overall:
-    `masked_fraction` (valid tokens rejected), `seq_masked_fraction` (non-empty responses with a
-    rejected token), and per criterion `<name>/mean` (mean statistic over valid tokens)."""
+    `masked_fraction` (valid tokens rejected), `seq_masked_fraction` (responses with a rejected
+    token), and per criterion `<name>/mean` (mean statistic over valid tokens). As verl 0.9.1's
+    `compute_rollout_rejection_mask`, a criterion's `seq_masked_fraction` is over the non-empty
+    responses, the overall one over all rows (a fully masked row counts as not rejected)."""
     ok = valid(response_mask)
     seq_ok = ok.any(dim=-1)
     lr = torch.where(ok, old_logp.detach() - rollout_logp.detach().to(old_logp.dtype), torch.zeros_like(old_logp))
@@ -93,7 +95,8 @@ def mask_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_ma
         out[f"{c.name}/seq_masked_fraction"] = masked_mean((ok & ~keep).any(dim=-1).to(lr.dtype), seq_ok)
         out[f"{c.name}/mean"] = masked_mean(stat, ok)
     out["masked_fraction"] = masked_mean((ok & ~keep_all).to(lr.dtype), ok)
-    out["seq_masked_fraction"] = masked_mean((ok & ~keep_all).any(dim=-1).to(lr.dtype), seq_ok)
+    rows = torch.ones_like(seq_ok)
+    out["seq_masked_fraction"] = masked_mean((ok & ~keep_all).any(dim=-1).to(lr.dtype), rows)
     return out
 
 

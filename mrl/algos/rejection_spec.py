@@ -29,11 +29,13 @@ class Preset:
     rs_threshold: Optional[str]      # verl's threshold spec for them
     bypass: bool = False             # old log-probs = the rollout engine's
     loss_type: str = "ppo_clip"      # "ppo_clip" | "reinforce" (bypass only)
+    icepop: Optional[tuple[float, float]] = None   # IS weights zeroed outside [lo, hi] (mode "mask"), not truncated
 
 
 PRESETS: dict[str, Preset] = {
     "decoupled_token_is": Preset("token", None, None),
     "decoupled_seq_is": Preset("sequence", None, None),
+    "decoupled_token_icepop": Preset("token", None, None, icepop=(0.5, 5.0)),
     "decoupled_seq_is_rs": Preset("sequence", "seq_sum_k1", "0.5_2.0"),
     "decoupled_geo_rs": Preset(None, "seq_mean_k1", "0.999_1.001"),
     "decoupled_geo_rs_seq_tis": Preset("sequence", "seq_mean_k1", "0.999_1.001"),
@@ -45,11 +47,13 @@ PRESETS: dict[str, Preset] = {
     "bypass_ppo_clip_geo_rs": Preset(None, "seq_mean_k1", "0.999_1.001", bypass=True),
     "bypass_ppo_clip_k3_rs": Preset(None, "seq_mean_k3", "0.01", bypass=True),
     "bypass_pg_is": Preset("sequence", None, None, bypass=True, loss_type="reinforce"),
+    "bypass_pg_token_icepop": Preset("token", None, None, bypass=True, loss_type="reinforce", icepop=(0.5, 5.0)),
     "bypass_pg_geo_rs": Preset(None, "seq_mean_k1", "0.999_1.001", bypass=True, loss_type="reinforce"),
     "bypass_pg_geo_rs_seq_tis": Preset("sequence", "seq_mean_k1", "0.999_1.001", bypass=True, loss_type="reinforce"),
     "bypass_pg_geo_rs_token_tis": Preset("token", "seq_mean_k1", "0.999_1.001", bypass=True, loss_type="reinforce"),
 }
-"""verl's presets (`RolloutCorrectionConfig.<name>()` with its default thresholds; IS threshold 2)."""
+"""verl 0.9.1's presets (`RolloutCorrectionConfig.<name>()` with its default thresholds; IS threshold 2;
+the two `*_token_icepop` presets: IcePop's `rollout_is_threshold = "0.5_5.0"`, mrl's `mode = "mask"`)."""
 
 
 def parse(criteria: str, threshold: str | float) -> list[Criterion]:
@@ -57,7 +61,8 @@ def parse(criteria: str, threshold: str | float) -> list[Criterion]:
 
     `criteria`: comma-separated names (duplicates dropped). `threshold`: one spec shared by all,
     or one per criterion, comma-separated. A k1 spec is `lower_upper` (ratios) or `upper`
-    (then lower = 1/upper); any other spec is a single positive upper bound.
+    (then lower = 1/upper) with lower <= upper; any other spec is a single positive upper bound
+    (verl 0.9.1's `_parse_rollout_rs_thresholds` raises on the same specs).
     """
     names = list(dict.fromkeys(c.strip() for c in criteria.split(",") if c.strip()))
     if not names:
@@ -87,6 +92,8 @@ def parse(criteria: str, threshold: str | float) -> list[Criterion]:
             raise ValueError(str(e) if "takes one" in str(e) else f"threshold {spec!r} for {n} is not a number") from None
         if not upper > 0 or (lower is not None and not lower > 0):
             raise ValueError(f"threshold for {n} must be positive, got {spec!r}")
+        if lower is not None and lower > upper:
+            raise ValueError(f"threshold for {n} must be 'lower_upper' with lower <= upper, got {spec!r}")
         out.append(Criterion(n, upper, lower))
     return out
 
@@ -102,7 +109,8 @@ def parse_problem(criteria: str, threshold: str | float) -> Optional[str]:
 
 def expand_preset(alg):
     """The `algorithm` section with `correction.preset` written out into the fields it stands for
-    (IS level, rejection criteria and threshold; bypass: old_logprobs = "rollout"; bypass_pg_*:
+    (IS level, rejection criteria and threshold; IcePop: mode = "mask" with its bounds; bypass:
+    old_logprobs = "rollout"; bypass_pg_*:
     policy_loss = "reinforce" where the job left "ppo"). A field the job sets to other than its
     default keeps the job's value. The preset is then cleared, so the resolved spec says
     everything explicitly (and resolves to itself)."""
@@ -118,6 +126,10 @@ def expand_preset(alg):
         changes["rejection"] = preset.rs
     if cor.rejection_threshold is None:
         changes["rejection_threshold"] = preset.rs_threshold
+    if preset.icepop is not None:
+        for name, value in zip(("mode", "mask_low", "mask_high"), ("mask",) + preset.icepop):
+            if getattr(cor, name) == getattr(default, name):
+                changes[name] = value
     if preset.bypass and cor.old_logprobs == default.old_logprobs:
         changes["old_logprobs"] = "rollout"
     alg = replace(alg, correction=replace(cor, **changes))

@@ -41,6 +41,7 @@ class Totals:
     tokens: torch.Tensor      # valid loss tokens (response_mask)
     sequences: torch.Tensor   # responses with at least one valid token
     dp_size: int
+    rows: Optional[torch.Tensor] = None   # all responses, fully masked ones too (losses.ALL_ROWS_LOSSES)
 
 
 LossFn = Callable[[torch.Tensor, MicroBatch, Totals], "tuple[torch.Tensor, dict]"]
@@ -142,12 +143,14 @@ class Engine:
     # ---------------------------------------------------------------- training
 
     def totals(self, batch: Batch) -> Totals:
-        """Valid loss tokens and non-empty responses of the global mini-batch (all DP ranks)."""
+        """Valid loss tokens, non-empty responses and all responses of the global mini-batch (all DP
+        ranks)."""
         mask = batch["response_mask"].to(self.device) > 0
-        t = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).to(torch.float64).contiguous()
+        rows = torch.tensor(mask.shape[0], device=self.device)
+        t = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum(), rows]).to(torch.float64).contiguous()
         if self.dp > 1:
             torch.distributed.all_reduce(t, group=self.dp_group)
-        return Totals(tokens=t[0], sequences=t[1], dp_size=self.dp)
+        return Totals(tokens=t[0], sequences=t[1], dp_size=self.dp, rows=t[2])
 
     def forward_backward(self, batch: Batch, loss_fn: LossFn, *, micro_batch_tokens: int,
                          budget_name: str = "micro_batch_tokens") -> dict:

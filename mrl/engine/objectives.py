@@ -151,12 +151,13 @@ class PolicyObjective:
             per_token, metrics = self._more(logp, old, b["advantages"], mask, weights, mb)
         mode = losses.FORCED_AGG_MODE.get(self.loss, self.aggregation)
 
-        def agg(x):
-            return losses.aggregate(x, mask, mode, self.norm, totals.tokens, global_sequences=totals.sequences)
+        def agg(x, sequences=totals.sequences):
+            return losses.aggregate(x, mask, mode, self.norm, totals.tokens, global_sequences=sequences)
 
-        total = agg(per_token)
+        all_rows = self.loss in losses.ALL_ROWS_LOSSES   # verl's geo_mean: mean over every row
+        total = agg(per_token, totals.rows) if all_rows else agg(per_token)
         metrics = {f"pg_{k}": v for k, v in metrics.items()}
-        metrics["pg_loss"] = total.detach() * _share(mb, totals, mode)
+        metrics["pg_loss"] = total.detach() * _share(mb, totals, mode, all_rows)
         valid = mask > 0
         metrics["entropy"] = (ent * valid).sum() / valid.sum().clamp(min=1)
         if self.entropy_coef:
@@ -189,16 +190,20 @@ class PolicyObjective:
             return losses.dro(logp, old, adv, mask, self.dro_beta, weights=weights)
         if self.loss == "reinforce":
             # bypass: `old` is the rollout engine's; the IS weights to it, from the current log-probs,
-            # replace the precomputed correction weights (applying both would count the ratio twice)
-            return losses.reinforce(logp, old, adv, mask, self.is_level, self.is_threshold, self.is_mode)
+            # replace the precomputed correction weights (applying both would count the ratio twice);
+            # they span the response as it was before rejection sampling, as verl's
+            return losses.reinforce(logp, old, adv, mask, self.is_level, self.is_threshold, self.is_mode,
+                                    is_mask=mb.batch.get("unrejected_mask"))
         raise ValueError(f"unknown policy loss {self.loss!r}")
 
 
-def _share(mb: MicroBatch, totals: Totals, mode: str) -> torch.Tensor:
+def _share(mb: MicroBatch, totals: Totals, mode: str, all_rows: bool = False) -> torch.Tensor:
     """Factor turning a micro-batch's share of a global mean into a mean over the micro-batch
-    (metrics are token-weighted means of per-micro-batch means)."""
+    (metrics are token-weighted means of per-micro-batch means); `all_rows`: a mean over rows."""
     if mode in ("token-mean", "token-sum"):
         return totals.tokens / max(mb.loss_tokens, 1)
+    if all_rows:
+        return totals.rows / max(len(mb.batch), 1)
     non_empty = int(((mb.batch["response_mask"] > 0).sum(-1) > 0).sum())
     return totals.sequences / max(non_empty, 1)
 

@@ -3,14 +3,14 @@
 `reward.builtin = "auto"` routes each row by its data source exactly as verl's
 `default_compute_score` does (`VERL_ROUTES`), so a curve trained on mrl compares with a published
 verl curve. These scorers are deliberately strict where verl is strict (gsm8k wants `#### 42` as
-text; math_dapo gives -1 to a wrong or missing `Answer:` line); mrl's forgiving scorers (`gsm8k`,
+text; math_dapo gives -1 to a wrong answer, or to no answer at all); mrl's forgiving scorers (`gsm8k`,
 `math`, ...) stay available under their own names.
 
 | scorer | verl module | score |
 | --- | --- | --- |
 | `gsm8k` | `gsm8k.py` (strict) | 1 when the last `#### <number>` in the last 300 characters equals the ground truth as text, else 0 |
 | `math_reward` | `math_reward.py` | 1 when the last `\\boxed{}` equals the ground truth after Hendrycks' MATH normalisation, else 0 |
-| `math_dapo` | `math_dapo.py` | +1 / -1: the last `Answer:` line of the last 300 characters, Minerva-normalised, equals the normalised ground truth |
+| `math_dapo` | `math_dapo.py` | +1 / -1: the last `Answer:` line of the last 300 characters, Minerva-normalised, equals the normalised ground truth; without one, the last `\\boxed{}` of the last 100 characters equals the ground truth as text |
 | `prime_math` | `prime_math/` | 1 when PRIME's answer (after "answer is", the last boxed, ...) is equal by PRM800K's or ToRA's grader (`mrl.reward.prime_math`), else 0 |
 | `geo3k` | `geo3k.py` (mathruler) | 0.9 when the last boxed answer is equal by mathruler's copy of PRM800K's grader, + 0.1 for `<think>...</think>...\\boxed{}` |
 | `search_r1_qa` | `search_r1_like_qa_em.py` | 1 when the last `<answer>` matches a target after SQuAD normalisation (1/4 with more than 10 answer tags), else 0 |
@@ -131,12 +131,41 @@ def minerva_normalize(answer: str) -> str:
     return answer.strip()
 
 
+BOX_CHARS = 100  # math_dapo's `\boxed{}` fallback reads the last 100 of those 300 characters
+
+
+def dapo_last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (balanced braces) of `text`, or None (verl's
+    `math_dapo.last_boxed_only_string` then `remove_boxed`; only `\\boxed{`, no `\\fbox`)."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for j in range(start, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + len("\\boxed{"):j]
+    return None
+
+
 def math_dapo(response: str, ground_truth: Any) -> dict:
-    """+1 when the last `Answer: ...` line of the response's last 300 characters equals the ground
-    truth after `minerva_normalize`, else -1 (no such line included). `pred` is what was compared."""
-    found = _ANSWER_LINE.findall(response[-CLIP_CHARS:])
+    """+1 / -1 as verl 0.9.1's `math_dapo.compute_score`, on the response's last 300 characters:
+    the last `Answer: ...` line, compared with the ground truth after `minerva_normalize`; without
+    such a line, the last `\\boxed{...}` of the last 100 characters, compared as text with the
+    ground truth (not normalised); with neither, -1. `pred` is what was compared ("[INVALID]":
+    nothing)."""
+    truth = _text(ground_truth, "math_dapo")
+    tail = response[-CLIP_CHARS:]
+    found = _ANSWER_LINE.findall(tail)
     pred = minerva_normalize(found[-1] if found else "[INVALID]")
-    correct = pred == minerva_normalize(_text(ground_truth, "math_dapo"))
+    correct = pred == minerva_normalize(truth)
+    if pred == "[INVALID]":
+        boxed = dapo_last_boxed(tail[-BOX_CHARS:])
+        if boxed is not None:
+            pred, correct = boxed, boxed == truth
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
 
 

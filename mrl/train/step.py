@@ -143,7 +143,11 @@ def audit(batch: Batch) -> dict[str, float]:
 
 def advantages(run: Run, kl_controller, batch: Batch, step: int = 0) -> tuple[Batch, dict]:
     """Advantages (and returns for the critic) by `algorithm.advantage`, KL in the reward when
-    enabled, and rollout-correction weights. Whitening statistics span all DP ranks."""
+    enabled, rollout-correction weights and rejection sampling. Whitening statistics span all DP
+    ranks. Order as verl 0.9.1's trainers: token rewards (KL in the reward) and correction weights
+    over the response mask as generated; then rejection (decoupled mode: before the advantages,
+    which see the rejected mask; bypass, `old_logprobs = "rollout"`: after them, as verl rejects
+    inside its loss); then the advantages; then PF-PPO."""
     from mrl.algos import advantages as adv
     from mrl.algos import correction, kl
 
@@ -170,6 +174,11 @@ def advantages(run: Run, kl_controller, batch: Batch, step: int = 0) -> tuple[Ba
                                                           all_reduce=dp_sum)
         metrics.update({f"correction/{k}": float(v) for k, v in correction.weight_metrics(
             batch["trainer_logprobs"], batch["rollout_logprobs"], mask, cor.level, threshold, cor.mode).items()})
+    bypass = cor.old_logprobs == "rollout"
+    if cor.rejection is not None and not bypass:
+        batch, m = reject(batch, cor.rejection, cor.rejection_threshold)
+        metrics.update(m)
+        mask = batch["response_mask"]
     returns = None
     if alg.advantage == "gae":
         a, returns = adv.gae(token_rewards, batch["values"], mask, alg.gamma, alg.lam, all_reduce=dp_sum)
@@ -195,14 +204,15 @@ def advantages(run: Run, kl_controller, batch: Batch, step: int = 0) -> tuple[Ba
                      all_reduce=dp_sum)
     elif alg.advantage in ("optimal_token_baseline", "tir_optimal_token_baseline"):
         a, _ = getattr(adv, alg.advantage)(token_rewards, mask, batch["group_index"], batch["old_logprobs"],
-                                           batch["sum_pi_squared"], fields.get("correction_weights"))
+                                           batch["sum_pi_squared"], fields.get("correction_weights"),
+                                           handle_zero_tail=True)   # as verl 0.9.1's trainers (its default)
     else:
         raise ValueError(f"unknown advantage estimator {alg.advantage!r}")
     fields.update({"advantages": a.float()} if returns is None else {"advantages": a.float(), "returns": returns.float()})
     valid = mask > 0
     metrics["advantage/mean"] = float((a * valid).sum() / valid.sum().clamp(min=1))
     batch = batch.add(**fields)
-    if cor.rejection is not None:
+    if cor.rejection is not None and bypass:
         batch, m = reject(batch, cor.rejection, cor.rejection_threshold)
         metrics.update(m)
     if alg.pf_ppo.enable:

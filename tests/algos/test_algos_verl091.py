@@ -77,8 +77,22 @@ def test_optimal_token_baseline_zero_tail():
     old, sq = torch.log(torch.full((2, 3), 0.5, dtype=F64)), torch.full((2, 3), 0.5, dtype=F64)
     a, _ = adv.optimal_token_baseline(rewards, mask, torch.tensor([0, 0]), old, sq, handle_zero_tail=True)
     torch.testing.assert_close(a, t([[0.5, 1.0, 1.0], [-0.5, 0.0, 0.0]]), atol=1e-7, rtol=1e-7)
-    a, _ = adv.optimal_token_baseline(rewards, mask, torch.tensor([0, 0]), old, sq)   # group of its own there: B = G
-    torch.testing.assert_close(a, t([[0.5, 0.0, 0.0], [-0.5, 0.0, 0.0]]), atol=1e-7, rtol=1e-7)
+    a, _ = adv.optimal_token_baseline(rewards, mask, torch.tensor([0, 0]), old, sq, handle_zero_tail=False)
+    torch.testing.assert_close(a, t([[0.5, 0.0, 0.0], [-0.5, 0.0, 0.0]]), atol=1e-7, rtol=1e-7)  # B = G W / (W + eps)
+
+
+def test_optimal_token_baseline_zero_tail_is_the_default_as_in_verl():
+    # verl 0.9.1 core_algos.compute_optimal_token_baseline_advantage(handle_zero_tail=True by default;
+    # ray_trainer.compute_advantage does not override it). One group: A has 2 tokens and score 1, B 1 token
+    # and score 0; p_old 0.5, sum pi^2 0.5 -> per-token variance 0.5, W_A = (0.5, 1), W_B = (0.5).
+    # t = 0: B = (1 * 0.5 + 0 * 0.5) / 1 = 0.5 -> (0.5, -0.5); t = 1: only A, zero tail -> B = 0, adv 1.
+    # (Without the zero tail: 1 - 1 / (1 + 1e-8) = 1e-8.) verl gives [[0.5, 1.0], [-0.5, 0]].
+    rewards, mask = t([[0.0, 1.0], [0.0, 0.0]]), t([[1, 1], [1, 0]])
+    old, sq = torch.log(torch.full((2, 2), 0.5, dtype=F64)), torch.full((2, 2), 0.5, dtype=F64)
+    a, _ = adv.optimal_token_baseline(rewards, mask, torch.tensor([0, 0]), old, sq)
+    torch.testing.assert_close(a, t([[0.5, 1.0], [-0.5, 0.0]]), atol=1e-7, rtol=0)
+    a, _ = adv.optimal_token_baseline(rewards, mask, torch.tensor([0, 0]), old, sq, handle_zero_tail=False)
+    torch.testing.assert_close(a[0, 1], t(1e-8), atol=1e-12, rtol=0)
 
 
 def test_tir_optimal_token_baseline_aligns_policy_tokens_across_observations():
@@ -283,10 +297,128 @@ def test_rejection_parse_errors_and_presets():
     p = rejection.PRESETS["bypass_pg_geo_rs_token_tis"]
     assert (p.is_level, p.rs, p.rs_threshold, p.bypass, p.loss_type) == ("token", "seq_mean_k1", "0.999_1.001", True,
                                                                           "reinforce")
-    assert len(rejection.PRESETS) == 16 and tuple(rejection.PRESETS) == algo_config.REJECTION_PRESETS
+    assert len(rejection.PRESETS) == 18 and tuple(rejection.PRESETS) == algo_config.REJECTION_PRESETS
     for p in rejection.PRESETS.values():   # every preset's criteria parse
         if p.rs:
             rejection.parse(p.rs, p.rs_threshold)
+
+
+def test_rejection_refuses_a_k1_threshold_with_lower_above_upper():
+    # verl 0.9.1 rollout_corr_helper._parse_rollout_rs_thresholds raises ("must be lower <= upper")
+    with pytest.raises(ValueError, match="lower <= upper, got '2.0_0.5'"):
+        rejection.parse("token_k1", "2.0_0.5")
+    with pytest.raises(ValueError, match="lower <= upper"):
+        rejection.parse("seq_mean_k1,token_k2", "1.001_0.999,0.1")
+    assert rejection.parse("token_k1", "1.5_1.5")[0] == rejection.Criterion("token_k1", 1.5, 1.5)   # equal is fine
+    from mrl.algos.rejection_spec import parse_problem   # what `mrl validate` reports
+
+    assert parse_problem("token_k1", "2.0_0.5") == \
+        "threshold for token_k1 must be 'lower_upper' with lower <= upper, got '2.0_0.5'"
+
+
+def test_overall_seq_masked_fraction_counts_every_row():
+    # verl 0.9.1 compute_rollout_rejection_mask: rollout_rs_seq_masked_fraction = seq_has_masked.float().mean()
+    # over all rows; the per-option one divides by the non-empty rows. Row 0 has a rejected token
+    # (-lr = -1 < log 0.5), row 1 is empty: verl 0.5 overall, 1.0 for the option; 0.5 of the tokens.
+    old, roll, mask = t([[0.0, 1.0], [0.0, 0.0]]), torch.zeros(2, 2, dtype=F64), t([[1, 1], [0, 0]])
+    m = rejection.mask_metrics(old, roll, mask, rejection.parse("token_k1", "0.5_2.0"))
+    assert float(m["seq_masked_fraction"]) == 0.5 and float(m["token_k1/seq_masked_fraction"]) == 1.0
+    assert float(m["masked_fraction"]) == 0.5 and float(m["token_k1/masked_fraction"]) == 0.5
+
+
+def test_icepop_presets_zero_weights_outside_half_to_five():
+    # verl 0.9.1 RolloutCorrectionConfig.decoupled_token_icepop() / bypass_pg_token_icepop(): rollout_is = "token",
+    # rollout_is_threshold = "0.5_5.0" (IcePop: weights outside [0.5, 5] zeroed, the mask left alone)
+    for name, bypass, loss_type in (("decoupled_token_icepop", False, "ppo_clip"),
+                                    ("bypass_pg_token_icepop", True, "reinforce")):
+        p = rejection.PRESETS[name]
+        assert (p.is_level, p.rs, p.icepop, p.bypass, p.loss_type) == ("token", None, (0.5, 5.0), bypass, loss_type)
+
+
+# ---------------------------------------------------------------------------- verl 0.9.1 differences, fixed
+
+def test_geo_mean_averages_over_every_row_as_verl():
+    # verl 0.9.1 compute_policy_loss_geo_mean: pg_loss = torch.mean(pg_losses) over all rows. 2 rows x 1 token,
+    # row 1 fully masked, A = 1, lp = lp_old: row 0's loss -exp(0) = -1, row 1's 0 -> verl -0.5.
+    lp = torch.zeros(2, 1, dtype=F64, requires_grad=True)
+    mask = t([[1], [0]])
+    pt, _ = losses.geo_mean(lp, lp.detach(), t([1.0, 1.0]), mask, 0.2, 0.2)
+    assert "geo_mean" in losses.ALL_ROWS_LOSSES
+    got = losses.aggregate(pt, mask, losses.FORCED_AGG_MODE["geo_mean"], global_sequences=2)   # the row count
+    torch.testing.assert_close(got, t(-0.5))   # (A = 1 / (1 + 1e-8), as verl's masked mean)
+    torch.testing.assert_close(losses.aggregate(pt, mask, "seq-mean-token-mean"), t(-1.0))   # non-empty rows: not verl
+
+
+def test_bypass_reinforce_sequence_weight_spans_rejected_tokens():
+    # verl 0.9.1 compute_policy_loss_bypass_mode: IS weights over the response mask, rejection afterwards.
+    # 1 row x 2 tokens, lp - lp_roll = (0, 0.5); token_k2 at 0.01 rejects token 1 (0.5^2 / 2 = 0.125).
+    # Sequence weight exp(0 + 0.5) = 1.6487 (under the cap 2) on token 0; A = 1 -> gradient -1.6487.
+    roll = torch.log(t([[0.5, 0.5]]))
+    lp = (roll + t([[0.0, 0.5]])).requires_grad_(True)
+    full = torch.ones(1, 2)
+    keep = rejection.mask(lp.detach(), roll, full, rejection.parse("token_k2", "0.01"))
+    assert keep.tolist() == [[True, False]]
+    pt, m = losses.reinforce(lp, roll, t([1.0]), keep.double(), "sequence", 2.0, is_mask=full)
+    pt.sum().backward()
+    torch.testing.assert_close(lp.grad, t([[-math.exp(0.5), 0.0]]))
+    torch.testing.assert_close(m["is_weight_mean"], t(math.exp(0.5)))
+    lp.grad = None   # over the rejected mask alone the weight would be exp(0) = 1
+    pt, _ = losses.reinforce(lp, roll, t([1.0]), keep.double(), "sequence", 2.0)
+    pt.sum().backward()
+    torch.testing.assert_close(lp.grad, t([[-1.0, 0.0]]))
+
+
+# ---------------------------------------------------------------------------- verl 0.9.1 differences, kept
+# (each documented with its reason in docs/algorithms.md, "Where mrl departs from verl 0.9.1")
+
+def test_whitening_all_equal_values_gives_zero():
+    # verl 0.9.1 masked_whiten: mean = sum / (n + 1e-8) -> for two valid entries of 1 in float64,
+    # (1 - 1/(1 + 5e-9)) * rsqrt(var + 1e-8) = 5e-5 each; mrl: exactly 0 (GDPO, REINFORCE++, GAE whitening).
+    from mrl.algos._masked import masked_whiten
+
+    assert masked_whiten(t([[1.0], [1.0]]), torch.ones(2, 1)).tolist() == [[0.0], [0.0]]
+    got = adv.gdpo(t([[1.0], [1.0]]), torch.tensor([0, 1]), torch.ones(2, 1))   # groups of one: A = 1/(1+1e-6) each
+    assert got.tolist() == [[0.0], [0.0]]
+
+
+def test_grpo_all_equal_float32_group_gives_zero():
+    # verl 0.9.1 compute_grpo_outcome_advantage on three float32 scores 1.7694676: torch.mean misses the value by
+    # one rounding step and (s - mean) / (std + 1e-6) gives -0.104 each; mrl's statistics in float64: exactly 0.
+    s = torch.full((3,), 1.7694675922393799, dtype=torch.float32)
+    assert adv.grpo(s, torch.tensor([0, 0, 0])).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_norm_by_std_applies_to_gdpo():
+    # verl 0.9.1's trainer passes norm_adv_by_std_in_grpo to grpo only (gdpo and grpo_vectorized keep True);
+    # mrl honours it. Groups (1, 0) and (2, 0), one token each:
+    # with std both groups give +-0.7071 -> whitened (var 4 * 0.5 / 3) +-0.8660;
+    # without, +-0.5 and +-1 -> whitened (var (2 * 0.25 + 2 * 1) / 3 = 5/6) +-0.5477, +-1.0954.
+    comps, g, mask = t([[1.0], [0.0], [2.0], [0.0]]), torch.tensor([0, 0, 1, 1]), torch.ones(4, 1)
+    torch.testing.assert_close(adv.gdpo(comps, g, mask)[:, 0], t([0.8660254, -0.8660254] * 2), atol=1e-5, rtol=0)
+    s = 1 / math.sqrt(5 / 6)
+    torch.testing.assert_close(adv.gdpo(comps, g, mask, norm_by_std=False)[:, 0], t([0.5 * s, -0.5 * s, s, -s]),
+                               atol=1e-7, rtol=0)
+
+
+def test_kl_cov_breaks_ties_at_the_top_k_boundary_by_position():
+    # all advantages 0: every covariance is 0, k = max(1, int(4 * 0.5)) = 2 tokens get |lp - lp_old|.
+    # verl 0.9.1 takes torch.topk's CPU order among the ties, an implementation detail (tokens 2 and 3 here
+    # with torch 2.13; 5 and 6 of 8 tokens); mrl takes the earliest tokens, 0 and 1.
+    lp = torch.zeros(1, 4, dtype=F64)
+    pt, m = losses.kl_cov(lp, lp + 0.1, t([[0.0] * 4]), torch.ones(1, 4), ratio=0.5, kl_coef=1.0)
+    torch.testing.assert_close(pt, t([[0.1, 0.1, 0.0, 0.0]]))
+    assert float(m["klfrac"]) == 0.5
+
+
+def test_cov_losses_clamp_the_log_ratio_at_20():
+    # verl 0.9.1's clip_cov and kl_cov take exp(lp - lp_old) unclamped (its vanilla PPO clamps at +-20).
+    # d = -25, A = -1: clip_cov (eps 0.2) -> max(-A r, -A clip(r)) = max(e^-20, 0.8) = 0.8 either way;
+    # kl_cov -> -A r + |d| on the penalised token = e^-20 + 20 (verl: e^-25 + 25).
+    lp = t([[-25.0]])
+    pt, _ = losses.kl_cov(lp, t([[0.0]]), t([-1.0]), torch.ones(1, 1), ratio=1.0, kl_coef=1.0)
+    torch.testing.assert_close(pt, t([[math.exp(-20.0) + 20.0]]))
+    pt, _ = losses.clip_cov(lp, t([[0.0]]), t([-1.0]), torch.ones(1, 1), 0.2, 0.2, ratio=1.0)
+    torch.testing.assert_close(pt, t([[0.8]]))
 
 
 # ---------------------------------------------------------------------------- PF-PPO

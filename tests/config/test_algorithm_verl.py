@@ -101,3 +101,30 @@ def test_a_union_type_takes_its_first_fitting_member():
     assert schema.convert("a", tp) == "a" and schema.convert(None, tp) is None
     with pytest.raises(schema.ValueProblem, match="must be a number or a string, got a list"):
         schema.convert([1], Union[float, str])
+
+
+def test_icepop_presets_are_written_out(write_job, cli):
+    """verl 0.9.1's decoupled_token_icepop / bypass_pg_token_icepop: token-level IS with
+    rollout_is_threshold "0.5_5.0", which zeroes weights outside [0.5, 5] (mrl's mode = "mask")."""
+    spec, _ = load(write_job({"algorithm": {"correction": {"preset": "decoupled_token_icepop"}}}))
+    cor = spec.algorithm.correction
+    assert (cor.level, cor.mode, cor.mask_low, cor.mask_high, cor.rejection, cor.old_logprobs) == \
+        ("token", "mask", 0.5, 5.0, None, "recompute")
+    assert spec.algorithm.policy_loss == "ppo"
+    spec, _ = load(write_job({"algorithm": {"correction": {"preset": "bypass_pg_token_icepop", "mask_high": 3.0}}}))
+    cor = spec.algorithm.correction
+    assert (cor.level, cor.mode, cor.mask_low, cor.mask_high, cor.old_logprobs) == ("token", "mask", 0.5, 3.0, "rollout")
+    assert spec.algorithm.policy_loss == "reinforce"
+    for preset in ("decoupled_token_icepop", "bypass_pg_token_icepop"):
+        rc, out, err = cli("validate", write_job({"algorithm": {"correction": {"preset": preset}}}))
+        assert rc == 0, (preset, out, err)
+
+
+def test_validate_refuses_a_k1_threshold_with_lower_above_upper(write_job, cli):
+    # verl 0.9.1 raises "Thresholds for option 'token_k1' must be lower <= upper, got 2.0_0.5."
+    rc, out, err = cli("validate", write_job({"algorithm": {"correction": {"rejection": "token_k1",
+                                                                            "rejection_threshold": "2.0_0.5"}}}))
+    assert rc != 0
+    assert "algorithm.correction.rejection: threshold for token_k1 must be 'lower_upper' with lower <= upper, " \
+           "got '2.0_0.5'" in out + err
+    assert "Traceback" not in out + err

@@ -43,7 +43,7 @@ def test_math_uses_the_last_box_and_hendrycks_normalisation(source, response, tr
 
 @pytest.mark.parametrize("source", ["math_dapo", "math", "math_dapo_reasoning", "aime2024", "aime25"])
 @pytest.mark.parametrize("response,truth,score", [
-    ("reasoning...\nAnswer: 42", "42", 1.0), ("Answer: 41", "42", -1.0), ("\\boxed{42}", "42", -1.0),
+    ("reasoning...\nAnswer: 42", "42", 1.0), ("Answer: 41", "42", -1.0),
     ("answer : $42$", "42", 1.0), ("Answer: 1,000 dollars", "1000", 1.0), ("Answer: x = \\frac12", "\\frac{1}{2}", 1.0),
     ("Answer: 3\nAnswer: 42", "42", 1.0), ("Answer: 42\nno, Answer: 3", "42", -1.0), ("Answer: 42" + "." * 300, "42", -1.0),
     ("Answer: \\boxed{42}", "42", 1.0), ("", "42", -1.0),
@@ -51,6 +51,24 @@ def test_math_uses_the_last_box_and_hendrycks_normalisation(source, response, tr
 def test_math_dapo_reads_the_answer_line_and_gives_minus_one(source, response, truth, score):
     out = b.auto("", response, truth, {"data_source": source})
     assert out["score"] == score and out["acc"] == (score == 1.0)
+
+
+# verl 0.9.1's math_dapo.verify: without an "Answer:" line in the last 300 characters, the last
+# \boxed{} of the last 100 characters (math_dapo.is_correct_strict_box), its content compared with the
+# ground truth as text, not normalised. (Checked against verl 0.9.1's compute_score on 20,000
+# generated responses: no difference.)
+@pytest.mark.parametrize("response,truth,score,pred", [
+    ("\\boxed{42}", "42", 1.0, "42"), ("so \\boxed{41} no, \\boxed{42}", "42", 1.0, "42"),
+    ("\\boxed{42}" + "x" * 90, "42", 1.0, "42"),                # the box starts 100 characters from the end
+    ("\\boxed{42}" + "x" * 91, "42", -1.0, "[INVALID]"),        # 101: outside the window
+    ("Answer: 41\n\\boxed{42}", "42", -1.0, "41"),             # an Answer line wins
+    ("\\boxed{\\frac12}", "\\frac{1}{2}", -1.0, "\\frac12"),  # text, not Minerva-normalised
+    ("\\boxed{ 42}", "42", -1.0, " 42"), ("\\boxed{{42}}", "42", -1.0, "{42}"),
+    ("\\fbox{42}", "42", -1.0, "[INVALID]"), ("\\boxed{42", "42", -1.0, "[INVALID]"),
+])
+def test_math_dapo_falls_back_to_the_last_box(response, truth, score, pred):
+    assert v.math_dapo(response, truth) == {"score": score, "acc": score == 1.0, "pred": pred}
+    assert b.auto("", response, truth, {"data_source": "aime2024"})["score"] == score
 
 
 def test_math_dapo_reports_what_it_compared():
