@@ -190,7 +190,8 @@ def parse_json(data: bytes | str) -> Any:
     """`data` decoded as JSON, or `ValueError` saying why not (not JSON or not UTF-8, an integer
     over `MAX_INT_DIGITS` digits, nesting over `MAX_DEPTH`)."""
     try:
-        value = json.loads(data, parse_int=_bounded_int)
+        text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
+        value = json.loads(text, parse_int=_bounded_int)
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_DEPTH}") from None
     except UnicodeDecodeError:
