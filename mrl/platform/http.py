@@ -16,11 +16,14 @@ every request is bounded in time, in size and in where its headers go.
 
 Built on httpcore (httpx's transport; pinned in constraints.txt) rather than on urllib, whose
 timeout bounds each read and whose redirect handler forwards every header. Proxies come from the
-environment as urllib reads them (`HTTP(S)_PROXY`, `NO_PROXY`).
+environment as urllib reads them (`HTTP(S)_PROXY`, `NO_PROXY`), and TLS peers are checked against
+the system's certificate store as urllib checks them (`ssl.create_default_context`, which honours
+`SSL_CERT_FILE` / `SSL_CERT_DIR`).
 """
 from __future__ import annotations
 
 import json
+import ssl
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -113,7 +116,8 @@ def _pool(url: str, deadline: _Deadline) -> httpcore.ConnectionPool:
     scheme, host, _ = _origin(url)
     proxy_url = urllib.request.getproxies().get(scheme)
     proxy = httpcore.Proxy(proxy_url) if proxy_url and not urllib.request.proxy_bypass(host) else None
-    return httpcore.ConnectionPool(proxy=proxy, max_connections=1, retries=0, network_backend=_Backend(deadline))
+    return httpcore.ConnectionPool(ssl_context=ssl.create_default_context(), proxy=proxy, max_connections=1, retries=0,
+                                   network_backend=_Backend(deadline))
 
 
 def _once(method: str, url: str, body: Optional[bytes], headers: dict, deadline: _Deadline,

@@ -127,16 +127,16 @@ def samples(n=1):
     return [RewardSample(f"s{i}", "q", "r", "42", data_source="toy") for i in range(n)]
 
 
-@pytest.mark.parametrize("respond, kind", [
-    (trickle(b'{"scores": [1.0]}' + b" " * 100, 0.05), "timeout"),
-    (reply(200, b'{"scores": [' + b"9" * 5000 + b"]}"), "bad_response"),
-    (reply(200, b"[" * 100_000 + b"]" * 100_000), "bad_response"),
-    (huge(200 << 20), "bad_response"),
+@pytest.mark.parametrize("respond, kind, timeout_s", [
+    (trickle(b'{"scores": [1.0]}' + b" " * 100, 0.05), "timeout", 0.5),
+    (reply(200, b'{"scores": [' + b"9" * 5000 + b"]}"), "bad_response", 30),
+    (reply(200, b"[" * 100_000 + b"]" * 100_000), "bad_response", 30),
+    (huge(200 << 20), "bad_response", 30),
 ])
-def test_remote_reward_counts_hostile_answers_as_errors(hostile, monkeypatch, respond, kind):
+def test_remote_reward_counts_hostile_answers_as_errors(hostile, monkeypatch, respond, kind, timeout_s):
     monkeypatch.setattr("mrl.reward.remote.MAX_RESPONSE_BYTES", 1 << 20)
     server = hostile(respond)
-    cfg = RewardConfig(url=server.url, remote=RemoteRewardConfig(timeout_s=0.5, retries=0), workers=1)
+    cfg = RewardConfig(url=server.url, remote=RemoteRewardConfig(timeout_s=timeout_s, retries=0), workers=1)
     with Rewarder.from_config(cfg) as r:
         res = r.score(samples(2))
     assert res.stats[f"reward/remote/errors/{kind}"] == 2.0 and res.scores == [0.0, 0.0]
@@ -197,7 +197,7 @@ def test_a_trickled_tool_listing_fails_start_up_at_connect_timeout(hostile):
 def test_a_hostile_tool_listing_is_one_line(hostile, respond, match):
     server = hostile(respond)
     with pytest.raises(UserError, match=match):
-        HTTPToolServer("bad", server.url, connect_timeout_s=5)
+        HTTPToolServer("bad", server.url, connect_timeout_s=30)
 
 
 # --- a property test over random answers --------------------------------------------------------
