@@ -55,6 +55,8 @@ def check_output(path: str | os.PathLike, *, what: str, kind: Literal["file", "d
     targets = [out / name for name in writes] if kind == "dir" else [out]
     ins = [_resolved(p) for p in inputs]
     srcs = [_resolved(p) for p in sources]
+    if kind == "dir" and out in ins:
+        raise UserError(f"{what} {path}: is an input of this command; write the output elsewhere")
     for target in targets:
         if target in ins:
             raise UserError(f"{what} {path}: is an input of this command ({target}); write the output elsewhere")

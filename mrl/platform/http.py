@@ -147,6 +147,10 @@ def request(method: str, url: str, *, body: Optional[bytes] = None, headers: Opt
     deadline = _Deadline(timeout_s)
     headers = dict(headers or {})
     start = url
+    try:
+        _origin(url)
+    except ValueError as e:
+        raise HTTPFailure("connection", f"{url}: not a valid URL ({e})") from None
     for _ in range(MAX_REDIRECTS + 1):
         try:
             status, reason, head, data = _once(method, url, body, headers, deadline, max_bytes, cut)
@@ -159,8 +163,12 @@ def request(method: str, url: str, *, body: Optional[bytes] = None, headers: Opt
             raise HTTPFailure("connection", f"{start} cannot be reached: {why}", why) from None
         if status not in _REDIRECTS or "location" not in head:
             return Reply(status, reason, data, url)
-        target = urljoin(url, head["location"])
-        if _origin(target) != _origin(url):
+        try:
+            target = urljoin(url, head["location"])
+            elsewhere = _origin(target) != _origin(url)
+        except ValueError:
+            raise HTTPFailure("redirect", f"{start} redirected to an invalid URL {head['location'][:200]!r}") from None
+        if elsewhere:
             raise HTTPFailure("redirect", f"{start} redirected to another origin ({_origin(target)[1]}); mrl follows "
                                           "redirects only within the URL's origin, so its headers never reach "
                                           "another host: give the final URL")

@@ -98,6 +98,21 @@ def test_a_redirect_within_the_origin_is_followed_with_its_headers(hostile, stat
     assert sum(b"authorization: bearer s3cret" in h.lower() for h in server.heads) == 2
 
 
+@pytest.mark.parametrize("location", ["http://[::1", "http://127.0.0.1:99999/", "ftp://127.0.0.1/x", "//[bad"])
+def test_a_redirect_to_an_invalid_or_foreign_url_is_one_failure(hostile, location):
+    server = hostile(redirect(location))
+    with pytest.raises(http.HTTPFailure) as e:
+        post(server.url)
+    assert e.value.kind == "redirect" and "\n" not in str(e.value)
+
+
+def test_an_invalid_url_is_a_connection_failure():
+    for url in ("http://[::1", "http://127.0.0.1:99999/", "ftp://127.0.0.1/", ""):
+        with pytest.raises(http.HTTPFailure) as e:
+            http.request("GET", url, timeout_s=1, max_bytes=10)
+        assert e.value.kind == "connection"
+
+
 def test_a_redirect_loop_ends(hostile):
     server = hostile(redirect("/again"))
     with pytest.raises(http.HTTPFailure) as e:
