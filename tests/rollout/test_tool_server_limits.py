@@ -115,3 +115,17 @@ def test_an_oversized_line_without_an_id_is_dropped_and_a_string_id_kept():
     assert json.loads(refusal(b'{"id": "a\\"b", "result": "', 10))["id"] == 'a"b'
     assert _relayed(b'{"result": "' + b"x" * 500 + b'"}\n{"id": 1}\n', 100) == b'{"id": 1}\n'
     assert _relayed(b"no newline at the end", 100) == b"no newline at the end"
+
+
+@pytest.mark.parametrize("command", ["/nonexistent/server", "no-such-command-xyz", "NOT_EXECUTABLE"])
+def test_a_stdio_command_that_cannot_run_is_one_line(command, capfd, tmp_path):
+    from mrl.errors import UserError
+
+    if command == "NOT_EXECUTABLE":
+        command = str(tmp_path / "server.py")
+        (tmp_path / "server.py").write_text("print('hi')\n")
+        os.chmod(command, 0o644)
+
+    with pytest.raises(UserError, match=rf"cannot list its tools: cannot start '{command}': not an executable"):
+        runner(ToolServerConfig(name="nocmd", kind="mcp_stdio", command=command))
+    assert capfd.readouterr().err == ""   # nothing from the relay

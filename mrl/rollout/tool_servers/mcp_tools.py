@@ -14,6 +14,8 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import os
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -123,6 +125,10 @@ class MCPToolServer(ToolServer):
         self._missing: set[str] = set()    # listed tools a restarted session no longer offers
         self._lock = threading.Lock()
         self._closed = False
+        if kind == "mcp_stdio" and not _runnable(command or "", cwd, env):
+            # checked here: the server starts under the stdio_cap relay, which could only say so on stderr
+            raise UserError(f"rollout.multi_turn.servers: MCP server {name!r} ({self.where}): cannot list its tools: "
+                            f"cannot start {command!r}: not an executable file or a command on PATH")
         try:
             offered = self._open(connect_timeout_s)
             self.schemas = select_tools(name, offered, allow)
@@ -281,6 +287,13 @@ class MCPToolServer(ToolServer):
                 holder.result(CLOSE_TIMEOUT_S)
             except BaseException:   # noqa: BLE001 - a slow or failed exit; the loop's close cancels it
                 holder.cancel()
+
+
+def _runnable(command: str, cwd: Optional[str], env: Optional[dict]) -> bool:
+    """Whether `command` names an executable (a path, relative to `cwd`, or a name on the server's PATH)."""
+    if os.sep in command and cwd and not os.path.isabs(command):
+        command = os.path.join(cwd, command)
+    return shutil.which(command, path=(env or {}).get("PATH", os.environ.get("PATH"))) is not None
 
 
 def _describe(e: BaseException) -> str:
