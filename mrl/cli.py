@@ -376,7 +376,10 @@ def cmd_generate(args) -> int:
 
 def cmd_compare(args) -> int:
     from mrl.compare import compare
+    from mrl.outputs import check_output
 
+    if args.out:   # a directory of PNG plots: not a file, not inside a checkpoint
+        check_output(args.out, what="mrl compare --out", kind="dir")
     compare(args.runs, tracking_uris=args.tracking_uri or (), metrics=args.metrics, out=args.out)
     return 0
 

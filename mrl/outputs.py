@@ -1,6 +1,6 @@
 """Where a command may write: one check, run before any work, by every command that writes a
 file or a directory the user names (`mrl data`, `mrl generate --out`, `mrl eval --json`,
-`mrl convert -o`, `mrl merge`).
+`mrl convert -o`, `mrl merge`, `mrl compare --out`).
 
 An output is refused, in one line naming it, when it
 - is one of the command's inputs, or (`sources`) a file inside its source data: `mrl data`

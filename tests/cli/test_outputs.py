@@ -208,3 +208,12 @@ def test_merge_into_its_own_checkpoint_or_a_file_parent_is_one_line(tmp_path, ca
     (tmp_path / "f").write_text("x")
     assert main(["merge", str(root), str(tmp_path / "f" / "hf")]) == 2
     assert "is a file, not a directory" in one_error_line(capsys)
+
+
+def test_compare_out_into_a_checkpoint_or_onto_a_file_is_one_line(tmp_path, capsys):
+    root = _ckpt(tmp_path)
+    assert main(["compare", str(tmp_path / "run"), "--out", str(root / "plots")]) == 2
+    assert f"is inside the checkpoint root {root}" in one_error_line(capsys)
+    (tmp_path / "f").write_text("x")
+    assert main(["compare", str(tmp_path / "run"), "--out", str(tmp_path / "f")]) == 2
+    assert "is a file; expected a directory" in one_error_line(capsys)
