@@ -133,6 +133,8 @@ def generate_rows(target: Target, prompts: list[Request] | FromData, overrides: 
     from mrl.train.rollout import generate, score
 
     sampling = sampling_of(target.spec, overrides)
+    if not isinstance(prompts, FromData):
+        check_prompt_sizes(target.spec, prompts)   # before the model loads
     with session(target) as (run, gen, reward_model):
         tok = run.tokenizer
         items = _items(run, prompts)
@@ -163,15 +165,9 @@ def _items(run, prompts: list[Request] | FromData) -> list:
         dataset = load_prompts(run.spec.data, run.tokenizer, prompts.split)
         return dataset.items[:prompts.count]
     data, tok = run.spec.data, run.tokenizer
-    limit = prompt_byte_limit(data.max_prompt_tokens, tok)
+    _refuse_oversized(prompts, prompt_byte_limit(data.max_prompt_tokens, tok))
     items = []
     for i, req in enumerate(prompts):
-        size = prompt_bytes(req.prompt)
-        if size > limit:
-            head = (req.prompt if isinstance(req.prompt, str) else str(req.prompt))[:40]
-            raise UserError(f"generate: prompt {i} ({head!r}...) has {size} bytes, more than {limit} = "
-                            f"{limit // BYTES_PER_TOKEN} tokens (the model's max length, or data.max_prompt_tokens) x "
-                            f"{BYTES_PER_TOKEN} bytes; it is not tokenized")
         text = render_prompt(req.prompt, tok, chat_template=data.chat_template, system_prompt=data.system_prompt,
                              origin=f"prompt {i}")
         items.append(PromptItem(index=i, token_ids=tuple(encode_prompt(text, tok, chat_template=data.chat_template)),
@@ -197,6 +193,27 @@ def prompt_byte_limit(max_prompt_tokens: int, tokenizer: Any) -> int:
     stated = getattr(tokenizer, "model_max_length", None)
     tokens = max(max_prompt_tokens, stated if isinstance(stated, int) and stated < 10**7 else 0)
     return tokens * BYTES_PER_TOKEN
+
+
+def _refuse_oversized(prompts: list[Request], limit: int) -> None:
+    for i, req in enumerate(prompts):
+        size = prompt_bytes(req.prompt)
+        if size > limit:
+            head = (req.prompt if isinstance(req.prompt, str) else str(req.prompt))[:40]
+            raise UserError(f"generate: prompt {i} ({head!r}...) has {size} bytes, more than {limit} = "
+                            f"{limit // BYTES_PER_TOKEN} tokens (the model's max length, or data.max_prompt_tokens) x "
+                            f"{BYTES_PER_TOKEN} bytes; it is not tokenized")
+
+
+def check_prompt_sizes(spec, prompts: list[Request]) -> None:
+    """`_refuse_oversized` before any model is loaded: prompts within `data.max_prompt_tokens` x
+    `BYTES_PER_TOKEN` pass at once; a longer one is measured against the tokenizer's stated
+    length too (the tokenizer alone is loaded for it)."""
+    if all(prompt_bytes(r.prompt) <= spec.data.max_prompt_tokens * BYTES_PER_TOKEN for r in prompts):
+        return
+    from mrl.models.tokenizer import load_tokenizer
+
+    _refuse_oversized(prompts, prompt_byte_limit(spec.data.max_prompt_tokens, load_tokenizer(spec.model)))
 
 
 def write_rows(rows: list[dict], path: str | Path) -> None:

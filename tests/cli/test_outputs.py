@@ -217,3 +217,16 @@ def test_compare_out_into_a_checkpoint_or_onto_a_file_is_one_line(tmp_path, caps
     (tmp_path / "f").write_text("x")
     assert main(["compare", str(tmp_path / "run"), "--out", str(tmp_path / "f")]) == 2
     assert "is a file; expected a directory" in one_error_line(capsys)
+
+
+def test_an_oversized_prompt_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import mrl.offline.session as session
+
+    def no_session(*a, **kw):
+        raise AssertionError("the model must not load for an oversized prompt")
+
+    monkeypatch.setattr(session, "session", no_session)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps("hi") + "\n" + json.dumps({"prompt": "y" * (3 << 20)}) + "\n")
+    assert main(["generate", str(REPO / "jobs/quickstart_cpu.toml"), "--prompts", str(prompts)]) == 2
+    assert "generate: prompt 1 ('yyyy" in one_error_line(capsys)
