@@ -95,16 +95,16 @@ MAX_RESTARTS = 3   # reconnects tried per MCP server per run (each bounded by it
 MAX_MESSAGE_BYTES = 8 << 20   # one message from an MCP server (a line on stdio, a body line or SSE event on HTTP)
 
 
-
 class MCPToolServer(ToolServer):
     """An MCP server (`kind` "mcp_stdio": `command` + `args` + `env`; "mcp_http": `url`), connected
     and listed on construction, its session held on `loop` until `close()`.
 
     A session that fails (the stdio process exited, the HTTP session broke) or lets a call time
-    out (it may be stuck) is seen by the call that meets it, a server error or a timeout; `revive()`, run by the runner before each later call,
-    then opens a fresh session (a new process for stdio) within `connect_timeout_s`, at most
-    `MAX_RESTARTS` times per run, and re-checks the listing: a tool the new session no longer
-    offers is a server error on each call to it."""
+    out (it may be stuck) is seen by the call that meets it, a server error or a timeout;
+    `revive()`, run by the runner before each later call, then opens a fresh session (a new
+    process for stdio) within `connect_timeout_s`, at most `MAX_RESTARTS` times per run, and
+    re-checks the listing: a tool the new session no longer offers is a server error on each call
+    to it. An answer over `MAX_MESSAGE_BYTES` is a server error that leaves the session up."""
 
     def __init__(self, name: str, kind: str, loop: EventLoopThread, *, url: Optional[str] = None,
                  command: Optional[str] = None, args: tuple[str, ...] = (), env: Optional[dict[str, str]] = None,
@@ -145,7 +145,7 @@ class MCPToolServer(ToolServer):
     def _transport(kind, url, command, args, env, cwd, headers):
         """A fresh transport target (an httpx client cannot be reused once its session closed).
         Every message from the server is capped at `MAX_MESSAGE_BYTES`: a stdio server runs under
-        the `stdio_cap` relay, an HTTP one behind `_CappedTransport`."""
+        the `stdio_cap` relay, an HTTP one through `mcp_http_cap.capped_client`."""
         if kind == "mcp_stdio":
             from mcp.client.stdio import StdioServerParameters
 
