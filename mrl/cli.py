@@ -197,8 +197,11 @@ def cmd_convert(args) -> int:
 
     from mrl.config.loader import load
     from mrl.convert import convert, inputs, render
+    from mrl.outputs import check_output
 
     yamls, tokens = inputs(args.items)
+    if args.out:   # before any work: not an input, not in a checkpoint, not an existing file without --force
+        check_output(args.out, what="mrl convert -o", inputs=[i for i in args.items if "=" not in i], force=args.force)
     conv = convert(yamls, tokens)
     text = render(conv, list_dropped=args.all)
     if args.out:
@@ -295,8 +298,10 @@ def cmd_merge(args) -> int:
     import logging
 
     from mrl.merge import merge
+    from mrl.outputs import check_output
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    check_output(args.out, what="mrl merge: output", kind="dir", inputs=[args.checkpoint])
     report = merge(args.checkpoint, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype,
                    verify=args.verify, model=args.model, format=args.format)
     print(report.summary())
@@ -319,7 +324,10 @@ def cmd_eval(args) -> int:
     from pathlib import Path
 
     from mrl.offline.evaluate import evaluate_target
+    from mrl.outputs import check_output
 
+    if args.json:
+        check_output(args.json, what="mrl eval --json", force=args.force)
     report = evaluate_target(_target(args, "eval"))
     print(report.table())
     if args.json:
@@ -342,6 +350,11 @@ def cmd_generate(args) -> int:
                         f"{' and '.join(given)}")
     if args.split is not None and (args.prompt is not None or args.prompts is not None):
         raise UserError("mrl generate: --split picks the job's data (--from-data); it does not apply to --prompt(s)")
+    if args.out:
+        from mrl.outputs import check_output
+
+        check_output(args.out, what="mrl generate --out", inputs=[args.prompts] if args.prompts else [],
+                     force=args.force)
     target = _target(args, "generate")
     if args.prompt is not None:
         prompts = [Request(args.prompt)]
@@ -363,7 +376,10 @@ def cmd_generate(args) -> int:
 
 def cmd_compare(args) -> int:
     from mrl.compare import compare
+    from mrl.outputs import check_output
 
+    if args.out:   # a directory of PNG plots: not a file, not inside a checkpoint
+        check_output(args.out, what="mrl compare --out", kind="dir")
     compare(args.runs, tracking_uris=args.tracking_uri or (), metrics=args.metrics, out=args.out)
     return 0
 
@@ -443,6 +459,7 @@ def cmd_data(args) -> int:
     from pathlib import Path
 
     from mrl.data import prepare
+    from mrl.outputs import check_output
 
     if args.kind == "gym":
         options = {}
@@ -456,16 +473,31 @@ def cmd_data(args) -> int:
                 options[key] = value
         system = None if args.system_prompt == "none" else args.system_prompt
         sizes = [("train", args.train_size, args.seed), ("test", args.test_size, args.seed + 1)]
+        if not any(size for _, size, _ in sizes):
+            raise UserError("mrl data gym: --train-size and --test-size are both 0: nothing to write")
+        check_output(args.out, what="mrl data: OUT", kind="dir", force=args.force,
+                     writes=[f"{split}.parquet" for split, size, _ in sizes if size > 0])
         written = [prepare.write_rows(prepare.gym_rows(args.task, size, seed, split, options, system),
                                       Path(args.out) / f"{split}.parquet") for split, size, seed in sizes if size > 0]
     else:
         written = prepare.prepare_shaped(args.kind, args.source, args.out, subset=args.subset, splits=tuple(args.split),
-                                         data_source=args.data_source)
+                                         data_source=args.data_source, force=args.force)
     import pyarrow.parquet as pq
 
     for path in written:
         print(f"{path}: {pq.ParquetFile(path).metadata.num_rows} rows")
     return 0
+
+
+def _count(text: str) -> int:
+    """A command-line count: a whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text}: not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be >= 0")
+    return value
 
 
 def _positive(text: str) -> float:
@@ -542,6 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "evaluated from its model.path.")
     _checkpoint_target_arguments(p)
     p.add_argument("--json", metavar="PATH", help="also write the metrics and sample rows here as JSON")
+    p.add_argument("--force", action="store_true", help="replace an existing --json file")
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("generate", help="responses of a checkpoint's policy to prompts, through the job's rollout "
                                         "engine, as JSONL",
@@ -565,6 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="FILE.jsonl|FILE.parquet",
                    help="write the responses here, as JSONL or parquet by the suffix (default: JSONL on standard "
                         "output)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.add_argument("-n", type=int, default=None, help="responses per prompt (default 1)")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (0: greedy; default: "
                                                                     "rollout.temperature)")
@@ -613,6 +647,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "not validate yet.")
     p.add_argument("items", nargs="+", metavar="YAML|SCRIPT|key=value", help="verl YAML files, a .sh script, overrides")
     p.add_argument("-o", "--out", metavar="JOB.toml", help="write the job here (default: standard output)")
+    p.add_argument("--force", action="store_true", help="replace an existing -o file")
     p.add_argument("--all", action="store_true", help="also list the dropped keys (verl's defaults) as comments")
     p.set_defaults(func=cmd_convert)
     p = sub.add_parser("data", help="write verl-format parquet (prompt messages, data_source, reward_model.ground_truth, "
@@ -627,12 +662,14 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--subset", help="only files under a directory of this name (a hub config; gsm8k: main)")
         q.add_argument("--data-source", help="the rows' data_source (default: verl's name, which reward.builtin = "
                                              "'auto' routes to verl's scorer)")
+        q.add_argument("--force", action="store_true", help="replace existing <split>.parquet files in OUT")
         q.set_defaults(func=cmd_data)
     q = data.add_parser("gym", help="rows of a reasoning-gym task (data_source reasoning_gym/<task>)")
     q.add_argument("task", help="reasoning-gym task, e.g. chain_sum")
     q.add_argument("out", metavar="OUT", help="output directory: train.parquet and test.parquet")
-    q.add_argument("--train-size", type=int, default=10000, help="training rows (default 10000)")
-    q.add_argument("--test-size", type=int, default=500, help="test rows, from another seed (default 500; 0: none)")
+    q.add_argument("--train-size", type=_count, default=10000, help="training rows (default 10000; 0: none)")
+    q.add_argument("--test-size", type=_count, default=500, help="test rows, from another seed (default 500; 0: none)")
+    q.add_argument("--force", action="store_true", help="replace existing train/test.parquet files in OUT")
     q.add_argument("--seed", type=int, default=0, help="train rows use SEED, test rows SEED + 1 (default 0)")
     q.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="task option (repeatable; VALUE read as TOML, e.g. min_terms=2)")

@@ -184,12 +184,17 @@ def write_rows(rows: list[dict], path: Path) -> Path:
 
 
 def prepare_shaped(kind: str, source: str, out: str, *, subset: str | None = None, splits: tuple[str, ...] = (),
-                   data_source: str | None = None) -> list[Path]:
-    """`mrl data gsm8k|math`: every split of `source` (or those named) as `<out>/<split>.parquet`."""
+                   data_source: str | None = None, force: bool = False) -> list[Path]:
+    """`mrl data gsm8k|math`: every split of `source` (or those named) as `<out>/<split>.parquet`,
+    after `mrl.outputs.check_output` (never over a file of `source`; existing files only with `force`)."""
+    from mrl.outputs import check_output
+
     found = read_splits(source, subset=subset if subset is not None or kind != "gsm8k" else _gsm8k_subset(source))
     unknown = [s for s in splits if s not in found]
     if unknown:
         raise UserError(f"{source}: no split {', '.join(map(repr, unknown))} (--split); splits: {', '.join(found)}")
+    check_output(out, what="mrl data: OUT", kind="dir", sources=[source], force=force,
+                 writes=[f"{s}.parquet" for s in (splits or tuple(found))])
     return [write_rows(shaped_rows(found[s], SHAPES[kind], s, f"{source} split {s!r}", data_source), Path(out) / f"{s}.parquet")
             for s in (splits or tuple(found))]
 

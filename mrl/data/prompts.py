@@ -67,16 +67,25 @@ def tokenize_rows(rows: list[PromptRow], tokenizer: Any, *, max_prompt_tokens: i
     counts = Counter(stats or {})
     counts.update({"prompts_overlong_dropped": 0, "prompts_truncated": 0})
     specials = special.special_strings(tokenizer)
+    in_tools = special.special_in_tools(tools, specials) if tools and specials and chat_template else []
+    if in_tools:
+        if special_tokens_in_text == "error":
+            raise special.refuse_tools(tools, specials)
+        held = sum(bool(special.special_in_tools([t], specials)) for t in tools)
+        counts["tools_special_text_escaped" if special_tokens_in_text == "escape" else "tools_special_text_allowed"] = held
     items: list[PromptItem] = []
     for row in rows:
         found = special.special_in(row.prompt, specials) if specials else []
         if found and special_tokens_in_text == "error":
             raise special.refuse(row.origin, found)
-        if found and special_tokens_in_text == "escape":
-            counts["prompts_special_text_escaped"] += 1
-            marked, pieces = special.mark(row.prompt, specials)
+        if (found or in_tools) and special_tokens_in_text == "escape":
+            if found:
+                counts["prompts_special_text_escaped"] += 1
+            pieces: list[str] = []
+            row_tools = special.mark_tools(tools, specials, pieces) if in_tools else tools
+            marked, pieces = special.mark(row.prompt, specials, pieces) if found else (row.prompt, pieces)
             rendered = render_prompt(marked, tokenizer, chat_template=chat_template, system_prompt=system_prompt,
-                                     origin=row.origin, tools=tools)
+                                     origin=row.origin, tools=row_tools)
             text = special.unmark(rendered, pieces)
             ids = special.encode_escaped(rendered, pieces, tokenizer, add_special_tokens=not chat_template)
         else:

@@ -1,4 +1,5 @@
-"""Special-token text inside prompts: `data.special_tokens_in_text`.
+"""Special-token text inside prompts, and inside the tool schemas the chat template lists:
+`data.special_tokens_in_text`.
 
 A tokenizer turns the text `<|im_end|>` into the special token itself, so a prompt (or a message
 of one) that merely contains that text ends a turn, or the document, where the user wrote
@@ -10,6 +11,10 @@ characters. The job chooses what such text becomes:
   the rows, so this is a load-time check, before any compute);
 - "allow": the old behaviour, the text becomes the special token, counted
   (`prompts_special_text_allowed`).
+
+Tool schemas (a tool server names and describes its tools; the template writes them into every
+prompt) get the same treatment: escaped (`tools_special_text_escaped`: the tools listed that
+hold such text), refused in one line naming the tool, or allowed (`tools_special_text_allowed`).
 """
 from __future__ import annotations
 
@@ -41,10 +46,49 @@ def special_in(prompt, specials: list[str]) -> list[str]:
     return [s for s in specials if any(s in c for c in _contents(prompt))]
 
 
-def mark(prompt, specials: list[str]) -> tuple[Any, list[str]]:
-    """`prompt` with every special-token string replaced by a numbered marker, and the strings."""
+def _strings(value) -> list[str]:
+    """Every string in a JSON-like value (keys too), as tool schemas hold them."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [t for k, v in value.items() for t in (*_strings(k), *_strings(v))]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _strings(v)]
+    return []
+
+
+def special_in_tools(tools, specials: list[str]) -> list[str]:
+    """The special-token strings the tool schemas (names, descriptions, parameters) hold."""
+    texts = _strings(tools or [])
+    return [s for s in specials if any(s in t for t in texts)]
+
+
+def mark_tools(tools, specials: list[str], pieces: list[str]):
+    """The tool schemas with every special-token string in them (keys and values) replaced by a
+    numbered marker, appended to `pieces`: the chat template lists them as plain characters."""
     pattern = re.compile("|".join(re.escape(s) for s in specials))
-    pieces: list[str] = []
+
+    def sub(m):
+        pieces.append(m.group(0))
+        return _MARK.format(len(pieces) - 1)
+
+    def walk(value):
+        if isinstance(value, str):
+            return pattern.sub(sub, value)
+        if isinstance(value, dict):
+            return {walk(k): walk(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [walk(v) for v in value]
+        return value
+
+    return walk(tools)
+
+
+def mark(prompt, specials: list[str], pieces: list[str] | None = None) -> tuple[Any, list[str]]:
+    """`prompt` with every special-token string replaced by a numbered marker, and the strings
+    (appended to `pieces` when given: markers of the tool schemas come first)."""
+    pattern = re.compile("|".join(re.escape(s) for s in specials))
+    pieces = [] if pieces is None else pieces
 
     def sub(m):
         pieces.append(m.group(0))
@@ -78,6 +122,16 @@ def encode_escaped(text: str, pieces: list[str], tokenizer: Any, *, add_special_
         tail = frame[-1:] if len(frame) > len(head) and eos is not None and frame[-1] == eos else []
         ids = head + ids + tail
     return list(ids)
+
+
+def refuse_tools(tools, specials: list[str]) -> UserError:
+    for tool in tools:
+        found = special_in_tools([tool], specials)
+        if found:
+            name = (tool.get("function") or {}).get("name", "?") if isinstance(tool, dict) else "?"
+            return UserError(f"rollout.multi_turn: the schema of tool {str(name)[:80]!r} holds the special token text "
+                             f"{found[0]!r} (data.special_tokens_in_text = 'error'; 'escape' lists it as plain text)")
+    return UserError("rollout.multi_turn: a tool schema holds special token text")
 
 
 def refuse(origin: str, found: list[str]) -> UserError:

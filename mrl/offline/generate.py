@@ -11,6 +11,10 @@ renders its data. Sampling is what the policy samples in training (`rollout.temp
 `top_p`, `top_k`, `min_p`, `repetition_penalty`, `max_response_tokens`), one response per
 prompt; `-n`, `--temperature` (0: greedy) and `--max-tokens` override it. Scores are the job's
 reward (`reward.*`, a reward model included) as training computes them: the `score` column.
+
+Inputs are checked before any work: a prompts file that is not UTF-8 text, or a prompt of more
+bytes than the model could take (`prompt_byte_limit`), is one line naming it; `--out` goes
+through `mrl.outputs.check_output`.
 """
 from __future__ import annotations
 
@@ -57,8 +61,18 @@ def read_requests(path: str | Path) -> list[Request]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"generate: --prompts {path}: no such file")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UserError(f"generate: --prompts {path}:{line}: not UTF-8 text (byte {e.start} is {data[e.start]:#04x}); "
+                        "a prompts file is JSONL") from None
+    if "\x00" in text:
+        raise UserError(f"generate: --prompts {path}:{text.count(chr(10), 0, text.index(chr(0))) + 1}: a NUL byte; "
+                        "a prompts file is JSONL text, not a binary file")
     requests = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -119,6 +133,8 @@ def generate_rows(target: Target, prompts: list[Request] | FromData, overrides: 
     from mrl.train.rollout import generate, score
 
     sampling = sampling_of(target.spec, overrides)
+    if not isinstance(prompts, FromData):
+        check_prompt_sizes(target.spec, prompts)   # before the model loads
     with session(target) as (run, gen, reward_model):
         tok = run.tokenizer
         items = _items(run, prompts)
@@ -149,6 +165,7 @@ def _items(run, prompts: list[Request] | FromData) -> list:
         dataset = load_prompts(run.spec.data, run.tokenizer, prompts.split)
         return dataset.items[:prompts.count]
     data, tok = run.spec.data, run.tokenizer
+    _refuse_oversized(prompts, prompt_byte_limit(data.max_prompt_tokens, tok))
     items = []
     for i, req in enumerate(prompts):
         text = render_prompt(req.prompt, tok, chat_template=data.chat_template, system_prompt=data.system_prompt,
@@ -157,6 +174,46 @@ def _items(run, prompts: list[Request] | FromData) -> list:
                                 text=text, prompt=req.prompt, answer=req.answer, data_source=req.data_source,
                                 origin=f"prompt {i}"))
     return items
+
+
+BYTES_PER_TOKEN = 32   # a generous bound on the bytes of one token: a longer prompt cannot fit the model
+
+
+def prompt_bytes(prompt: Any) -> int:
+    """The UTF-8 bytes of a prompt's text (a chat prompt: its messages' contents)."""
+    if isinstance(prompt, str):
+        return len(prompt.encode("utf-8", "surrogatepass"))
+    return sum(prompt_bytes(str(m.get("content", ""))) for m in prompt)
+
+
+def prompt_byte_limit(max_prompt_tokens: int, tokenizer: Any) -> int:
+    """The bytes a prompt may have before tokenizing: the longer of the tokenizer's
+    `model_max_length` (when it states one) and `data.max_prompt_tokens`, x `BYTES_PER_TOKEN`. A
+    prompt beyond it cannot fit the model whatever its tokens, and tokenizing it costs memory."""
+    stated = getattr(tokenizer, "model_max_length", None)
+    tokens = max(max_prompt_tokens, stated if isinstance(stated, int) and stated < 10**7 else 0)
+    return tokens * BYTES_PER_TOKEN
+
+
+def _refuse_oversized(prompts: list[Request], limit: int) -> None:
+    for i, req in enumerate(prompts):
+        size = prompt_bytes(req.prompt)
+        if size > limit:
+            head = (req.prompt if isinstance(req.prompt, str) else str(req.prompt))[:40]
+            raise UserError(f"generate: prompt {i} ({head!r}...) has {size} bytes, more than {limit} = "
+                            f"{limit // BYTES_PER_TOKEN} tokens (the model's max length, or data.max_prompt_tokens) x "
+                            f"{BYTES_PER_TOKEN} bytes; it is not tokenized")
+
+
+def check_prompt_sizes(spec, prompts: list[Request]) -> None:
+    """`_refuse_oversized` before any model is loaded: prompts within `data.max_prompt_tokens` x
+    `BYTES_PER_TOKEN` pass at once; a longer one is measured against the tokenizer's stated
+    length too (the tokenizer alone is loaded for it)."""
+    if all(prompt_bytes(r.prompt) <= spec.data.max_prompt_tokens * BYTES_PER_TOKEN for r in prompts):
+        return
+    from mrl.models.tokenizer import load_tokenizer
+
+    _refuse_oversized(prompts, prompt_byte_limit(spec.data.max_prompt_tokens, load_tokenizer(spec.model)))
 
 
 def write_rows(rows: list[dict], path: str | Path) -> None:

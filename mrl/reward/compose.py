@@ -8,6 +8,10 @@ float32, a non-number) is logged with its sample id, counted by kind in `stats`,
 trainer leaves it out), "fail" raises a `UserError` for the step. Counts in `stats` (see
 `is_count`) add up over batches and data-parallel ranks; the other entries are means.
 
+A source's extra numbers (a dict's keys beside the score) are logged as `reward/<source>/<key>`,
+at most `MAX_METRIC_KEYS` (64) distinct keys per source over a run; a response with keys beyond
+them is counted in `reward/<source>/metrics_cut_calls` and the first such is said once.
+
 Functions receive `extra` = the row's extra columns plus "data_source"; a verl-convention function
 (`mrl.reward.signature`) receives verl's `data_source, solution_str, ground_truth, extra_info` by name.
 """
@@ -32,6 +36,7 @@ log = logging.getLogger(__name__)
 
 OnError = Literal["zero", "drop", "fail"]
 LOGGED_ERRORS_PER_BATCH = 10  # individual warnings per batch; the rest are summarized
+MAX_METRIC_KEYS = 64  # extra metric keys logged per reward source over a run; the rest counted, said once
 
 
 def is_count(key: str) -> bool:
@@ -135,6 +140,8 @@ class Rewarder:
                                protect_dirs=tuple(protect_dirs)) if refs else None
         self._replaced = self._truncated = 0
         self._renamed: set[str] = set()   # reward metrics renamed apart from mrl's own (said once each)
+        self._metric_keys: dict[str, set[str]] = {}   # the extra metric keys logged, per source (MAX_METRIC_KEYS)
+        self._cut_said: set[str] = set()
 
     def scoring_budget_s(self, responses: int) -> float:
         """The longest `score` of `responses` responses takes (every call up to its timeout)."""
@@ -186,6 +193,7 @@ class Rewarder:
         source_scores: dict[str, list[float]] = {}
         metrics: dict[str, list[float]] = {}
         errors: list[ScoreError] = []
+        cut: Counter = Counter()   # responses whose metrics passed MAX_METRIC_KEYS, per source
         for src in self.sources:
             scores = [math.nan] * n
             if src.kind == "model":
@@ -206,10 +214,32 @@ class Rewarder:
                     except BadScore as e:
                         errors.append(ScoreError(samples[i].sample_id, src.name, e.kind, str(e)))
                         continue
-                    for k, v in extra.items():
-                        metrics.setdefault(f"{src.name}/{k}", [math.nan] * n)[i] = v
+                    if self._keep_metrics(src.name, extra, metrics, i, n):
+                        cut[src.name] += 1
             source_scores[src.name] = scores
-        return self._combine(samples, source_scores, metrics, errors)
+        result = self._combine(samples, source_scores, metrics, errors)
+        for name, c in cut.items():
+            result.stats[f"reward/{name}/metrics_cut_calls"] = float(c)
+        return result
+
+    def _keep_metrics(self, source: str, extra: dict[str, float], metrics: dict, i: int, n: int) -> bool:
+        """Put response `i`'s extra numbers into `metrics`, within `MAX_METRIC_KEYS` distinct keys per
+        source over the run (the first ones seen); True when some were left out (said once per source)."""
+        kept = self._metric_keys.setdefault(source, set())
+        left_out = []
+        for k, v in extra.items():
+            if k not in kept:
+                if len(kept) >= MAX_METRIC_KEYS:
+                    left_out.append(k)
+                    continue
+                kept.add(k)
+            metrics.setdefault(f"{source}/{k}", [math.nan] * n)[i] = v
+        if left_out and source not in self._cut_said:
+            self._cut_said.add(source)
+            log.warning("reward %s returned more than %d metric keys (e.g. %r); only the first %d are logged, the "
+                        "responses with more are counted in reward/%s/metrics_cut_calls", source, MAX_METRIC_KEYS,
+                        str(left_out[0])[:80], MAX_METRIC_KEYS, source)
+        return bool(left_out)
 
     def _combine(self, samples, source_scores, metrics, errors) -> RewardResult:
         n = len(samples)

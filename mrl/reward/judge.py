@@ -133,6 +133,20 @@ def parse_rating(answer: str, pattern: str, scale: float) -> Outcome:
     return Outcome(value={"score": rating * scale, "rating": rating})
 
 
+def content_text(content: Any) -> str | None:
+    """The text of a chat message's `content`: a string; a list of parts (OpenAI's
+    `[{"type": "text", "text": ...}, ...]`) gives its text parts joined, other parts skipped;
+    null gives ""; anything else (a number, a table) None."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        texts = [p.get("text") for p in content if p.get("type", "text") == "text"]
+        return "".join(texts) if all(isinstance(t, str) for t in texts) else None
+    return None
+
+
 class HttpJudge:
     """The judge behind an OpenAI chat-completions endpoint."""
 
@@ -153,7 +167,11 @@ class HttpJudge:
         except (KeyError, IndexError, TypeError):
             raise RequestError("bad_response", f"{self.cfg.url} answered without choices[0].message.content: "
                                                f"{str(answer)[:120]}") from None
-        return [parse_rating(content or "", self.cfg.pattern, self.cfg.scale)]
+        text = content_text(content)
+        if text is None:
+            return [Outcome(error="parse", message=f"judge answer's content is neither text nor a list of text "
+                                                    f"parts: {str(content)[:120]!r}")]
+        return [parse_rating(text, self.cfg.pattern, self.cfg.scale)]
 
     def __call__(self, conversations: list[list[dict]]) -> list[Outcome]:
         results = run_batches([[c] for c in conversations], self._ask, self.remote.concurrency)

@@ -13,31 +13,32 @@ An entry is a number, or a table with the score under `reward.score_key` plus nu
 (as a reward function returns). `null` or `{"error": ...}` is that item's error ("service_item").
 A request that fails after `retries` retries (waiting `backoff_s`, then twice that, ...) gives
 each of its items an error of kind "connection" (refused, reset, DNS), "timeout", "http"
-(status 4xx/5xx; 429 and 5xx are retried) or "bad_response" (not JSON, wrong length). Once a
+(status 4xx/5xx, or a redirect to another origin; 429 and 5xx are retried) or "bad_response"
+(not JSON, an integer of more than 100 digits, nesting deeper than 64, an answer over
+`MAX_RESPONSE_BYTES`, wrong length). `timeout_s` is each attempt's total deadline. Once a
 request finds the service unreachable, the batch's remaining requests fail at once with the same
 error instead of each waiting out its retries: a down service costs one request's retries, and
 the Rewarder logs it as one line naming the URL (`compose._log_service_errors`).
 
-`call_json` is the HTTP client (stdlib urllib; keep-alive is not needed at these rates) shared
-with the judge's chat-completions calls.
+`call_json` is the JSON-over-HTTP call shared with the judge's chat-completions calls, on
+`mrl.platform.http` (total deadline, size cap, same-origin redirects only, bounded JSON).
 """
 from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from mrl.platform import http
 from mrl.reward.pool import Outcome
 
 log = logging.getLogger(__name__)
 RETRIED_STATUS = (408, 429, 500, 502, 503, 504)
+MAX_RESPONSE_BYTES = 64 << 20   # an answer's body is read up to this, then the request fails ("bad_response")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class RequestError(Exception):
     kind: str
     message: str
     unreachable: bool = False   # the service cannot be reached at all: fail the rest fast
+    status: int = 0             # the HTTP status of an "http" error (0: none)
 
     def __str__(self) -> str:
         return self.message
@@ -59,42 +61,44 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def _post_once(url: str, body: bytes, headers: dict, timeout_s: float) -> Any:
-    request = urllib.request.Request(url, data=body, method="POST",
-                                     headers={"Content-Type": "application/json", **headers})
-    with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-        data = reply.read()
+def _post_once(url: str, body: bytes, headers: dict, timeout_s: float, max_bytes: int) -> Any:
+    reply = http.request("POST", url, body=body, headers={"Content-Type": "application/json", **headers},
+                         timeout_s=timeout_s, max_bytes=max_bytes)
+    if reply.status >= 400:
+        raise RequestError("http", f"{url} answered HTTP {reply.status} {reply.reason}".rstrip(), status=reply.status)
+    if reply.status >= 300:
+        raise RequestError("http", f"{url} answered HTTP {reply.status} {reply.reason} without a usable redirect")
     try:
-        return json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise RequestError("bad_response", f"{url} answered with something that is not JSON: {data[:80]!r}") from None
+        return http.parse_json(reply.body)
+    except ValueError as e:
+        raise RequestError("bad_response", f"{url} answered with something that is not usable JSON ({e}): "
+                                           f"{reply.body[:80]!r}") from None
 
 
 def call_json(url: str, payload: Any, *, timeout_s: float, retries: int, backoff_s: float,
-              headers: dict | None = None, sleep: Callable[[float], None] = time.sleep) -> Any:
-    """POST `payload` as JSON and return the decoded answer; raises `RequestError` after
-    `retries` retries of connection errors, timeouts and HTTP 408/429/5xx."""
+              headers: dict | None = None, max_bytes: int = MAX_RESPONSE_BYTES,
+              sleep: Callable[[float], None] = time.sleep) -> Any:
+    """POST `payload` as JSON and return the decoded answer (`mrl.platform.http`: `timeout_s` is
+    each attempt's total deadline, `max_bytes` caps its body, redirects stay within the origin);
+    raises `RequestError` after `retries` retries of connection errors, timeouts and HTTP
+    408/429/5xx. An answer over `max_bytes`, a cross-origin redirect or unusable JSON is not retried."""
     body = json.dumps(payload, default=_plain).encode()
     last: RequestError | None = None
     for attempt in range(retries + 1):
         if attempt:
             sleep(backoff_s * 2 ** (attempt - 1))
         try:
-            return _post_once(url, body, headers or {}, timeout_s)
-        except urllib.error.HTTPError as e:
-            last = RequestError("http", f"{url} answered HTTP {e.code} {e.reason}")
-            if e.code not in RETRIED_STATUS:
-                raise last from None
-        except (TimeoutError, socket.timeout):
-            last = RequestError("timeout", f"{url} did not answer within {timeout_s:g} s")
-        except urllib.error.URLError as e:
-            reason = e.reason
-            if isinstance(reason, (TimeoutError, socket.timeout)):
-                last = RequestError("timeout", f"{url} did not answer within {timeout_s:g} s")
-            else:
-                last = RequestError("connection", f"{url} cannot be reached: {reason}", unreachable=True)
-        except (ConnectionError, OSError) as e:   # reset mid-answer, remote closed
-            last = RequestError("connection", f"{url} cannot be reached: {type(e).__name__}: {e}", unreachable=True)
+            return _post_once(url, body, headers or {}, timeout_s, max_bytes)
+        except RequestError as e:
+            if e.status not in RETRIED_STATUS:
+                raise
+            last = e
+        except http.HTTPFailure as e:
+            if e.kind == "too_large":
+                raise RequestError("bad_response", str(e)) from None
+            if e.kind == "redirect":
+                raise RequestError("http", str(e)) from None
+            last = RequestError(e.kind, str(e), unreachable=e.kind == "connection")
     raise RequestError(last.kind, f"{last.message} ({retries + 1} attempts)", last.unreachable)
 
 

@@ -118,7 +118,8 @@ class ReplayReport:
 
 def replay(run_dir: str | os.PathLike, tracking_uri: Optional[str] = None) -> ReplayReport:
     """Write the records of `<run_dir>/tracking_dropped.jsonl` into their MLflow runs (records of a
-    run that never started go into a new run of the same experiment and name). Records that fail
+    run that never started, or that `tracking_uri`'s store does not hold, go into a new run of the
+    same experiment and name). Records that fail
     again stay in a new journal; the replayed one is renamed."""
     from mrl.errors import UserError
     from mrl.tracking.mlflow_run import MlflowRun
@@ -142,7 +143,7 @@ def replay(run_dir: str | os.PathLike, tracking_uri: Optional[str] = None) -> Re
         key = (uri, rec.get("run_id") or f"new:{rec['experiment']}:{rec['run_name']}")
         try:
             if key not in runs:
-                runs[key] = MlflowRun(uri, rec["experiment"], rec["run_name"], run_id=rec.get("run_id"), tags={})
+                runs[key] = _target_run(uri, rec)
             _apply(runs[key], rec)
             written += 1
         except Exception as e:   # noqa: BLE001 - reported and kept for a later replay
@@ -155,6 +156,22 @@ def replay(run_dir: str | os.PathLike, tracking_uri: Optional[str] = None) -> Re
     if failed:
         journal.write_text("".join(json.dumps(r) + "\n" for r in failed))
     return ReplayReport(written, len(failed), done)
+
+
+def _target_run(uri: str, rec: Mapping[str, Any]):
+    """The MLflow run a record goes to: its own run; a new run of its experiment and name when it
+    has none, or when the store does not hold it (a replay into another store, `--tracking-uri`),
+    tagged `mrl.replayed_from_run_id`."""
+    from mrl.errors import UserError
+    from mrl.tracking.mlflow_run import MlflowRun, ensure_store_dir
+
+    ensure_store_dir(uri)   # a fresh local store: MLflow creates the file, not its directory
+    run_id = rec.get("run_id")
+    try:
+        return MlflowRun(uri, rec["experiment"], rec["run_name"], run_id=run_id, tags={})
+    except UserError:
+        log.warning("replay: run %s is not in %s; its records go to a new run %r there", run_id, uri, rec["run_name"])
+        return MlflowRun(uri, rec["experiment"], rec["run_name"], tags={"mrl.replayed_from_run_id": str(run_id)})
 
 
 def _apply(run, rec: Mapping[str, Any]) -> None:

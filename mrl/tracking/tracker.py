@@ -14,7 +14,10 @@ nothing.
 Tracking never kills training: keys MLflow rejects are renamed (`mrl.tracking.names`), and every
 MLflow write goes through a `WriteGuard` (`mrl.tracking.journal`): retried with backoff, then
 dropped with a counted warning into `<run dir>/tracking_dropped.jsonl` for `mrl track replay`.
-The count is the metric `tracking/dropped_writes` of the steps after a drop.
+The count is the metric `tracking/dropped_writes` of the steps after a drop. TensorBoard, wandb
+and Prometheus go through `_side`: a backend that fails at start (a port in use, a read-only
+directory) or mid-run is turned off with one line, counted in `tracking/failed_backends`, and
+the others go on; a start interrupted after the MLflow run began ends that run FAILED.
 """
 from __future__ import annotations
 
@@ -59,6 +62,7 @@ class Tracker:
         self.prometheus = None    # mrl.tracking.prometheus.PrometheusExporter
         self.wandb = None         # mrl.tracking.wandb_run.WandbRun
         self.summary = RunSummary()   # best and last rewards, for the closing summary
+        self.failed_backends: list[str] = []   # backends turned off after a failure (`_side`)
         self._run_id: str | None = None
         self._target: dict[str, Any] = {}   # where MLflow writes go (journal records name it)
         self._charted: set[str] = set()     # metric keys the saved chart layout lists
@@ -102,27 +106,65 @@ class Tracker:
                 if base is not None:
                     self.ui_addresses = [f"charts: {charts_address(base, self.mlflow.experiment_id)}",
                                          f"run: {run_address(base, self.mlflow.experiment_id, self.mlflow.run_id)}"]
-        if "tensorboard" in cfg.backends:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # a resumed run re-runs the steps after its checkpoint: drop their old events
-            self.tensorboard = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"),
-                                             purge_step=start_step + 1 if start_step else None)
-        if "wandb" in cfg.backends:
-            from mrl.tracking.wandb_run import WandbRun
-
-            self.wandb = WandbRun(run_dir, project=cfg.experiment, name=cfg.run_name or Path(run_dir).name,
-                                  resume=start_step > 0, tags=cfg.tags)
-        if cfg.prometheus_port is not None:
-            from mrl.tracking.prometheus import PrometheusExporter
-
-            self.prometheus = PrometheusExporter(cfg.prometheus_port, cfg.prometheus_address, total_steps=total_steps,
-                                                 start_step=start_step)
+        try:
+            self._start_side_backends(cfg, run_dir, total_steps, start_step)
+        except BaseException:   # e.g. KeyboardInterrupt mid-start: the MLflow run must not stay RUNNING
+            self.finish("FAILED")
+            raise
         if "console" in cfg.backends:
             self.console = ConsoleProgress(total_steps, start_step=start_step, file=stream,
                                            force_terminal=force_terminal, every_steps=log_every_steps)
         for line in self.start_lines(run_dir):
             self.message(line)
+
+    def _start_side_backends(self, cfg: TrackingConfig, run_dir, total_steps: int, start_step: int) -> None:
+        """TensorBoard, wandb and Prometheus, each started through `_side`: one that fails to start
+        is left off with one line, and the run goes on."""
+        if "tensorboard" in cfg.backends:
+            def tensorboard():
+                from torch.utils.tensorboard import SummaryWriter
+
+                # a resumed run re-runs the steps after its checkpoint: drop their old events
+                return SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"),
+                                     purge_step=start_step + 1 if start_step else None)
+
+            self.tensorboard = self._side("tensorboard", tensorboard)
+        if "wandb" in cfg.backends:
+            def wandb():
+                from mrl.tracking.wandb_run import WandbRun
+
+                return WandbRun(run_dir, project=cfg.experiment, name=cfg.run_name or Path(run_dir).name,
+                                resume=start_step > 0, tags=cfg.tags)
+
+            self.wandb = self._side("wandb", wandb)
+        if cfg.prometheus_port is not None:
+            def prometheus():
+                from mrl.tracking.prometheus import PrometheusExporter
+
+                return PrometheusExporter(cfg.prometheus_port, cfg.prometheus_address, total_steps=total_steps,
+                                          start_step=start_step)
+
+            self.prometheus = self._side("prometheus", prometheus)
+
+    def _side(self, backend: str, fn):
+        """`fn()` for a tracking backend other than MLflow (whose writes the `WriteGuard` keeps);
+        when it raises, the backend is turned off for the rest of the run with one line, counted in
+        `tracking/failed_backends`, and None is returned: a tracking failure never stops training."""
+        try:
+            return fn()
+        except Exception as e:   # noqa: BLE001 - any backend failure, reported in one line
+            why = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            self.failed_backends.append(backend)
+            failed = getattr(self, backend, None)
+            setattr(self, backend, None)
+            if failed is not None:
+                try:
+                    failed.finish("FAILED") if backend == "wandb" else failed.close()
+                except Exception:   # noqa: BLE001 - it failed already; closing it is best effort
+                    pass
+            self.message(f"tracking: {backend} failed ({type(e).__name__}{': ' + why if why else ''}); it is off "
+                         "for the rest of this run, the other backends and training go on")
+            return None
 
     @classmethod
     def from_spec(cls, spec: Any, *, total_steps: int, **kw) -> "Tracker":
@@ -174,7 +216,7 @@ class Tracker:
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         if self.wandb is not None:
-            self.wandb.log_params(params)
+            self._side("wandb", lambda: self.wandb.log_params(params))
         self._mlflow_params(params)
 
     def _mlflow_params(self, params: Mapping[str, Any]) -> None:
@@ -185,7 +227,7 @@ class Tracker:
         """The resolved spec as dotted-key params and as the `spec.toml` artifact (wandb: its config)."""
         text = to_toml(spec)
         if self.wandb is not None:
-            self.wandb.log_config(text)
+            self._side("wandb", lambda: self.wandb.log_config(text))
         self._mlflow_params(spec_params(spec))
         self._write("the spec.toml artifact", lambda: self.mlflow.log_text(text, "spec.toml"), "text", text=text,
                     artifact="spec.toml")
@@ -197,14 +239,14 @@ class Tracker:
 
         text = to_toml(spec)
         if self.wandb is not None:
-            self.wandb.log_config(text)
+            self._side("wandb", lambda: self.wandb.log_config(text))
         self._mlflow_params(spec_params(spec))
         self._write("the resumed spec.toml", lambda: record_resumed_spec(self.mlflow, text, start_step), "text",
                     text=text, artifact="spec.toml")
 
     def stage(self, name: str) -> None:
         if self.prometheus is not None:
-            self.prometheus.stage(name)
+            self._side("prometheus", lambda: self.prometheus.stage(name))
         if self.console is not None:
             self.console.stage(name)
 
@@ -213,6 +255,8 @@ class Tracker:
         MLflow only, for what a step measures after its line, e.g. the checkpoint's time)."""
         if self.rank == 0 and self.guard.dropped_writes:
             metrics = {**metrics, "tracking/dropped_writes": float(self.guard.dropped_writes)}
+        if self.failed_backends:
+            metrics = {**metrics, "tracking/failed_backends": float(len(self.failed_backends))}
         values = self.names.keys(numbers(metrics)) if self._target else {}
         self._write(f"metrics of step {step}", lambda: self.mlflow.log_metrics(values, step), "metrics", step=step,
                     values=values, time_ms=int(time.time() * 1000))
@@ -221,14 +265,17 @@ class Tracker:
             keys = sorted(self._charted)
             self._write("the chart layout", lambda: self.mlflow.save_chart_view(keys), "none")
         if self.tensorboard is not None:
-            for name, value in metrics.items():
-                self.tensorboard.add_scalar(name, float(value), step)
-            self.tensorboard.flush()
+            def tensorboard():
+                for name, value in numbers(metrics).items():
+                    self.tensorboard.add_scalar(name, float(value), step)
+                self.tensorboard.flush()
+
+            self._side("tensorboard", tensorboard)
         self.summary.observe(step, metrics)
         if self.wandb is not None:
-            self.wandb.log_metrics(metrics, step)
+            self._side("wandb", lambda: self.wandb.log_metrics(metrics, step))
         if self.prometheus is not None:
-            self.prometheus.step_done(step, metrics)
+            self._side("prometheus", lambda: self.prometheus.step_done(step, metrics))
         if self.console is not None and console:
             self.console.step_done(step, metrics)
 
@@ -236,7 +283,7 @@ class Tracker:
         """Append sample generations (`mrl.tracking.samples.sample_rows`) to the run's
         `samples/<split>.json` table (wandb: a `samples/<split>` table)."""
         if self.wandb is not None:
-            self.wandb.log_samples(split, columns)
+            self._side("wandb", lambda: self.wandb.log_samples(split, columns))
         columns, artifact = {k: list(v) for k, v in columns.items()}, f"samples/{split}.json"
         self._write(f"{split} samples", lambda: self.mlflow.log_table(columns, artifact), "table", columns=columns,
                     artifact=artifact)
@@ -256,12 +303,8 @@ class Tracker:
             self._write(f"the run's end ({status})", lambda: self.mlflow.finish(status), "finish", status=status)
             self._target = {}
             self.mlflow = None
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-            self.tensorboard = None
-        if self.wandb is not None:
-            self.wandb.finish(status)
-            self.wandb = None
-        if self.prometheus is not None:
-            self.prometheus.close()
-            self.prometheus = None
+        for backend, end in (("tensorboard", lambda b: b.close()), ("wandb", lambda b: b.finish(status)),
+                             ("prometheus", lambda b: b.close())):
+            if getattr(self, backend) is not None:
+                self._side(backend, lambda: end(getattr(self, backend)))
+                setattr(self, backend, None)

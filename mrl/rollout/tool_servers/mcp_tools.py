@@ -14,11 +14,16 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import os
+import shutil
+import sys
 import threading
+from pathlib import Path
 from typing import Any, Optional
 
 from mrl.errors import UserError
 from mrl.rollout.tool_servers.base import ServerError, ToolCallError, ToolServer, normalize_schema, select_tools
+from mrl.rollout.tool_servers.stdio_cap import TOO_LARGE
 
 log = logging.getLogger(__name__)
 
@@ -87,17 +92,19 @@ def _text_of(result) -> str:
 
 
 MAX_RESTARTS = 3   # reconnects tried per MCP server per run (each bounded by its connect_timeout_s)
+MAX_MESSAGE_BYTES = 8 << 20   # one message from an MCP server (a line on stdio, a body line or SSE event on HTTP)
 
 
 class MCPToolServer(ToolServer):
     """An MCP server (`kind` "mcp_stdio": `command` + `args` + `env`; "mcp_http": `url`), connected
     and listed on construction, its session held on `loop` until `close()`.
 
-    A session that fails (the stdio process exited, the HTTP session broke) is seen by the call
-    that meets it, which is a server error; `revive()`, run by the runner before each later call,
-    then opens a fresh session (a new process for stdio) within `connect_timeout_s`, at most
-    `MAX_RESTARTS` times per run, and re-checks the listing: a tool the new session no longer
-    offers is a server error on each call to it."""
+    A session that fails (the stdio process exited, the HTTP session broke) or lets a call time
+    out (it may be stuck) is seen by the call that meets it, a server error or a timeout;
+    `revive()`, run by the runner before each later call, then opens a fresh session (a new
+    process for stdio) within `connect_timeout_s`, at most `MAX_RESTARTS` times per run, and
+    re-checks the listing: a tool the new session no longer offers is a server error on each call
+    to it. An answer over `MAX_MESSAGE_BYTES` is a server error that leaves the session up."""
 
     def __init__(self, name: str, kind: str, loop: EventLoopThread, *, url: Optional[str] = None,
                  command: Optional[str] = None, args: tuple[str, ...] = (), env: Optional[dict[str, str]] = None,
@@ -118,6 +125,10 @@ class MCPToolServer(ToolServer):
         self._missing: set[str] = set()    # listed tools a restarted session no longer offers
         self._lock = threading.Lock()
         self._closed = False
+        if kind == "mcp_stdio" and not _runnable(command or "", cwd, env):
+            # checked here: the server starts under the stdio_cap relay, which could only say so on stderr
+            raise UserError(f"rollout.multi_turn.servers: MCP server {name!r} ({self.where}): cannot list its tools: "
+                            f"cannot start {command!r}: not an executable file or a command on PATH")
         try:
             offered = self._open(connect_timeout_s)
             self.schemas = select_tools(name, offered, allow)
@@ -132,17 +143,21 @@ class MCPToolServer(ToolServer):
 
     @staticmethod
     def _transport(kind, url, command, args, env, cwd, headers):
-        """A fresh transport target (an httpx client cannot be reused once its session closed)."""
+        """A fresh transport target (an httpx client cannot be reused once its session closed).
+        Every message from the server is capped at `MAX_MESSAGE_BYTES`: a stdio server runs under
+        the `stdio_cap` relay, an HTTP one through `mcp_http_cap.capped_client`."""
         if kind == "mcp_stdio":
             from mcp.client.stdio import StdioServerParameters
 
-            return StdioServerParameters(command=command, args=list(args), env=dict(env or {}) or None, cwd=cwd)
-        if headers:
-            from mcp.client.streamable_http import streamable_http_client
-            from mcp.shared._httpx_utils import create_mcp_http_client
+            relay = [sys.executable, "-I", str(Path(__file__).with_name("stdio_cap.py")), str(MAX_MESSAGE_BYTES), "--"]
+            return StdioServerParameters(command=relay[0], args=[*relay[1:], command, *args],
+                                         env=dict(env or {}) or None, cwd=cwd)
+        from mcp.client.streamable_http import streamable_http_client
 
-            return streamable_http_client(url, http_client=create_mcp_http_client(headers=dict(headers)))
-        return url
+        from mrl.rollout.tool_servers.mcp_http_cap import capped_client
+
+        return streamable_http_client(url, http_client=capped_client(headers, MAX_MESSAGE_BYTES),
+                                      max_sse_event_size=MAX_MESSAGE_BYTES)
 
     def _open(self, timeout_s: float) -> list[dict]:
         """Open a session (replacing the current one) and list its tools; `TimeoutError` after
@@ -240,12 +255,15 @@ class MCPToolServer(ToolServer):
         try:
             result = self.loop.submit(self._call(tool, arguments), self.timeout_s)
         except TimeoutError:
+            self._fail(generation)   # a session that let a call time out may be stuck: restart it
             raise
         except Exception as e:   # noqa: BLE001 - transport and protocol failures
+            if TOO_LARGE in str(e):   # the relay or the capped transport refused one answer: the session is fine
+                raise ServerError(f"the answer is over {MAX_MESSAGE_BYTES} bytes (MAX_MESSAGE_BYTES)") from None
             if not isinstance(e, ServerError) and "timed out" in str(e).lower():
+                self._fail(generation)
                 raise TimeoutError(str(e)) from None
-            if generation == self._generation:
-                self._failed = True
+            self._fail(generation)
             if isinstance(e, ServerError):
                 raise
             raise ServerError(_describe(e)) from None
@@ -253,6 +271,11 @@ class MCPToolServer(ToolServer):
         if result.is_error:
             raise ToolCallError(text)
         return text
+
+    def _fail(self, generation: int) -> None:
+        """Mark the session for a restart by the next call (unless a newer one replaced it)."""
+        if generation == self._generation:
+            self._failed = True
 
     def close(self) -> None:
         with self._lock:
@@ -264,6 +287,13 @@ class MCPToolServer(ToolServer):
                 holder.result(CLOSE_TIMEOUT_S)
             except BaseException:   # noqa: BLE001 - a slow or failed exit; the loop's close cancels it
                 holder.cancel()
+
+
+def _runnable(command: str, cwd: Optional[str], env: Optional[dict]) -> bool:
+    """Whether `command` names an executable (a path, relative to `cwd`, or a name on the server's PATH)."""
+    if os.sep in command and cwd and not os.path.isabs(command):
+        command = os.path.join(cwd, command)
+    return shutil.which(command, path=(env or {}).get("PATH", os.environ.get("PATH"))) is not None
 
 
 def _describe(e: BaseException) -> str:
