@@ -198,8 +198,9 @@ def cmd_convert(args) -> int:
     from mrl.config.loader import load
     from mrl.convert import convert, inputs, render
 
-    yamls, tokens = inputs(args.items)
-    conv = convert(yamls, tokens)
+    found = inputs(args.items)
+    conv = convert(found.yamls, found.tokens, config_name=found.config_name, describe=found.describe)
+    conv.notes = found.notes + conv.notes
     text = render(conv, list_dropped=args.all)
     if args.out:
         out = Path(args.out)
