@@ -201,6 +201,8 @@ def cmd_convert(args) -> int:
     found = inputs(args.items)
     conv = convert(found.yamls, found.tokens, config_name=found.config_name, describe=found.describe)
     conv.notes = found.notes + conv.notes
+    if conv.refused:      # a capability mrl lacks: no job is written
+        raise UserError(f"refused: {conv.refused[0]}" + (f" (and {len(conv.refused) - 1} more)" if len(conv.refused) > 1 else ""))
     text = render(conv, list_dropped=args.all)
     if args.out:
         out = Path(args.out)

@@ -39,6 +39,7 @@ class Conversion:
     not_read: list[tuple[str, Any, str]] = field(default_factory=list)        # verl would not read them here
     dropped: list[tuple[str, Any, str]] = field(default_factory=list)         # defaults with nothing to say
     problems: list[str] = field(default_factory=list)                         # values the user must choose
+    refused: list[str] = field(default_factory=list)                          # capabilities mrl lacks
     notes: list[str] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
 
@@ -167,6 +168,9 @@ def convert(yaml_files: list[Path], overrides: list[str], base: Path | None = No
         t = rules.translate(entry, key, resolved, table.condition(key))
         if t.problem and t.problem not in out.problems:   # a rule read by two keys reports once
             out.problems.append(t.problem)
+        if t.refused:
+            out.refused.append(t.refused)
+            continue
         if t.no_counterpart:
             (out.dropped if is_default else out.not_converted).append((shown, value, t.no_counterpart))
             continue

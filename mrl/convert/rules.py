@@ -21,6 +21,7 @@ class Translation:
     skipped: str | None = None     # why nothing is set (mrl's default applies)
     problem: str | None = None     # a value mrl cannot take: the user must choose
     no_counterpart: str | None = None   # verl reads it here, and mrl has nothing that does the same (why)
+    refused: str | None = None     # a capability mrl lacks: no job is written
 
 
 def _skip(why: str) -> Translation:
@@ -147,6 +148,11 @@ def reward_model(m: Mapping, key: str, cfg: dict) -> Translation:
     if not generative_rm(cfg):
         return Translation({"reward.model_path": path}, note="a scalar reward model (no custom reward function)")
     engine = cfg.get("reward.reward_model.rollout.name")
+    if cfg.get("reward.reward_model.enable_resource_pool"):
+        return Translation(problem=f"{RM_PATH} = {path}: verl serves this generative reward model on GPUs of its own "
+                                   "(reward.reward_model.enable_resource_pool); mrl's local judge shares the trainer's: "
+                                   "serve it with vLLM's OpenAI server and give reward.judge.url and reward.judge.model "
+                                   "(docs/rewards.md), or drop enable_resource_pool")
     out = {"reward.judge.model": path, "reward.judge.engine": "vllm" if engine in ("vllm", "sglang", "trtllm") else "hf"}
     note = "a generative reward model (the custom reward function prompts it): mrl's judge on a local engine"
     if engine not in (None, "vllm", "???"):
@@ -224,6 +230,20 @@ def reward_manager(m: Mapping, key: str, cfg: dict) -> Translation:
                                "reward.function per response")
 
 
+def refuse_unless(m: Mapping, key: str, cfg: dict) -> Translation:
+    """The value, when it is one of `allowed`; otherwise mrl lacks the capability: refused."""
+    value = cfg.get(key)
+    if value is None or value in m.params["allowed"]:
+        return copy(m, key, cfg)
+    return Translation(refused=f"{key} = {value!r}: {m.params['why']}")
+
+
+def refuse_if_true(m: Mapping, key: str, cfg: dict) -> Translation:
+    if cfg.get(key):
+        return Translation(refused=f"{key} = true: {m.params['why']}")
+    return _skip("false: nothing to convert")
+
+
 def save_freq(m: Mapping, key: str, cfg: dict) -> Translation:
     """trainer.save_freq: -1 (verl: never save) is checkpoint.every_steps = -1; N > 0 is N."""
     value = cfg.get(key)
@@ -236,15 +256,11 @@ def save_freq(m: Mapping, key: str, cfg: dict) -> Translation:
 
 def clip_low(m: Mapping, key: str, cfg: dict) -> Translation:
     """clip_ratio_low; CISPO's official setting 10 puts the lower bound below 0 (no lower clip in
-    verl, since ratios are positive): mrl's cispo reads the same value the same way."""
+    verl, since ratios are positive): mrl's losses clamp at 1 - clip_low the same way."""
     t = copy(m, key, cfg)
     value = cfg.get(key)
     if t.values and value is not None and float(value) >= 1:
-        loss = cfg.get("actor_rollout_ref.actor.policy_loss.loss_mode")
-        if loss == "cispo":
-            t.note = f"{value}: 1 - {value} < 0, no lower clip (as verl)"
-        else:
-            t.problem = f"{key} = {value}: a lower clip of 1 - {value} <= 0 is none; mrl takes that only with cispo"
+        t.note = f"1 - {value} <= 0: no lower clip (ratios are positive), as in verl"
     return t
 
 
@@ -341,7 +357,8 @@ RULES: dict[str, Callable[[Mapping, str, dict], Translation]] = {
     "pair": pair, "times": times, "more_than_one": more_than_one, "clip_ratio": clip_ratio,
     "reward_model": reward_model, "judge": judge, "overlong": overlong, "kwargs": kwargs,
     "reward_manager": reward_manager, "save_freq": save_freq, "clip_low": clip_low,
-    "loss_aggregation": loss_aggregation, "rollout_is": rollout_is,
+    "loss_aggregation": loss_aggregation, "rollout_is": rollout_is, "refuse_unless": refuse_unless,
+    "refuse_if_true": refuse_if_true,
 }
 
 

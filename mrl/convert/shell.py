@@ -106,6 +106,7 @@ class _Interp:
         self.commands: list[TrainerCommand] = []
         self.notes: list[str] = []
         self.unknowns: list[str] = []
+        self.unset: set[str] = set()       # markers of variables that are not set (bash reads them as "")
         self.steps = 0
         self.output: list[str] | None = None     # inside $(...): what echo prints
         self.status = 0
@@ -146,7 +147,7 @@ class _Interp:
                     return self.run(body)
             return self.run(node.otherwise) if node.otherwise is not None else 0
         if isinstance(node, Case):
-            value = self.expand_one(node.word)
+            value = self.blank_unset(self.expand_one(node.word))
             for patterns, body in node.arms:
                 for p in patterns:
                     pat = self.expand_one(p, pattern=True)
@@ -378,7 +379,14 @@ class _Interp:
                 return re.search(self.known(b), self.known(a)) is not None
         raise _Unknown(f"`{' '.join(self.what(a) for a in args)}`")
 
+    def blank_unset(self, value: str) -> str:
+        """`value` with the markers of unset variables read as bash reads them: empty."""
+        for mark in self.unset:
+            value = value.replace(mark, "")
+        return value
+
     def known(self, value: str) -> str:
+        value = self.blank_unset(value)
         if MARK in value:
             raise _Unknown(repr(self.what(value)))
         return value
@@ -489,6 +497,8 @@ class _Interp:
                 current.append(value)
                 started = True
                 continue
+            if value in self.unset:      # an unquoted unset variable expands to no word at all
+                continue
             pieces = value.split()
             if not pieces:
                 continue
@@ -563,7 +573,11 @@ class _Interp:
         name, rest = m.group(1), expr[m.end():]
         value = self.lookup(name, line)
         if not rest:
-            return "" if value is None else value
+            if value is None:       # not set by the script nor the environment: asked for where it is used
+                mark = self.unknown(f"${name}, which is not set (give it in the environment)")
+                self.unset.add(mark)
+                return mark
+            return value
         for op in (":-", ":=", ":+", ":?", "-", "=", "+", "?"):
             if rest.startswith(op):
                 word = rest[len(op):]
