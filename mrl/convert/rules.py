@@ -164,6 +164,9 @@ def judge(m: Mapping, key: str, cfg: dict) -> Translation:
     """A serving setting of verl's reward model: the judge's, when the model is generative."""
     if not cfg.get(RM_ENABLE):
         return _skip(f"verl reads it only when {RM_ENABLE} is true")
+    if generative_rm(cfg) and cfg.get("reward.reward_model.enable_resource_pool"):
+        return Translation(no_counterpart="a serving setting of the judge's own GPUs: the server you start for "
+                                          "reward.judge.url sets it")
     if not generative_rm(cfg):
         return Translation(no_counterpart="a scalar reward model runs in mrl's trainer (reward.model_path), "
                                           "not on an inference engine")
@@ -242,6 +245,21 @@ def refuse_if_true(m: Mapping, key: str, cfg: dict) -> Translation:
     if cfg.get(key):
         return Translation(refused=f"{key} = true: {m.params['why']}")
     return _skip("false: nothing to convert")
+
+
+def is_threshold(m: Mapping, key: str, cfg: dict) -> Translation:
+    """rollout_is_threshold: a number (or "2.0") caps the weights (TIS: correction.threshold); a
+    "lower_upper" string zeroes the weights outside [lower, upper] (IcePop, verl 0.9.1's
+    `_parse_rollout_is_threshold`): correction.mode = "mask" with mask_low / mask_high."""
+    value = cfg.get(key)
+    if value is None:
+        return _skip("null in verl: mrl's default applies")
+    if isinstance(value, str) and "_" in value:
+        low, _, high = value.partition("_")
+        return Translation({"algorithm.correction.mode": "mask", "algorithm.correction.mask_low": float(low),
+                            "algorithm.correction.mask_high": float(high)},
+                           note=f"{value!r}: weights outside [{low}, {high}] are zeroed (IcePop)")
+    return Translation({"algorithm.correction.threshold": float(value)})
 
 
 def save_freq(m: Mapping, key: str, cfg: dict) -> Translation:
@@ -358,7 +376,7 @@ RULES: dict[str, Callable[[Mapping, str, dict], Translation]] = {
     "reward_model": reward_model, "judge": judge, "overlong": overlong, "kwargs": kwargs,
     "reward_manager": reward_manager, "save_freq": save_freq, "clip_low": clip_low,
     "loss_aggregation": loss_aggregation, "rollout_is": rollout_is, "refuse_unless": refuse_unless,
-    "refuse_if_true": refuse_if_true,
+    "refuse_if_true": refuse_if_true, "is_threshold": is_threshold,
 }
 
 
