@@ -118,6 +118,9 @@ def _model_dir(tmp: Path, moe: bool) -> Path:
         if moe:
             config.update(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536)
         (path / "config.json").write_text(json.dumps(config))
+        # a Qwen2.5-style template: it writes hermes tool calls, as the scripts' Qwen models do
+        template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<tool_call>\n<|im_end|>\n{% endfor %}"
+        (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     return path
 
 

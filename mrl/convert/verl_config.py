@@ -176,7 +176,8 @@ def apply_override(token: str, cfg: VerlConfig, defaults: dict[str, Any], lenien
         raise UserError(f"{COMMAND_LINE}: {token!r}: an override is key=value")
     exists = (key in cfg.raw and cfg.raw[key] is not None) or any(k.startswith(key + ".") for k in cfg.raw)
     if plus == 1 and exists and not lenient:     # Hydra adds over a null value (verl's router_replay example)
-        raise UserError(f"{COMMAND_LINE}: {token}: +{key} adds a key, but verl already has {key} (use {key}=... or ++{key}=...)")
+        cfg.notes.append(f"{token}: +{key} adds a key, and verl {verl_version()} already has {key} (Hydra would "
+                         f"refuse it: the script was written for another verl version); read as ++{key}")
     cfg.set(key, parse_value(text), COMMAND_LINE)
 
 
@@ -204,6 +205,8 @@ def read_script(path: Path) -> ScriptInput:
         found = read_script_text(text, path)
     except ShellError as e:
         refused = _static_refusal(text, REFUSED_ENTRY_POINTS)
+        if refused is None and not re.search(r"-m\s+(verl|recipe)\.|main_(ppo|dapo|entropy)\.py", text):
+            raise UserError(f"{path}: no verl trainer command in this script (python3 -m verl.trainer.main_ppo ...)")
         raise UserError(f"{path} line {e.line}: {refused or e.message}")
     cmd = found.command
     if cmd is None:
