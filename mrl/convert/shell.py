@@ -102,6 +102,7 @@ class _Interp:
         self.vars.setdefault("HOME", os.path.expanduser("~"))
         self.vars["BASH_SOURCE"] = [str(path)]
         self.positional: list[str] = []
+        self.cwd = os.getcwd()          # `cd` moves it; `pwd` prints it
         self.functions: dict[str, list] = {}
         self.commands: list[TrainerCommand] = []
         self.notes: list[str] = []
@@ -282,7 +283,7 @@ class _Interp:
             finally:
                 self.positional = saved
             return 0
-        if name in ("dirname", "basename", "realpath", "pwd", "cd", "readlink") and self.output is not None:
+        if name == "cd" or (name in ("dirname", "basename", "realpath", "pwd", "readlink") and self.output is not None):
             return self.path_command(name, args)
         trainer = self.trainer(words, line)
         if trainer is not None:
@@ -304,11 +305,11 @@ class _Interp:
     def path_command(self, name: str, args: list[str]) -> int:
         args = [a for a in args if not a.startswith("-")]
         if name == "cd":
-            self.vars["PWD"] = os.path.normpath(os.path.join(str(self.vars.get("PWD", os.getcwd())), args[0])) \
-                if args and MARK not in args[0] else self.unknown("a directory")
+            self.cwd = os.path.normpath(os.path.join(self.cwd, args[0])) if args and MARK not in args[0] \
+                else self.unknown("a directory")
             return 0
         if name == "pwd":
-            self.output.append(str(self.vars.get("PWD", os.getcwd())) + "\n")
+            self.output.append((self.cwd if MARK not in self.cwd else self.unknown("$(pwd)")) + "\n")
         elif args and MARK not in args[0]:
             f = {"dirname": os.path.dirname, "basename": os.path.basename,
                  "realpath": os.path.abspath, "readlink": os.path.abspath}[name]
@@ -556,8 +557,8 @@ class _Interp:
                 return list(items)
             idx = self.arith(m.group(2), line)
             return items[idx] if -len(items) <= idx < len(items) else ""
-        if name == "PWD" and name not in self.vars:
-            return os.getcwd()
+        if name == "PWD":
+            return self.cwd
         value = self.vars.get(name)
         if isinstance(value, list):
             return value[0] if value else ""
