@@ -147,7 +147,9 @@ def convert(yaml_files: list[Path], overrides: list[str], base: Path | None = No
             continue
         if isinstance(value, str) and MARK in value:
             what = describe(value)
-            if entry is not None and entry.placeholder:
+            if entry is None and table.reason(key):
+                out.not_converted.append((shown, what, table.reason(key)))
+            elif entry is not None and entry.placeholder:
                 out.not_converted.append((shown, what, "computed by the script when it runs; mrl names the run "
                                                        f"itself (set {entry.target} to choose)"))
             else:

@@ -24,6 +24,7 @@ from mrl.convert.shell_parse import AndOr, Case, For, Function, Group, If, Parse
 
 MAX_STEPS = 200_000          # commands and expansions interpreted: loops cannot run for ever
 MAX_VALUE_CHARS = 1_000_000  # no variable grows past this
+MAX_CALL_DEPTH = 50
 MARK = "\x00"                # an unknown value: MARK + index + MARK
 
 # Trainer entry points: module -> the named config it composes by default (None: refused, with why).
@@ -81,16 +82,19 @@ class ScriptRead:
 
 
 def read_script_text(text: str, path: Path, env: dict[str, str] | None = None) -> ScriptRead:
-    body = Parser(text)
-    interp = _Interp(path, dict(os.environ if env is None else env))
-    interp.notes += body.notes
-    tree = body.script()
     try:
-        interp.run(tree)
-    except _Exit as e:
-        interp.exit_line = e.line if e.status != 0 else None
-    except _Return:
-        pass
+        body = Parser(text)
+        interp = _Interp(path, dict(os.environ if env is None else env))
+        interp.notes += body.notes
+        tree = body.script()
+        try:
+            interp.run(tree)
+        except _Exit as e:
+            interp.exit_line = e.line if e.status != 0 else None
+        except _Return:
+            pass
+    except RecursionError:
+        raise ShellError(1, "the script nests commands too deep for mrl convert")
     return ScriptRead(interp.commands[0] if interp.commands else None, interp.notes, interp.unknowns,
                       interp.exit_line)
 
@@ -109,6 +113,7 @@ class _Interp:
         self.unknowns: list[str] = []
         self.unset: set[str] = set()       # markers of variables that are not set (bash reads them as "")
         self.steps = 0
+        self.depth = 0
         self.output: list[str] | None = None     # inside $(...): what echo prints
         self.status = 0
         self.exit_line: int | None = None
@@ -274,14 +279,18 @@ class _Interp:
             self.notes.append(f"line {line}: `{name} {' '.join(args)}` is not read (its variables are not known here)")
             return 0
         if name in self.functions:
+            if self.depth >= MAX_CALL_DEPTH:
+                raise ShellError(line, f"functions call each other more than {MAX_CALL_DEPTH} deep")
             saved = self.positional
             self.positional = args
+            self.depth += 1
             try:
                 self.run(self.functions[name])
             except _Return:
                 pass
             finally:
                 self.positional = saved
+                self.depth -= 1
             return 0
         if name == "cd" or (name in ("dirname", "basename", "realpath", "pwd", "readlink") and self.output is not None):
             return self.path_command(name, args)
@@ -498,7 +507,7 @@ class _Interp:
                 current.append(value)
                 started = True
                 continue
-            if value in self.unset:      # an unquoted unset variable expands to no word at all
+            if value in self.unset and len(w.parts) == 1:   # an unquoted unset variable alone: no word at all
                 continue
             pieces = value.split()
             if not pieces:

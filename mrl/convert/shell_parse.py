@@ -95,7 +95,9 @@ class Parser:
         self.skip_newlines()
         if not self.at_word(name):
             t = self.peek()
-            raise ShellError(t.line if t else line, f"expected `{name}`")
+            if t is None:
+                raise ShellError(line, f"the command of this line is never closed: expected `{name}`")
+            raise ShellError(t.line, f"expected `{name}`")
         self.take()
 
     def skip_newlines(self) -> None:
