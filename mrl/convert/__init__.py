@@ -168,8 +168,9 @@ def convert(yaml_files: list[Path], overrides: list[str], base: Path | None = No
             (out.dropped if is_default else out.not_converted).append((shown, value, reason))
             continue
         t = rules.translate(entry, key, resolved, table.condition(key))
-        if t.problem and t.problem not in out.problems:   # a rule read by two keys reports once
-            out.problems.append(t.problem)
+        problem = t.problem.replace(key, shown) if t.problem and shown != key else t.problem   # the user's name
+        if problem and problem not in out.problems:   # a rule read by two keys reports once
+            out.problems.append(problem)
         if t.refused:
             out.refused.append(t.refused)
             continue

@@ -48,9 +48,16 @@ def migrate(cfg: VerlConfig, resolved: dict[str, Any], defaults: dict[str, Any])
     notes: list[str] = []
     _expand_dicts(cfg, resolved)
 
+    def replaced(k: str, by: str) -> None:
+        """`k` is dropped the way verl drops it; a value the user gave is said to be unread."""
+        if cfg.origin.get(k) != "verl default":
+            notes.append(f"{aliases.get(k, k)} = {resolved.get(k)!r}: not read by verl {_version()}, which replaces "
+                         f"it with {by} (migrate_legacy_reward_impl)")
+        _drop(cfg, resolved, k)
+
     def move(old: str, new: str) -> None:
         for k in [k for k in cfg.raw if k == new or k.startswith(new + ".")]:
-            _drop(cfg, resolved, k)
+            replaced(k, old)
         cfg.raw[new], cfg.origin[new] = cfg.raw.pop(old), cfg.origin.pop(old)
         resolved[new] = resolved.pop(old)
         aliases[new] = aliases.pop(old, old)
@@ -64,7 +71,7 @@ def migrate(cfg: VerlConfig, resolved: dict[str, Any], defaults: dict[str, Any])
             continue
         if whole:
             for k in [k for k in cfg.raw if k.startswith(new_prefix)]:
-                _drop(cfg, resolved, k)
+                replaced(k, old_prefix + "*")
             keys = [k for k in cfg.raw if k.startswith(old_prefix)]
         for k in keys:
             move(k, new_prefix + k[len(old_prefix):])
@@ -78,6 +85,12 @@ def migrate(cfg: VerlConfig, resolved: dict[str, Any], defaults: dict[str, Any])
         if cfg.origin.get(k) != "verl default" or new not in cfg.raw:
             move(k, new)
     return aliases, notes
+
+
+def _version() -> str:
+    from mrl.convert.verl_config import verl_version
+
+    return verl_version()
 
 
 def _drop(cfg: VerlConfig, resolved: dict, key: str) -> None:

@@ -119,6 +119,8 @@ def reward_function(m: Mapping, key: str, cfg: dict) -> Translation:
     generative reward model the function prompts that model itself: mrl's judge does the prompting
     instead, so the user must write the function's prompt and parsing as the judge's."""
     path = cfg.get(m.params["path"])
+    if key == m.params["name"]:     # the path's entry writes path:name
+        return _skip(f"read with {m.params['path']}" + ("" if path else ", which is not set"))
     if not path:
         others = [k for k in (CUSTOM_PATH, "reward_model.reward_fn.path") if cfg.get(k)]
         if "reward.builtin" in m.targets and not others and not cfg.get(RM_ENABLE):
@@ -139,25 +141,32 @@ def reward_function(m: Mapping, key: str, cfg: dict) -> Translation:
 def reward_model(m: Mapping, key: str, cfg: dict) -> Translation:
     """verl 0.9's reward model: a scalar reward model (no custom function) is mrl's
     reward.model_path; a generative one (a custom function prompts it) is mrl's judge on a local
-    engine of its own."""
+    engine of its own (reward.reward_model.rollout.name: the engine)."""
     path = cfg.get(RM_PATH)
     if not cfg.get(RM_ENABLE):
         return _skip(f"verl reads it only when {RM_ENABLE} is true")
     if not path:
         return Translation(problem=f"{RM_ENABLE} = true without {RM_PATH}: supply reward.model_path")
+    if key == RM_ENABLE:
+        return _skip(f"read with {RM_PATH}")
+    engine = cfg.get("reward.reward_model.rollout.name")
+    if key != RM_PATH:      # the engine's name
+        if not generative_rm(cfg):
+            return Translation(no_counterpart="a scalar reward model runs in mrl's trainer (reward.model_path), "
+                                              "not on an inference engine")
+        if cfg.get("reward.reward_model.enable_resource_pool"):
+            return Translation(no_counterpart="the engine of the server you start for reward.judge.url")
+        note = "" if engine in (None, "vllm", "???") else f"verl serves it with {engine}; mrl's judge engines are hf and vllm"
+        return Translation({"reward.judge.engine": "vllm" if engine in ("vllm", "sglang", "trtllm") else "hf"}, note=note)
     if not generative_rm(cfg):
         return Translation({"reward.model_path": path}, note="a scalar reward model (no custom reward function)")
-    engine = cfg.get("reward.reward_model.rollout.name")
     if cfg.get("reward.reward_model.enable_resource_pool"):
         return Translation(problem=f"{RM_PATH} = {path}: verl serves this generative reward model on GPUs of its own "
                                    "(reward.reward_model.enable_resource_pool); mrl's local judge shares the trainer's: "
                                    "serve it with vLLM's OpenAI server and give reward.judge.url and reward.judge.model "
                                    "(docs/rewards.md), or drop enable_resource_pool")
-    out = {"reward.judge.model": path, "reward.judge.engine": "vllm" if engine in ("vllm", "sglang", "trtllm") else "hf"}
-    note = "a generative reward model (the custom reward function prompts it): mrl's judge on a local engine"
-    if engine not in (None, "vllm", "???"):
-        note += f"; verl serves it with {engine}, mrl's judge engines are hf and vllm"
-    return Translation(out, note=note)
+    return Translation({"reward.judge.model": path},
+                       note="a generative reward model (the custom reward function prompts it): mrl's judge on a local engine")
 
 
 def judge(m: Mapping, key: str, cfg: dict) -> Translation:
