@@ -157,18 +157,36 @@ def run_one(path: Path, tmp: Path) -> tuple[str, str]:
     return "converted-invalid", " | ".join(dict.fromkeys(problems))
 
 
+# Why a converted job does not validate yet: a capability mrl lacks (docs/verl.md's table), or a
+# value the user has to supply or change.
+INVALID_KINDS = (
+    ("needs the sglang engine (branch sglang)", "'sglang' is not one of"),
+    ("each data-parallel rank trains whole prompts", "do not split evenly over data-parallel size"),
+    ("no context parallelism in training yet", "context parallelism is not supported"),
+    ("a generative reward model: judge prompt or server to supply", "reward.judge"),
+)
+
+
+def invalid_kind(detail: str) -> str:
+    return next((kind for kind, words in INVALID_KINDS if words in detail), "a value to supply or change")
+
+
 def run(corpus: str, listing: bool) -> dict[str, int]:
     from mrl.platform.quiet import quiet_known_warnings
 
     quiet_known_warnings()
     rows = ("converted+valid", "converted-invalid", "refused", "traceback")
     counts: dict[str, dict[str, int]] = {}
+    kinds: dict[str, int] = {}
     inputs = sorted(p for p in Path(corpus).rglob("*") if p.suffix in (".sh", ".yaml", ".yml"))
     with tempfile.TemporaryDirectory() as tmp:
         for path in inputs:
             group = path.parent.name
             row, detail = run_one(path, Path(tmp))
             counts.setdefault(group, dict.fromkeys(rows, 0))[row] += 1
+            if row == "converted-invalid":
+                kind = invalid_kind(detail)
+                kinds[kind] = kinds.get(kind, 0) + 1
             if listing and row != "converted+valid":
                 print(f"{row:18} {group}/{path.name}: {detail[:400]}")
     total = {r: sum(c[r] for c in counts.values()) for r in rows}
@@ -176,6 +194,9 @@ def run(corpus: str, listing: bool) -> dict[str, int]:
     for group, c in sorted(counts.items()):
         print(f"| {group} ({sum(c.values())}) | " + " | ".join(str(c[r]) for r in rows) + " |")
     print(f"| all ({sum(total.values())}) | " + " | ".join(str(total[r]) for r in rows) + " |")
+    print("\n| converted-invalid: why | inputs |\n| --- | --- |")
+    for kind, n in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"| {kind} | {n} |")
     return total
 
 

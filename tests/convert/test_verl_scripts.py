@@ -130,7 +130,7 @@ def test_real_verl_script_converts_or_is_refused_in_one_line(cli, tmp_path, name
     rc, _, err = cli("validate", job, *_stand_ins(job, tmp_path))
     if expected == "valid":
         assert rc == 0, err
-    elif expected[0] == "sglang":
+    elif expected[0] == "sglang":      # the lead flips this to "valid" once branch sglang is merged
         if rc != 0 and "'sglang' is not one of" in err:
             pytest.xfail(NEEDS_SGLANG)
         assert rc == 0, err
@@ -237,6 +237,13 @@ def test_config_name_of_a_yaml_next_to_the_script_keeps_multi_turn(tmp_path, mon
 def test_sglang_rollout_maps_to_the_sglang_engine():
     conv = convert([], ["actor_rollout_ref.rollout.name=sglang"])
     assert conv.values["rollout.engine"].value == "sglang"
+
+
+@pytest.mark.xfail(reason=NEEDS_SGLANG, strict=True)
+def test_a_converted_sglang_job_validates(write_job):
+    from mrl.config.loader import load
+
+    load(write_job(), ["rollout.engine=sglang"])
 
 
 def test_lora_load_format_safetensors_is_mrl_s_auto():
