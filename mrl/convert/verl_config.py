@@ -11,14 +11,11 @@ import functools
 import json
 import os
 import re
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from mrl.convert.safe_read import VerlYamlLoader, load_yaml, read_text
+from mrl.convert.safe_read import load_yaml, read_text
 from mrl.errors import UserError
 
 DEFAULTS_FILE = Path(__file__).resolve().parents[1] / "config" / "verl_defaults.json"
@@ -28,11 +25,6 @@ _MISSING = object()
 MAX_INTERPOLATION_DEPTH = 50          # ${a} -> ${b} -> ... chains
 MAX_INTERPOLATED_CHARS = 100_000      # one value with its ${...} expanded (an "interpolation bomb" doubles per level)
 _INTERP = re.compile(r"\$\{([^${}]*)\}")
-_SHELL_VAR = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
-
-
-_Loader = VerlYamlLoader
-
 
 NAMED_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer", "ppo_veomni_trainer", "ppo_torchtitan_trainer",
                  "dapo_trainer", "dapo_megatron_trainer", "entropy_trainer")
