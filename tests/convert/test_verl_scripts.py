@@ -310,3 +310,18 @@ def test_npu_device_and_distillation_are_refused_in_one_line(cli, tmp_path):
     assert rc == 2 and err.count("error:") == 1 and "Ascend NPUs" in err and not (tmp_path / "a.toml").exists()
     rc, _, err = cli("convert", "distillation.enabled=true", "-o", tmp_path / "b.toml")
     assert rc == 2 and err.count("error:") == 1 and "distillation" in err
+
+
+def test_every_key_of_verl_0_9_1_is_mapped_or_explained():
+    """The defaults table is verl 0.9.1's (sdist generated configs and the recipes'); each of its
+    keys has an entry or a reason, so a config dumped by 0.9.1 lists no "no known counterpart" line."""
+    from mrl.config.verl_table import verl_table
+    from mrl.convert.verl_config import NAMED_CONFIGS, verl_defaults, verl_version
+
+    assert verl_version() == "0.9.1"
+    table = verl_table()
+    keys = {k for name in NAMED_CONFIGS for k in verl_defaults(name=name)}
+    assert len(keys) > 1300
+    assert not sorted(k for k in keys if table.mapping(k) is None and table.reason(k) is None)
+    dumped = convert([], ["++actor_rollout_ref.actor.veomni.param_offload=true", "++trainer.v1.sampler.x=1"])
+    assert not [k for k, _, why in dumped.not_converted if "no known counterpart" in why]
