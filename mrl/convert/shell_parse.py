@@ -87,9 +87,17 @@ class Parser:
         return t is not None and t.kind == "op" and t.value in ops
 
     def take(self) -> Token:
+        if self.k >= len(self.tokens):
+            raise ShellError(self.tokens[-1].line if self.tokens else 1, "the script ends in the middle of a command")
         t = self.tokens[self.k]
         self.k += 1
         return t
+
+    def take_word(self, what: str, line: int) -> Word:
+        t = self.take()
+        if t.kind != "word":
+            raise ShellError(t.line, f"{what} needs a word, not `{t.value!r}`")
+        return t.value
 
     def expect_word(self, name: str, line: int) -> None:
         self.skip_newlines()
@@ -184,7 +192,7 @@ class Parser:
             return Group(line, body)
         if name == "function":
             self.take()
-            fname = self.take().value.literal() or "?"
+            fname = self.take_word("`function`", line).literal() or "?"
             if self.at_op("("):
                 self.take()
                 self.take()
@@ -222,9 +230,7 @@ class Parser:
 
     def case(self, line: int) -> Case:
         self.take()
-        word = self.take()
-        if word.kind != "word":
-            raise ShellError(line, "`case` needs a word")
+        word = self.take_word("`case`", line)
         self.expect_word("in", line)
         arms = []
         while True:
@@ -232,7 +238,7 @@ class Parser:
             if self.at_word("esac"):
                 self.take()
                 self.redirections()
-                return Case(line, word.value, arms)
+                return Case(line, word, arms)
             if self.at_op("("):
                 self.take()
             patterns = []
@@ -259,7 +265,7 @@ class Parser:
         self.take()
         if self.at_op("(") :
             raise ShellError(line, "arithmetic `for ((...))` loops are not read by mrl convert")
-        name = self.take().value.literal() or "?"
+        name = self.take_word("`for`", line).literal() or "?"
         words = None
         while self.at_op("\n"):
             self.take()

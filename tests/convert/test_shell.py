@@ -171,3 +171,22 @@ def test_loops_and_sizes_are_bounded():
         read_script_text("f() { f; }\nf\n", Path("run.sh"), env={})
     with pytest.raises(ShellError, match="at most"):
         read_script_text("#" * 2_000_000, Path("run.sh"), env={})
+
+
+def test_fuzzed_scripts_are_read_or_refused_never_a_traceback():
+    """Random soups of the shell forms above: each is read or refused with a ShellError (which
+    `mrl convert` prints as one line), never another exception."""
+    import random
+
+    pieces = ["python3 -m verl.trainer.main_ppo ", "a=1 ", "$((", "))", "$(", ")", "${", "}", "X", ":-", "[@]", "'",
+              '"', "\\\n", "\n", "#c", " ", "(", ";", ";;", "&&", "||", "|", "if ", "then ", "fi", "else ", "case ",
+              " in ", "esac", "for ", "do ", "done", "{", "A=(", "[ ", " ]", "=", "-z ", "$X", "`", "<<EOF\n", "EOF\n",
+              "f() ", "f ", "1", "*", "/", "%", "$#", "$@", "2>&1", ">", "export ", "exit 1", "while ", "((", "!",
+              "${#X}", "${X%%*}", "$((X/0))", "${X:1:2}", "function ", "\\"]
+    rng = random.Random(3)
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 30)))
+        try:
+            read_script_text(text, Path("x.sh"), env={})
+        except ShellError:
+            pass
