@@ -166,8 +166,9 @@ def test_dapo_recipe_arithmetic(monkeypatch):
     monkeypatch.setenv("HOME", "/home/user")
     conv, v = _converted("recipe__dapo_test_dapo_7b_math.sh")
     assert v["rollout.max_response_tokens"] == 8192 and v["data.max_prompt_tokens"] == 2048
-    assert v["actor.micro_batch_tokens"] == (2048 + 8192) * 2
-    assert v["actor.logprob_micro_batch_tokens"] == (2048 + 8192) * 3
+    # $(((max_prompt_length + max_response_length) * 2)) per GPU, x Ulysses sp_size 4 per micro-batch
+    assert v["actor.micro_batch_tokens"] == (2048 + 8192) * 2 * 4
+    assert v["actor.logprob_micro_batch_tokens"] == (2048 + 8192) * 3 * 4
     assert (v["algorithm.overlong.enable"], v["algorithm.overlong.buffer_tokens"], v["algorithm.overlong.penalty_factor"]) \
         == (True, 4096, 1.0)
     # the model's max_position_embeddings override is listed with what to do, not dropped
@@ -325,3 +326,17 @@ def test_every_key_of_verl_0_9_1_is_mapped_or_explained():
     assert not sorted(k for k in keys if table.mapping(k) is None and table.reason(k) is None)
     dumped = convert([], ["++actor_rollout_ref.actor.veomni.param_offload=true", "++trainer.v1.sampler.x=1"])
     assert not [k for k, _, why in dumped.not_converted if "no known counterpart" in why]
+
+
+def test_a_ulysses_group_s_token_budget_is_one_rank_s_in_mrl():
+    """verl's ppo_max_token_len_per_gpu is per GPU of a Ulysses group: a micro-batch holds budget x
+    sp tokens (the DAPO NPU scripts set (prompt + response) / sp). mrl has no sequence parallelism:
+    one rank takes the group's micro-batch."""
+    conv = convert([], ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2816",
+                        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=8",
+                        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
+                        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=2816"])
+    v = {k: c.value for k, c in conv.values.items()}
+    assert v["actor.micro_batch_tokens"] == 2816 * 8
+    assert v["ref.micro_batch_tokens"] == 2816 * 8      # the reference follows the actor's Ulysses size
+    assert "Ulysses 8" in conv.values["actor.micro_batch_tokens"].note
