@@ -190,7 +190,7 @@ def test_config_name_ppo_megatron_trainer_gets_megatron_defaults(monkeypatch):
     monkeypatch.setenv("HOME", "/home/user")
     conv, v = _converted("v090__ppo_trainer_run_qwen3_8b_megatron.sh")
     assert "ppo_megatron_trainer defaults" in " ".join(conv.notes)
-    plain = convert([], ["--config-name=ppo_megatron_trainer"] and [])
+    plain = convert([], ["data.train_batch_size=8"])          # no name: main_ppo's own ppo_trainer
     assert "ppo_trainer defaults" in " ".join(plain.notes)
     pasted = inputs(["python3", "-m", "verl.trainer.main_ppo", "--config-name=ppo_megatron_trainer", "data.train_batch_size=8"])
     conv = convert(pasted.yamls, pasted.tokens, config_name=pasted.config_name)
