@@ -118,20 +118,20 @@ def convert(yaml_files: list[Path], overrides: list[str], base: Path | None = No
     bases: list[str] = []
     for path in yaml_files:
         bases += read_yaml(path, given)
-    overrides = [t for t in overrides if t.lstrip("+").partition("=")[0] != "model_engine" or
-                 not given.notes.append(f"{t}: verl's model engine (the named config it composes)")]
+    engine = [t for t in overrides if t.lstrip("+").partition("=")[0] == "model_engine"]   # Hydra's group choice
+    overrides = [t for t in overrides if t not in engine]
     for token in overrides:
         apply_override(token, given, {}, lenient=True)
-    name = _base_config(yaml_files, bases, overrides, given, config_name)
+    name = _base_config(yaml_files, bases, engine, given, config_name)
     defaults = verl_defaults(name=name)
     cfg: VerlConfig = start(defaults)
     out = Conversion(sources=[str(p) for p in yaml_files] + ([COMMAND_LINE] if overrides else []))
-    out.notes.append(f"verl {verl_version()}'s {name} defaults")
-    out.notes += given.notes
+    out.notes.append(f"verl {verl_version()}'s {name} defaults" + (f" ({', '.join(engine)})" if engine else ""))
     for path in yaml_files:
         read_yaml(path, cfg)
     for token in overrides:
         apply_override(token, cfg, defaults)
+    out.notes += cfg.notes
     resolved, unresolved = resolve(cfg)
     aliases, notes = migrate(cfg, resolved, defaults)
     out.notes += notes

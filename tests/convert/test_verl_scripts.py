@@ -195,8 +195,11 @@ def test_config_name_ppo_megatron_trainer_gets_megatron_defaults(monkeypatch):
     pasted = inputs(["python3", "-m", "verl.trainer.main_ppo", "--config-name=ppo_megatron_trainer", "data.train_batch_size=8"])
     conv = convert(pasted.yamls, pasted.tokens, config_name=pasted.config_name)
     assert "ppo_megatron_trainer defaults" in " ".join(conv.notes)
-    conv = convert([], ["model_engine=megatron", "data.train_batch_size=8"])
-    assert "ppo_megatron_trainer defaults" in " ".join(conv.notes)
+    conv = convert([], ["model_engine=megatron", "data.train_batch_size=8", "+trainer.total_epochs=3"])
+    assert "ppo_megatron_trainer defaults (model_engine=megatron)" in " ".join(conv.notes)
+    assert not [k for k, _, _ in conv.not_converted if "model_engine" in k]      # a choice of config, not a key
+    assert [n for n in conv.notes if "read as ++trainer.total_epochs" in n]      # +key over a set key: said
+    assert conv.values["trainer.epochs"].value == 3
 
 
 def test_plus_key_on_a_null_default_is_accepted(monkeypatch):
