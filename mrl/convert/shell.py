@@ -32,8 +32,8 @@ ENTRY_POINTS: dict[str, str] = {
     "recipe.entropy.main_entropy": "entropy_trainer",
 }
 REFUSED_ENTRY_POINTS: dict[str, str] = {
-    "verl.trainer.sft_trainer": "verl's SFT trainer: mrl convert reads RL jobs; write an `mrl sft` job (docs/sft.md)",
-    "verl.trainer.fsdp_sft_trainer": "verl's SFT trainer: mrl convert reads RL jobs; write an `mrl sft` job (docs/sft.md)",
+    "verl.trainer.sft_trainer": "verl's SFT trainer: mrl convert reads RL jobs; write an `mrl sft` job (jobs/sft_cpu.toml, docs/guide.md)",
+    "verl.trainer.fsdp_sft_trainer": "verl's SFT trainer: mrl convert reads RL jobs; write an `mrl sft` job (jobs/sft_cpu.toml, docs/guide.md)",
     "verl.trainer.main_generation": "verl's offline generation: use `mrl generate`",
     "verl.trainer.main_generation_server": "verl's offline generation: use `mrl generate`",
     "verl.trainer.main_eval": "verl's offline evaluation: use `mrl eval`",
