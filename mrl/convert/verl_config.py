@@ -277,7 +277,8 @@ def resolve(cfg: VerlConfig) -> tuple[dict[str, Any], dict[str, str]]:
         if key in stack:
             raise _Unresolved(f"interpolation cycle: {' -> '.join((*stack, key))}")
         if len(stack) > MAX_INTERPOLATION_DEPTH:
-            raise _Unresolved(f"interpolations nested more than {MAX_INTERPOLATION_DEPTH} deep")
+            raise UserError(f"{stack[0]}: interpolations nested more than {MAX_INTERPOLATION_DEPTH} deep; "
+                            "mrl convert refuses it")
         if key not in cfg.raw:
             sub = {k[len(key) + 1:]: k for k in cfg.raw if k.startswith(key + ".")}
             if not sub:
@@ -299,8 +300,9 @@ def resolve(cfg: VerlConfig) -> tuple[dict[str, Any], dict[str, str]]:
         for m in _INTERP.finditer(value):
             piece = value[last:m.start()] + str(expression(key, m.group(1), stack))
             size += len(piece)
-            if size > MAX_INTERPOLATED_CHARS:
-                raise _Unresolved(f"the value expands past {MAX_INTERPOLATED_CHARS} characters")
+            if size > MAX_INTERPOLATED_CHARS:     # an "interpolation bomb": refused, not built
+                raise UserError(f"{stack[0]}: its interpolations expand past {MAX_INTERPOLATED_CHARS} characters; "
+                                "mrl convert refuses it")
             pieces.append(piece)
             last = m.end()
         return "".join(pieces) + value[last:]
