@@ -1,5 +1,6 @@
-"""`mrl convert`: a verl `main_ppo` configuration (Hydra YAML, command line, or both) -> one
-commented mrl TOML job.
+"""`mrl convert`: a verl configuration (Hydra YAML, a command line, a launch script read as bash
+would run it, or several of these) -> one commented mrl TOML job, starting from the verl 0.9.1 named
+config the inputs compose (`main_ppo`'s, Megatron's, or a recipe's such as DAPO's).
 
 Every verl key ends up in one of four places: an mrl key (its value translated by the rule of its
 entry in `mrl/config/verl_keys.toml`), a comment saying why it has no counterpart, a comment
