@@ -199,10 +199,13 @@ def cmd_convert(args) -> int:
     from mrl.convert import convert, inputs, render
     from mrl.outputs import check_output
 
-    yamls, tokens = inputs(args.items)
+    found = inputs(args.items)
     if args.out:   # before any work: not an input, not in a checkpoint, not an existing file without --force
         check_output(args.out, what="mrl convert -o", inputs=[i for i in args.items if "=" not in i], force=args.force)
-    conv = convert(yamls, tokens)
+    conv = convert(found.yamls, found.tokens, config_name=found.config_name, describe=found.describe)
+    conv.notes = found.notes + conv.notes
+    if conv.refused:      # a capability mrl lacks: no job is written
+        raise UserError(f"refused: {conv.refused[0]}" + (f" (and {len(conv.refused) - 1} more)" if len(conv.refused) > 1 else ""))
     text = render(conv, list_dropped=args.all)
     if args.out:
         out = Path(args.out)

@@ -104,7 +104,7 @@ class AlgorithmConfig:
     lam: float = option(1.0, ge=0, le=1, help="GAE lambda")
     norm_by_std: bool = option(True, help="GRPO: divide by the group std; false = Dr.GRPO")
     policy_loss: Literal[POLICY_LOSSES] = option("ppo", help="policy loss")
-    clip_low: float = option(0.2, ge=0, lt=1, help="ratio clip below 1 (eps_low)")
+    clip_low: float = option(0.2, ge=0, help="ratio clip below 1 (eps_low); 1 or more: no lower clip (ratios are positive; CISPO's verl setting is 10)")
     clip_high: float = option(0.2, ge=0, help="ratio clip above 1 (eps_high; DAPO clip-higher 0.28)")
     dual_clip: float = option(3.0, ge=0, help="dual-clip constant c > 1 for A < 0 (ppo), ratio cap (dppo_tv, dppo_kl); 0 disables (verl's clip_ratio_c)")
     sapo_tau_pos: float = option(1.0, gt=0, help="SAPO temperature for A > 0")

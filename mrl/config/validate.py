@@ -444,5 +444,7 @@ def check(spec: JobSpec, report) -> None:
         warn(key, message)
 
     # --- checkpoint / trainer
+    if spec.checkpoint.every_steps < 0 and spec.checkpoint.save_hf_at_end:
+        err("checkpoint.save_hf_at_end", "exports the last checkpoint, and checkpoint.every_steps = -1 saves none")
     if spec.checkpoint.resume == "must" and spec.checkpoint.load_from is None:
         warn("checkpoint.resume", f"'must' resumes from {spec.checkpoint.dir}; the run fails if no checkpoint is there")

@@ -53,6 +53,19 @@ class VerlTable:
     segments: dict[str, str]                       # every key with this dotted part -> why
     read_only_when: dict[str, str] = field(default_factory=dict)   # key prefix -> verl key that must be set
 
+    def mapping(self, key: str) -> Mapping | None:
+        """The entry of `key`: its own, or that of a table entry (`rule = "kwargs"`) whose prefix it is under."""
+        entry = self.mapped.get(key)
+        if entry is not None:
+            return entry
+        parent = key
+        while "." in parent:
+            parent = parent.rsplit(".", 1)[0]
+            entry = self.mapped.get(parent)
+            if entry is not None and entry.rule == "kwargs":
+                return entry
+        return None
+
     def condition(self, key: str) -> str | None:
         """The verl key that must be true (non-zero) for verl to read `key`, or "key=a|b" when it
         must have one of these values; None when verl always reads `key`."""

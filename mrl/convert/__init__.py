@@ -1,5 +1,6 @@
-"""`mrl convert`: a verl `main_ppo` configuration (Hydra YAML, command line, or both) -> one
-commented mrl TOML job.
+"""`mrl convert`: a verl configuration (Hydra YAML, a command line, a launch script read as bash
+would run it, or several of these) -> one commented mrl TOML job, starting from the verl 0.9.1 named
+config the inputs compose (`main_ppo`'s, Megatron's, or a recipe's such as DAPO's).
 
 Every verl key ends up in one of four places: an mrl key (its value translated by the rule of its
 entry in `mrl/config/verl_keys.toml`), a comment saying why it has no counterpart, a comment
@@ -18,8 +19,8 @@ from typing import Any
 from mrl.config import schema
 from mrl.config.verl_table import verl_table
 from mrl.convert import rules
-from mrl.convert.verl_config import (COMMAND_LINE, DEFAULT, VerlConfig, apply_override, read_script, read_yaml,
-                                     resolve, start, verl_defaults)
+from mrl.convert.verl_config import (COMMAND_LINE, DEFAULT, ENGINE_CONFIGS, NAMED_CONFIGS, VerlConfig, apply_override,
+                                     named_config, read_script, read_yaml, resolve, start, verl_defaults, verl_version)
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Conversion:
     not_read: list[tuple[str, Any, str]] = field(default_factory=list)        # verl would not read them here
     dropped: list[tuple[str, Any, str]] = field(default_factory=list)         # defaults with nothing to say
     problems: list[str] = field(default_factory=list)                         # values the user must choose
+    refused: list[str] = field(default_factory=list)                          # capabilities mrl lacks
     notes: list[str] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
 
@@ -78,55 +80,111 @@ def _as_mrl(value: Any, tp: Any, mrl_key: str, base: Path) -> Any:
     return value
 
 
-def convert(yaml_files: list[Path], overrides: list[str], base: Path | None = None) -> Conversion:
-    """Convert verl's defaults + `yaml_files` + `overrides` (Hydra tokens) into mrl values."""
+def _base_config(yaml_files: list[Path], bases: list[str], tokens: list[str], given: VerlConfig,
+                 config_name: str | None) -> str:
+    """The verl named config the inputs compose: `--config-name` (or the recipe's entry point), a
+    YAML's `defaults:` base or the YAML's own name, `model_engine=`, Megatron's strategy."""
+    from mrl.errors import UserError
+
+    name = config_name or (bases[0] if bases else None) or next(
+        (p.stem.removeprefix("_generated_") for p in yaml_files if p.stem.removeprefix("_generated_") in NAMED_CONFIGS),
+        None) or "ppo_trainer"
+    engine = None
+    for token in tokens:
+        key, _, value = token.lstrip("+").partition("=")
+        if key == "model_engine":
+            engine = value.strip()
+    if engine is not None:
+        if engine not in ENGINE_CONFIGS:
+            raise UserError(f"{COMMAND_LINE}: model_engine={engine}: not one of verl's engines ({', '.join(ENGINE_CONFIGS)})")
+        if name.startswith("ppo_"):
+            name = ENGINE_CONFIGS[engine]
+        elif engine == "megatron":
+            name = named_config(name, True)
+    return named_config(name, given.raw.get("actor_rollout_ref.actor.strategy") == "megatron")
+
+
+def convert(yaml_files: list[Path], overrides: list[str], base: Path | None = None,
+            config_name: str | None = None, describe=None) -> Conversion:
+    """Convert verl's defaults (of the named config the inputs compose) + `yaml_files` +
+    `overrides` (Hydra tokens) into mrl values. `describe` turns a value with unknown-value markers
+    (a script's `$(...)`) into readable text."""
     from mrl.config.loader import PATH_KEYS
+    from mrl.convert.reward_keys import migrate
+    from mrl.convert.shell import MARK
 
     base = base or Path.cwd()
-    given = VerlConfig()              # the inputs alone: which backend's defaults apply
+    describe = describe or (lambda text: text)
+    given = VerlConfig()              # the inputs alone: which named config applies
+    bases: list[str] = []
     for path in yaml_files:
-        read_yaml(path, given)
+        bases += read_yaml(path, given)
+    engine = [t for t in overrides if t.lstrip("+").partition("=")[0] == "model_engine"]   # Hydra's group choice
+    overrides = [t for t in overrides if t not in engine]
     for token in overrides:
         apply_override(token, given, {}, lenient=True)
-    defaults = verl_defaults(given.raw.get("actor_rollout_ref.actor.strategy") == "megatron")
+    name = _base_config(yaml_files, bases, engine, given, config_name)
+    defaults = verl_defaults(name=name)
     cfg: VerlConfig = start(defaults)
     out = Conversion(sources=[str(p) for p in yaml_files] + ([COMMAND_LINE] if overrides else []))
+    out.notes.append(f"verl {verl_version()}'s {name} defaults" + (f" ({', '.join(engine)})" if engine else ""))
     for path in yaml_files:
         read_yaml(path, cfg)
     for token in overrides:
         apply_override(token, cfg, defaults)
     out.notes += cfg.notes
     resolved, unresolved = resolve(cfg)
+    aliases, notes = migrate(cfg, resolved, defaults)
+    out.notes += notes
     table = verl_table()
     mrl = _mrl_defaults()
     candidates: dict[str, list[Candidate]] = {}
     for key in sorted(cfg.raw):
+        shown = aliases.get(key, key)       # the name the user wrote (a legacy reward key moved to reward.*)
         value, is_default = resolved[key], cfg.is_default(key, defaults)
+        entry = table.mapping(key)
         if key in unresolved and not is_default:
-            out.not_converted.append((key, cfg.raw[key], f"unresolved interpolation: {unresolved[key]}"))
+            out.not_converted.append((shown, cfg.raw[key], f"unresolved interpolation: {unresolved[key]}"))
+            continue
+        if isinstance(value, str) and MARK in value:
+            what = describe(value)
+            if entry is None and table.reason(key):
+                out.not_converted.append((shown, what, table.reason(key)))
+            elif entry is not None and entry.placeholder:
+                out.not_converted.append((shown, what, "computed by the script when it runs; mrl names the run "
+                                                       f"itself (set {entry.target} to choose)"))
+            else:
+                out.problems.append(f"{shown} = {what!r}: mrl convert cannot compute this value (the script computes "
+                                    f"it when it runs); supply {entry.target if entry else 'its value'}")
             continue
         if isinstance(value, str) and "$" in value.replace("${", "") and cfg.origin.get(key) != DEFAULT:
-            out.problems.append(f"{key} = {value!r}: a shell variable that mrl convert could not expand; "
-                                f"supply {table.mapped[key].target if key in table.mapped else 'its value'}")
+            out.problems.append(f"{shown} = {value!r}: a shell variable that mrl convert could not expand; "
+                                f"supply {entry.target if entry else 'its value'}")
             continue
         if value == "???":   # Hydra's "mandatory" marker, never set: mrl's default applies
-            out.dropped.append((key, value, "mandatory in verl but not set; mrl's default applies"))
+            out.dropped.append((shown, value, "mandatory in verl but not set; mrl's default applies"))
             continue
-        entry = table.mapped.get(key)
         if entry is None:
             reason = table.reason(key) or "not in mrl's verl key table: no known counterpart"
-            (out.dropped if is_default else out.not_converted).append((key, value, reason))
+            (out.dropped if is_default else out.not_converted).append((shown, value, reason))
             continue
         t = rules.translate(entry, key, resolved, table.condition(key))
-        if t.problem and t.problem not in out.problems:   # a rule read by two keys reports once
-            out.problems.append(t.problem)
+        problem = t.problem.replace(key, shown) if t.problem and shown != key else t.problem   # the user's name
+        if problem and problem not in out.problems:   # a rule read by two keys reports once
+            out.problems.append(problem)
+        if t.refused:
+            out.refused.append(t.refused)
+            continue
+        if t.no_counterpart:
+            (out.dropped if is_default else out.not_converted).append((shown, value, t.no_counterpart))
+            continue
         if not t.values:
             if t.problem is None:
-                (out.dropped if is_default else out.not_read).append((key, value, t.skipped or ""))
+                (out.dropped if is_default else out.not_read).append((shown, value, t.skipped or ""))
             continue
         for mrl_key, new in t.values.items():
             new = _as_mrl(new, mrl[mrl_key][1], mrl_key, base)
-            candidates.setdefault(mrl_key, []).append(Candidate(key, new, t.note, is_default, entry.placeholder))
+            candidates.setdefault(mrl_key, []).append(Candidate(shown, new, t.note, is_default, entry.placeholder))
     for mrl_key, cands in candidates.items():
         chosen = [c for c in cands if not c.from_default] or cands
         first = chosen[0]
@@ -197,25 +255,56 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def inputs(items: list[str]) -> tuple[list[Path], list[str]]:
+@dataclass
+class Inputs:
+    yamls: list[Path]
+    tokens: list[str]
+    config_name: str | None = None
+    describe: Any = None
+    notes: list[str] = field(default_factory=list)
+
+
+def inputs(items: list[str]) -> Inputs:
     """The YAML files and Hydra override tokens among `mrl convert`'s arguments (a shell script
-    contributes the overrides of its `main_ppo` command)."""
+    contributes its trainer command: overrides, named config, its own config YAML)."""
     from mrl.convert.verl_config import command_line_overrides
     from mrl.errors import UserError
 
-    yamls: list[Path] = []
-    tokens: list[str] = []
-    for item in items:
+    found = Inputs([], [])
+    scripts = 0
+    items = list(items)
+    while items:
+        item = items.pop(0)
+        flag, eq, value = item.partition("=")
+        if flag in ("--config-name", "-cn"):      # a pasted verl command line
+            found.config_name = (value if eq else (items.pop(0) if items else "")).removesuffix(".yaml")
+            if found.config_name not in NAMED_CONFIGS:
+                raise UserError(f"--config-name {found.config_name}: not one of verl's named configs "
+                                f"({', '.join(NAMED_CONFIGS)}); give the YAML itself to mrl convert")
+            continue
+        if flag in ("--config-path", "-cp", "--config-dir", "-cd"):
+            if not eq and items:
+                items.pop(0)
+            found.notes.append(f"{item}: verl's named configs are mrl's copies; a YAML of your own: give it to mrl convert")
+            continue
         if item.endswith((".yaml", ".yml")) and "=" not in item:
-            yamls.append(Path(item))
+            found.yamls.append(Path(item))
         elif item.endswith(".sh") and "=" not in item:
-            tokens += read_script(Path(item))
+            script = read_script(Path(item))
+            scripts += 1
+            if scripts > 1:
+                raise UserError(f"{item}: mrl convert reads one script at a time")
+            found.yamls += script.yamls
+            found.tokens += script.tokens
+            found.config_name, found.describe = script.config_name, script.describe
+            found.notes += script.notes
         else:
-            tokens.append(item)
-    tokens = command_line_overrides(tokens)
-    if not yamls and not tokens:
-        raise UserError("mrl convert: give a verl YAML, a script running verl.trainer.main_ppo, or key=value overrides")
-    return yamls, tokens
+            found.tokens.append(item)
+    found.tokens = command_line_overrides(found.tokens)
+    if not found.yamls and not found.tokens and not scripts:
+        raise UserError("mrl convert: give a verl YAML, a script running verl.trainer.main_ppo (or a recipe's "
+                        "trainer), or key=value overrides")
+    return found
 
 
 __all__ = ["Conversion", "convert", "render", "inputs", "DEFAULT"]

@@ -20,6 +20,8 @@ class Translation:
     note: str = ""
     skipped: str | None = None     # why nothing is set (mrl's default applies)
     problem: str | None = None     # a value mrl cannot take: the user must choose
+    no_counterpart: str | None = None   # verl reads it here, and mrl has nothing that does the same (why)
+    refused: str | None = None     # a capability mrl lacks: no job is written
 
 
 def _skip(why: str) -> Translation:
@@ -63,6 +65,12 @@ def token_budget(m: Mapping, key: str, cfg: dict) -> Translation:
         tokens = cfg.get(m.params["tokens"])
         if tokens is None:
             return _skip(f"{m.params['tokens']} is null")
+        # verl's budget is per GPU of a Ulysses group: a micro-batch holds tokens x sp (seqlen_balancing);
+        # mrl has no sequence parallelism, so one rank takes the group's micro-batch
+        sp = max([int(cfg.get(k) or 1) for k in m.params.get("sp", [])] or [1])
+        if sp > 1:
+            return Translation({m.target: int(tokens) * sp},
+                               note=f"token budget ({m.params['dynamic']} = true): {tokens} per GPU x Ulysses {sp}")
         return Translation({m.target: int(tokens)}, note=f"token budget ({m.params['dynamic']} = true)")
     sequences = cfg.get(m.params["sequences"])
     if sequences is None:
@@ -97,23 +105,215 @@ def sleep_level(m: Mapping, key: str, cfg: dict) -> Translation:
                        if value else "false: the engine stays awake")
 
 
+CUSTOM_PATH, CUSTOM_NAME = "reward.custom_reward_function.path", "reward.custom_reward_function.name"
+RM_ENABLE, RM_PATH = "reward.reward_model.enable", "reward.reward_model.model_path"
+
+
+def generative_rm(cfg: dict) -> bool:
+    """verl 0.9.1 (reward_loop.py): with the reward model enabled, a custom reward function means
+    the model is generative and the function prompts it; without one the model is a scalar
+    (discriminative) reward model whose output is the score."""
+    return bool(cfg.get(RM_ENABLE)) and bool(cfg.get(CUSTOM_PATH))
+
+
 def reward_function(m: Mapping, key: str, cfg: dict) -> Translation:
     """`path:name` of verl's custom reward function; with none (and no reward model) verl scores
     with its default_compute_score by data source: mrl's builtin "auto" (when the entry lists
     reward.builtin among its targets). verl calls the function with its own arguments
     (data_source, solution_str, ground_truth, extra_info): an entry that lists reward.signature
-    sets it to "verl", so the function is called that way whatever its parameter names."""
+    sets it to "verl", so the function is called that way whatever its parameter names. With a
+    generative reward model the function prompts that model itself: mrl's judge does the prompting
+    instead, so the user must write the function's prompt and parsing as the judge's."""
     path = cfg.get(m.params["path"])
+    if key == m.params["name"]:     # the path's entry writes path:name
+        return _skip(f"read with {m.params['path']}" + ("" if path else ", which is not set"))
     if not path:
-        others = [k for k in ("custom_reward_function.path", "reward_model.reward_fn.path") if cfg.get(k)]
-        if "reward.builtin" in m.targets and not others and not cfg.get("reward_model.enable"):
+        others = [k for k in (CUSTOM_PATH, "reward_model.reward_fn.path") if cfg.get(k)]
+        if "reward.builtin" in m.targets and not others and not cfg.get(RM_ENABLE):
             return Translation({"reward.builtin": "auto"}, note="no custom reward function: verl scores by data source")
         return _skip(f"{m.params['path']} is not set")
     name = cfg.get(m.params["name"]) or "compute_score"
+    if m.params["path"] == CUSTOM_PATH and generative_rm(cfg):
+        return Translation(problem=f"{CUSTOM_PATH} = {path}:{name} prompts the generative reward model "
+                                   f"{cfg.get(RM_PATH)} itself; mrl's judge ([reward.judge], converted from it) "
+                                   "prompts it with reward.judge.template and reads the score with "
+                                   "reward.judge.pattern: set both to what the function does")
     out = {m.target: f"{path}:{name}"}
     if "reward.signature" in m.targets:
         out["reward.signature"] = "verl"
     return Translation(out, note="called as verl calls it" if "reward.signature" in m.targets else "")
+
+
+def reward_model(m: Mapping, key: str, cfg: dict) -> Translation:
+    """verl 0.9's reward model: a scalar reward model (no custom function) is mrl's
+    reward.model_path; a generative one (a custom function prompts it) is mrl's judge on a local
+    engine of its own (reward.reward_model.rollout.name: the engine)."""
+    path = cfg.get(RM_PATH)
+    if not cfg.get(RM_ENABLE):
+        return _skip(f"verl reads it only when {RM_ENABLE} is true")
+    if not path:
+        return Translation(problem=f"{RM_ENABLE} = true without {RM_PATH}: supply reward.model_path")
+    if key == RM_ENABLE:
+        return _skip(f"read with {RM_PATH}")
+    engine = cfg.get("reward.reward_model.rollout.name")
+    if key != RM_PATH:      # the engine's name
+        if not generative_rm(cfg):
+            return Translation(no_counterpart="a scalar reward model runs in mrl's trainer (reward.model_path), "
+                                              "not on an inference engine")
+        if cfg.get("reward.reward_model.enable_resource_pool"):
+            return Translation(no_counterpart="the engine of the server you start for reward.judge.url")
+        note = "" if engine in (None, "vllm", "???") else f"verl serves it with {engine}; mrl's judge engines are hf and vllm"
+        return Translation({"reward.judge.engine": "vllm" if engine in ("vllm", "sglang", "trtllm") else "hf"}, note=note)
+    if not generative_rm(cfg):
+        return Translation({"reward.model_path": path}, note="a scalar reward model (no custom reward function)")
+    if cfg.get("reward.reward_model.enable_resource_pool"):
+        return Translation(problem=f"{RM_PATH} = {path}: verl serves this generative reward model on GPUs of its own "
+                                   "(reward.reward_model.enable_resource_pool); mrl's local judge shares the trainer's: "
+                                   "serve it with vLLM's OpenAI server and give reward.judge.url and reward.judge.model "
+                                   "(docs/rewards.md), or drop enable_resource_pool")
+    return Translation({"reward.judge.model": path},
+                       note="a generative reward model (the custom reward function prompts it): mrl's judge on a local engine")
+
+
+def judge(m: Mapping, key: str, cfg: dict) -> Translation:
+    """A serving setting of verl's reward model: the judge's, when the model is generative."""
+    if not cfg.get(RM_ENABLE):
+        return _skip(f"verl reads it only when {RM_ENABLE} is true")
+    if generative_rm(cfg) and cfg.get("reward.reward_model.enable_resource_pool"):
+        return Translation(no_counterpart="a serving setting of the judge's own GPUs: the server you start for "
+                                          "reward.judge.url sets it")
+    if not generative_rm(cfg):
+        return Translation(no_counterpart="a scalar reward model runs in mrl's trainer (reward.model_path), "
+                                          "not on an inference engine")
+    value = cfg.get(key)
+    if m.params.get("plus"):
+        other = cfg.get(m.params["plus"])
+        if value is None or other is None:
+            return _skip("null in verl: mrl's default applies")
+        return Translation({m.target: int(value) + int(other)}, note=f"{value} + {m.params['plus']} ({other})")
+    return copy(m, key, cfg)
+
+
+def overlong(m: Mapping, key: str, cfg: dict) -> Translation:
+    """DAPO's overlong penalty (`reward_kwargs.overlong_buffer_cfg`): read by verl's dapo reward
+    manager only, and only when enabled; mrl's algorithm.overlong, measured against
+    rollout.max_response_tokens where verl uses reward_kwargs.max_resp_len."""
+    manager = cfg.get("reward.reward_manager.name")
+    if manager != "dapo":
+        return _skip(f"verl reads it only with the dapo reward manager (reward.reward_manager.name is {manager!r})")
+    prefix = "reward.reward_kwargs.overlong_buffer_cfg."
+    if not cfg.get(prefix + "enable"):
+        return _skip(f"verl reads it only when {prefix}enable is true") if key != prefix + "enable" \
+            else Translation({m.target: False})
+    if key == "reward.reward_kwargs.max_resp_len":
+        value, length = cfg.get(key), cfg.get(RESPONSE_LEN)
+        if value is not None and length is not None and int(value) != int(length):
+            return Translation(problem=f"{key} = {value}: mrl measures the overlong buffer from "
+                                       f"rollout.max_response_tokens ({RESPONSE_LEN} = {length}); make them equal")
+        return _skip(f"= {RESPONSE_LEN}: mrl measures the buffer from rollout.max_response_tokens")
+    return copy(m, key, cfg)
+
+
+def kwargs(m: Mapping, key: str, cfg: dict) -> Translation:
+    """Every key under the entry's prefix as one dict (verl's reward_kwargs of the function)."""
+    prefix = m.params["prefix"]
+    tree: dict = {}
+    for k in sorted(cfg):
+        if k.startswith(prefix) and cfg[k] is not None and cfg[k] != {}:
+            node = tree
+            parts = k[len(prefix):].split(".")
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+            node[parts[-1]] = cfg[k]
+    if not tree:
+        return _skip("empty")
+    return Translation({m.target: tree}, note="keyword arguments of the reward function")
+
+
+def reward_manager(m: Mapping, key: str, cfg: dict) -> Translation:
+    """verl's reward managers call the reward function per response (naive, dapo, gdpo, prime,
+    limited, remote): mrl's reward pool does the same. A custom manager class computes rewards
+    its own way, which mrl cannot carry over."""
+    source = cfg.get("reward.reward_manager.source") or "register"
+    name = cfg.get("reward.reward_manager.name")
+    if source != "register":
+        module = cfg.get("reward.reward_manager.module.path")
+        return Translation(problem=f"reward.reward_manager.source = {source!r}: a reward manager of your own "
+                                   f"({module}:{cfg.get('reward.reward_manager.module.name')}) computes the rewards; "
+                                   "mrl has no reward managers: write it as a reward function (reward.function)")
+    if name in ("naive", "dapo", "gdpo", "prime", "limited", "remote"):
+        return _skip(f"{name}: mrl's reward pool calls the function per response as verl's {name} manager does"
+                     + ("; its overlong penalty is algorithm.overlong" if name == "dapo" else ""))
+    return Translation(problem=f"{key} = {name!r}: a reward manager mrl does not know; mrl's reward pool calls "
+                               "reward.function per response")
+
+
+def refuse_unless(m: Mapping, key: str, cfg: dict) -> Translation:
+    """The value, when it is one of `allowed`; otherwise mrl lacks the capability: refused."""
+    value = cfg.get(key)
+    if value is None or value in m.params["allowed"]:
+        return copy(m, key, cfg)
+    return Translation(refused=f"{key} = {value!r}: {m.params['why']}")
+
+
+def refuse_if_true(m: Mapping, key: str, cfg: dict) -> Translation:
+    if cfg.get(key):
+        return Translation(refused=f"{key} = true: {m.params['why']}")
+    return _skip("false: nothing to convert")
+
+
+def is_threshold(m: Mapping, key: str, cfg: dict) -> Translation:
+    """rollout_is_threshold: a number (or "2.0") caps the weights (TIS: correction.threshold); a
+    "lower_upper" string zeroes the weights outside [lower, upper] (IcePop, verl 0.9.1's
+    `_parse_rollout_is_threshold`): correction.mode = "mask" with mask_low / mask_high."""
+    value = cfg.get(key)
+    if value is None:
+        return _skip("null in verl: mrl's default applies")
+    if isinstance(value, str) and "_" in value:
+        low, _, high = value.partition("_")
+        return Translation({"algorithm.correction.mode": "mask", "algorithm.correction.mask_low": float(low),
+                            "algorithm.correction.mask_high": float(high)},
+                           note=f"{value!r}: weights outside [{low}, {high}] are zeroed (IcePop)")
+    return Translation({"algorithm.correction.threshold": float(value)})
+
+
+def save_freq(m: Mapping, key: str, cfg: dict) -> Translation:
+    """trainer.save_freq: -1 (verl: never save) is checkpoint.every_steps = -1; N > 0 is N."""
+    value = cfg.get(key)
+    if value is None or int(value) == 0:
+        return _skip("null in verl: mrl's default applies")
+    if int(value) < 0:
+        return Translation({m.target: -1}, note="-1: never save (as verl)")
+    return Translation({m.target: int(value)})
+
+
+def clip_low(m: Mapping, key: str, cfg: dict) -> Translation:
+    """clip_ratio_low; CISPO's official setting 10 puts the lower bound below 0 (no lower clip in
+    verl, since ratios are positive): mrl's losses clamp at 1 - clip_low the same way."""
+    t = copy(m, key, cfg)
+    value = cfg.get(key)
+    if t.values and value is not None and float(value) >= 1:
+        t.note = f"1 - {value} <= 0: no lower clip (ratios are positive), as in verl"
+    return t
+
+
+def loss_aggregation(m: Mapping, key: str, cfg: dict) -> Translation:
+    """loss_agg_mode; verl ignores it for geo_mean (GMPO) and sapo, which aggregate per sequence."""
+    loss = cfg.get("actor_rollout_ref.actor.policy_loss.loss_mode")
+    if loss in ("geo_mean", "sapo"):
+        return _skip(f"verl ignores it with policy_loss.loss_mode = {loss!r} (a per-sequence loss; mrl uses "
+                     "seq-mean-token-mean for it)")
+    return copy(m, key, cfg)
+
+
+def rollout_is(m: Mapping, key: str, cfg: dict) -> Translation:
+    """rollout_correction.rollout_is: in bypass mode with the ppo_clip loss verl 0.9.1 computes the
+    IS weights for metrics only (the loss does not use them), so mrl's correction stays off."""
+    pre = "algorithm.rollout_correction."
+    if cfg.get(pre + "bypass_mode") and (cfg.get(pre + "loss_type") or "ppo_clip") == "ppo_clip":
+        return _skip("verl 0.9.1 computes these weights for metrics only in bypass mode with loss_type ppo_clip; "
+                     "mrl's correction.level stays off")
+    return copy(m, key, cfg)
 
 
 def when(m: Mapping, key: str, cfg: dict) -> Translation:
@@ -188,6 +388,10 @@ RULES: dict[str, Callable[[Mapping, str, dict], Translation]] = {
     "copy": copy, "each": each, "token_budget": token_budget, "prompt_overflow": prompt_overflow,
     "sleep_level": sleep_level, "reward_function": reward_function, "when": when, "read_by": read_by,
     "pair": pair, "times": times, "more_than_one": more_than_one, "clip_ratio": clip_ratio,
+    "reward_model": reward_model, "judge": judge, "overlong": overlong, "kwargs": kwargs,
+    "reward_manager": reward_manager, "save_freq": save_freq, "clip_low": clip_low,
+    "loss_aggregation": loss_aggregation, "rollout_is": rollout_is, "refuse_unless": refuse_unless,
+    "refuse_if_true": refuse_if_true, "is_threshold": is_threshold,
 }
 
 
@@ -217,4 +421,8 @@ def translate(m: Mapping, key: str, cfg: dict, condition: str | None = None) -> 
                 return _skip(f"verl reads it only when {flag} is {' or '.join(wanted.split('|'))} (it is {value!r})")
         elif flag != key and not value:
             return _skip(f"verl reads it only when {flag} is set (it is {value!r})")
-    return RULES[m.rule](m, key, cfg)
+    try:
+        return RULES[m.rule](m, key, cfg)
+    except (TypeError, ValueError) as e:    # a number that is not one (e.g. a shell expression left as text)
+        return Translation(problem=f"{key} = {cfg.get(key)!r}: not a value mrl convert can translate ({e}); "
+                                   f"supply {m.target}")

@@ -183,6 +183,7 @@ def _resume(r: SFTRun):
 
 def sft(spec) -> dict[str, float]:
     """Run the SFT job `spec` to its last step (or resume it); returns the last step's metrics."""
+    from mrl.checkpoint.config import saves_at
     from mrl.platform.dist import create_wait_group, wait_for_peers
     from mrl.tracking.tracker import Tracker, run_dir_of
     from mrl.train.lifecycle import run_lifecycle
@@ -229,7 +230,7 @@ def sft(spec) -> dict[str, float]:
                 metrics["val/loss"] = validation_loss(r)
             tracker.log_metrics(metrics, step)
             last = metrics
-            if (every and step % every == 0) or step == r.total_steps:
+            if saves_at(step, every, r.total_steps):
                 _save(r, step, tracker.run_id)
         life.finished(export_steps=r.total_steps)
         return last

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from mrl.checkpoint.config import saves_at
 from mrl.checkpoint.run_state import ModelFacts, RunState, resume_run, save_run
 from mrl.config.job import JobSpec
 from mrl.platform.collectives import world_max
@@ -164,7 +165,7 @@ def _train(run: Run, learner: Learner, prompts, rollouts, samples: SampleLog, tr
             last = metrics
             validated.update(_log_validations(tracker, [r for r in results if r.version != step]))
             wait_for_peers("tracking")   # rank 0 alone writes the step's metrics and samples
-            if (every and step % every == 0) or step == run.total_steps:
+            if saves_at(step, every, run.total_steps):
                 tracker.stage("checkpoint")
                 started = time.perf_counter()
                 _save(run, learner, rollouts, step, tracker.run_id)

@@ -42,7 +42,11 @@ CASES = [
     ("zero-temperature", {"rollout": {"temperature": 0.0}}, "rollout.temperature", "must be > 0"),
     ("negative-lr", {"actor": {"optim": {"lr": -1e-6}}}, "actor.optim.lr", "must be > 0"),
     ("gpu-mem-above-one", {"rollout": {"gpu_memory_utilization": 1.2}}, "rollout.gpu_memory_utilization", "must be <= 1"),
-    ("clip-low-one", {"algorithm": {"clip_low": 1.0}}, "algorithm.clip_low", "must be < 1"),
+    # clip_low >= 1 is allowed: no lower clip, as verl's CISPO (clip_ratio_low 10) and clip_cov (1) examples mean it
+    ("clip-low-negative", {"algorithm": {"clip_low": -0.1}}, "algorithm.clip_low", "must be >= 0"),
+    ("never-save-with-hf-export", {"checkpoint": {"every_steps": -1, "save_hf_at_end": True}}, "checkpoint.save_hf_at_end",
+     "saves none"),
+    ("save-every-below-minus-one", {"checkpoint": {"every_steps": -2}}, "checkpoint.every_steps", "must be >= -1"),
     ("sleep-level-choice", {"rollout": {"sleep_level": 3}}, "rollout.sleep_level", "is not one of 0, 1, 2"),
     ("negative-timeout", {"reward": {"timeout_s": -5}}, "reward.timeout_s", "must be > 0"),
     ("dual-clip-below-one", {"algorithm": {"dual_clip": 0.5}}, "algorithm.dual_clip", "must be > 1"),

@@ -334,9 +334,11 @@ def test_table_entries_are_well_formed():
     defaults = verl_defaults() | verl_defaults(megatron=True)
     known = set(defaults) | set(table.mapped)   # DAPO recipe keys are not in main_ppo's defaults
     assert not [c for c in table.read_only_when.values() if c.partition("=")[0] not in known]   # "key=a|b": values
-    for m in table.mapped.values():   # a rule's parameters name verl keys
-        assert not [v for v in m.params.values()
-                    if isinstance(v, str) and v not in defaults and not v.startswith("reward_model.reward_fn")]
+    for m in table.mapped.values():   # a rule's parameters name verl keys (`why`: a reason; `prefix`: a table's)
+        assert not [v for k, v in m.params.items() if k not in ("why", "prefix")
+                    if isinstance(v, str) and v not in defaults and not v.startswith("reward_model.")]   # 0.8 reward_model keys
+        if "prefix" in m.params:
+            assert m.params["prefix"] == m.verl + "."
 
 
 def test_nested_verl_tables_get_suggestions_inside(write_job):
@@ -498,7 +500,9 @@ def test_verl_algorithm_values_are_translated():
     conv = convert([], [*DPPO, "algorithm.rollout_correction.bypass_mode=true"])
     v = {k: c.value for k, c in conv.values.items()}
     assert v["algorithm.correction.old_logprobs"] == "rollout" and "algorithm.policy_loss" not in v   # mrl's ppo
-    assert [k for k, _, _ in conv.not_read] == ["actor_rollout_ref.actor.policy_loss.loss_mode"]
+    # ... and verl 0.9.1 computes the IS weights of bypass + ppo_clip for metrics only
+    assert [k for k, _, _ in conv.not_read] == ["actor_rollout_ref.actor.policy_loss.loss_mode",
+                                                "algorithm.rollout_correction.rollout_is"]
 
 
 def test_a_custom_reward_function_is_called_with_verl_s_arguments(cli, tmp_path):

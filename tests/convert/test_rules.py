@@ -83,8 +83,12 @@ def test_hydra_overrides():
     apply_override("+a.d=1e-6", cfg, {})
     apply_override("++a.c=null", cfg, {})
     assert cfg.raw == {"a.b": ["x", "y"], "a.c": None, "a.d": 1e-6}
-    with pytest.raises(UserError, match=r"\+a.b adds a key, but verl already has a.b"):
-        apply_override("+a.b=3", cfg, {})
+    # Hydra refuses +key on a key that is set; a script written for another verl version does it,
+    # so mrl convert reads it as ++key and says so. On a null value Hydra adds (router_replay).
+    apply_override("+a.b=3", cfg, {})
+    assert cfg.raw["a.b"] == 3 and "+a.b adds a key" in cfg.notes[-1] and "read as ++a.b" in cfg.notes[-1]
+    apply_override("+a.c=4", cfg, {})
+    assert cfg.raw["a.c"] == 4 and len(cfg.notes) == 1
     apply_override("~a", cfg, {})
     assert cfg.raw == {}
     with pytest.raises(UserError, match="no key a.z to delete"):

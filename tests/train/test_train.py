@@ -309,3 +309,14 @@ def test_bad_data_rows_are_counted_or_stop_the_run_with_one_line(tmp_path):
     params = run.data.params
     assert params["data/rows_read"] == "18" and params["data/rows_bad_prompt"] == "2"
     assert params["data/rows_missing_answer"] == "1" and params["data/prompts"] == "15"
+
+
+@pytest.mark.slow
+def test_checkpoint_every_steps_minus_one_never_saves(tmp_path):
+    """verl's save_freq -1 (`mrl convert` -> checkpoint.every_steps = -1): the run trains and writes
+    no checkpoint, not even at the end (0 would save the last step)."""
+    [m] = run_jobs("jobs/quickstart_cpu.toml", tmp_path,
+                   f"{ONE_RANK} trainer.total_steps=2 tracking.backends=[] checkpoint.every_steps=-1")
+    assert m["actor/updates"] == 2
+    ckpt = tmp_path / "run0" / "checkpoints"    # saves would be checkpoints/actor/step_00000002
+    assert (tmp_path / "run0").is_dir() and not list(ckpt.rglob("step_*"))
