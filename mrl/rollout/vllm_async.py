@@ -220,5 +220,8 @@ class VLLMAsyncEngine(AsyncEngine):
     def shutdown(self) -> None:
         llm, self.llm = self.llm, None
         if llm is not None:
+            handler = getattr(llm, "output_handler", None)
+            if handler is not None and self.loop.loop.is_running():   # stop reading before the core goes
+                self.loop.loop.call_soon_threadsafe(handler.cancel)
             llm.shutdown()
 

@@ -127,8 +127,8 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
                 c.active += [GroupInProgress.new(prompts.dataset[i], n, gen.version) for i in picked.indices]
                 if not carries:
                     break
-            if server:
-                server_round(run, gen, c.active, per_rank - len(c.ready), seed, d, st)
+            if server:   # submit the target's groups; the rest of the draw waits in hand, unstarted
+                server_round(run, gen, c.active[:max(target - len(c.ready), 0)], per_rank - len(c.ready), seed, d, st)
             elif chunk:
                 advance(run, gen, c.active, chunk, seed, d, st)
             else:
