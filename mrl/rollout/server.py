@@ -25,7 +25,6 @@ class ServerRollout(RolloutEngine):
         self.engines, self.loop, self.runner = list(engines), loop, runner
         self.router: Router = runner.router
         self.timeout_s = timeout_s
-        self.version: Optional[int] = None
         self.last: Optional[RunResult] = None   # the last call's result (its counts for the metrics)
 
     # --- generation ------------------------------------------------------------------------------

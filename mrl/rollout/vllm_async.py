@@ -106,7 +106,6 @@ class VLLMAsyncEngine(AsyncEngine):
         with spmd.own_processes(gpus):
             self.llm = loop.run(self._build(kwargs))
         self.eos_token_ids = spmd.eos_ids_of_checkpoint(model_path)
-        self.version: Optional[int] = None
         self._packed_cache: Optional[dict] = None
 
     @staticmethod
@@ -144,7 +143,7 @@ class VLLMAsyncEngine(AsyncEngine):
         ids = list(c.token_ids)
         lps = [step[t].logprob for step, t in zip(c.logprobs or [], ids)]
         reason = {"length": "length", "abort": "abort"}.get(c.finish_reason, "stop")
-        return GenResult(request.request_id, ids, lps, reason, self.version)
+        return GenResult(request.request_id, ids, lps, reason)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         await self.llm.abort(list(request_ids))

