@@ -226,7 +226,7 @@ class TrajectorySpec:
 class RunResult:
     trajectories: list[Trajectory]   # in the order of the specs
     finished_groups: list[int]       # groups finished (no trajectory aborted), in the order they finished
-    aborted: int                     # trajectories aborted (or never started) by the budget
+    aborted: int                     # trajectories that ended aborted (by the budget, or an engine's abort)
     engine_busy: float               # the router's busy fraction over the call
     seconds: float
 
@@ -285,10 +285,8 @@ class AgentRunner:
                 for task in done:
                     if task is not waiter and task.exception() is not None:
                         raise task.exception()
-            aborted = 0
             if pending:
                 late = [i for i, task in enumerate(tasks) if not task.done()]
-                aborted = len(late)
                 await self.router.abort([contexts[i].key for i in late])
                 for i in late:
                     if contexts[i].phase != "generate":   # waiting for tools (or not started): stop it here
@@ -303,6 +301,7 @@ class AgentRunner:
                     raise task.exception()
                 else:
                     out.append(task.result())
+            aborted = sum(t.finish_reason == "abort" for t in out)
             return RunResult(out, finished, aborted, self.router.busy_fraction(), loop.time() - started)
         finally:
             waiter.cancel()

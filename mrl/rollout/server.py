@@ -26,6 +26,7 @@ class ServerRollout(RolloutEngine):
         self.router: Router = runner.router
         self.timeout_s = timeout_s
         self.last: Optional[RunResult] = None   # the last call's result (its counts for the metrics)
+        self.calls = 0
 
     # --- generation ------------------------------------------------------------------------------
     def run_groups(self, specs: Sequence[TrajectorySpec], sampling: Sampling,
@@ -39,7 +40,8 @@ class ServerRollout(RolloutEngine):
 
         seeds = resolve_prompt_seeds(sampling, len(prompt_token_ids), prompt_seeds)
         n = sampling.n
-        specs = [TrajectorySpec(f"p{i}r{j}", i, list(p), seed=None if seeds[i] is None else prompt_seed(seeds[i], j))
+        self.calls += 1   # request ids stay unique across calls
+        specs = [TrajectorySpec(f"c{self.calls}p{i}r{j}", i, list(p), seed=None if seeds[i] is None else prompt_seed(seeds[i], j))
                  for i, p in enumerate(prompt_token_ids) for j in range(n)]
         one = Sampling(**{**sampling.__dict__, "n": 1})
         result = self.run_groups(specs, one)

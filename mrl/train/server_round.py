@@ -43,7 +43,7 @@ def server_round(run, gen, active: list[GroupInProgress], need: int, seed: int, 
                 resume = Trajectory(list(g.tokens[j]), list(g.logprobs[j]),
                                     list(g.masks[j]) if g.masks else [1] * len(g.tokens[j]),
                                     info=dict(g.infos[j]) if g.infos else {})
-            specs.append(TrajectorySpec(f"d{dp_rank}g{gi}r{j}", gi, list(g.item.token_ids),
+            specs.append(TrajectorySpec(f"s{seed}d{dp_rank}g{gi}r{j}", gi, list(g.item.token_ids),
                                         seed=prompt_seed(seed, gi * n + j) % 2**31, resume=resume))
         sampling = replace(sampling_from_config(roll), n=1, seed=None)
         result = gen.generator.run_groups(specs, sampling, need if roll.over_sample_rate else None)
