@@ -16,12 +16,13 @@ with loss mask 0. Both modes run exactly this plan:
 Reported: trajectories/s, generated tokens/s, engine busy fraction (spmd: the share of the wall
 time inside `generate`; server: the router's share with a request in the engine), and the ratio.
 Then a single-turn GRPO step (prompts x 8 responses of 32 tokens, temperature 1): spmd one
-`generate` call vs server mode's coroutines.
+`generate` call vs server mode's coroutines. The engines run one at a time (the spmd engine is
+shut down before the server's starts): an idle engine's worker processes still poll for work and
+would slow the other on a small machine.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import random
 import sys
@@ -107,20 +108,17 @@ def run_server(server, runner_tools, prompts, work):
                 wall_s=wall, tokens=tokens)
 
 
-def single_turn(engine, server, prompts, n: int, tokens: int):
-    from mrl.rollout.agent_loop import AgentRunner, single_turn as one_turn
+def single_turn(gen, prompts, n: int, tokens: int) -> float:
+    """Generated tokens/s of one GRPO step's generation (best of 2): `gen.generate` of n responses per prompt."""
     from mrl.rollout.types import Sampling
 
-    server.runner = AgentRunner(server.router, one_turn)
     s = Sampling(n=n, temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=7)
-    out = {}
-    for name, gen in (("spmd", engine), ("server", server), ("spmd", engine), ("server", server)):   # best of 2
+    best = 0.0
+    for _ in range(2):
         t0 = time.perf_counter()
         rs = gen.generate(prompts, s)
-        wall = time.perf_counter() - t0
-        rate = sum(len(r.token_ids) for r in rs) / wall
-        out[name] = max(out.get(name, 0.0), rate)
-    return out
+        best = max(best, sum(len(r.token_ids) for r in rs) / (time.perf_counter() - t0))
+    return best
 
 
 def main() -> None:
@@ -151,32 +149,35 @@ def main() -> None:
     # chunk is discarded ("CPU Generator does not use offset"; mrl/rollout/README.md)
     kw = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=256, load_format="auto",
               kv_cache_memory_bytes=256 * 2**20, max_num_batched_tokens=8192)
-    engine = VLLMEngine(model, seed=0, **kw)
-    loop = LoopThread()
-    async_engine = VLLMAsyncEngine(model, loop=loop, seed=0, **kw)
-    server = ServerRollout([async_engine], loop, AgentRunner(Router([async_engine]), one_turn))
     runner = ToolRunner([f"{TOOL_FILE}:wait"], 10.0)
     tools = AsyncTools(runner)
     rng = random.Random(1)
     prompts = [[1] + [rng.randrange(2, 500) for _ in range(rng.randint(8, 32))] for _ in range(args.trajectories)]
     work = plan(args.trajectories, args.slow_fraction)
+    grpo = prompts[:args.grpo_prompts]
     print(f"device: cpu x {torch.get_num_threads()} threads; {args.trajectories} trajectories, "
           f"{sum(len(w) for w in work)} turns, {sum(lat is not None and lat > 1 for w in work for _, lat in w)} slow tool calls")
+    # one engine at a time (an idle engine's processes still poll for work): spmd first, then server
+    engine = VLLMEngine(model, seed=0, **kw)
     spmd = run_spmd(engine, runner, prompts, work)
+    spmd_grpo = single_turn(engine, grpo, 8, 32)
+    engine.shutdown()
+    loop = LoopThread()
+    async_engine = VLLMAsyncEngine(model, loop=loop, seed=0, **kw)
+    server = ServerRollout([async_engine], loop, AgentRunner(Router([async_engine]), one_turn))
     srv = run_server(server, tools, prompts, work)
+    server.runner = AgentRunner(server.router, one_turn)
+    srv_grpo = single_turn(server, grpo, 8, 32)
     print(f"{'heavy-tail multi-turn':24s} {'traj/s':>8s} {'tokens/s':>9s} {'busy':>6s} {'wall s':>7s}")
     for name, r in (("spmd lockstep", spmd), ("server", srv)):
         print(f"{name:24s} {r['trajectories_per_s']:8.2f} {r['tokens_per_s']:9.1f} {r['engine_busy']:6.2f} {r['wall_s']:7.2f}")
     print(f"server / spmd: {srv['trajectories_per_s'] / spmd['trajectories_per_s']:.2f}x trajectories/s, "
           f"{srv['tokens_per_s'] / spmd['tokens_per_s']:.2f}x tokens/s")
-    g = single_turn(engine, server, prompts[:args.grpo_prompts], 8, 32)
-    print(f"single-turn GRPO step ({args.grpo_prompts} prompts x 8 x 32 tokens): spmd {g['spmd']:.1f} tokens/s, "
-          f"server {g['server']:.1f} tokens/s, server / spmd {g['server'] / g['spmd']:.2f}x")
+    print(f"single-turn GRPO step ({args.grpo_prompts} prompts x 8 x 32 tokens): spmd {spmd_grpo:.1f} tokens/s, "
+          f"server {srv_grpo:.1f} tokens/s, server / spmd {srv_grpo / spmd_grpo:.2f}x")
     tools.close()
     runner.close()
     server.shutdown()
-    engine.shutdown()
-
 
 if __name__ == "__main__":
     main()
