@@ -37,7 +37,7 @@ from mrl.train.carry import GroupInProgress, ShardCarry, advance, drop_stale, en
 from mrl.train.metrics import RewardStats
 from mrl.train.parts import Generation, Prompts, Run
 from mrl.train.rollout import generate, score
-from mrl.train.server_round import server_round, target_groups
+from mrl.train.server_round import refresh_unstarted, server_round, target_groups
 
 
 @dataclass
@@ -118,6 +118,8 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
         for d in prompts.shards:
             c, st = carry[d], counts[d]
             seed = round_seed(roll.seed, step, rounds, d)
+            if server:
+                refresh_unstarted(c.active, gen.version)
             if carries:
                 drop_stale(c, oldest, n, st)
             target = target_groups(per_rank, len(c.ready), roll.over_sample_rate) if server else per_rank

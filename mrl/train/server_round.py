@@ -25,12 +25,23 @@ def target_groups(per_rank: int, ready: int, over_sample_rate: float) -> int:
     return ready + math.ceil((per_rank - ready) * (1 + over_sample_rate) - 1e-9)
 
 
+def refresh_unstarted(active: list[GroupInProgress], version: int) -> None:
+    """Trajectories in hand that have not generated a token yet (drawn beyond the submitted target,
+    or aborted before their first token) are as new as the policy that will start them: `version`
+    (so `drop_stale` never drops a prompt that has not been tried)."""
+    for g in active:
+        for j, tokens in enumerate(g.tokens):
+            if not tokens and g.finish[j] is None:
+                g.versions[j] = version
+
+
 def server_round(run, gen, active: list[GroupInProgress], need: int, seed: int, dp_rank: int, st: dict) -> None:
     """Run `active`'s unfinished trajectories; with over-sampling, abort the rest once `need`
     groups finished. Updates the groups in place and the counters `st` (generated, tokens,
     aborted, engine_busy)."""
     roll = run.spec.rollout
     n = roll.responses_per_prompt
+    refresh_unstarted(active, gen.version)   # a trajectory is as old as its first token
     work = [(gi, g, j) for gi, g in enumerate(active) for j in range(n) if g.finish[j] is None]
     outcome = None
     if gen.is_leader:
@@ -54,8 +65,6 @@ def server_round(run, gen, active: list[GroupInProgress], need: int, seed: int, 
         if not g.masks:
             g.masks = [[1] * len(t) for t in g.tokens]
             g.infos = [{} for _ in g.tokens]
-        if not g.tokens[j]:   # it starts now: as old as its first token
-            g.versions[j] = gen.version
         st["tokens"] += len(ids) - len(g.tokens[j])
         g.tokens[j], g.logprobs[j], g.masks[j], g.infos[j] = list(ids), list(lps), list(mask), dict(info)
         if reason != "abort":

@@ -101,3 +101,22 @@ def test_without_over_sampling_every_drawn_group_runs_to_its_end():
         assert prompts.carry[0].active == [] and prompts.carry[0].ready == []
     finally:
         server.shutdown()
+
+
+def test_groups_waiting_unstarted_are_not_dropped_as_stale():
+    """A group drawn beyond the submitted target waits in hand without a token; steps later it is
+    as new as the policy that starts it, so max_staleness never drops it untried, while a group
+    that began generating under an old policy is dropped."""
+    from mrl.train.carry import drop_stale
+    from mrl.train.groups import GroupInProgress, ShardCarry
+    from mrl.train.server_round import refresh_unstarted
+
+    waiting = GroupInProgress.new(SimpleNamespace(index=0), 2, version=0)
+    begun = GroupInProgress.new(SimpleNamespace(index=1), 2, version=0)
+    begun.tokens[0] = [5, 6]
+    c = ShardCarry(active=[waiting, begun])
+    refresh_unstarted(c.active, 3)
+    assert waiting.versions == [3, 3] and begun.versions == [0, 3]
+    st = {"stale_dropped_responses": 0, "stale_dropped_tokens": 0}
+    drop_stale(c, 2, 2, st)
+    assert c.active == [waiting] and st == {"stale_dropped_responses": 2, "stale_dropped_tokens": 2}
