@@ -129,8 +129,11 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
                 c.active += [GroupInProgress.new(prompts.dataset[i], n, gen.version) for i in picked.indices]
                 if not carries:
                     break
-            if server:   # submit the target's groups; the rest of the draw waits in hand, unstarted
-                server_round(run, gen, c.active[:max(target - len(c.ready), 0)], per_rank - len(c.ready), seed, d, st)
+            if server:   # submit the target's groups (reordered: first finished first); the rest wait unstarted
+                k = max(target - len(c.ready), 0)
+                submitted = c.active[:k]
+                server_round(run, gen, submitted, per_rank - len(c.ready), seed, d, st)
+                c.active = submitted + c.active[k:]
             elif chunk:
                 advance(run, gen, c.active, chunk, seed, d, st)
             else:

@@ -42,6 +42,7 @@ def server_round(run, gen, active: list[GroupInProgress], need: int, seed: int, 
     roll = run.spec.rollout
     n = roll.responses_per_prompt
     refresh_unstarted(active, gen.version)   # a trajectory is as old as its first token
+    position = {id(g): gi for gi, g in enumerate(active)}
     work = [(gi, g, j) for gi, g in enumerate(active) for j in range(n) if g.finish[j] is None]
     outcome = None
     if gen.is_leader:
@@ -59,8 +60,8 @@ def server_round(run, gen, active: list[GroupInProgress], need: int, seed: int, 
         sampling = replace(sampling_from_config(roll), n=1, seed=None)
         result = gen.generator.run_groups(specs, sampling, need if roll.over_sample_rate else None)
         outcome = ([(t.token_ids, t.logprobs, t.loss_mask, t.finish_reason, t.info) for t in result.trajectories],
-                   result.aborted, result.engine_busy)
-    trajectories, aborted, busy = from_leader(outcome, gen.mp_group, gen.is_leader, "server-mode rollouts")
+                   result.aborted, result.engine_busy, result.finished_groups)
+    trajectories, aborted, busy, order = from_leader(outcome, gen.mp_group, gen.is_leader, "server-mode rollouts")
     for (gi, g, j), (ids, lps, mask, reason, info) in zip(work, trajectories):
         if not g.masks:
             g.masks = [[1] * len(t) for t in g.tokens]
@@ -70,5 +71,8 @@ def server_round(run, gen, active: list[GroupInProgress], need: int, seed: int, 
         if reason != "abort":
             g.finish[j] = reason
             st["generated"] += 1
+    # the groups that finished first come first (they make the batch; the producer scores in this order)
+    rank = {gi: k for k, gi in enumerate(order)}
+    active.sort(key=lambda g: rank.get(position[id(g)], len(order)))
     st["aborted"] = st.get("aborted", 0.0) + aborted
     st["engine_busy"] = busy

@@ -120,3 +120,16 @@ def test_groups_waiting_unstarted_are_not_dropped_as_stale():
     st = {"stale_dropped_responses": 0, "stale_dropped_tokens": 0}
     drop_stale(c, 2, 2, st)
     assert c.active == [waiting] and st == {"stale_dropped_responses": 2, "stale_dropped_tokens": 2}
+
+
+def test_the_groups_that_finish_first_make_the_batch():
+    """Submitted in the order 6, 2, 6 tokens for a batch of 2: the 2-token group finishes first and
+    leads the step's batch, whichever 6-token group joins it (both may finish before the abort)."""
+    from mrl.train.produce import produce
+
+    run, gen, prompts, server = _parts([6, 2, 6, 9], rate=0.5)
+    try:
+        s1 = produce(run, gen, prompts, 1, agree_min=lambda x: x).shards[0]
+        assert [it.index for it in s1.items][0] == 1 and len(s1.items) == 2
+    finally:
+        server.shutdown()
