@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from mrl.errors import UserError
 from mrl.rollout.agent_loop import AgentRunner, RunResult, TrajectorySpec
 from mrl.rollout.engine import RolloutEngine, WeightStream
 from mrl.rollout.router import Router
@@ -31,7 +32,16 @@ class ServerRollout(RolloutEngine):
     # --- generation ------------------------------------------------------------------------------
     def run_groups(self, specs: Sequence[TrajectorySpec], sampling: Sampling,
                    needed: Optional[int] = None) -> RunResult:
-        self.last = self.loop.run(self.runner.run(specs, sampling, needed), self.timeout_s)
+        import asyncio
+        import concurrent.futures
+
+        future = asyncio.run_coroutine_threadsafe(self.runner.run(specs, sampling, needed), self.loop.loop)
+        try:
+            self.last = future.result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()   # the runner's tasks are cancelled, their requests aborted
+            raise UserError(f"rollout: {len(specs)} trajectories ran longer than rollout.generate_timeout_s = "
+                            f"{self.timeout_s:g} s; raise it or lower rollout.max_response_tokens") from None
         return self.last
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling,

@@ -232,3 +232,17 @@ def test_validate_accepts_server_mode_with_over_sampling():
 
     spec, _ = load(QUICKSTART, [*SERVER, "rollout.over_sample_rate=0.25", "rollout.max_staleness=1"])
     assert spec.rollout.mode == "server" and spec.rollout.over_sample_rate == 0.25
+
+
+def test_a_server_rollout_past_its_timeout_is_one_line_and_aborts_its_requests():
+    from mrl.rollout.server import ServerRollout
+    from mrl.rollout.vllm_async import LoopThread
+
+    engine = FakeAsyncEngine(lambda p: list(range(1000)), tick=0.01)
+    server = ServerRollout([engine], LoopThread(), AgentRunner(Router([engine]), single_turn), timeout_s=0.2)
+    try:
+        with pytest.raises(UserError, match="rollout.generate_timeout_s = 0.2 s"):
+            server.generate([[1, 2]], Sampling(max_tokens=1000))
+        assert server.generate([[1, 2]], Sampling(max_tokens=3))[0].token_ids == [0, 1, 2]   # still serving
+    finally:
+        server.shutdown()
