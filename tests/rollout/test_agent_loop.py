@@ -246,3 +246,44 @@ def test_a_server_rollout_past_its_timeout_is_one_line_and_aborts_its_requests()
         assert server.generate([[1, 2]], Sampling(max_tokens=3))[0].token_ids == [0, 1, 2]   # still serving
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize("caps", [dict(max_assistant_turns=4), dict(max_user_turns=1), dict(max_tokens=150),
+                                  dict(max_parallel_calls=2)])
+def test_the_built_in_agent_gives_the_lockstep_loops_conversation(caps):
+    """The same scripted policy and tools through `MultiTurnRollout` (lockstep) and `tool_agent`
+    (one coroutine): the same token ids, loss masks, finish reason and turn/tool counts."""
+    from mrl.rollout.multi_turn import MultiTurnRollout
+    from tests.rollout.test_multi_turn import ScriptedEngine
+
+    caps = dict(caps)
+    max_tokens = caps.pop("max_tokens", 2000)
+    script = [call("echo", text="a") + call("echo", text="b"), "<tool_call>{bad}</tool_call>", call("echo", text="c"),
+              "done<|im_end|>"]
+    refs = [f"{TOOLS}:echo"]
+    prompt = TOK.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    lockstep = MultiTurnRollout(ScriptedEngine(script), TOK, ToolRunner(refs, 5.0), **caps)
+    [want] = lockstep.generate([prompt], Sampling(max_tokens=max_tokens))
+    lockstep.tools.close()
+
+    def answer(ids):
+        turn = TOK.decode(ids).count("</tool_response><|im_end|>")
+        return TOK.encode(script[min(turn, len(script) - 1)])
+
+    runner = ToolRunner(refs, 5.0)
+    mt = SimpleNamespace(enable=True, max_assistant_turns=caps.get("max_assistant_turns"),
+                         max_user_turns=caps.get("max_user_turns"), max_parallel_calls=caps.get("max_parallel_calls", 1),
+                         max_tool_response_tokens=256, tool_response_truncate_side="middle")
+    agents = AgentRunner(Router([FakeAsyncEngine(answer)]), tools=AsyncTools(runner), tokenizer=TOK, multi_turn=mt,
+                         turns=TurnTemplate(TOK, runner.schemas()), format=HermesFormat())
+    try:
+        [got] = asyncio.run(agents.run([TrajectorySpec("t", 0, prompt)], Sampling(max_tokens=max_tokens))).trajectories
+    finally:
+        runner.close()
+    from mrl.rollout.server import to_response
+
+    got = to_response(0, got)
+    assert TOK.decode(got.token_ids) == TOK.decode(want.token_ids)
+    assert (got.token_ids, got.loss_mask, got.finish_reason) == (want.token_ids, want.loss_mask, want.finish_reason)
+    assert got.info == want.info
+    assert [lp == 0.0 for lp in got.logprobs] == [m == 0 for m in got.loss_mask]
