@@ -227,6 +227,18 @@ def test_validate_refuses_impossible_server_settings_in_one_line(patch, key, fra
     assert any(f": {key}: " in p and fragment in p and "\n" not in p for p in e.value.problems), e.value.problems
 
 
+def test_validate_names_a_missing_agent_in_one_line():
+    from mrl.config.loader import load
+    from mrl.errors import SpecError
+
+    base = [*SERVER, "rollout.multi_turn.enable=true"]
+    with pytest.raises(SpecError) as e:
+        load(QUICKSTART, [*base, "rollout.multi_turn.agent=tests/rollout/agents_for_tests.py:nowhere"])
+    assert any(": rollout.multi_turn.agent: " in p and "nowhere" in p for p in e.value.problems), e.value.problems
+    spec, _ = load(QUICKSTART, [*base, "rollout.multi_turn.agent=tests/rollout/agents_for_tests.py:twice"])
+    assert spec.rollout.multi_turn.agent.endswith("agents_for_tests.py:twice")
+
+
 def test_validate_accepts_server_mode_with_over_sampling():
     from mrl.config.loader import load
 
