@@ -42,6 +42,7 @@ class FakeAsyncEngine(AsyncEngine):
         self.paused.set()
 
     def update_weights(self, weights, *, partial=False):
+        self.updated_while_paused = not self.paused.is_set()
         self.weights += 1
         return sum(1 for _ in weights)
 

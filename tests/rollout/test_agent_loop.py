@@ -299,3 +299,27 @@ def test_the_built_in_agent_gives_the_lockstep_loops_conversation(caps):
     assert (got.token_ids, got.loss_mask, got.finish_reason) == (want.token_ids, want.loss_mask, want.finish_reason)
     assert got.info == want.info
     assert [lp == 0.0 for lp in got.logprobs] == [m == 0 for m in got.loss_mask]
+
+
+def test_a_weight_update_pauses_generation_and_resumes_it():
+    """`ServerRollout.update_weights` while a trajectory is generating: the engine is paused for the
+    update (the request waits, is not aborted) and resumes; the request ends normally."""
+    import threading
+
+    from mrl.rollout.server import ServerRollout
+    from mrl.rollout.vllm_async import LoopThread
+
+    engines = [FakeAsyncEngine(lambda p: list(range(60)), tick=0.005, name=f"e{i}") for i in range(2)]
+    server = ServerRollout(engines, LoopThread(), AgentRunner(Router(engines), single_turn))
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(r=server.generate([[1, 2], [3, 4]], Sampling(max_tokens=60))))
+    try:
+        worker.start()
+        time.sleep(0.05)
+        assert server.update_weights(iter([("w", None), ("v", None)])) == 2
+        worker.join(30)
+        assert all(e.updated_while_paused and e.weights == 1 and e.paused.is_set() for e in engines)
+        assert [r.token_ids for r in out["r"]] == [list(range(60))] * 2
+        assert {r.finish_reason for r in out["r"]} == {"stop"}
+    finally:
+        server.shutdown()
