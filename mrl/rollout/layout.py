@@ -33,7 +33,7 @@ def placement_problems(rollout, world_size: int) -> list[tuple[str, str]]:
             out.append(("rollout.max_staleness", f"is {rollout.max_staleness} but colocated engines share the trainer's "
                                                  "ranks, so generation cannot overlap training (only partial rollouts "
                                                  "carried over from earlier steps lag); set rollout.placement = "
-                                                 "'separate' with rollout.ranks"))   # (over-sampled trajectories carried over lag too)
+                                                 "'separate' with rollout.ranks"))
         return out
     if rollout.ranks < 1:
         out.append(("rollout.ranks", "placement 'separate' needs rollout.ranks >= 1 ranks that only generate"))
