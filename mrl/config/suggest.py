@@ -12,7 +12,6 @@ VERL_TO_MRL: dict[str, str] = {k: m.target for k, m in verl_table().mapped.items
 VERL_NOT_APPLICABLE: dict[str, str] = dict(verl_table().not_applicable)
 
 _PARAM_OFFLOAD = _reasons()["param_offload"]
-_OVER_SAMPLE = _reasons()["over_sample"]
 _SKIP_TOKENIZER = _reasons()["skip_tokenizer"]
 _BALANCE = _reasons()["balance"]
 
@@ -22,7 +21,6 @@ REMOVED_KEYS: dict[str, str] = {
     "actor.offload_params": _PARAM_OFFLOAD,
     "critic.offload_params": _PARAM_OFFLOAD,
     "ref.offload_params": _PARAM_OFFLOAD,
-    "rollout.over_sample_rate": _OVER_SAMPLE,
     "rollout.skip_tokenizer_init": _SKIP_TOKENIZER,
     "trainer.balance_batch": _BALANCE,
     "checkpoint.async_save": "checkpoints are written synchronously (atomic rename, manifest last); background "

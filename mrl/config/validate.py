@@ -275,6 +275,10 @@ def check(spec: JobSpec, report) -> None:
         problem = reward_function.static_problem(ref, n_args=None)
         if problem:
             err("rollout.multi_turn.tools", problem)
+    if roll.multi_turn.agent:   # `async def agent(ctx)` (mrl.rollout.agent_loop), read without importing it
+        problem = reward_function.static_problem(roll.multi_turn.agent, n_args=1, signature="async def agent(ctx)")
+        if problem:
+            err("rollout.multi_turn.agent", problem)
     from mrl.rollout.tool_servers import server_problems   # the checks mrl train applies before connecting
 
     for key, message in server_problems(roll.multi_turn):

@@ -66,6 +66,9 @@ class MultiTurnConfig:
     max_parallel_calls: int = option(1, ge=1, help="tool calls executed (in parallel) per assistant turn; later calls are ignored")
     max_tool_response_tokens: int = option(256, ge=1, help="longest tool response kept, in tokens")
     tool_response_truncate_side: Literal["left", "middle", "right"] = option("middle", help="where a long tool response is cut")
+    agent: Optional[str] = option(None, help="rollout.mode = 'server': the agent loop, 'path/file.py:function', an "
+                                             "`async def agent(ctx) -> Trajectory` run once per trajectory "
+                                             "(docs/multi_turn.md); default: the built-in tool loop")
     format: Literal["auto", "hermes", "llama3_json", "mistral"] = option(
         "hermes", help="tool-call format the model writes: hermes <tool_call>{json}</tool_call> (Qwen), llama3_json "
                        "(Llama 3.1+), mistral [TOOL_CALLS]; auto: the one the chat template writes. Tool turns are "
@@ -96,6 +99,15 @@ class RolloutConfig:
     """Generation engine and sampling. Colocated: engines sleep while the trainer runs."""
 
     engine: Literal["vllm", "hf"] = option("vllm", help="vllm on GPU clusters; hf (transformers generate) anywhere")
+    mode: Literal["spmd", "server"] = option(
+        "spmd", help="spmd: the engine runs inside the trainer's ranks, every rank of an engine group generating in "
+                     "lockstep; server (vllm): each generating leader runs a continuously batching vLLM AsyncLLM "
+                     "(engine core in processes of its own) and every trajectory is its own coroutine "
+                     "(docs/multi_turn.md, docs/async.md)")
+    over_sample_rate: float = option(
+        0.0, ge=0, le=4, help="rollout.mode = 'server': submit ceil((1 + rate) x the groups a step needs); once enough "
+                              "groups have finished the rest are aborted and carried to the next step as partial "
+                              "rollouts (rollout.max_staleness applies); 0: off")
     placement: Literal["colocated", "separate"] = option(
         "colocated", help="colocated: engines share the trainer's ranks and sleep while it trains; separate: the "
                           "last rollout.ranks ranks only generate, the others only train (docs/async.md)")

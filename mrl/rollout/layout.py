@@ -29,7 +29,7 @@ def placement_problems(rollout, world_size: int) -> list[tuple[str, str]]:
         if rollout.ranks:
             out.append(("rollout.ranks", f"is {rollout.ranks} but rollout.placement is 'colocated' (engines on every "
                                          "rank); set rollout.placement = 'separate' or remove it"))
-        if rollout.max_staleness and not rollout.partial_rollout_tokens:
+        if rollout.max_staleness and not (rollout.partial_rollout_tokens or rollout.over_sample_rate):
             out.append(("rollout.max_staleness", f"is {rollout.max_staleness} but colocated engines share the trainer's "
                                                  "ranks, so generation cannot overlap training (only partial rollouts "
                                                  "carried over from earlier steps lag); set rollout.placement = "
@@ -49,6 +49,8 @@ def rollout_layout_problems(rollout, world_size: int, facts=None, device: Option
     if out:
         return out
     tp, pp = rollout.tensor_parallel, rollout.pipeline_parallel
+    if rollout.mode == "server" or rollout.over_sample_rate or rollout.multi_turn.agent:
+        return server_problems(rollout)
     if rollout.engine == "hf":
         # The hf engine is one transformers model per trainer replica (or per rollout rank): a
         # split would do nothing.
@@ -89,3 +91,29 @@ def first_problem(rollout, world_size: int, facts=None, device: Optional[str] = 
     """The first problem as one line (`key: message`), or None."""
     problems = rollout_layout_problems(rollout, world_size, facts, device)
     return f"{problems[0][0]}: {problems[0][1]}" if problems else None
+
+
+def server_problems(rollout) -> list[tuple[str, str]]:
+    """Every reason a job's server-mode settings cannot run (`rollout.mode = "server"`: each
+    generating leader runs one vLLM AsyncLLM with processes of its own, so the trainer's world does
+    not constrain the engine's split)."""
+    out = []
+    if rollout.mode != "server":
+        for key, value in (("over_sample_rate", rollout.over_sample_rate), ("multi_turn.agent", rollout.multi_turn.agent)):
+            if value:
+                out.append((f"rollout.{key}", f"is {value!r} but needs rollout.mode = 'server' (requests aborted and "
+                                              "agents run per trajectory only there)"))
+        return out
+    if rollout.engine != "vllm":
+        out.append(("rollout.mode", f"'server' runs vLLM's AsyncLLM; set rollout.engine = 'vllm' (is {rollout.engine!r})"))
+    if rollout.pipeline_parallel > 1:
+        out.append(("rollout.pipeline_parallel", "server-mode engines split by tensor parallelism only; set 1"))
+    if rollout.partial_rollout_tokens:
+        out.append(("rollout.partial_rollout_tokens", "server mode continues trajectories whole; cut them with "
+                                                      "rollout.over_sample_rate instead and set 0"))
+    if rollout.placement == "separate" and rollout.tensor_parallel > 1:
+        out.append(("rollout.tensor_parallel", "server mode on separate rollout ranks runs one engine per rollout rank "
+                                               "on its own device; set 1 (or more rollout.ranks)"))
+    if rollout.multi_turn.agent and not rollout.multi_turn.enable:
+        out.append(("rollout.multi_turn.agent", "needs rollout.multi_turn.enable = true"))
+    return out

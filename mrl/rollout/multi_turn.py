@@ -141,6 +141,25 @@ def _truncate(ids: list[int], limit: int, side: str) -> list[int]:
     return ids[:head] + ids[len(ids) - (limit - head):]
 
 
+def tool_messages(tokenizer, pending: list, results: list, tool_turns: int, max_tokens: int,
+                  side: str) -> tuple[list[dict], list[ToolResult]]:
+    """The tool messages of one tool turn and the results they carry: `pending` is the turn's
+    (call or error text, call id) list, `results[k]` the `ToolResult` of call k (None for a
+    malformed call, which becomes its error text). Each answer is cut to `max_tokens` tokens
+    (`side`: where), shared by the lockstep loop and the agent loop (`agent_loop.tool_agent`)."""
+    messages, used = [], []
+    for k, (call, call_id) in enumerate(pending):
+        res = results[k] or ToolResult(str(call), "error", 0.0, "malformed")
+        used.append(res)
+        ids = _truncate(list(tokenizer.encode(res.text, add_special_tokens=False)), max_tokens, side)
+        message = {"role": "tool", "content": tokenizer.decode(ids),
+                   "tool_call_id": call_id or f"call{tool_turns % 100:02d}{k:03d}"}  # 9 characters (Mistral)
+        if isinstance(call, ToolCall):
+            message["name"] = call.name
+        messages.append(message)
+    return messages, used
+
+
 class MultiTurnRollout:
     """Tool-calling rollouts over any `RolloutEngine` (configured by `rollout.multi_turn`)."""
 
@@ -259,16 +278,11 @@ class MultiTurnRollout:
         runnable = [(c, k, call) for c, k, call in jobs if isinstance(call, ToolCall)]
         results = dict(zip(((id(c), k) for c, k, _ in runnable), self._run_tools([call for _, _, call in runnable])))
         for c in calling:
-            messages = []
-            for k, (call, call_id) in enumerate(c.pending[:self.max_parallel_calls]):
-                res = results.get((id(c), k)) or ToolResult(str(call), "error", 0.0, "malformed")
-                c.results.append(res)
-                ids = _truncate(self._encode(res.text), self.max_tool_response_tokens, self.truncate_side)
-                message = {"role": "tool", "content": self.tokenizer.decode(ids),
-                           "tool_call_id": call_id or f"call{c.tool_turns % 100:02d}{k:03d}"}  # 9 characters (Mistral)
-                if isinstance(call, ToolCall):
-                    message["name"] = call.name
-                messages.append(message)
+            pending = c.pending[:self.max_parallel_calls]
+            got = [results.get((id(c), k)) for k in range(len(pending))]
+            messages, used = tool_messages(self.tokenizer, pending, got, c.tool_turns, self.max_tool_response_tokens,
+                                           self.truncate_side)
+            c.results += used
             obs = self.turns.tool_turn_ids(c.last_turn, messages)
             room = max_tokens - len(c.tokens)
             c.add(obs[:room], [0.0] * min(len(obs), room), 0)

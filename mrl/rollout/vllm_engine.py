@@ -227,6 +227,24 @@ def _read_hf_tensor(self, name: str, packed: dict[str, list[str]]) -> Optional[t
     return assemble(layout, src.part, [p.view(local.dtype).reshape(local.shape) for p in pieces])
 
 
+def check_finished(finished: list, sent: int) -> None:
+    """Raise when a weight sync loaded part of a fused module, or nothing into some parameter
+    (`finished`: each worker's `_finish_weight_update` result; `sent`: tensors in the stream)."""
+    partly = sorted(set().union(*(p for _, _, p in finished)))
+    if partly:
+        shown = ", ".join(partly[:3]) + (f" and {len(partly) - 3} more" if len(partly) > 3 else "")
+        raise RuntimeError(f"vllm engine: the weight sync loaded only part of {shown}; vLLM rebuilds a fused "
+                           f"module from one sync's tensors, so a sync must carry all of a module's tensors "
+                           f"(q/k/v, gate/up, weight and bias) or none")
+    missing = sorted(set().union(*(m for m, _, _ in finished)))
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        layers = sorted(set().union(*(w for _, w, _ in finished)))
+        raise RuntimeError(f"vllm engine: the weight sync ({sent} tensors) loaded nothing into {len(missing)} "
+                           f"parameter(s) of the engine's model: {shown} (layers left as they were: "
+                           f"{', '.join(layers) or 'none'})")
+
+
 @contextlib.contextmanager
 def rank_env():
     """torchrun's RANK / LOCAL_RANK / WORLD_SIZE (which vLLM's external_launcher reads while the
@@ -522,19 +540,7 @@ class VLLMEngine(RolloutEngine):
         finally:
             finished = self.llm.collective_rpc(_finish_weight_update, args=(sorted(loaded), partial))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-        partly = sorted(set().union(*(p for _, _, p in finished)))
-        if partly:
-            shown = ", ".join(partly[:3]) + (f" and {len(partly) - 3} more" if len(partly) > 3 else "")
-            raise RuntimeError(f"vllm engine: the weight sync loaded only part of {shown}; vLLM rebuilds a fused "
-                               f"module from one sync's tensors, so a sync must carry all of a module's tensors "
-                               f"(q/k/v, gate/up, weight and bias) or none")
-        missing = sorted(set().union(*(m for m, _, _ in finished)))
-        if missing:
-            shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-            layers = sorted(set().union(*(w for _, w, _ in finished)))
-            raise RuntimeError(f"vllm engine: the weight sync ({sent} tensors) loaded nothing into {len(missing)} "
-                               f"parameter(s) of the engine's model: {shown} (layers left as they were: "
-                               f"{', '.join(layers) or 'none'})")
+        check_finished(finished, sent)
         return sent
 
     @functools.cached_property

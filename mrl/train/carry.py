@@ -71,7 +71,7 @@ def encode_carry(carry: dict[int, ShardCarry]) -> dict:
         return {"item": g.item.index, "tokens": [list(t) for t in g.tokens], "logprobs": [list(x) for x in g.logprobs],
                 "finish": [f or "" for f in g.finish], "versions": list(g.versions), "carried": list(g.carried),
                 "scores": list(g.scored["scores"]) if g.scored else None,
-                "routes": list(g.routes)}
+                "routes": list(g.routes), "masks": [list(m) for m in g.masks], "infos": [dict(i) for i in g.infos]}
 
     return {str(d): {"active": [group(g) for g in c.active], "ready": [group(g) for g in c.ready]}
             for d, c in carry.items()}
@@ -83,7 +83,8 @@ def decode_carry(encoded: Optional[dict], dataset) -> dict[int, ShardCarry]:
                                logprobs=[list(x) for x in e["logprobs"]], finish=[f or None for f in e["finish"]],
                                versions=list(e["versions"]), carried=list(e["carried"]),
                                scored={"scores": list(e["scores"])} if e["scores"] is not None else None,
-                               routes=list(e.get("routes") or [None] * len(e["finish"])))
+                               routes=list(e.get("routes") or [None] * len(e["finish"])),
+                               masks=[list(m) for m in e.get("masks") or []], infos=[dict(i) for i in e.get("infos") or []])
 
     return {int(d): ShardCarry(active=[group(g) for g in c["active"]], ready=[group(g) for g in c["ready"]])
             for d, c in (encoded or {}).items()}

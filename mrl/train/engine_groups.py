@@ -32,7 +32,7 @@ def calls_tools(spec, plan, ctx, *, is_leader: bool) -> bool:
     rank of a separate placement."""
     if not spec.rollout.multi_turn.enable or (plan.separate and ctx.role != "rollout"):
         return False
-    if spec.rollout.engine == "vllm":
+    if spec.rollout.engine == "vllm" and spec.rollout.mode == "spmd":
         return ctx.rank % plan.engine_ranks == 0
     return is_leader
 
@@ -47,6 +47,13 @@ def build_rollout(spec, plan, ctx, tokenizer, *, is_leader: bool,
 
     r = spec.rollout
     groups = None
+    if r.mode == "server":   # one AsyncLLM per generating leader (mrl.rollout.server), like the hf engine
+        if not is_leader:
+            return None, None, None
+        from mrl.rollout.server import build_server_rollout
+
+        server = build_server_rollout(spec, tokenizer, device=ctx.device, tools=tools)
+        return server, server, None
     if r.engine == "vllm":
         groups = EngineGroups(dist.get_world_size() if dist.is_initialized() else 1, plan.engine_ranks)
     elif not is_leader:

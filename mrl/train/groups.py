@@ -25,6 +25,8 @@ class GroupInProgress:
     scored: Optional[dict] = None                  # once kept: {"scores": [...]}
     whole: Optional[list[Response]] = None         # whole generation: the engine's responses as they came
     routes: list = field(default_factory=list)     # MoE routes of each response's latest call (`Response.routes`)
+    masks: list = field(default_factory=list)      # server mode: each response's loss mask (empty: all 1)
+    infos: list = field(default_factory=list)      # server mode: each trajectory's info (turns, tool counts, state)
 
     @property
     def finished(self) -> bool:
@@ -33,9 +35,13 @@ class GroupInProgress:
     def responses(self) -> list[Response]:
         if self.whole is not None:
             return self.whole
+        from mrl.rollout.server import response_info
+
         return [Response(prompt_index=0, token_ids=list(self.tokens[j]), logprobs=list(self.logprobs[j]),
                          finish_reason=self.finish[j], policy_version=self.versions[j],
-                         routes=self.routes[j] if self.routes else None)
+                         routes=self.routes[j] if self.routes else None,
+                         loss_mask=list(self.masks[j]) if self.masks else [],
+                         info=response_info(self.infos[j]) if self.infos else {})
                 for j in range(len(self.finish))]
 
     @classmethod

@@ -29,9 +29,19 @@ def partial_problems(spec) -> list[tuple[str, str]]:
     both apply it."""
     roll = spec.rollout
     chunk = roll.partial_rollout_tokens
-    if not chunk:
-        return []
     out: list[tuple[str, str]] = []
+    if roll.mode == "server" and spec.actor.moe.routing_replay == "r3":
+        out.append(("actor.moe.routing_replay", "'r3' needs the engine's routes, which server mode does not return yet; "
+                                                "use rollout.mode = 'spmd'"))
+    if roll.over_sample_rate and roll.mode == "server":
+        if roll.max_staleness < 1:
+            out.append(("rollout.max_staleness", "is 0, but over-sampling carries aborted trajectories to the next step, "
+                                                 "where they continue under newer weights; set it >= 1"))
+        if spec.algorithm.advantage == "remax":
+            out.append(("rollout.over_sample_rate", "ReMax's greedy baseline is generated whole within the step; use "
+                                                    "another estimator or set 0"))
+    if not chunk:
+        return out
     if roll.max_staleness < 1:
         out.append(("rollout.max_staleness", "is 0, but partial rollouts carried over to the next step continue under "
                                              "newer weights and lag at least one version; set it >= 1"))

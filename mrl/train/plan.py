@@ -153,6 +153,6 @@ def step_plan(spec) -> StepPlan:
     return StepPlan(world=spec.platform.world_size, trainer_world=world,
                     engine_world=engine_world(roll, spec.platform.world_size), dp=dp, prompts_per_step=prompts,
                     prompts_per_rank=prompts // dp, responses_per_prompt=roll.responses_per_prompt,
-                    engine_ranks=roll.tensor_parallel * roll.pipeline_parallel, separate=roll.placement == "separate",
+                    engine_ranks=1 if roll.mode == "server" else roll.tensor_parallel * roll.pipeline_parallel, separate=roll.placement == "separate",
                     actor=actor, critic=updates(spec.critic) if spec.critic.enable else None,
                     on_policy=on_policy(spec, actor))

@@ -37,6 +37,7 @@ from mrl.train.carry import GroupInProgress, ShardCarry, advance, drop_stale, en
 from mrl.train.metrics import RewardStats
 from mrl.train.parts import Generation, Prompts, Run
 from mrl.train.rollout import generate, score
+from mrl.train.server_round import refresh_unstarted, server_round, target_groups
 
 
 @dataclass
@@ -102,9 +103,11 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
     spec, plan = run.spec, run.plan
     roll, dyn = spec.rollout, spec.algorithm.dynamic_sampling
     n, chunk = roll.responses_per_prompt, roll.partial_rollout_tokens
+    server = roll.mode == "server"   # trajectories as coroutines; over-sampled ones are carried (server_round)
+    carries = bool(chunk) or server
     per_rank = plan.prompts_per_rank
     started = time.perf_counter()
-    carry = prompts.carry if chunk else {}
+    carry = prompts.carry if carries else {}
     for d in prompts.shards:
         carry.setdefault(d, ShardCarry())
     counts = {d: _counters() for d in prompts.shards}
@@ -115,13 +118,23 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
         for d in prompts.shards:
             c, st = carry[d], counts[d]
             seed = round_seed(roll.seed, step, rounds, d)
-            if chunk:
+            if server:
+                refresh_unstarted(c.active, gen.version)
+            if carries:
                 drop_stale(c, oldest, n, st)
-            if not chunk or len(c.ready) + len(c.active) < per_rank:   # whole: every round draws
+            target = target_groups(per_rank, len(c.ready), roll.over_sample_rate) if server else per_rank
+            while not carries or len(c.ready) + len(c.active) < target:   # whole: every round draws
                 picked = prompts.samplers[d].next()
                 draws += 1
                 c.active += [GroupInProgress.new(prompts.dataset[i], n, gen.version) for i in picked.indices]
-            if chunk:
+                if not carries:
+                    break
+            if server:   # submit the target's groups (reordered: first finished first); the rest wait unstarted
+                k = max(target - len(c.ready), 0)
+                submitted = c.active[:k]
+                server_round(run, gen, submitted, per_rank - len(c.ready), seed, d, st)
+                c.active = submitted + c.active[k:]
+            elif chunk:
                 advance(run, gen, c.active, chunk, seed, d, st)
             else:
                 responses = generate(run, gen, [list(g.item.token_ids) for g in c.active],
@@ -142,7 +155,7 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
                 keep, dropped = keep_groups_of(r, n, dyn.enable, spec.reward.on_error == "drop")
                 st["dropped"] += dropped
                 for i, g in enumerate(done):
-                    if keep[i] and (chunk or len(c.ready) < per_rank):
+                    if keep[i] and (carries or len(c.ready) < per_rank):
                         g.scored = {"scores": r["scores"][i * n:(i + 1) * n]}
                         c.ready.append(g)
         rounds += 1
@@ -166,7 +179,10 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
         taken, c.ready = c.ready[:count], c.ready[count:]
         stats = {**rewards[d].result(), "rollout/generation_rounds": float(rounds),
                  "rollout/responses_generated": st["generated"], "tokens/rollout_response": st["tokens"]}
-        if chunk:
+        if server:
+            stats.update({"rollout/aborted": st.get("aborted", 0.0), "rollout/engine_busy": st.get("engine_busy", 0.0),
+                          "rollout/carried": float(sum(f is None for g in c.active for f in g.finish))})
+        if carries:
             stats.update({"rollout/partial_tokens_carried": float(sum(sum(g.carried) for g in taken)),
                           "rollout/partial_groups_in_flight": float(len(c.active) + len(c.ready)),
                           "rollout/stale_dropped_responses": st["stale_dropped_responses"],
@@ -184,7 +200,7 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
             shard.greedy_scores = greedy_scores(run, gen, shard.items, step, d, reward_model)
     return StepRollout(step=step, version=gen.version, shards=out, position=prompts.position,
                        produce_s=time.perf_counter() - started, finished_at=time.time(),
-                       carry=encode_carry(carry) if chunk else None)
+                       carry=encode_carry(carry) if carries else None)
 
 
 def greedy_scores(run: Run, gen: Generation, items: list, step: int, dp_rank: int, reward_model=None) -> list[float]:

@@ -45,7 +45,6 @@ def test_every_declared_key_is_read_outside_the_config_package():
     ("actor.offload_params=true", "actor_rollout_ref.actor.megatron.param_offload=true"),
     ("ref.offload_params=true", "actor_rollout_ref.ref.megatron.param_offload=true"),
     ("critic.offload_params=true", None),
-    ("rollout.over_sample_rate=0.1", "actor_rollout_ref.rollout.over_sample_rate=0.1"),
     ("rollout.skip_tokenizer_init=true", "actor_rollout_ref.rollout.skip_tokenizer_init=true"),
     ("trainer.balance_batch=true", "trainer.balance_batch=true"),
 ])

@@ -1,0 +1,145 @@
+"""`ServerRollout`: the generator of `rollout.mode = "server"` on a generating leader, as the trainer
+sees it (a `RolloutEngine`, so weight channels, evaluation and the producer use it unchanged).
+
+It owns the leader's server engines (`VLLMAsyncEngine`s, or any `AsyncEngine`), their event loop
+thread (`LoopThread`), a `Router` over them and an `AgentRunner`. The trainer's thread calls
+- `generate(prompts, sampling)`: every trajectory (`sampling.n` per prompt) run to its end by the
+  agent, each its own coroutine, returned as `Response`s (prompt-major, as `RolloutEngine`);
+- `run_groups(specs, sampling, needed)`: the producer's call with a budget: groups finished in
+  the order they finished, the rest aborted (`agent_loop.AgentRunner.run`);
+- `update_weights(stream)`: pause generation -> load the verified stream -> resume, on every
+  engine (the stream is replayed per engine from one host copy when there are several).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from mrl.errors import UserError
+from mrl.rollout.agent_loop import AgentRunner, RunResult, TrajectorySpec
+from mrl.rollout.engine import RolloutEngine, WeightStream
+from mrl.rollout.router import Router
+from mrl.rollout.types import Response, Sampling, resolve_prompt_seeds
+
+
+class ServerRollout(RolloutEngine):
+    def __init__(self, engines: Sequence, loop, runner: AgentRunner, *, timeout_s: Optional[float] = None):
+        self.engines, self.loop, self.runner = list(engines), loop, runner
+        self.router: Router = runner.router
+        self.timeout_s = timeout_s
+        self.last: Optional[RunResult] = None   # the last call's result (its counts for the metrics)
+        self.calls = 0
+
+    # --- generation ------------------------------------------------------------------------------
+    def run_groups(self, specs: Sequence[TrajectorySpec], sampling: Sampling,
+                   needed: Optional[int] = None) -> RunResult:
+        import asyncio
+        import concurrent.futures
+
+        future = asyncio.run_coroutine_threadsafe(self.runner.run(specs, sampling, needed), self.loop.loop)
+        try:
+            self.last = future.result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()   # the runner's tasks are cancelled, their requests aborted
+            raise UserError(f"rollout: {len(specs)} trajectories ran longer than rollout.generate_timeout_s = "
+                            f"{self.timeout_s:g} s; raise it or lower rollout.max_response_tokens") from None
+        return self.last
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling,
+                 prompt_seeds: Optional[Sequence[int]] = None) -> list[Response]:
+        from mrl.rollout.types import prompt_seed
+
+        seeds = resolve_prompt_seeds(sampling, len(prompt_token_ids), prompt_seeds)
+        n = sampling.n
+        self.calls += 1   # request ids stay unique across calls
+        specs = [TrajectorySpec(f"c{self.calls}p{i}r{j}", i, list(p), seed=None if seeds[i] is None else prompt_seed(seeds[i], j))
+                 for i, p in enumerate(prompt_token_ids) for j in range(n)]
+        one = Sampling(**{**sampling.__dict__, "n": 1})
+        result = self.run_groups(specs, one)
+        return [to_response(spec.group, t) for spec, t in zip(specs, result.trajectories)]
+
+    def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        return self.engines[0].sequence_logprobs(token_ids)
+
+    # --- weights and memory ------------------------------------------------------------------------
+    def update_weights(self, weights: WeightStream, *, partial: bool = False) -> int:
+        """Pause -> update -> resume on every engine (requests in flight wait, `mode="keep"`)."""
+        stream = weights if len(self.engines) == 1 else list(weights)
+        sent = 0
+        for engine in self.engines:
+            self.loop.run(engine.pause())
+            try:
+                sent = engine.update_weights(iter(stream), partial=partial)
+            finally:
+                self.loop.run(engine.resume())
+        return sent
+
+    def load_unit(self, name: str) -> str:
+        return self.engines[0].load_unit(name)
+
+    def held_weights(self, names: Sequence[str]):
+        return self.engines[0].held_weights(names)
+
+    def sleep(self, level: Optional[int] = None) -> None:
+        for engine in self.engines:
+            engine.sleep(level)
+
+    def wake(self, tags: Optional[Sequence[str]] = None) -> None:
+        for engine in self.engines:
+            engine.wake(tags)
+
+    def shutdown(self) -> None:
+        for engine in self.engines:
+            engine.shutdown()
+        if self.runner.tools is not None:
+            self.runner.tools.close()
+        self.loop.close()
+
+
+def to_response(prompt_index: int, t) -> Response:
+    """A finished trajectory as a `Response` (an aborted one has no response yet)."""
+    if t.finish_reason not in ("stop", "length"):
+        raise ValueError(f"trajectory ended with {t.finish_reason!r}: not a finished response")
+    return Response(prompt_index, list(t.token_ids), list(t.logprobs), t.finish_reason, loss_mask=list(t.loss_mask),
+                    info=response_info(t.info))
+
+
+def response_info(info: dict) -> dict:
+    """What of a trajectory's `info` a `Response` carries: turn and tool counts (the agent's
+    resume state stays with the trajectory)."""
+    return {k: v for k, v in info.items()
+            if k in ("assistant_turns", "tool_turns") or (k.startswith("tool_") and k != "tool_results")}
+
+
+def build_server_rollout(spec, tokenizer, *, device, tools=None, model_path: Optional[str] = None) -> ServerRollout:
+    """The leader's `ServerRollout` for a job (`rollout.mode = "server"`): one vLLM AsyncLLM on this
+    rank's device (and the next `tensor_parallel - 1` on a GPU), the agent of
+    `rollout.multi_turn.agent` or the built-in one, the job's tools (`tools`: `JobTools`)."""
+    from mrl.rollout.agent_loop import AsyncTools, load_agent
+    from mrl.rollout.factory import engine_gpus, engine_model_path
+    from mrl.rollout.vllm_async import LoopThread, VLLMAsyncEngine
+
+    r = spec.rollout
+    loop = LoopThread()
+    try:
+        path = model_path or engine_model_path(r, spec.model)
+        gpus = engine_gpus(device, r.tensor_parallel, "rollout")
+        seed = r.seed if r.seed is not None else spec.job.seed
+        engine = VLLMAsyncEngine.from_config(r, path, loop=loop, seed=seed, dtype=r.dtype or spec.model.dtype,
+                                             max_model_len=r.max_model_len, gpus=gpus, on_cpu=gpus is None)
+    except BaseException:
+        loop.close()
+        raise
+    mt = r.multi_turn
+    kw = {}
+    if mt.enable:
+        from mrl.rollout.tool_formats import resolve_format
+        from mrl.rollout.tools import ToolRunner
+        from mrl.rollout.turns import TurnTemplate
+
+        runner = tools.runner if tools is not None and tools.runner is not None else ToolRunner.from_config(mt)
+        origin = spec.model.tokenizer or spec.model.path
+        kw = dict(tools=AsyncTools(runner), tokenizer=tokenizer, multi_turn=mt,
+                  turns=TurnTemplate(tokenizer, runner.schemas(), origin=origin),
+                  format=resolve_format(mt.format, getattr(tokenizer, "chat_template", None), origin))
+    agents = AgentRunner(Router([engine]), load_agent(mt.agent), **kw)
+    return ServerRollout([engine], loop, agents, timeout_s=r.generate_timeout_s)

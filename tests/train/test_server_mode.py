@@ -1,0 +1,135 @@
+"""Server mode in the producer (`rollout.mode = "server"`), stage by stage with a fake AsyncEngine
+(no model, no process group): over-sampled groups fill the batch, the rest are aborted and
+carried with their tokens, and continue in the next step; the groups in hand checkpoint as plain values."""
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+import torch
+
+from mrl.config.loader import load
+from tests.rollout.fake_async import FakeAsyncEngine
+from tests.train.test_partial import Rewarder
+
+QUICKSTART = "jobs/quickstart_cpu.toml"
+
+
+def continuing(prompt):
+    """Prompt (7, 7, L) + the tokens so far: the rest of 0, 1, ..., L - 1."""
+    return list(range(len(prompt) - 3, prompt[2]))
+
+
+def _parts(lengths, rate=0.5):
+    from mrl.data.sampler import PromptSampler
+    from mrl.rollout.agent_loop import AgentRunner, single_turn
+    from mrl.rollout.router import Router
+    from mrl.rollout.server import ServerRollout
+    from mrl.rollout.vllm_async import LoopThread
+    from mrl.train.parts import Generation, Prompts
+    from mrl.train.plan import step_plan
+
+    spec, _ = load(QUICKSTART, ["rollout.engine=vllm", "rollout.mode=server", f"rollout.over_sample_rate={rate}",
+                                f"rollout.max_staleness={int(rate > 0)}", "data.prompts_per_step=2", "rollout.responses_per_prompt=2",
+                                "rollout.max_response_tokens=200",
+                                "actor.mini_batch_prompts=1"])
+    items = [SimpleNamespace(index=i, token_ids=(7, 7, L), prompt="p", answer="a", data_source="t", extra={})
+             for i, L in enumerate(lengths)]
+    engine = FakeAsyncEngine(continuing, tick=0.002)
+    server = ServerRollout([engine], LoopThread(), AgentRunner(Router([engine]), single_turn))
+    run = SimpleNamespace(spec=spec, plan=step_plan(spec), dp=1, separate=False,
+                          tokenizer=SimpleNamespace(decode=lambda ids, **kw: "r"), ctx=SimpleNamespace(role="train"))
+    gen = Generation(engine=server, generator=server, rewarder=Rewarder())
+    return run, gen, Prompts(dataset=items, samplers={0: PromptSampler(len(items), 2, seed=0, shuffle=False)}), server
+
+
+def test_over_sampling_fills_the_batch_aborts_the_rest_and_continues_them_next_step():
+    from mrl.train.carry import decode_carry, encode_carry
+    from mrl.train.produce import produce
+
+    # step 1 draws two batches of 2 prompts (2, 3 | 150, 190 tokens) and submits 3 groups
+    # (ceil(2 x 1.5)); the first two finish, the 150-token group is aborted mid-generation and
+    # carried, the 190-token one waits unstarted
+    run, gen, prompts, server = _parts([2, 3, 150, 190, 100, 190])
+    try:
+        gen.version = 0
+        s1 = produce(run, gen, prompts, 1, agree_min=lambda x: x).shards[0]
+        assert [it.index for it in s1.items] == [0, 1]
+        assert [x.token_ids for x in s1.responses] == [[0, 1], [0, 1], [0, 1, 2], [0, 1, 2]]
+        assert s1.stats["rollout/aborted"] == 2 and s1.stats["rollout/carried"] == 4
+        assert 0 < s1.stats["rollout/engine_busy"] <= 1
+        g, waiting = prompts.carry[0].active
+        assert g.item.index == 2 and g.finish == [None, None]
+        assert waiting.item.index == 3 and waiting.tokens == [[], []]
+        assert all(t == list(range(len(t))) and len(t) < 150 for t in g.tokens)
+        carried = [len(t) for t in g.tokens]
+
+        # the groups in hand survive a checkpoint (plain values, masks and agent state included)
+        buf = io.BytesIO()
+        torch.save(encode_carry(prompts.carry), buf)
+        buf.seek(0)
+        back = decode_carry(torch.load(buf, weights_only=True), prompts.dataset)
+        assert encode_carry(back) == encode_carry(prompts.carry)
+
+        # step 2: the carried group continues from its tokens (its log-probs kept, its age that of
+        # its first token) beside the waiting 190-token group and a new 100-token one; the new one
+        # and the carried one finish, the 190-token group is aborted
+        gen.version = 1
+        s2 = produce(run, gen, prompts, 2, agree_min=lambda x: x).shards[0]
+        assert sorted(it.index for it in s2.items) == [2, 4]
+        at = [it.index for it in s2.items].index(2)
+        first = s2.responses[2 * at:2 * at + 2]
+        assert [x.token_ids for x in first] == [list(range(150))] * 2
+        assert all(x.logprobs == [-0.25] * 150 and x.loss_mask == [1] * 150 for x in first)
+        assert [x.policy_version for x in first] == [0 if c else 1 for c in carried]
+        assert s2.stats["rollout/partial_tokens_carried"] == sum(carried)
+        assert s2.stats["rollout/aborted"] == 2   # the 190-token group
+        assert [g.item.index for g in prompts.carry[0].active] == [3, 5]
+    finally:
+        server.shutdown()
+
+
+def test_without_over_sampling_every_drawn_group_runs_to_its_end():
+    from mrl.train.produce import produce
+
+    run, gen, prompts, server = _parts([2, 40, 3, 3], rate=0.0)
+    try:
+        s1 = produce(run, gen, prompts, 1, agree_min=lambda x: x).shards[0]
+        assert [it.index for it in s1.items] == [0, 1]
+        assert [len(x.token_ids) for x in s1.responses] == [2, 2, 40, 40]
+        assert s1.stats["rollout/aborted"] == 0 and s1.stats["rollout/carried"] == 0
+        assert prompts.carry[0].active == [] and prompts.carry[0].ready == []
+    finally:
+        server.shutdown()
+
+
+def test_groups_waiting_unstarted_are_not_dropped_as_stale():
+    """A group drawn beyond the submitted target waits in hand without a token; steps later it is
+    as new as the policy that starts it, so max_staleness never drops it untried, while a group
+    that began generating under an old policy is dropped."""
+    from mrl.train.carry import drop_stale
+    from mrl.train.groups import GroupInProgress, ShardCarry
+    from mrl.train.server_round import refresh_unstarted
+
+    waiting = GroupInProgress.new(SimpleNamespace(index=0), 2, version=0)
+    begun = GroupInProgress.new(SimpleNamespace(index=1), 2, version=0)
+    begun.tokens[0] = [5, 6]
+    c = ShardCarry(active=[waiting, begun])
+    refresh_unstarted(c.active, 3)
+    assert waiting.versions == [3, 3] and begun.versions == [0, 3]
+    st = {"stale_dropped_responses": 0, "stale_dropped_tokens": 0}
+    drop_stale(c, 2, 2, st)
+    assert c.active == [waiting] and st == {"stale_dropped_responses": 2, "stale_dropped_tokens": 2}
+
+
+def test_the_groups_that_finish_first_make_the_batch():
+    """Submitted in the order 6, 2, 6 tokens for a batch of 2: the 2-token group finishes first and
+    leads the step's batch, whichever 6-token group joins it (both may finish before the abort)."""
+    from mrl.train.produce import produce
+
+    run, gen, prompts, server = _parts([6, 2, 6, 9], rate=0.5)
+    try:
+        s1 = produce(run, gen, prompts, 1, agree_min=lambda x: x).shards[0]
+        assert [it.index for it in s1.items][0] == 1 and len(s1.items) == 2
+    finally:
+        server.shutdown()
