@@ -92,10 +92,31 @@ class WeightSyncConfig:
 
 
 @section
+class SGLangConfig:
+    """`rollout.engine = "sglang"`: how the SGLang server (pinned 0.5.23) is launched and fed (docs/sglang.md)."""
+
+    python: Optional[str] = option(None, help="Python interpreter that has sglang 0.5.23 installed and runs "
+                                              "`-m sglang.launch_server` (default: the trainer's own)")
+    server_args: dict[str, Any] = option(factory=dict, help="extra server flags by ServerArgs field name, e.g. "
+                                                            "{attention_backend = \"fa3\"}: x_y becomes --x-y, true a bare "
+                                                            "flag; they win over the flags mrl derives from [rollout]")
+    port_base: int = option(0, ge=0, le=65535, help="HTTP port of the server of local rank 0 (local rank r: "
+                                                    "port_base + r); 0: any free port")
+    launch_timeout_s: float = option(600.0, gt=0, help="a server not answering /health_generate this long after its "
+                                                       "launch is an error naming its log")
+    weight_transport: Literal["auto", "tensor", "distributed"] = option(
+        "auto", help="tensor: update_weights_from_tensor (CUDA IPC / shared memory, same node); distributed: "
+                     "update_weights_from_distributed (a process group with the server, NCCL on GPUs); auto: tensor "
+                     "colocated, distributed for separate rollout ranks")
+
+
+@section
 class RolloutConfig:
     """Generation engine and sampling. Colocated: engines sleep while the trainer runs."""
 
-    engine: Literal["vllm", "hf"] = option("vllm", help="vllm on GPU clusters; hf (transformers generate) anywhere")
+    engine: Literal["vllm", "hf", "sglang"] = option("vllm", help="vllm on GPU clusters; hf (transformers generate) "
+                                                                "anywhere; sglang: an SGLang 0.5.23 server per engine "
+                                                                "(docs/sglang.md)")
     placement: Literal["colocated", "separate"] = option(
         "colocated", help="colocated: engines share the trainer's ranks and sleep while it trains; separate: the "
                           "last rollout.ranks ranks only generate, the others only train (docs/async.md)")
@@ -140,3 +161,4 @@ class RolloutConfig:
     validation: ValidationSampling = option(factory=ValidationSampling, help="validation sampling")
     multi_turn: MultiTurnConfig = option(factory=MultiTurnConfig, help="multi-turn rollouts")
     weight_sync: WeightSyncConfig = option(factory=WeightSyncConfig, help="trainer -> engine weight stream")
+    sglang: SGLangConfig = option(factory=SGLangConfig, help="the sglang engine's server (rollout.engine = 'sglang')")
