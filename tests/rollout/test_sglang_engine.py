@@ -330,3 +330,33 @@ def test_mrl_validate_accepts_the_sglang_engine(tmp_path):
     bad = run("rollout.top_p=0.9")
     assert bad.returncode == 2 and "rollout.logprobs_mode" in bad.stdout + bad.stderr
     assert "Traceback" not in bad.stdout + bad.stderr
+
+
+def test_the_server_dies_with_the_trainer(tmp_path):
+    """A trainer killed outright (no atexit) takes its server along (PR_SET_PDEATHSIG)."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = f"""
+import sys, time
+from tests.rollout.test_sglang_engine import start, rollout
+from pathlib import Path
+eng = start(Path({str(tmp_path)!r}))
+print(eng.engine.server.proc.pid, flush=True)
+time.sleep(600)
+"""
+    trainer = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        pid = int(trainer.stdout.readline())
+        assert psutil.pid_exists(pid)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(30)
+        _until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+               "the server gone")
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
