@@ -61,15 +61,15 @@ def weight_transport(rollout) -> str:
 
 def launch(rollout, model_path: str, *, seed: int, dtype: str, device, max_model_len: int,
            trust_remote_code: bool = False, log_dir: Optional[str] = None) -> "SGLangRolloutEngine":
-    """Start the job's SGLang server on this rank's GPU(s) and wait until it generates."""
-    from mrl.rollout.factory import engine_gpus
+    """Start the job's SGLang server on this rank's GPU and the next `rollout.tensor_parallel - 1`
+    (indices among the visible devices, which the server inherits) and wait until it generates."""
     from mrl.rollout.sglang_server import ServerProcess, free_port, server_command
 
     problems = sglang_problems(rollout)
     if problems:
         raise UserError(f"{problems[0][0]}: {problems[0][1]}")
     cfg = rollout.sglang
-    gpus = engine_gpus(device, rollout.tensor_parallel, "rollout")
+    dev = torch.device(device)
     host = "127.0.0.1"
     local = int(os.environ.get("LOCAL_RANK", "0"))
     port = cfg.port_base + local if cfg.port_base else free_port(host)
@@ -78,7 +78,7 @@ def launch(rollout, model_path: str, *, seed: int, dtype: str, device, max_model
         seed=seed, mem_fraction=rollout.gpu_memory_utilization, context_length=max_model_len,
         max_running_requests=rollout.max_num_seqs,
         chunked_prefill_size=rollout.max_num_batched_tokens if rollout.enable_chunked_prefill else -1,
-        load_format=rollout.load_format, base_gpu_id=int(gpus[0]) if gpus else 0, sleep_level=rollout.sleep_level,
+        load_format=rollout.load_format, base_gpu_id=dev.index or 0, sleep_level=rollout.sleep_level,
         disable_cuda_graph=rollout.enforce_eager, disable_radix_cache=not rollout.enable_prefix_caching,
         trust_remote_code=trust_remote_code, extra=dict(cfg.server_args))
     env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1" if rollout.logprobs_mode == "raw_logprobs" else "0"}
@@ -86,7 +86,7 @@ def launch(rollout, model_path: str, *, seed: int, dtype: str, device, max_model
     server = ServerProcess(command, url=f"http://{host}:{port}", log_path=logs / f"sglang-{local}.log", env=env)
     server.wait_healthy(cfg.launch_timeout_s)
     check_version(server)
-    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    backend = "nccl" if dev.type == "cuda" else "gloo"
     engine = SGLangEngine(server.url, server=server, tp=rollout.tensor_parallel, transport=weight_transport(rollout),
                           bucket_mb=rollout.weight_sync.bucket_mb, group_backend=backend,
                           request_timeout_s=rollout.generate_timeout_s)
