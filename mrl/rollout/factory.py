@@ -59,7 +59,7 @@ def build_engine(rollout, model, *, seed: int, device: torch.device | str, max_m
         path = _config_only_dir(found[0], preset) if preset is not None else model.path
         engine_gpus(device, rollout.tensor_parallel, "rollout")   # enough GPUs from this rank's on
         return launch(rollout, path, seed=seed, dtype=dtype, device=device, max_model_len=max_model_len,
-                      trust_remote_code=model.trust_remote_code, log_dir=log_dir)
+                      trust_remote_code=model.trust_remote_code, log_dir=log_dir, hf_config=found[0])
     from mrl.rollout.vllm_engine import VLLMEngine, vllm_available
 
     if not vllm_available():

@@ -84,18 +84,21 @@ class SGLangEngine(AsyncEngine):
     """One SGLang server (tp workers of its own) behind SGLang's HTTP API.
 
     `server`: the launched process (None: a server someone else runs at `url`, never stopped
-    here). `transport`: "tensor" (`update_weights_from_tensor`, same node) or "distributed"
+    here). `expected_names`: the model's HF parameter names (`sglang_sync.checkpoint_parameter_names`),
+    which a full sync must all send. `transport`: "tensor" (`update_weights_from_tensor`, same node) or "distributed"
     (`update_weights_from_distributed` over a process group we join as rank 0; `nccl` on GPUs).
     """
 
     def __init__(self, url: str, *, server: Optional[ServerProcess] = None, tp: int = 1,
                  transport: str = "tensor", bucket_mb: float = 512, group_backend: str = "nccl",
-                 request_timeout_s: float = 3600.0, update_timeout_s: float = 600.0, name: str = "sglang"):
+                 request_timeout_s: float = 3600.0, update_timeout_s: float = 600.0, name: str = "sglang",
+                 expected_names: Optional[set[str]] = None):
         if transport not in ("tensor", "distributed"):
             raise ValueError(f"unknown weight transport {transport!r}")
         self.url, self.server, self.tp, self.transport = url.rstrip("/"), server, tp, transport
         self.bucket_mb, self.group_backend, self.name = bucket_mb, group_backend, name
         self.request_timeout_s, self.update_timeout_s = request_timeout_s, update_timeout_s
+        self.expected_names = expected_names   # HF names a full sync must cover (None: unchecked)
         self.version = 0             # weight syncs loaded (sent as the server's weight_version)
         self._group = None           # our side of the update group (distributed transport)
         self._group_name = "mrl_weight_update"
@@ -173,20 +176,26 @@ class SGLangEngine(AsyncEngine):
     def update_weights(self, weights: WeightStream, *, partial: bool = False) -> int:
         """Deliver whole HF tensors bucket by bucket (`rollout.weight_sync.bucket_mb`), then flush
         the prefix cache (its KV was computed with the old weights). `partial` changes nothing:
-        SGLang loads whatever tensors arrive and keeps the others (a delta sync)."""
+        SGLang loads whatever tensors arrive and keeps the others (a delta sync); a full sync that
+        sent nothing for a parameter of `expected_names` is an error."""
         version = str(self.version + 1)
-        loaded = 0
+        sent: list[str] = []
         pending = None   # the bucket before: the last one carries the new weight_version
         for bucket in buckets(weights, self.bucket_mb):
             if pending is not None:
                 self._send_bucket(pending, None)
             pending = bucket
-            loaded += len(bucket)
+            sent += [name for name, _ in bucket]
         if pending is not None:
             self._send_bucket(pending, version)
+        missing = sorted(self.expected_names - set(sent)) if self.expected_names and not partial else []
+        if missing:
+            shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            raise SGLangError(f"{self.name} engine at {self.url}: the weight sync ({len(sent)} tensors) sent nothing "
+                              f"for {len(missing)} parameter(s): {shown}")
         self._post_sync("/flush_cache", None, "/flush_cache after a weight update")
         self.version += 1
-        return loaded
+        return len(sent)
 
     def _send_bucket(self, bucket: list, version: Optional[str]) -> None:
         from mrl.rollout import sglang_weights as sw

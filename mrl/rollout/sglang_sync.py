@@ -59,8 +59,30 @@ def weight_transport(rollout) -> str:
     return "distributed" if rollout.placement == "separate" else "tensor"
 
 
+def checkpoint_parameter_names(hf_config: dict) -> Optional[set[str]]:
+    """The HF checkpoint names of every parameter of the model `hf_config` describes (built on the
+    meta device; per-expert names for `transformers`' fused experts; a tied head has none): what a
+    full sync must cover. None when `transformers` cannot build it (remote code)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mrl.rollout.hf_experts import checkpoint_name, fused_expert_views
+
+    cfg = dict(hf_config)
+    model_type = cfg.pop("model_type", None)
+    try:
+        config = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "architectures"})
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, ImportError, TypeError):
+        return None
+    views = fused_expert_views(model, model_type)
+    fused = {id(p) for _, p in views.values()}
+    return {checkpoint_name(n, model_type) for n, p in model.named_parameters() if id(p) not in fused} | set(views)
+
+
 def launch(rollout, model_path: str, *, seed: int, dtype: str, device, max_model_len: int,
-           trust_remote_code: bool = False, log_dir: Optional[str] = None) -> "SGLangRolloutEngine":
+           trust_remote_code: bool = False, log_dir: Optional[str] = None,
+           hf_config: Optional[dict] = None) -> "SGLangRolloutEngine":
     """Start the job's SGLang server on this rank's GPU and the next `rollout.tensor_parallel - 1`
     (indices among the visible devices, which the server inherits) and wait until it generates."""
     from mrl.rollout.sglang_server import ServerProcess, free_port, server_command
@@ -89,7 +111,8 @@ def launch(rollout, model_path: str, *, seed: int, dtype: str, device, max_model
     backend = "nccl" if dev.type == "cuda" else "gloo"
     engine = SGLangEngine(server.url, server=server, tp=rollout.tensor_parallel, transport=weight_transport(rollout),
                           bucket_mb=rollout.weight_sync.bucket_mb, group_backend=backend,
-                          request_timeout_s=rollout.generate_timeout_s)
+                          request_timeout_s=rollout.generate_timeout_s,
+                          expected_names=checkpoint_parameter_names(hf_config) if hf_config else None)
     return SGLangRolloutEngine(engine, timeout_s=rollout.generate_timeout_s)
 
 

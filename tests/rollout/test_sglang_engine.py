@@ -360,3 +360,27 @@ time.sleep(600)
     finally:
         if trainer.poll() is None:
             trainer.kill()
+
+
+def test_the_full_sync_names_are_the_checkpoints(tiny_model_dir):
+    from safetensors import safe_open
+
+    from mrl.rollout.sglang_sync import checkpoint_parameter_names
+    from tests.rollout.conftest import TINY_LLAMA
+
+    with safe_open(str(Path(tiny_model_dir) / "model.safetensors"), "pt") as f:
+        saved = set(f.keys())
+    assert checkpoint_parameter_names(TINY_LLAMA) == saved and "lm_head.weight" in saved
+    tied = checkpoint_parameter_names({**TINY_LLAMA, "tie_word_embeddings": True})
+    assert tied == saved - {"lm_head.weight"}
+
+
+def test_a_full_sync_that_misses_a_parameter_is_refused(served):
+    weights = _weights(torch.float32)
+    served.engine.expected_names = set(weights)
+    try:
+        served.update_weights(iter(list(weights.items())[:3]), partial=True)   # a delta may send some
+        with pytest.raises(SGLangError, match=r"sglang engine at .*sent nothing for 1 parameter\(s\): lm_head.weight"):
+            served.update_weights(iter(list(weights.items())[:3]))
+    finally:
+        served.engine.expected_names = None
