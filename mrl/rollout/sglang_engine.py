@@ -84,7 +84,10 @@ class SGLangEngine(AsyncEngine):
     """One SGLang server (tp workers of its own) behind SGLang's HTTP API.
 
     `server`: the launched process (None: a server someone else runs at `url`, never stopped
-    here). `expected_names`: the model's HF parameter names (`sglang_sync.checkpoint_parameter_names`),
+    here). `logprobs_mode`: the log-probs the server reports, fixed at launch (raw:
+    `SGLANG_RETURN_ORIGINAL_LOGPROB`); a request asking for the other kind is refused.
+    `max_connections`: requests in flight to the server at once (more wait in the client's pool).
+    `expected_names`: the model's HF parameter names (`sglang_sync.checkpoint_parameter_names`),
     which a full sync must all send. `transport`: "tensor" (`update_weights_from_tensor`, same node) or "distributed"
     (`update_weights_from_distributed` over a process group we join as rank 0; `nccl` on GPUs).
     """
@@ -92,13 +95,16 @@ class SGLangEngine(AsyncEngine):
     def __init__(self, url: str, *, server: Optional[ServerProcess] = None, tp: int = 1,
                  transport: str = "tensor", bucket_mb: float = 512, group_backend: str = "nccl",
                  request_timeout_s: float = 3600.0, update_timeout_s: float = 600.0, name: str = "sglang",
-                 expected_names: Optional[set[str]] = None):
+                 expected_names: Optional[set[str]] = None, logprobs_mode: str = "processed_logprobs",
+                 max_connections: int = 1024):
         if transport not in ("tensor", "distributed"):
             raise ValueError(f"unknown weight transport {transport!r}")
         self.url, self.server, self.tp, self.transport = url.rstrip("/"), server, tp, transport
         self.bucket_mb, self.group_backend, self.name = bucket_mb, group_backend, name
         self.request_timeout_s, self.update_timeout_s = request_timeout_s, update_timeout_s
         self.expected_names = expected_names   # HF names a full sync must cover (None: unchecked)
+        self.logprobs_mode = logprobs_mode     # what the server was launched to report
+        self.max_connections = max_connections
         self.version = 0             # weight syncs loaded (sent as the server's weight_version)
         self._group = None           # our side of the update group (distributed transport)
         self._group_name = "mrl_weight_update"
@@ -123,7 +129,7 @@ class SGLangEngine(AsyncEngine):
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
         if client is None:
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            limits = httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=self.max_connections)
             client = self._clients[loop] = httpx.AsyncClient(timeout=self.request_timeout_s, limits=limits)
         return client
 
@@ -141,6 +147,12 @@ class SGLangEngine(AsyncEngine):
         return self._check(what, response)
 
     async def generate(self, request: GenRequest) -> GenResult:
+        s = request.sampling
+        if s.logprobs_mode != self.logprobs_mode or (s.logprobs_mode == "processed_logprobs" and s.truncates):
+            raise SGLangError(f"{self.name} engine at {self.url}: request {request.request_id} asks for {s.logprobs_mode}"
+                              + (" of a top-k/top-p/min-p truncated distribution, which sglang does not report"
+                                 if s.logprobs_mode == self.logprobs_mode else
+                                 f"; the server was launched to report {self.logprobs_mode}"))
         response = await self._post("/generate", generate_body(request), f"/generate {request.request_id}")
         return parse_generate(request.request_id, response.json(), self.name)
 

@@ -112,7 +112,8 @@ def launch(rollout, model_path: str, *, seed: int, dtype: str, device, max_model
     engine = SGLangEngine(server.url, server=server, tp=rollout.tensor_parallel, transport=weight_transport(rollout),
                           bucket_mb=rollout.weight_sync.bucket_mb, group_backend=backend,
                           request_timeout_s=rollout.generate_timeout_s,
-                          expected_names=checkpoint_parameter_names(hf_config) if hf_config else None)
+                          expected_names=checkpoint_parameter_names(hf_config) if hf_config else None,
+                          logprobs_mode=rollout.logprobs_mode, max_connections=rollout.max_num_seqs)
     return SGLangRolloutEngine(engine, timeout_s=rollout.generate_timeout_s)
 
 
@@ -154,9 +155,6 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling,
                  prompt_seeds: Optional[Sequence[int]] = None) -> list[Response]:
-        if sampling.logprobs_mode == "processed_logprobs" and sampling.truncates:
-            raise SGLangError("the sglang engine cannot report processed log-probs of a truncated distribution "
-                              "(top-k/top-p/min-p); use logprobs_mode 'raw_logprobs'")
         seeds = resolve_prompt_seeds(sampling, len(prompt_token_ids), prompt_seeds)
         one = dataclasses.replace(sampling, n=1)
         self._calls += 1

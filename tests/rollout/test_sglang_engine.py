@@ -290,11 +290,18 @@ def test_sequence_logprobs_are_the_prompts_own(served):
 
 
 def test_a_server_that_never_becomes_healthy_is_one_line_at_the_deadline(tmp_path):
+    cfg = rollout(logprobs_mode="raw_logprobs", enable_prefix_caching=False,
+                  sglang={"launch_timeout_s": 3, "server_args": {"trust_remote_code": True, "base_gpu_id": 0}})
     with pytest.raises(UserError) as e:
-        start(tmp_path, rollout(sglang={"launch_timeout_s": 3}), MRL_FAKE_SGLANG="unhealthy")
+        start(tmp_path, cfg, MRL_FAKE_SGLANG="unhealthy")
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("rollout.sglang.launch_timeout_s:") and "not healthy after 3 s" in msg
-    assert str(tmp_path / "run" / "sglang-0.log") in msg
+    log = tmp_path / "run" / "sglang-0.log"
+    assert str(log) in msg
+    # the launch line: raw log-probs by environment, server_args passed through
+    text = log.read_text()
+    args = json.loads(text.split("launch args: ", 1)[1].splitlines()[0])
+    assert args["trust_remote_code"] and args["disable_radix_cache"] and "SGLANG_RETURN_ORIGINAL_LOGPROB = 1" in text
 
 
 def test_a_server_that_dies_mid_request_is_an_error_naming_the_engine(tmp_path):
@@ -384,3 +391,12 @@ def test_a_full_sync_that_misses_a_parameter_is_refused(served):
             served.update_weights(iter(list(weights.items())[:3]))
     finally:
         served.engine.expected_names = None
+
+
+def test_a_request_for_log_probs_the_server_does_not_report_is_refused(served):
+    truncated = Sampling(temperature=1.0, top_k=5, max_tokens=3)
+    with pytest.raises(SGLangError, match="truncated distribution"):
+        asyncio.run(served.engine.generate(GenRequest("lp-1", (1,), truncated)))
+    raw = Sampling(max_tokens=3, logprobs_mode="raw_logprobs")
+    with pytest.raises(SGLangError, match="launched to report processed_logprobs"):
+        served.generate([[1]], raw)

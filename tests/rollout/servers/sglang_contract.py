@@ -273,7 +273,9 @@ class Handler(BaseHTTPRequestHandler):
                 m.paused = False
                 m.lock.notify_all()
             return self._send(200, {"message": "Generation continued successfully.", "status": "ok"})
-        if path == "/flush_cache":   # http_server.py: flush_cache: text, 400 while requests run (scheduler refuses)
+        if path == "/flush_cache":
+            # http_server.py: flush_cache: text; 400 unless idle, waiting requests ignored while paused
+            # (scheduler.py: flush_cache: is_fully_idle(ignore_waiting=self._engine_paused))
             if m.running and not m.paused:
                 return self._send(400, text="Flush cache failed.\n")
             return self._send(200, text="Cache flushed.\nPlease check backend logs for more details.\n")
