@@ -50,6 +50,17 @@ def sglang_problems(rollout, *, return_routes: bool = False) -> list[tuple[str, 
     return out
 
 
+def colocated_problems(rollout, trainer_tensor_parallel: int) -> list[tuple[str, str]]:
+    """Colocated, each model-parallel leader launches one server on its GPU and the next
+    `rollout.tensor_parallel - 1`, which must be its own tensor-parallel peers (else servers overlap)."""
+    if rollout.placement == "colocated" and rollout.tensor_parallel > trainer_tensor_parallel:
+        return [("rollout.tensor_parallel", f"{rollout.tensor_parallel} is above parallel.tensor "
+                                            f"{trainer_tensor_parallel}: a colocated sglang server spans its model-"
+                                            "parallel leader's GPU and the next ones, which would overlap the "
+                                            "next group's server")]
+    return []
+
+
 def weight_transport(rollout) -> str:
     """`rollout.sglang.weight_transport`, "auto" resolved: tensors by IPC colocated, a process
     group to separate rollout ranks."""

@@ -51,9 +51,9 @@ def shim_env(**extra):
 
 def rollout(**kw) -> RolloutConfig:
     sglang = kw.pop("sglang", {})
-    return RolloutConfig(engine="sglang", load_format="dummy", tensor_parallel=1, sleep_level=1,
-                         weight_sync=WeightSyncConfig(bucket_mb=1), sglang=SGLangConfig(**{"launch_timeout_s": 60, **sglang}),
-                         generate_timeout_s=60, **kw)
+    kw = {"tensor_parallel": 1, "sleep_level": 1, "generate_timeout_s": 60, **kw}
+    return RolloutConfig(engine="sglang", load_format="dummy", weight_sync=WeightSyncConfig(bucket_mb=1),
+                         sglang=SGLangConfig(**{"launch_timeout_s": 60, **sglang}), **kw)
 
 
 def start(tmp_path, cfg=None, **env):
@@ -400,3 +400,12 @@ def test_a_request_for_log_probs_the_server_does_not_report_is_refused(served):
     raw = Sampling(max_tokens=3, logprobs_mode="raw_logprobs")
     with pytest.raises(SGLangError, match="launched to report processed_logprobs"):
         served.generate([[1]], raw)
+
+
+def test_colocated_servers_stay_on_their_groups_gpus():
+    from mrl.rollout.sglang_sync import colocated_problems
+
+    assert colocated_problems(rollout(tensor_parallel=2), 2) == []
+    assert colocated_problems(rollout(tensor_parallel=2, placement="separate", ranks=2), 1) == []
+    (key, message), = colocated_problems(rollout(tensor_parallel=4), 2)
+    assert key == "rollout.tensor_parallel" and "above parallel.tensor 2" in message
