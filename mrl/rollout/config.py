@@ -81,9 +81,9 @@ class WeightSyncConfig:
     mode: Literal["full", "delta"] = option("full", help="full: every tensor every sync; delta: only what changed since "
                                                          "the engine's last version, compared bit for bit in the export "
                                                          "dtype (a host copy of the model per engine; full after the "
-                                                         "engine lost its weights); the hf and vllm engines, colocated "
-                                                         "or on separate rollout ranks (vllm: changed tensors go "
-                                                         "whole, with their fused module)")
+                                                         "engine lost its weights); the hf, vllm and sglang engines, "
+                                                         "colocated or on separate rollout ranks (vllm: changed "
+                                                         "tensors go whole, with their fused module; sglang: whole)")
     sparse_fraction: float = option(0.25, ge=0, le=1, help="delta: a tensor with fewer than this fraction of its elements "
                                                            "changed goes as index/value pairs, else whole")
     verify_every_steps: int = option(10, ge=0, help="every N syncs, check that each tensor the engine holds hashes to "
