@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
 import weakref
 from typing import Optional, Sequence
 
@@ -55,7 +56,7 @@ def generate_body(request: GenRequest) -> dict:
             "return_logprob": True, "stream": False}
 
 
-def parse_generate(request_id: str, out: dict, engine: str = "sglang") -> GenResult:
+def parse_generate(request_id: str, out: dict, engine: str = "sglang engine") -> GenResult:
     """A `/generate` answer (`api_types.GenerateResponse`) as a GenResult; SGLangError when it does
     not hold what we asked for (logprobs for every output token, a known finish type)."""
     meta = out.get("meta_info") or {}
@@ -84,12 +85,13 @@ class SGLangEngine(AsyncEngine):
     """One SGLang server (tp workers of its own) behind SGLang's HTTP API.
 
     `server`: the launched process (None: a server someone else runs at `url`, never stopped
-    here). `logprobs_mode`: the log-probs the server reports, fixed at launch (raw:
+    here). `transport`: "tensor" (`update_weights_from_tensor`, same node) or "distributed"
+    (`update_weights_from_distributed` over a process group we join as rank 0, `group_backend`).
+    `logprobs_mode`: the log-probs the server reports, fixed at launch (raw:
     `SGLANG_RETURN_ORIGINAL_LOGPROB`); a request asking for the other kind is refused.
     `max_connections`: requests in flight to the server at once (more wait in the client's pool).
     `expected_names`: the model's HF parameter names (`sglang_sync.checkpoint_parameter_names`),
-    which a full sync must all send. `transport`: "tensor" (`update_weights_from_tensor`, same node) or "distributed"
-    (`update_weights_from_distributed` over a process group we join as rank 0; `nccl` on GPUs).
+    which a full sync must all send.
     """
 
     def __init__(self, url: str, *, server: Optional[ServerProcess] = None, tp: int = 1,
@@ -114,9 +116,21 @@ class SGLangEngine(AsyncEngine):
 
     # ---- errors ---------------------------------------------------------------------------
 
+    @property
+    def who(self) -> str:
+        return f"{self.name} engine at {self.url}"
+
     def _failure(self, what: str, err: Exception | str) -> SGLangError:
+        """One line naming the engine, the call, and the server's death when that is the cause."""
+        if self.server is not None and isinstance(err, Exception) and self.server.alive():
+            try:   # a dropped connection: give a dying server a moment to be reported as dead
+                self.server.proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                pass
         dead = self.server.death() if self.server is not None else None
-        return SGLangError(f"{self.name} engine at {self.url}: {what} failed: " + (dead or str(err)))
+        if isinstance(err, Exception):
+            err = f"{type(err).__name__}: {err}"
+        return SGLangError(f"{self.who}: {what} failed: " + (dead or err))
 
     def _check(self, what: str, response: httpx.Response) -> httpx.Response:
         if response.status_code != 200:
@@ -143,18 +157,18 @@ class SGLangEngine(AsyncEngine):
         try:
             response = await self._client().post(f"{self.url}{path}", json=body)
         except httpx.HTTPError as e:
-            raise self._failure(what, f"{type(e).__name__}: {e}") from None
+            raise self._failure(what, e) from None
         return self._check(what, response)
 
     async def generate(self, request: GenRequest) -> GenResult:
         s = request.sampling
         if s.logprobs_mode != self.logprobs_mode or (s.logprobs_mode == "processed_logprobs" and s.truncates):
-            raise SGLangError(f"{self.name} engine at {self.url}: request {request.request_id} asks for {s.logprobs_mode}"
+            raise SGLangError(f"{self.who}: request {request.request_id} asks for {s.logprobs_mode}"
                               + (" of a top-k/top-p/min-p truncated distribution, which sglang does not report"
                                  if s.logprobs_mode == self.logprobs_mode else
                                  f"; the server was launched to report {self.logprobs_mode}"))
         response = await self._post("/generate", generate_body(request), f"/generate {request.request_id}")
-        return parse_generate(request.request_id, response.json(), self.name)
+        return parse_generate(request.request_id, response.json(), self.who)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """`/abort_request` (`io_struct.AbortReq`: `rid`, `abort_all`) for each id; an id that has
@@ -177,7 +191,7 @@ class SGLangEngine(AsyncEngine):
         try:
             response = self._http.post(f"{self.url}{path}", json=body)
         except httpx.HTTPError as e:
-            raise self._failure(what, f"{type(e).__name__}: {e}") from None
+            raise self._failure(what, e) from None
         response = self._check(what, response)
         if response.headers.get("content-type", "").startswith("application/json"):
             answer = response.json()
@@ -203,7 +217,7 @@ class SGLangEngine(AsyncEngine):
         missing = sorted(self.expected_names - set(sent)) if self.expected_names and not partial else []
         if missing:
             shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-            raise SGLangError(f"{self.name} engine at {self.url}: the weight sync ({len(sent)} tensors) sent nothing "
+            raise SGLangError(f"{self.who}: the weight sync ({len(sent)} tensors) sent nothing "
                               f"for {len(missing)} parameter(s): {shown}")
         self._post_sync("/flush_cache", None, "/flush_cache after a weight update")
         self.version += 1

@@ -161,7 +161,7 @@ class SGLangRolloutEngine(RolloutEngine):
             return future.result(self.timeout_s)
         except TimeoutError:
             future.cancel()
-            raise SGLangError(f"{self.engine.name} engine at {self.engine.url}: a batch ran longer than "
+            raise SGLangError(f"{self.engine.who}: a batch ran longer than "
                               f"rollout.generate_timeout_s = {self.timeout_s:g} s") from None
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling,
@@ -179,7 +179,7 @@ class SGLangRolloutEngine(RolloutEngine):
         out = []
         for k, result in enumerate(self._run(run_all())):
             if result.finish_reason == "abort":
-                raise SGLangError(f"{self.engine.name} engine at {self.engine.url}: request {result.request_id} was "
+                raise SGLangError(f"{self.engine.who}: request {result.request_id} was "
                                   f"aborted by the server: {result.info.get('finish')}")
             out.append(Response(prompt_index=k // sampling.n, token_ids=result.token_ids, logprobs=result.logprobs,
                                 finish_reason=result.finish_reason))
@@ -194,7 +194,7 @@ class SGLangRolloutEngine(RolloutEngine):
             response = await self.engine._post("/generate", body, f"/generate (scoring) {body['rid']}")
             entries = (response.json().get("meta_info") or {}).get("input_token_logprobs")
             if not isinstance(entries, list) or len(entries) != len(ids):
-                raise SGLangError(f"{self.engine.name} engine at {self.engine.url}: scoring sequence {i} returned "
+                raise SGLangError(f"{self.engine.who}: scoring sequence {i} returned "
                                   f"{'no' if entries is None else len(entries)} input log-probs for {len(ids)} tokens")
             return [float(e[0]) for e in entries[1:]]
 

@@ -238,29 +238,32 @@ def test_update_weights_from_tensor_delivers_the_exact_tensors(served, tmp_path,
     assert state(served)["weight_version"] == str(served.engine.version)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_update_weights_from_distributed_broadcasts_in_order(tmp_path, dtype):
+def test_update_weights_from_distributed_broadcasts_in_order(tmp_path):
     eng = start(tmp_path, rollout(sglang={"weight_transport": "distributed"}))
     proc = eng.engine.server.proc
     try:
         assert eng.engine.transport == "distributed"
         eng.engine.group_backend = "gloo"
         eng.engine.bucket_mb = 8192 / 2**20
-        weights = _weights(dtype)
-        eng.update_weights(iter(weights.items()))
-        eng.update_weights(iter(list(weights.items())[:2]), partial=True)   # a delta: some tensors only
-        st = state(eng)
+        order = []
+        for dtype in (torch.float32, torch.bfloat16):
+            before = len([c for c in state(eng)["calls"] if c["path"] == "/update_weights_from_distributed"])
+            weights = _weights(dtype)
+            eng.update_weights(iter(weights.items()))
+            eng.update_weights(iter(list(weights.items())[:2]), partial=True)   # a delta: some tensors only
+            order += list(weights) + list(weights)[:2]
+            st = state(eng)
+            sent = [c["body"] for c in st["calls"] if c["path"] == "/update_weights_from_distributed"]
+            assert [n for b in sent for n in b["names"]] == order == st["received_order"]
+            meta = {n: (d, sh) for b in sent[before:] for n, d, sh in zip(b["names"], b["dtypes"], b["shapes"])}
+            assert meta == {n: (str(dtype).removeprefix("torch."), list(t.shape)) for n, t in weights.items()}
+            got = _dumped(eng, tmp_path)
+            for name, t in weights.items():
+                assert got[name].dtype == dtype and torch.equal(_bits(got[name]), _bits(t)), name
         init = [c["body"] for c in st["calls"] if c["path"] == "/init_weights_update_group"]
         assert len(init) == 1 and init[0]["rank_offset"] == 1 and init[0]["world_size"] == 2 and init[0]["backend"] == "gloo"
-        sent = [c["body"] for c in st["calls"] if c["path"] == "/update_weights_from_distributed"]
-        names = [n for b in sent for n in b["names"]]
-        assert names == list(weights) + list(weights)[:2] == st["received_order"]
-        meta = {n: (d, s) for b in sent for n, d, s in zip(b["names"], b["dtypes"], b["shapes"])}
-        assert meta == {n: (str(dtype).removeprefix("torch."), list(t.shape)) for n, t in weights.items()}
         assert all(b["group_name"] == init[0]["group_name"] and b["flush_cache"] is False for b in sent)
-        got = _dumped(eng, tmp_path)
-        for name, t in weights.items():
-            assert torch.equal(_bits(got[name]), _bits(t)), name
+        assert [b.get("weight_version") for b in sent if b.get("weight_version")] == ["1", "2", "3", "4"]
     finally:
         eng.shutdown()
     assert proc.poll() is not None   # shutdown stops the server
@@ -290,28 +293,27 @@ def test_sequence_logprobs_are_the_prompts_own(served):
 
 
 def test_a_server_that_never_becomes_healthy_is_one_line_at_the_deadline(tmp_path):
-    cfg = rollout(logprobs_mode="raw_logprobs", enable_prefix_caching=False,
-                  sglang={"launch_timeout_s": 3, "server_args": {"trust_remote_code": True, "base_gpu_id": 0}})
     with pytest.raises(UserError) as e:
-        start(tmp_path, cfg, MRL_FAKE_SGLANG="unhealthy")
+        start(tmp_path, rollout(sglang={"launch_timeout_s": 3}), MRL_FAKE_SGLANG="unhealthy")
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("rollout.sglang.launch_timeout_s:") and "not healthy after 3 s" in msg
-    log = tmp_path / "run" / "sglang-0.log"
-    assert str(log) in msg
-    # the launch line: raw log-probs by environment, server_args passed through
-    text = log.read_text()
-    args = json.loads(text.split("launch args: ", 1)[1].splitlines()[0])
-    assert args["trust_remote_code"] and args["disable_radix_cache"] and "SGLANG_RETURN_ORIGINAL_LOGPROB = 1" in text
+    assert str(tmp_path / "run" / "sglang-0.log") in msg
 
 
 def test_a_server_that_dies_mid_request_is_an_error_naming_the_engine(tmp_path):
-    eng = start(tmp_path, MRL_FAKE_SGLANG="die_on_generate")
+    cfg = rollout(logprobs_mode="raw_logprobs", enable_prefix_caching=False,
+                  sglang={"server_args": {"trust_remote_code": True, "base_gpu_id": 0}})
+    eng = start(tmp_path, cfg, MRL_FAKE_SGLANG="die_on_generate")
     try:
+        # the launch line: raw log-probs by environment, rollout.sglang.server_args passed through
+        text = eng.engine.server.log_path.read_text()
+        args = json.loads(text.split("launch args: ", 1)[1].splitlines()[0])
+        assert args["trust_remote_code"] and args["disable_radix_cache"] and "SGLANG_RETURN_ORIGINAL_LOGPROB = 1" in text
         with pytest.raises(SGLangError) as e:
-            eng.generate([[1, 2]], Sampling(max_tokens=4))
-        eng.engine.server.proc.wait(30)
-        assert re.search(r"sglang engine at http://127\.0\.0\.1:\d+: /generate .* failed", str(e.value))
-        assert "RemoteProtocolError" in str(e.value) or "exited with status 3" in str(e.value)
+            eng.generate([[1, 2]], Sampling(max_tokens=4, logprobs_mode="raw_logprobs"))
+        assert re.search(r"^sglang engine at http://127\.0\.0\.1:\d+: /generate \S+ failed: the sglang server "
+                         r"\(pid \d+\) exited with status 3; log .*sglang-0\.log", str(e.value))
+        assert "\n" not in str(e.value)
     finally:
         eng.shutdown()
 
