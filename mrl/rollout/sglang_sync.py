@@ -3,7 +3,7 @@ the SGLang path refuses.
 
 `SGLangRolloutEngine.generate` sends every sample of a batch as its own request, concurrently, on an
 event loop of its own (the server batches them continuously) and returns them prompt-major as the
-other engines do; `sequence_logprobs` (the weight-sync audit) asks `/generate` for the prompt's own
+other engines do; `sequence_logprobs` (teacher-forced log-probs) asks `/generate` for the prompt's own
 log-probs (`logprob_start_len = 0`, no new token: `meta_info.input_token_logprobs`).
 """
 from __future__ import annotations

@@ -411,3 +411,28 @@ def test_colocated_servers_stay_on_their_groups_gpus():
     assert colocated_problems(rollout(tensor_parallel=2, placement="separate", ranks=2), 1) == []
     (key, message), = colocated_problems(rollout(tensor_parallel=4), 2)
     assert key == "rollout.tensor_parallel" and "above parallel.tensor 2" in message
+
+
+@pytest.mark.slow
+def test_mrl_train_runs_its_steps_on_the_contract_server(tmp_path):
+    """The trainer's wiring (factory, launch, run-dir log, full-sync names of a real export, sleep and
+    wake around each sync, batches as requests) on the quickstart, one rank, two steps. The toy
+    server's tokens are not the model's: nothing here says the run learns."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SHIM), str(REPO)])}
+    proc = subprocess.run([sys.executable, "-m", "mrl", "train", "jobs/quickstart_cpu.toml", "rollout.engine=sglang",
+                           "parallel.tensor=1", "platform.ranks_per_node=1", "trainer.total_steps=2",
+                           f"job.output_dir={tmp_path}", "checkpoint.every_steps=0",
+                           "rollout.weight_sync.verify_every_steps=1", "rollout.weight_sync.mode=delta"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "step 2/2" in proc.stdout and "cannot be read back from the SGLangRolloutEngine" in proc.stdout + proc.stderr
+    log = (tmp_path / "quickstart-cpu" / "sglang-0.log").read_text()
+    posts = re.findall(r'"POST (/\w+)', log)
+    control = [p for p in posts if p != "/generate"]
+    # each step: wake weights, sync (one bucket), flush, wake kv cache ... generate ... sleep
+    syncs = [i for i, p in enumerate(control) if p == "/update_weights_from_tensor"]
+    assert len(syncs) >= 2 and all(control[i + 1] == "/flush_cache" for i in syncs)   # one before each step at least
+    assert posts.count("/generate") == 2 * 8 * 8 and control.count("/release_memory_occupation") == 2

@@ -365,6 +365,7 @@ def main(argv=None):
     print("launch args:", json.dumps(vars(args)), flush=True)
     print("env SGLANG_RETURN_ORIGINAL_LOGPROB =", os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB"), flush=True)
     Handler.model = Model(args)
+    ThreadingHTTPServer.request_queue_size = 2048   # uvicorn's default backlog (SGLang serves with uvicorn)
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True
     server.serve_forever()
