@@ -227,8 +227,10 @@ class SGLangEngine(AsyncEngine):
         from mrl.rollout import sglang_weights as sw
 
         if self.transport == "tensor":
-            self._post_sync("/update_weights_from_tensor", sw.tensor_update_request(bucket, self.tp, weight_version=version),
-                            f"/update_weights_from_tensor ({bucket[0][0]} .. {bucket[-1][0]})")
+            body, held = sw.tensor_update_request(bucket, self.tp, weight_version=version)
+            self._post_sync("/update_weights_from_tensor", body, f"/update_weights_from_tensor ({bucket[0][0]} .. "
+                                                                 f"{bucket[-1][0]})")
+            del held   # the server has loaded them
             return
         if self._group is None:
             self._join_group()

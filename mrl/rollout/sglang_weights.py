@@ -76,26 +76,30 @@ def _file_system_sharing():
 _sharing_lock = threading.Lock()
 
 
-def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
-    """One TP rank's `serialized_named_tensors` entry: base64 of the pickled `[(name, tensor)]` list
-    (handles only: the tensors must stay alive until the server has loaded them)."""
+def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, list]:
+    """One TP rank's `serialized_named_tensors` entry: base64 of the pickled `[(name, tensor)]` list,
+    and the tensors it refers to (handles only: keep them alive until the server has loaded them)."""
+    # a CPU tensor is copied first: sharing moves a storage into shared memory in place, and the
+    # stream's tensors may be the trainer's own
+    named = [(name, t.detach() if t.is_cuda else t.detach().clone()) for name, t in named]
     buf = io.BytesIO()
     with _sharing_lock, _file_system_sharing():
-        _Pickler(buf).dump([(name, tensor.detach()) for name, tensor in named])
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+        _Pickler(buf).dump(named)
+    return base64.b64encode(buf.getvalue()).decode("ascii"), named
 
 
 def tensor_update_request(named: Sequence[tuple[str, torch.Tensor]], tp_size: int, *,
-                          weight_version: str | None = None) -> dict:
+                          weight_version: str | None = None) -> tuple[dict, list]:
     """The `/update_weights_from_tensor` body (`io_struct.UpdateWeightsFromTensorReqInput`) for one
     bucket: the same payload for every TP rank (each rank unpickles its own copy and takes its
-    shard in `load_weights`), no flush (one `/flush_cache` ends the sync)."""
-    payload = serialize_named_tensors(named)
+    shard in `load_weights`), no flush (one `/flush_cache` ends the sync); and the tensors the
+    payload refers to, to keep alive until the server answers."""
+    payload, held = serialize_named_tensors(named)
     body = {"serialized_named_tensors": [payload] * tp_size, "load_format": None, "flush_cache": False,
             "abort_all_requests": False}
     if weight_version is not None:
         body["weight_version"] = weight_version
-    return body
+    return body, held
 
 
 def distributed_update_request(named: Sequence[tuple[str, torch.Tensor]], group_name: str, *,

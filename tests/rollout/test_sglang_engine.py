@@ -436,3 +436,16 @@ def test_mrl_train_runs_its_steps_on_the_contract_server(tmp_path):
     syncs = [i for i, p in enumerate(control) if p == "/update_weights_from_tensor"]
     assert len(syncs) >= 2 and all(control[i + 1] == "/flush_cache" for i in syncs)   # one before each step at least
     assert posts.count("/generate") == 2 * 8 * 8 and control.count("/release_memory_occupation") == 2
+
+
+def test_serializing_leaves_the_trainers_tensors_alone():
+    from mrl.rollout.sglang_weights import serialize_named_tensors
+
+    t = torch.arange(6, dtype=torch.float32)
+    payload, held = serialize_named_tensors([("w", t)])
+    assert not t.is_shared() and held[0][1].is_shared() and torch.equal(held[0][1], t)
+    import base64
+    import io
+
+    (name, back), = sglang_contract.SafeUnpickler(io.BytesIO(base64.b64decode(payload))).load()
+    assert name == "w" and torch.equal(back, t)
