@@ -80,6 +80,18 @@ def server_command(python: str, model_path: str, *, host: str, port: int, tp: in
     return [python, "-m", "sglang.launch_server", *server_args(values)]
 
 
+#: the trainer's torch.distributed launch variables, which the server's own process groups must not see
+#: (under torchrun, TORCHELASTIC_USE_AGENT_STORE makes every tcp:// rendezvous a client of an agent store
+#: that is not there; RANK / WORLD_SIZE / MASTER_* describe the trainer's world, not the server's)
+_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def server_environment(environ) -> dict:
+    """The trainer's environment less its torch.distributed launch variables."""
+    return {k: v for k, v in environ.items() if k not in _LAUNCH_VARS and not k.startswith("TORCHELASTIC_")}
+
+
 def _die_with_parent():   # runs in the child between fork and exec
     try:
         import ctypes
@@ -98,7 +110,7 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True,
+                                     env={**server_environment(os.environ), **(env or {})}, start_new_session=True,
                                      preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         atexit.register(self.stop)
 

@@ -118,19 +118,21 @@ def join_update_group(master_address: str, master_port: int, world_size: int, gr
                       backend: str, timeout_s: float):
     """Our side (rank 0) of the group the server's workers join in `init_weights_update_group`.
 
-    The same rendezvous as SGLang's `init_custom_process_group` (`sglang/srt/utils/common.py`): a
-    TCP store at `tcp://master_address:master_port` (rank 0 hosts it), prefixed by the group name,
-    and a process group outside the default world, whose group ranks are its global ranks."""
+    The store SGLang's `init_custom_process_group` (`sglang/srt/utils/common.py`) reaches through
+    `rendezvous("tcp://master_address:master_port")`: a TCP store that rank 0 hosts (made directly,
+    not through `rendezvous`, which under torchrun would look for the agent's store instead),
+    prefixed by the group name; then a process group outside the default world whose group ranks
+    are its global ranks."""
+    import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout,
+                          multi_tenant=True, wait_for_workers=False)
     store = c10d.PrefixStore(group_name, store)
-    pg, _ = c10d._new_process_group_helper(world, rank, [], c10d.Backend(backend), store, group_name=group_name,
+    pg, _ = c10d._new_process_group_helper(world_size, 0, [], c10d.Backend(backend), store, group_name=group_name,
                                            timeout=timeout)
-    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world)}
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
 

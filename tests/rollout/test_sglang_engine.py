@@ -415,27 +415,35 @@ def test_colocated_servers_stay_on_their_groups_gpus():
 
 @pytest.mark.slow
 def test_mrl_train_runs_its_steps_on_the_contract_server(tmp_path):
-    """The trainer's wiring (factory, launch, run-dir log, full-sync names of a real export, sleep and
-    wake around each sync, batches as requests) on the quickstart, one rank, two steps. The toy
+    """The trainer's wiring, colocated (one rank) and separate (a trainer rank and a rollout rank
+    under torchrun, the distributed transport): factory, launch, run-dir log, full-sync names of a
+    real export, delta syncs, sleep and wake around each colocated sync, batches as requests. The toy
     server's tokens are not the model's: nothing here says the run learns."""
     import subprocess
     import sys
 
+    from tests.dist_util import run_torchrun
+
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SHIM), str(REPO)])}
-    proc = subprocess.run([sys.executable, "-m", "mrl", "train", "jobs/quickstart_cpu.toml", "rollout.engine=sglang",
-                           "parallel.tensor=1", "platform.ranks_per_node=1", "trainer.total_steps=2",
-                           f"job.output_dir={tmp_path}", "checkpoint.every_steps=0",
-                           "rollout.weight_sync.verify_every_steps=1", "rollout.weight_sync.mode=delta"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "step 2/2" in proc.stdout and "cannot be read back from the SGLangRolloutEngine" in proc.stdout + proc.stderr
-    log = (tmp_path / "quickstart-cpu" / "sglang-0.log").read_text()
-    posts = re.findall(r'"POST (/\w+)', log)
-    control = [p for p in posts if p != "/generate"]
-    # each step: wake weights, sync (one bucket), flush, wake kv cache ... generate ... sleep
-    syncs = [i for i, p in enumerate(control) if p == "/update_weights_from_tensor"]
-    assert len(syncs) >= 2 and all(control[i + 1] == "/flush_cache" for i in syncs)   # one before each step at least
-    assert posts.count("/generate") == 2 * 8 * 8 and control.count("/release_memory_occupation") == 2
+    common = ["jobs/quickstart_cpu.toml", "rollout.engine=sglang", "parallel.tensor=1", "trainer.total_steps=2",
+              "checkpoint.every_steps=0", "rollout.weight_sync.verify_every_steps=1", "rollout.weight_sync.mode=delta"]
+    colocated = subprocess.run([sys.executable, "-m", "mrl", "train", *common, "platform.ranks_per_node=1",
+                                f"job.output_dir={tmp_path / 'colocated'}"],
+                               cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert colocated.returncode == 0, colocated.stdout[-2000:] + colocated.stderr[-2000:]
+    separate = run_torchrun("-m mrl train", *common, "rollout.placement=separate", "rollout.ranks=1",
+                            f"job.output_dir={tmp_path / 'separate'}", nproc=2, timeout=600,
+                            env={"PYTHONPATH": env["PYTHONPATH"]})
+    for proc, run, log in ((colocated, "colocated", "sglang-0.log"), (separate, "separate", "sglang-1.log")):
+        out = proc.stdout + proc.stderr
+        assert "step 2/2" in out and "cannot be read back from the SGLangRolloutEngine" in out, run
+        posts = re.findall(r'"POST (/\w+)', (tmp_path / run / "quickstart-cpu" / log).read_text())
+        control = [p for p in posts if p != "/generate"]
+        update = "/update_weights_from_tensor" if run == "colocated" else "/update_weights_from_distributed"
+        syncs = [i for i, p in enumerate(control) if p == update]
+        assert len(syncs) >= 2 and all(control[i + 1] == "/flush_cache" for i in syncs), (run, control)
+        assert posts.count("/generate") == 2 * 8 * 8, run   # 2 steps x 8 prompts x 8 responses
+    assert control.count("/init_weights_update_group") == 1   # separate: one group, joined once
 
 
 def test_serializing_leaves_the_trainers_tensors_alone():
