@@ -91,14 +91,15 @@ class SGLangEngine(AsyncEngine):
     `SGLANG_RETURN_ORIGINAL_LOGPROB`); a request asking for the other kind is refused.
     `max_connections`: requests in flight to the server at once (more wait in the client's pool).
     `expected_names`: the model's HF parameter names (`sglang_sync.checkpoint_parameter_names`),
-    which a full sync must all send.
+    which a full sync must all send. `sleep_level`: what the server was launched for (0: no memory
+    saver, 1: a CPU copy of the weights while asleep, 2: none).
     """
 
     def __init__(self, url: str, *, server: Optional[ServerProcess] = None, tp: int = 1,
                  transport: str = "tensor", bucket_mb: float = 512, group_backend: str = "nccl",
                  request_timeout_s: float = 3600.0, update_timeout_s: float = 600.0, name: str = "sglang",
                  expected_names: Optional[set[str]] = None, logprobs_mode: str = "processed_logprobs",
-                 max_connections: int = 1024):
+                 max_connections: int = 1024, sleep_level: int = 1):
         if transport not in ("tensor", "distributed"):
             raise ValueError(f"unknown weight transport {transport!r}")
         self.url, self.server, self.tp, self.transport = url.rstrip("/"), server, tp, transport
@@ -107,6 +108,7 @@ class SGLangEngine(AsyncEngine):
         self.expected_names = expected_names   # HF names a full sync must cover (None: unchecked)
         self.logprobs_mode = logprobs_mode     # what the server was launched to report
         self.max_connections = max_connections
+        self.sleep_level = sleep_level         # the memory saver's launch flags (rollout.sleep_level)
         self.version = 0             # weight syncs loaded (sent as the server's weight_version)
         self._group = None           # our side of the update group (distributed transport)
         self._group_name = "mrl_weight_update"
@@ -228,15 +230,15 @@ class SGLangEngine(AsyncEngine):
 
         if self.transport == "tensor":
             body, held = sw.tensor_update_request(bucket, self.tp, weight_version=version)
-            self._post_sync("/update_weights_from_tensor", body, f"/update_weights_from_tensor ({bucket[0][0]} .. "
-                                                                 f"{bucket[-1][0]})")
+            what = f"/update_weights_from_tensor ({bucket[0][0]} .. {bucket[-1][0]})"
+            self._post_sync("/update_weights_from_tensor", body, what)
             del held   # the server has loaded them
             return
         if self._group is None:
             self._join_group()
         body = sw.distributed_update_request(bucket, self._group_name, weight_version=version)
-        sw.while_posting(lambda: self._post_sync("/update_weights_from_distributed", body,
-                                                 f"/update_weights_from_distributed ({bucket[0][0]} .. {bucket[-1][0]})"),
+        what = f"/update_weights_from_distributed ({bucket[0][0]} .. {bucket[-1][0]})"
+        sw.while_posting(lambda: self._post_sync("/update_weights_from_distributed", body, what),
                          lambda: sw.broadcast_bucket(bucket, self._group))
 
     def _join_group(self) -> None:
@@ -249,9 +251,12 @@ class SGLangEngine(AsyncEngine):
         body = {"master_address": address, "master_port": port, "rank_offset": 1, "world_size": self.tp + 1,
                 "group_name": self._group_name, "backend": self.group_backend}
         box = {}
-        sw.while_posting(lambda: self._post_sync("/init_weights_update_group", body, "/init_weights_update_group"),
-                         lambda: box.setdefault("group", sw.join_update_group(address, port, self.tp + 1, self._group_name,
-                                                                              self.group_backend, self.update_timeout_s)))
+
+        def join():
+            box["group"] = sw.join_update_group(address, port, self.tp + 1, self._group_name, self.group_backend,
+                                                self.update_timeout_s)
+
+        sw.while_posting(lambda: self._post_sync("/init_weights_update_group", body, "/init_weights_update_group"), join)
         self._group = box["group"]
 
     # ---- memory -----------------------------------------------------------------------------
@@ -259,9 +264,13 @@ class SGLangEngine(AsyncEngine):
     def sleep(self, level: Optional[int] = None) -> None:
         """`/release_memory_occupation` of the weights and the KV cache (`io_struct.
         ReleaseMemoryOccupationReqInput.tags`); whether the weights survive (a CPU copy) was fixed at
-        launch (`enable_weights_cpu_backup`, from rollout.sleep_level). Level 0: nothing."""
-        if level == 0:
+        launch (`enable_weights_cpu_backup`, from rollout.sleep_level). Level 0, or a server
+        launched at level 0 (no memory saver): nothing."""
+        if level == 0 or self.sleep_level == 0:
             return
+        if level is not None and level != self.sleep_level:
+            raise SGLangError(f"{self.who}: sleep level {level} asked of a server launched for level "
+                              f"{self.sleep_level} (whether it keeps a CPU copy of the weights is fixed at launch)")
         tags = ["kv_cache", "weights"]
         self._post_sync("/release_memory_occupation", {"tags": tags}, "/release_memory_occupation")
         self._asleep.update(tags)

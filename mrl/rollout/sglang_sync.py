@@ -46,7 +46,8 @@ def sglang_problems(rollout, *, return_routes: bool = False) -> list[tuple[str, 
     if rollout.engine_kwargs:
         out.append(("rollout.engine_kwargs", "are vLLM's; sglang server flags go in rollout.sglang.server_args"))
     if return_routes:
-        out.append(("actor.moe.routing_replay", "'r3' needs the engine's routes; the sglang engine does not return them"))
+        out.append(("actor.moe.routing_replay", "'r3' needs the engine's routes; the sglang engine does not "
+                                                "return them"))
     return out
 
 
@@ -124,7 +125,8 @@ def launch(rollout, model_path: str, *, seed: int, dtype: str, device, max_model
                           bucket_mb=rollout.weight_sync.bucket_mb, group_backend=backend,
                           request_timeout_s=rollout.generate_timeout_s,
                           expected_names=checkpoint_parameter_names(hf_config) if hf_config else None,
-                          logprobs_mode=rollout.logprobs_mode, max_connections=rollout.max_num_seqs)
+                          logprobs_mode=rollout.logprobs_mode, max_connections=rollout.max_num_seqs,
+                          sleep_level=rollout.sleep_level)
     return SGLangRolloutEngine(engine, timeout_s=rollout.generate_timeout_s)
 
 

@@ -277,6 +277,8 @@ def test_sleep_and_wake_call_the_memory_endpoints(served):
     assert state(served)["released"] == ["kv_cache"]
     served.wake(tags=["kv_cache"])
     served.wake()   # nothing left asleep: no call
+    with pytest.raises(SGLangError, match="sleep level 2 asked of a server launched for level 1"):
+        served.sleep(2)
     mem = [(c["path"], c["body"]) for c in state(served)["calls"][before:]]
     assert mem == [("/release_memory_occupation", {"tags": ["kv_cache", "weights"]}),
                    ("/resume_memory_occupation", {"tags": ["weights"]}),
