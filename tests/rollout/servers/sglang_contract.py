@@ -149,7 +149,7 @@ def generate(model: Model, body: dict) -> dict:
         raw = [model.logprobs(ids[k - 1], 1.0)[ids[k]].item() for k in range(1, len(ids))]
         meta["input_token_logprobs"] = [[None, ids[0], None]] + [[lp, t, None] for lp, t in zip(raw, ids[1:])]
     out, lps, finish = [], [], None
-    state = {"abort": False}
+    state = {"abort": False, "tokens": 0}
     with model.lock:
         model.running[rid] = state
     try:
@@ -166,6 +166,7 @@ def generate(model: Model, body: dict) -> dict:
             tok = int(lp.argmax()) if greedy else int(torch.multinomial(lp.exp(), 1, generator=gen))
             out.append(tok)
             lps.append(lp[tok].item())
+            state["tokens"] = len(out)
             if model.token_s:
                 time.sleep(model.token_s)
             if tok in stops:
@@ -233,7 +234,7 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, {"model_path": m.args.model_path, "is_generation": True, "weight_version": m.weight_version})
         elif path == "/_contract/state":
             self._send(200, {"calls": m.calls, "params": sorted(m.params), "released": sorted(m.released),
-                             "paused": m.paused, "running": sorted(m.running), "weight_version": m.weight_version,
+                             "paused": m.paused, "running": {rid: st["tokens"] for rid, st in list(m.running.items())}, "weight_version": m.weight_version,
                              "received_order": m.received_order, "args": vars(m.args)})
         else:
             self._send(404, {"detail": "Not Found"})
