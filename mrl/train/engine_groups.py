@@ -17,6 +17,7 @@ Two placements:
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
@@ -59,7 +60,8 @@ def build_rollout(spec, plan, ctx, tokenizer, *, is_leader: bool,
     elif not is_leader:
         return None, None, None
     engine = build_engine(r, spec.model, seed=spec.job.seed, device=ctx.device, max_model_len=r.max_model_len,
-                          return_routes=spec.actor.moe.routing_replay == "r3")
+                          return_routes=spec.actor.moe.routing_replay == "r3",
+                          log_dir=str(Path(spec.job.output_dir) / spec.job.name))
     generator = engine
     if r.multi_turn.enable:
         from mrl.rollout.engine import engine_group

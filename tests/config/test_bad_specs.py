@@ -145,7 +145,7 @@ CASES = [
     ("sequence-parallel-on-cpu", {"parallel": {"tensor": 2, "sequence_parallel": True}}, "parallel.sequence_parallel", "cpu platform"),
     ("nccl-on-cpu", {"platform": {"backend": "nccl"}}, "platform.backend", "nccl needs GPUs"),
     # unknown engine / estimator / preset names
-    ("unknown-engine", {"rollout": {"engine": "sglang"}}, "rollout.engine", "'sglang' is not one of 'vllm', 'hf'"),
+    ("unknown-engine", {"rollout": {"engine": "trtllm"}}, "rollout.engine", "'trtllm' is not one of 'vllm', 'hf', 'sglang'"),
     ("unknown-kl-estimator", {"algorithm": {"kl_loss": {"estimator": "k4"}}}, "algorithm.kl_loss.estimator", "did you mean"),
     ("unknown-advantage", {"algorithm": {"advantage": "gpro"}}, "algorithm.advantage", "did you mean 'grpo'"),
     ("unknown-policy-loss", {"algorithm": {"policy_loss": "ppo2"}}, "algorithm.policy_loss", "did you mean 'ppo'"),

@@ -22,7 +22,6 @@ else:
     import tomli as tomllib
 
 SCRIPTS = Path(__file__).with_name("verl_scripts")
-NEEDS_SGLANG = "needs the sglang engine (branch sglang)"
 
 # What becomes of each script: "valid" (validates with stand-ins), or ("refused", words of the one
 # line), or ("invalid", words of the validation error: a limit of mrl's layout the job breaks).
@@ -48,7 +47,7 @@ EXPECTED: dict[str, object] = {
     "v090__grpo_trainer_run_qwen2-7b_math_megatron_fsdp.sh": "valid",
     "v090__router_replay_run_qwen3_30b_a3b_megatron.sh": ("invalid", "do not split evenly over data-parallel size"),
     "v090__rollout_correction_run_qwen2_5_7b_fsdp_multi_rs.sh": ("invalid", "needs >= 2 responses per prompt"),
-    "v090__grpo_trainer_run_gpt_oss_20b_fsdp.sh": ("sglang", "rollout.engine"),
+    "v090__grpo_trainer_run_gpt_oss_20b_fsdp.sh": ("invalid", "is above parallel.tensor 1: a colocated sglang server"),
     "v090__sft_gsm8k_run_qwen3_8b_fsdp.sh": ("refused", "verl's SFT trainer"),
     "v090__generation_run_deepseek_llm_7b.sh": ("refused", "use `mrl generate`"),
     "v090__on_policy_distillation_trainer_run_qwen3_8b_fsdp.sh": ("refused", "on-policy distillation"),
@@ -129,10 +128,6 @@ def test_real_verl_script_converts_or_is_refused_in_one_line(cli, tmp_path, name
     assert job.exists(), err
     rc, _, err = cli("validate", job, *_stand_ins(job, tmp_path))
     if expected == "valid":
-        assert rc == 0, err
-    elif expected[0] == "sglang":      # the lead flips this to "valid" once branch sglang is merged
-        if rc != 0 and "'sglang' is not one of" in err:
-            pytest.xfail(NEEDS_SGLANG)
         assert rc == 0, err
     else:
         assert rc == 2 and expected[1] in converted + err, converted + err
@@ -243,7 +238,6 @@ def test_sglang_rollout_maps_to_the_sglang_engine():
     assert conv.values["rollout.engine"].value == "sglang"
 
 
-@pytest.mark.xfail(reason=NEEDS_SGLANG, strict=True)
 def test_a_converted_sglang_job_validates(write_job):
     from mrl.config.loader import load
 
