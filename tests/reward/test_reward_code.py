@@ -190,12 +190,11 @@ def test_auto_routes_verl_code_sources_to_the_code_reward():
 
 
 def test_inside_a_landlocked_reward_worker_the_sandbox_still_isolates(tmp_path):
-    """`mrl train` restricts reward workers with Landlock (no mounts there): the sandbox then runs
-    without a mount namespace, its scratch on the host, writes allowed only inside it."""
-    if isolation_mode() == "rlimits":
-        pytest.skip("no namespaces on this machine")
+    """`mrl train` restricts reward workers with Landlock (no mounts there): their programs are
+    started by the worker's launcher, forked before the restriction, in the full sandbox (its own
+    root: the host's directories are not there, its /tmp is its own tmpfs)."""
     cfg = RewardConfig(builtin="code", workers=1, code=CodeRewardConfig(test_timeout_s=3.0))
-    marker = f"/tmp/mrl-landlock-test-{os.getpid()}"
+    marker = str(tmp_path / "outside.txt")
     programs = {
         "pid namespace": ("import os\nprint(os.getpid())", {"inputs": [""], "outputs": ["2"]}, 1.0),
         "write outside": (f"open({marker!r}, 'w').write('x')\nprint(1)", {"inputs": [""], "outputs": ["1"]}, 0.0),
