@@ -194,3 +194,32 @@ def test_auto_refuses_in_one_line_where_no_mount_namespace_can_be_had(monkeypatc
     with pytest.raises(code_sandbox.SandboxUnavailable):   # a direct call is refused too: never a weaker mode
         run_sandboxed({"main.py": "print(1)"}, ["main.py"], b"", Limits(), "auto")
     assert code_sandbox.isolation_mode("rlimits") == "rlimits"   # the unsafe mode only when named
+
+
+USER_NS_RUNNER = """
+import json, sys
+sys.path.insert(0, {repo!r})
+from mrl.reward.code_sandbox import Limits, isolation_mode, run_sandboxed
+program = open({program!r}).read()
+r = run_sandboxed({{"main.py": program}}, ["main.py"], b"", Limits(wall_s=20, cpu_s=10, scratch_mb=8, file_size_mb=64))
+print(json.dumps({{"mode": isolation_mode(), "status": r.status, "stdout": r.stdout.decode(),
+                  "stderr": r.stderr_tail.decode()}}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"),
+                    reason="runs the sandbox as another, unprivileged user (needs root to switch, setpriv, a system python)")
+def test_user_namespace_mode_of_an_unprivileged_user_reaches_nothing(host):
+    where = Path(host["run"]).parent
+    (where / "attack.py").write_text(_attack(host))
+    (where / "runner.py").write_text(USER_NS_RUNNER.format(repo=str(REPO), program=str(where / "attack.py")))
+    for f in ("attack.py", "runner.py"):
+        os.chmod(where / f, 0o644)
+    r = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "/usr/bin/python3",
+                        str(where / "runner.py")], cwd="/", capture_output=True, text=True, timeout=120)
+    if r.returncode != 0 and "SandboxUnavailable" in r.stderr:
+        pytest.skip("no unprivileged user namespaces here")
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (got["mode"], got["status"]) == ("user-namespace", "ok"), got
+    assert _reached(got["stdout"]) == {}
+    assert not host["accepted"]
