@@ -59,7 +59,10 @@ def sandbox_uid() -> int:
     """A uid no other live sandbox uses: 4096 per process id (cycling), so concurrent reward workers
     never share one (RLIMIT_NPROC counts per uid)."""
     return UID_BASE + (os.getpid() % 65536) * 4096 + next(_uids) % 4096
-_MODE: dict[str, str] = {}   # isolation request -> mode found on this machine (probed once per process)
+_MODE: dict[str, str] = {}
+# set in a Landlock-restricted reward worker by `mrl.reward.sandbox_launcher.start`: runs a program
+# through the launcher forked before the restriction (same arguments and result as `run_sandboxed`)
+LAUNCHER = None   # isolation request -> mode found on this machine (probed once per process)
 
 
 @dataclass(frozen=True)
@@ -201,10 +204,8 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin: bytes, limits: 
     """Write `files` into a scratch directory, run `python -I <argv>` there under `limits`, feed
     `stdin`; `secret` is readable once on fd 4 (the harness's nonce), fd 3 is the result channel.
     In a Landlock-restricted reward worker the run goes through its launcher (same result)."""
-    from mrl.reward import sandbox_launcher
-
-    if isolation != "rlimits" and sandbox_launcher.available():
-        return sandbox_launcher.run(files, argv, stdin, limits, isolation, secret)
+    if isolation != "rlimits" and LAUNCHER is not None:
+        return LAUNCHER(files, argv, stdin, limits, isolation, secret)
     return _run_in(isolation_mode(isolation), files, argv, stdin, limits, secret)
 
 

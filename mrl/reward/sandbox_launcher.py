@@ -25,7 +25,7 @@ import struct
 import threading
 from typing import Optional
 
-__all__ = ["start", "available", "run"]
+__all__ = ["start", "stop", "available", "run"]
 
 _CLIENT: Optional[socket.socket] = None
 _LOCK = threading.Lock()
@@ -35,6 +35,17 @@ _MAX_MESSAGE = 256 << 20
 def available() -> bool:
     """Whether this process runs its sandboxed programs through a launcher."""
     return _CLIENT is not None
+
+
+def stop() -> None:
+    """Close the launcher (it ends when its socket closes); programs run here directly again."""
+    global _CLIENT
+    from mrl.reward import code_sandbox
+
+    if _CLIENT is not None:
+        _CLIENT.close()
+    _CLIENT = None
+    code_sandbox.LAUNCHER = None
 
 
 def start() -> None:
@@ -53,6 +64,9 @@ def start() -> None:
             os._exit(0)
     theirs.close()
     _CLIENT = mine
+    from mrl.reward import code_sandbox
+
+    code_sandbox.LAUNCHER = run
 
 
 def _send(sock: socket.socket, body: dict) -> None:

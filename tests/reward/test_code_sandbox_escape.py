@@ -170,9 +170,10 @@ def test_the_worker_launcher_runs_only_mount_namespace_modes():
         assert r.status == "sandbox" and b"only mount-namespace isolation" in r.stderr_tail
         r = sandbox_launcher.run({"main.py": "import os; print(os.getpid())"}, ["main.py"], b"", Limits(), "auto", b"")
         assert (r.status, r.stdout) == ("ok", b"2\n")
+        assert run_sandboxed({"main.py": "print(3)"}, ["main.py"], b"", Limits()).stdout == b"3\n"   # through it
     finally:
-        sandbox_launcher._CLIENT.close()   # the launcher ends when its socket closes
-        sandbox_launcher._CLIENT = None
+        sandbox_launcher.stop()
+    assert code_sandbox.LAUNCHER is None
 
 
 def test_auto_refuses_in_one_line_where_no_mount_namespace_can_be_had(monkeypatch):
