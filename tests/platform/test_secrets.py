@@ -23,7 +23,7 @@ from tests.cli.test_cli import ENV, REPO
 
 SECRET = "mrl-test-secret-4f1c"
 SCRIPT = Path(__file__).with_name("scripts") / "secret_children.py"
-CHILDREN = ("reward_worker", "mcp_stdio_server", "code_sandbox", "plain_child")
+CHILDREN = ("reward_worker", "reward_worker_parent", "mcp_stdio_server", "code_sandbox", "plain_child")
 
 
 def _children(mode: str) -> dict:
@@ -44,8 +44,8 @@ def protected():
 
 
 def test_unprotected_children_read_the_secret(unprotected):
-    assert {k: unprotected[k] for k in ("reward_worker", "mcp_stdio_server", "plain_child")} == \
-        {"reward_worker": "secret", "mcp_stdio_server": "secret", "plain_child": "secret"}
+    assert {k: unprotected[k] for k in ("reward_worker", "reward_worker_parent", "mcp_stdio_server", "plain_child")} \
+        == dict.fromkeys(("reward_worker", "reward_worker_parent", "mcp_stdio_server", "plain_child"), "secret")
     assert unprotected["dumpable"] == 1
 
 

@@ -30,7 +30,8 @@ if __name__ == "__main__":   # an MCP stdio server with one tool, `peek`
 
     @server.tool()
     def parent_environ() -> str:
-        """What this server reads of its parent's environment."""
-        return peek(os.getppid())
+        """What this server reads of the trainer's environment (`PEEK_PID`: the trainer, which
+        need not be the parent: mrl may start the server under a relay)."""
+        return peek(int(os.environ.get("PEEK_PID", os.getppid())))
 
     server.run("stdio")

@@ -26,13 +26,14 @@ def main(mode: str) -> None:
 
     with RewardPool([f"{HERE / 'peek.py'}:reward"], workers=1, timeout_s=60) as pool:
         got = pool.run([Call(f"{HERE / 'peek.py'}:reward", (me,), {})])[0]
-    out["reward_worker"] = got.value["parent"] if got.error is None else f"error {got.message}"
+    out["reward_worker"] = got.value["given"] if got.error is None else f"error {got.message}"
+    out["reward_worker_parent"] = got.value["parent"] if got.error is None else f"error {got.message}"
 
     from mrl.rollout.tool_servers.mcp_tools import EventLoopThread, MCPToolServer
 
     loop = EventLoopThread()
     server = MCPToolServer("peek", "mcp_stdio", loop, command=sys.executable, args=(str(HERE / "peek.py"),),
-                           env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")}, connect_timeout_s=60)
+                           env={"PYTHONPATH": os.environ.get("PYTHONPATH", ""), "PEEK_PID": str(me)}, connect_timeout_s=60)
     try:
         out["mcp_stdio_server"] = server.call("parent_environ", {}, 10_000).strip()
     finally:
