@@ -92,6 +92,10 @@ def crafted(form: str, marker: Path) -> bytes:
         return (_proto() + _stack_global("torch.distributed.checkpoint.metadata", "StorageMeta")
                 + pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.EMPTY_DICT + _str("__class__") + _str("x")
                 + pickle.SETITEM + pickle.BUILD + pickle.STOP)
+    if form == "build_setstate_crafted":         # TensorProperties.__setstate__ fed a state that is no such tuple
+        return (_proto() + _stack_global("torch.distributed.checkpoint.metadata", "TensorProperties")
+                + pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.MARK + _stack_global(FS, "os") + pickle.NONE
+                + pickle.NEWFALSE + pickle.NONE + pickle.NEWFALSE + pickle.TUPLE + pickle.BUILD + pickle.STOP)
     if form == "ext_code":                       # copyreg's extension registry
         return _proto() + pickle.EXT1 + b"\x01" + pickle.STOP
     if form == "persistent_id":
@@ -101,6 +105,7 @@ def crafted(form: str, marker: Path) -> bytes:
 
 FORMS = ["stack_global_dotted", "global_dotted", "inst_dotted", "obj_dotted", "newobj_ex", "undotted_foreign",
          "reduce_allowed_bad_args", "reduce_a_dtype", "build_on_module", "build_on_class", "build_unknown_field",
+         "build_setstate_crafted",
          "ext_code", "persistent_id"]
 
 
