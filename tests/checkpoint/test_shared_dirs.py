@@ -156,3 +156,33 @@ def test_job_identity_is_the_name_and_the_absolute_run_dir(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     spec = SimpleNamespace(job=SimpleNamespace(name="gsm8k", output_dir="runs"))
     assert job_identity(spec) == {"name": "gsm8k", "run_dir": str(tmp_path / "runs" / "gsm8k")}
+
+
+@pytest.mark.slow
+def test_a_job_resumes_its_own_checkpoint_and_another_job_is_refused_it(tmp_path):
+    """`mrl train` end to end: job `a` saves (its manifest names it) and resumes its own
+    checkpoint; job `b` given the same checkpoint.dir stops at start in one line, touching
+    nothing."""
+    from tests.cli.test_cli import ENV, REPO
+
+    shared = tmp_path / "shared_ckpt"
+
+    def train(name: str, steps: int):
+        return subprocess.run([sys.executable, "-m", "mrl", "train", "jobs/quickstart_cpu.toml",
+                               "platform.ranks_per_node=1", "parallel.tensor=1", f"job.output_dir={tmp_path}",
+                               f"job.name={name}", f"trainer.total_steps={steps}", "checkpoint.every_steps=1",
+                               f"checkpoint.dir={shared}"], cwd=REPO, env=ENV, capture_output=True, text=True,
+                              timeout=900)
+
+    first = train("a", 1)
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = store.latest(shared / "actor")
+    assert manifest.job_of(saved) == {"name": "a", "run_dir": str((tmp_path / "a").resolve())}
+    again = train("a", 2)
+    assert again.returncode == 0 and "resumed" in (again.stdout + again.stderr).lower(), again.stderr[-3000:]
+    assert [p.name for p in store.checkpoints(shared / "actor")] == ["step_00000002"]
+    other = train("b", 2)
+    errors = [line for line in other.stderr.splitlines() if line.startswith("error: ")]
+    assert other.returncode == 2 and len(errors) == 1 and "was saved by job 'a'" in errors[0], other.stderr[-3000:]
+    assert [p.name for p in store.checkpoints(shared / "actor")] == ["step_00000002"]
+    assert manifest.job_of(store.latest(shared / "actor"))["name"] == "a"
