@@ -35,7 +35,8 @@ def host():
     """A run directory with its files where runs usually are (under the working directory, not
     /tmp), a process whose command line names it (as the trainer's does), a world-writable unix
     socket beside it and an abstract one, both listening."""
-    tmp = Path(tempfile.mkdtemp(prefix="sandbox-escape-", dir=REPO / "runs" if (REPO / "runs").is_dir() else REPO))
+    (REPO / "runs").mkdir(exist_ok=True)   # git-ignored, where the shipped jobs write their runs
+    tmp = Path(tempfile.mkdtemp(prefix="sandbox-escape-", dir=REPO / "runs"))
     os.chmod(tmp, 0o755)
     run = tmp / "outputs" / "job-under-attack"
     run.mkdir(parents=True)
