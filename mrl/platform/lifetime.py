@@ -57,7 +57,11 @@ def die_with_parent() -> None:
 
 
 def under_launcher() -> bool:
-    """Whether this process is a rank a torchrun agent started (torchrun or `mrl launch`)."""
+    """Whether this process is a rank a torchrun agent started (torchrun or `mrl launch`); a
+    process a rank started (`python -m mrl merge` for the export) inherits the launcher's
+    variables but finds `MRL_LAUNCHER_PID` = "0", which the rank set for its children."""
+    if os.environ.get(LAUNCHER_PID) == "0":
+        return False
     return "TORCHELASTIC_RUN_ID" in os.environ or LAUNCHER_PID in os.environ
 
 
@@ -75,6 +79,7 @@ def die_with_launcher(grace_s: float = 20.0) -> bool:
     except AttributeError:
         return False
     expected = os.environ.get(LAUNCHER_PID)
+    os.environ[LAUNCHER_PID] = "0"   # what this rank starts is not a rank
     if os.getppid() != parent or parent == 1 or (expected and expected.isdigit() and int(expected) != parent):
         os._exit(128 + signal.SIGTERM)   # the launcher died before prctl took effect: we were reparented
     try:

@@ -86,6 +86,21 @@ def test_a_rank_whose_launcher_is_already_gone_exits_at_once(tmp_path):
         middle.wait()
 
 
+def test_what_a_rank_starts_is_not_a_rank():
+    """A rank's own `python -m mrl merge` (the HF export) inherits torchrun's variables; it must
+    neither exit nor tie itself to the rank."""
+    script = ("import os, subprocess, sys\n"
+              "from mrl.platform.lifetime import die_with_launcher\n"
+              "print(die_with_launcher(grace_s=1.0), os.environ['MRL_LAUNCHER_PID'])\n"
+              "child = subprocess.run([sys.executable, '-c', 'from mrl.platform.lifetime import die_with_launcher; "
+              "print(die_with_launcher())'], capture_output=True, text=True)\n"
+              "print(child.returncode, child.stdout.strip())\n")
+    rank = subprocess.run([sys.executable, "-c", script], env={**ENV, "TORCHELASTIC_RUN_ID": "test",
+                                                               "MRL_LAUNCHER_PID": str(os.getpid())},
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert rank.stdout.split("\n")[:2] == ["True 0", "0 False"], rank.stdout + rank.stderr
+
+
 def test_outside_a_launcher_nothing_is_armed():
     r = subprocess.run([sys.executable, "-c", "from mrl.platform.lifetime import die_with_launcher; "
                         "print(die_with_launcher())"], env={k: v for k, v in ENV.items()
