@@ -432,6 +432,9 @@ def cmd_launch(args) -> int:
     if args.dry_run:
         print(shlex.join(argv))
         return 0
+    from mrl.platform.lifetime import LAUNCHER_PID
+
+    os.environ[LAUNCHER_PID] = str(os.getpid())   # this process is torchrun's agent: the ranks die with it
     return _run_torchrun(argv[argv.index("--standalone"):])
 
 

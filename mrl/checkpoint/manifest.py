@@ -4,8 +4,11 @@ The manifest is written last into a checkpoint's temporary directory (after ever
 common state and the RNG files) and lists each file with its size and SHA-256, plus what the
 checkpoint contains (step, whether the optimizer state is in it)::
 
-    {"format": 1, "step": 20, "optimizer": true,
+    {"format": 1, "step": 20, "optimizer": true, "job": {"name": "gsm8k", "run_dir": "/runs/gsm8k"},
      "files": {"__0_0.distcp": {"bytes": 123, "sha256": "..."}, "common.pt": {...}, ...}}
+
+`job` names the job that saved it (`job_of`): a resume refuses another job's checkpoint, and
+retention deletes only its own job's saves (checkpoints of older mrl versions have none).
 
 `problem_in(dir, files)` names the first thing wrong with some of those files (missing,
 truncated, resized, changed bytes) or returns None. Checking is split across ranks by the
@@ -20,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["MANIFEST", "FORMAT", "file_entry", "listed_files", "write", "read", "problem_in"]
+__all__ = ["MANIFEST", "FORMAT", "file_entry", "listed_files", "write", "read", "problem_in", "job_of"]
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -54,10 +57,12 @@ def listed_files(directory: Path) -> list[str]:
     return sorted(out)
 
 
-def write(directory: Path, files: dict[str, dict], *, step: int, optimizer: bool) -> Path:
-    """Write (and fsync) the manifest of `directory`."""
+def write(directory: Path, files: dict[str, dict], *, step: int, optimizer: bool, job: Optional[dict] = None) -> Path:
+    """Write (and fsync) the manifest of `directory`; `job` identifies the job saving it."""
     path = Path(directory) / MANIFEST
     body = {"format": FORMAT, "step": int(step), "optimizer": bool(optimizer), "files": dict(sorted(files.items()))}
+    if job is not None:
+        body["job"] = dict(job)
     with open(path, "w") as f:
         json.dump(body, f, indent=1)
         f.flush()
@@ -99,3 +104,13 @@ def problem_in(directory: Path, files: dict[str, dict]) -> Optional[str]:
         if file_entry(path)["sha256"] != want["sha256"]:
             return f"{rel} does not match its checksum (its bytes changed after the save)"
     return None
+
+
+def job_of(directory: Path) -> Optional[dict]:
+    """The `job` the manifest of `directory` records, or None (no manifest, an unreadable one, or
+    one written before checkpoints named their job)."""
+    try:
+        job = read(directory).get("job")
+    except (ManifestError, OSError):
+        return None
+    return job if isinstance(job, dict) else None

@@ -93,31 +93,59 @@ class RunState:
                    reward_files=extra.get("reward_files"))
 
 
+def job_identity(spec) -> dict:
+    """What identifies a job's checkpoints (recorded in each manifest): its name and its run
+    directory (`<job.output_dir>/<job.name>`, absolute), which also holds its MLflow run."""
+    return {"name": spec.job.name, "run_dir": str((Path(spec.job.output_dir) / spec.job.name).resolve())}
+
+
+def refuse_foreign(root: Path, job: Optional[dict], roles: tuple[str, ...] = ("actor",)) -> None:
+    """A checkpoint directory belongs to one job: `UserError` when `root/<role>` holds a
+    checkpoint whose manifest names another job (checkpoints of older mrl versions name none)."""
+    from mrl.checkpoint import manifest, store
+
+    if job is None:
+        return
+    for role in roles:
+        for found in store.checkpoints(root / role):
+            other = manifest.job_of(found)
+            if other is not None and other != job:
+                raise UserError(
+                    f"checkpoint.dir: {found} was saved by job {other.get('name')!r} (run directory "
+                    f"{other.get('run_dir')}), not by this job {job['name']!r} ({job['run_dir']}); two jobs cannot "
+                    "share one checkpoint.dir: give this job its own, or start from that checkpoint with "
+                    "checkpoint.load_from (a new run)")
+
+
 def save_run(root: Path, step: int, engine, state: RunState, checkpoint, *, with_optimizer: bool,
-             companions: Optional[dict] = None) -> None:
+             companions: Optional[dict] = None, job: Optional[dict] = None) -> None:
     """Save `engine` (the actor) under `root/actor` with `state`, and each companion engine
     (`{"critic": engine}`) under `root/<name>` with its model facts; `checkpoint` is the job's
-    `[checkpoint]` section. The tracking run id is rank 0's on every rank (it owns the run)."""
+    `[checkpoint]` section, `job` its `job_identity` (recorded in every manifest). The tracking
+    run id is rank 0's on every rank (it owns the run)."""
     from mrl.checkpoint import state as ckpt
     from mrl.platform.collectives import broadcast_object
 
     state.tracking_run_id = broadcast_object(state.tracking_run_id, "checkpoint save")
     for name, other in (companions or {}).items():
         ckpt.save(root / name, step, chunks=other.chunks, optimizer=other.optimizer, scheduler=other.scheduler,
-                  extra=RunState(role=name, model=state.model).to_extra(), keep_last=checkpoint.keep_last)
+                  extra=RunState(role=name, model=state.model).to_extra(), keep_last=checkpoint.keep_last, job=job)
     ckpt.save(root / "actor", step, chunks=engine.chunks, optimizer=engine.optimizer if with_optimizer else None,
-              scheduler=engine.scheduler, extra=state.to_extra(), keep_last=checkpoint.keep_last)
+              scheduler=engine.scheduler, extra=state.to_extra(), keep_last=checkpoint.keep_last, job=job)
 
 
 def resume_run(root: Path, engine, checkpoint, *, companions: Optional[dict] = None,
-               trainer: str = "rl", before_load: Optional[Callable[[Path], None]] = None
-               ) -> tuple[int, Optional[RunState]]:
+               trainer: str = "rl", before_load: Optional[Callable[[Path], None]] = None,
+               job: Optional[dict] = None) -> tuple[int, Optional[RunState]]:
     """(last completed step, its `RunState`) of the newest intact checkpoint under `root/actor`
     (or `checkpoint.load_from`) loaded into `engine` and the companions (`{"critic": engine}`,
     found beside it), or (0, None) for a fresh start (`checkpoint.resume`). `before_load(found)`
-    runs before any tensor is read (checks that may refuse the checkpoint)."""
+    runs before any tensor is read (checks that may refuse the checkpoint). First, `root` must
+    hold no other job's checkpoint (`refuse_foreign`): this job saves, prunes and resumes there,
+    and would otherwise continue that job's checkpoint and MLflow run."""
     from mrl.checkpoint import state as ckpt
 
+    refuse_foreign(root, job, ("actor", *(companions or {})))
     given = checkpoint.load_from
     actor_root = Path(given) if given else root / "actor"
     if checkpoint.resume == "never" and not given:

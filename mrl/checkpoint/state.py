@@ -249,7 +249,7 @@ def _disk_full(path: Path, need_bytes: int) -> bool:
     return usage.free < need_bytes or usage.free < min(64 << 20, usage.total // 20)
 
 
-def _write_manifest(tmp: Path, step: int, has_optimizer: bool) -> None:
+def _write_manifest(tmp: Path, step: int, has_optimizer: bool, job: Optional[dict] = None) -> None:
     """Hash every file of the finished save (each rank a share) and write the manifest on rank 0."""
     rank, world = _world()
     names = broadcast_object(manifest.listed_files(tmp) if rank == 0 else None, "checkpoint save")
@@ -257,12 +257,14 @@ def _write_manifest(tmp: Path, step: int, has_optimizer: bool) -> None:
     everyone = gather_objects(mine, "checkpoint save")
     if rank == 0:
         files = {k: v for part in everyone for k, v in part.items()}
-        manifest.write(tmp, files, step=step, optimizer=has_optimizer)
+        manifest.write(tmp, files, step=step, optimizer=has_optimizer, job=job)
 
 
 def save(root: str | Path, step: int, *, chunks: list, optimizer=None, scheduler=None,
-         extra: Optional[dict] = None, keep_last: int = 3) -> Path:
+         extra: Optional[dict] = None, keep_last: int = 3, job: Optional[dict] = None) -> Path:
     """Write the checkpoint of `step` under `root` atomically; returns its directory (all ranks).
+    `job` (the saving job's identity) goes into the manifest; retention then prunes that job's
+    checkpoints only.
 
     `chunks` are the model's chunks on this rank (DDP-wrapped or bare); `extra` holds plain
     values (numbers, strings, lists, dicts: it is read back with `weights_only=True`) and is
@@ -276,7 +278,7 @@ def save(root: str | Path, step: int, *, chunks: list, optimizer=None, scheduler
     with stage("checkpoint save"):
         try:
             return _save(root, tmp, step, chunks=chunks, optimizer=optimizer, scheduler=scheduler, extra=extra,
-                         keep_last=keep_last)
+                         keep_last=keep_last, job=job)
         except BaseException as e:   # torch's CheckpointException is a BaseException
             need = estimated_bytes(chunks, with_optimizer=optimizer is not None)
             if isinstance(e, (KeyboardInterrupt, SystemExit)) or not (_no_space(e) or _disk_full(tmp, need)):
@@ -313,7 +315,7 @@ def _writer_results_queue_dies_with_us() -> None:
     filesystem_async._results_queue = _WRITER_MANAGER.Queue()
 
 
-def _save(root: Path, tmp: Path, step: int, *, chunks, optimizer, scheduler, extra, keep_last) -> Path:
+def _save(root: Path, tmp: Path, step: int, *, chunks, optimizer, scheduler, extra, keep_last, job=None) -> Path:
     from megatron.core import dist_checkpointing
 
     _writer_results_queue_dies_with_us()
@@ -339,11 +341,11 @@ def _save(root: Path, tmp: Path, step: int, *, chunks, optimizer, scheduler, ext
     with open(rng_file, "rb+") as f:
         os.fsync(f.fileno())
     _barrier()
-    _write_manifest(tmp, step, optimizer is not None)   # last: a directory without it is incomplete
+    _write_manifest(tmp, step, optimizer is not None, job)   # last: a directory without it is incomplete
     _barrier()
     if rank == 0:
         final = store.commit(root, tmp, step)
-        removed = store.prune(root, keep_last)
+        removed = store.prune(root, keep_last, owner=job)
         log.info("checkpoint saved: %s (removed %s)", final, [p.name for p in removed])
     _barrier()
     return root / store.step_name(step)

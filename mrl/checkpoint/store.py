@@ -171,12 +171,17 @@ def remove_stale_tmp(root: Path) -> list[Path]:
     return gone
 
 
-def prune(root: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` checkpoints (never the one `latest` names)."""
-    keep = set(checkpoints(root)[-keep_last:]) if keep_last > 0 else set()
+def prune(root: Path, keep_last: int, owner: Optional[dict] = None) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints (never the one `latest` names). With
+    `owner` (a job identity, `manifest.job_of`), only that job's own checkpoints are counted and
+    deleted: a save of another job (or of no recorded job) in the same directory is never touched."""
+    from mrl.checkpoint.manifest import job_of
+
+    mine = [p for p in checkpoints(root) if owner is None or job_of(p) == owner]
+    keep = set(mine[-keep_last:]) if keep_last > 0 else set()
     current = latest(root)
     removed = []
-    for p in checkpoints(root):
+    for p in mine:
         if p not in keep and p != current:
             shutil.rmtree(p)
             removed.append(p)

@@ -5,8 +5,8 @@ its files are untrusted bytes. Two pickled files matter: torch's `.metadata` (to
 uses plain `pickle.load`) and megatron's `common.pt` (`torch.load`). Every command reads them
 only through this module, after `problem(ckpt)` found the directory matching its manifest:
 
-- `read_dcp_metadata`: `.metadata` through an unpickler that refuses every global checkpoint
-  metadata never holds (torch.distributed.checkpoint's dataclasses, torch.Size, dtypes);
+- `read_dcp_metadata`: `.metadata` through an unpickler that builds only plain data and the
+  metadata dataclasses of an exact allowlist (`mrl.checkpoint.pickle_plain`);
 - `read_common`: `common.pt` with `torch.load(weights_only=True)` (tensors, numbers, strings,
   lists and dicts only);
 - `tensor_shapes`: global shapes and dtypes of the stored tensors, from the metadata read above
@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from mrl.checkpoint import manifest
+from mrl.checkpoint import pickle_plain as _plain
 from mrl.errors import UserError
 
 __all__ = ["PICKLED", "problem", "read_dcp_metadata", "read_common", "tensor_shapes", "TensorShape", "require"]
@@ -34,19 +35,24 @@ __all__ = ["PICKLED", "problem", "read_dcp_metadata", "read_common", "tensor_sha
 PICKLED = (".metadata", "common.pt")   # the files of a torch_dist checkpoint that are pickles
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles torch_dist's `.metadata` refusing every global a checkpoint's metadata never
-    holds: a crafted file cannot run code."""
+class _MetadataUnpickler(pickle._Unpickler):
+    """Unpickles torch_dist's `.metadata` as plain checkpoint metadata and nothing else.
 
-    _EXACT = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+    Python's pure unpickler with its opcode table cut down to data (`_plain.DISPATCH`): a
+    global is looked up in an exact (module, name) table (no import, no dotted names, no
+    attribute walk), a call (REDUCE) is made only to `torch.Size`, `_get_layout`, an enum or
+    `OrderedDict` with plain arguments, an object is created (NEWOBJ) only for one of the
+    metadata dataclasses, and its state (BUILD) only set on such an instance, with that class's
+    own fields. Everything else (INST, OBJ, NEWOBJ_EX, extension codes, persistent ids, buffers)
+    is refused by name."""
+
+    dispatch = _plain.DISPATCH
 
     def find_class(self, module: str, name: str):
-        plain = (module.startswith("torch.distributed.checkpoint.") or (module, name) in self._EXACT
-                 or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                      (torch.dtype, torch.layout, torch.memory_format))))
-        if not plain:
-            raise pickle.UnpicklingError(f"refers to {module}.{name}")
-        return super().find_class(module, name)
+        return _plain.lookup(module, name)
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("refers to a persistent id")
 
 
 def problem(ckpt: str | Path) -> Optional[str]:
@@ -76,11 +82,15 @@ def read_dcp_metadata(ckpt: str | Path):
     ckpt = Path(ckpt)
     try:
         with open(ckpt / ".metadata", "rb") as f:
-            return _MetadataUnpickler(f).load()
+            meta = _MetadataUnpickler(f).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError, IndexError,
-            KeyError, OSError) as e:
+            KeyError, OSError, RecursionError, MemoryError) as e:
         raise UserError(f"checkpoint {ckpt}: .metadata is not plain checkpoint metadata and was not loaded "
                         f"({str(e)[:160] or type(e).__name__})") from None
+    if not isinstance(meta, _plain.metadata_class()):
+        raise UserError(f"checkpoint {ckpt}: .metadata holds a {type(meta).__name__}, not torch.distributed.checkpoint "
+                        "metadata, and was not loaded")
+    return meta
 
 
 def read_common(ckpt: str | Path) -> dict:

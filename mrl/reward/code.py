@@ -126,14 +126,30 @@ def read_tests(ground_truth: Any) -> list[dict]:
              else str(o)} for i, o in zip(inputs, outputs)]
 
 
+# a number token as a program prints one: ASCII digits only (`float()` also takes "４２", "4_2", "nan",
+# "inf" and surrounding spaces, none of which a correct answer "42" is)
+_INTEGER = re.compile(r"[+-]?[0-9]+", re.ASCII)
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
+
+
 def _token_equal(a: str, b: str) -> bool:
+    """Equal strings, equal integers, or decimals within 1e-6 relative (1e-9 absolute); a token
+    counts as a number only in ASCII decimal notation."""
     if a == b:
         return True
+    if _INTEGER.fullmatch(a) and _INTEGER.fullmatch(b):
+        return int(a) == int(b)
+    if not (_DECIMAL.fullmatch(a) and _DECIMAL.fullmatch(b)):
+        return False
     try:
         x, y = float(a), float(b)
-    except ValueError:
+    except (ValueError, OverflowError):
         return False
-    return math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9)
+    return math.isfinite(x) and math.isfinite(y) and math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def stdout_matches(got: str, expected: str) -> bool:
@@ -151,11 +167,9 @@ def stdout_matches(got: str, expected: str) -> bool:
 
 
 def _value_equal(got: Any, expected: Any) -> bool:
-    if isinstance(got, float) or isinstance(expected, float):
-        try:
-            return math.isclose(float(got), float(expected), rel_tol=1e-6, abs_tol=1e-9)
-        except (TypeError, ValueError):
-            return False
+    if isinstance(got, float) or isinstance(expected, float):   # numbers only: a string "４２" is not 42.0
+        return (_is_number(got) and _is_number(expected)
+                and math.isclose(float(got), float(expected), rel_tol=1e-6, abs_tol=1e-9))
     if isinstance(got, list) and isinstance(expected, list):
         return len(got) == len(expected) and all(_value_equal(a, b) for a, b in zip(got, expected))
     return got == expected

@@ -4,24 +4,27 @@
 
 - **namespaces** (root, `unshare` from util-linux): new network, mount and PID namespaces
   (`unshare --net --mount --pid --fork --kill-child --mount-proc`). Inside, `code_sandbox_boot.py`
-  mounts a size-capped tmpfs over /tmp, /var/tmp and /dev/shm, makes the scratch directory there,
-  and forks the program as a fresh unprivileged uid (`sandbox_uid`) with
-  rlimits on CPU time, address space, file size, processes and open files. The program sees only
-  a loopback device (no network), cannot write files root owns (the whole image), cannot signal
-  or see the host's processes, and dies with everything it started when it exits or is killed
+  builds a fresh root of the system's read-only directories and the interpreter (no run
+  directory, no data, no host /tmp, /run or home, so no host unix socket), its own /proc, and a
+  tmpfs of `scratch_mb` at /tmp holding the scratch directory, pivots into it, and forks the
+  program as a fresh unprivileged uid (`sandbox_uid`) with rlimits on CPU time, address space,
+  file size, processes and open files. The program sees only a loopback device (no network,
+  no abstract socket of the host), cannot write anything but its scratch tmpfs, cannot see or
+  signal the host's processes, and dies with everything it started when it exits or is killed
   (it is in a PID namespace whose init is the boot process).
-- **namespaces-no-mount** (root, but mounts refused: inside a reward worker that Landlock
-  restricts, as `mrl train` runs them): new network and PID namespaces and the fresh uid; the
-  scratch directory is on the host, and the boot process adds a Landlock ruleset that allows
-  writes only inside it (where Landlock is enabled; else the uid's permissions alone, which
-  still allow world-writable directories such as /tmp). The program sees the host's /proc
-  (read-only facts; it cannot signal other uids' processes).
-- **user-namespace** (not root, `unshare -r` allowed): the same namespaces inside a user
-  namespace; no uid change, so RLIMIT_NPROC counts the calling user's processes and the program
-  can write what the calling user can outside the tmpfs mounts.
-- **rlimits** (neither works, or `isolation = "rlimits"`): rlimits, its own session and a scratch
-  directory as the working directory; the network and the caller's files stay reachable. Logged
-  once as a warning.
+- **user-namespace** (not root, `unshare -r` allowed): the same namespaces and root inside a
+  user namespace; no uid change (the program is uid 0 of its namespace, with every capability
+  dropped), so RLIMIT_NPROC counts the calling user's processes.
+- **auto** picks the first of those that works here (probed once per process by running a
+  program through it). Where neither works (no util-linux `unshare`, no root and no user
+  namespaces, or mounts refused), `auto` and `namespaces` refuse to run programs:
+  `SandboxUnavailable` says why in one line (the trainer checks at start, see `require`).
+  Inside a reward worker that Landlock restricts (as `mrl train` runs them), mounts are refused,
+  so the worker's programs are started by a launcher forked before the restriction
+  (`mrl.reward.sandbox_launcher`), which gets the full sandbox.
+- **rlimits** (only when named: `reward.code.isolation = "rlimits"`; unsafe for untrusted code):
+  rlimits, its own session and a scratch directory as the working directory; the network, the
+  host's processes and every file the caller can read or write stay reachable.
 
 Whatever the mode, the parent reads at most `max_output_bytes` of stdout (more kills the program:
 "output_limit") and kills the whole process group at the wall timeout. A program is
@@ -46,6 +49,7 @@ from typing import Literal
 log = logging.getLogger(__name__)
 
 Isolation = Literal["auto", "namespaces", "rlimits"]
+MOUNT_MODES = ("namespaces", "user-namespace")
 BOOT = Path(__file__).with_name("code_sandbox_boot.py")
 UID_BASE = 200000
 _uids = itertools.count()
@@ -55,7 +59,10 @@ def sandbox_uid() -> int:
     """A uid no other live sandbox uses: 4096 per process id (cycling), so concurrent reward workers
     never share one (RLIMIT_NPROC counts per uid)."""
     return UID_BASE + (os.getpid() % 65536) * 4096 + next(_uids) % 4096
-_MODE: dict[str, str] = {}   # isolation request -> mode found on this machine (probed once per process)
+_MODE: dict[str, str] = {}
+# set in a Landlock-restricted reward worker by `mrl.reward.sandbox_launcher.start`: runs a program
+# through the launcher forked before the restriction (same arguments and result as `run_sandboxed`)
+LAUNCHER = None   # isolation request -> mode found on this machine (probed once per process)
 
 
 @dataclass(frozen=True)
@@ -106,7 +113,7 @@ def program_python(setting: str = "auto", mode: str = "namespaces") -> str:
     the sandbox uid can run it (or the mode keeps the caller's uid), else the system's python3."""
     if setting != "auto":
         return setting
-    if mode not in ("namespaces", "namespaces-no-mount") or _others_can_run(sys.executable):
+    if mode != "namespaces" or _others_can_run(sys.executable):
         return sys.executable
     for candidate in ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3"):
         if _others_can_run(candidate):
@@ -114,42 +121,60 @@ def program_python(setting: str = "auto", mode: str = "namespaces") -> str:
     return sys.executable   # the run fails as "sandbox" with the permission error in its stderr
 
 
-def _probe(cmd: list[str]) -> bool:
-    try:
-        return subprocess.run(cmd + [sys.executable, "-I", "-S", "-c", "pass"], timeout=30,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
+class SandboxUnavailable(RuntimeError):
+    """No sandbox with a mount namespace here: untrusted programs are not run (one line why)."""
 
 
 _NS = ["--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc"]
-_NS_NO_MOUNT = ["--net", "--pid", "--fork", "--kill-child"]
+
+
+def _probe(mode: str) -> str | None:
+    """None when a trivial program runs in `mode` through the real boot, else why not."""
+    try:
+        result = _run_in(mode, {"probe.py": "pass\n"}, ["probe.py"], b"", Limits(wall_s=30.0, cpu_s=10), b"")
+    except OSError as e:
+        return str(e)
+    if result.status == "ok":
+        return None
+    tail = result.stderr_tail.decode(errors="replace").strip().splitlines()
+    return (tail[-1] if tail else result.status)[:200]
 
 
 def isolation_mode(requested: Isolation = "auto") -> str:
-    """"namespaces", "namespaces-no-mount", "user-namespace" or "rlimits": the strongest mode that
-    works here (probed once per process).
-    `requested = "namespaces"` raises `RuntimeError` where no namespace mode works."""
+    """"namespaces", "user-namespace" or (only when requested) "rlimits": the strongest mode that
+    works here, probed once per process. `SandboxUnavailable` when `requested` is "auto" or
+    "namespaces" and no mount-namespace mode works (the message says why)."""
     if requested in _MODE:
         return _MODE[requested]
-    mode = "rlimits"
+    if requested == "rlimits":
+        _MODE[requested] = "rlimits"
+        return "rlimits"
+    if requested not in ("auto", "namespaces"):
+        raise ValueError(f"reward.code.isolation = {requested!r}: expected auto, namespaces or rlimits")
     unshare = shutil.which("unshare")
-    if requested != "rlimits" and unshare:
-        if os.geteuid() == 0 and _probe([unshare, *_NS]):
-            mode = "namespaces"
-        elif os.geteuid() == 0 and _probe([unshare, *_NS_NO_MOUNT]):
-            mode = "namespaces-no-mount"   # e.g. inside a Landlock-restricted reward worker: no mounts allowed
-        elif _probe([unshare, "--map-root-user", *_NS]):
-            mode = "user-namespace"
-    if requested == "namespaces" and mode == "rlimits":
-        raise RuntimeError("reward.code.isolation = 'namespaces' but `unshare --net --mount --pid` does not work here "
-                           "(needs util-linux unshare and root or unprivileged user namespaces)")
-    if requested == "auto" and mode == "rlimits":
-        log.warning("code reward: no network/mount/PID namespaces here (unshare unavailable or refused); programs "
-                    "run with rlimits and a scratch directory only: they can reach the network and the files this "
-                    "user can write")
-    _MODE[requested] = mode
-    return mode
+    if not unshare:
+        raise SandboxUnavailable("reward.code: no sandbox for untrusted programs here: util-linux `unshare` is not "
+                                 "installed (needed for network/mount/PID namespaces); set reward.code.isolation = "
+                                 "'rlimits' only for programs you trust")
+    why = []
+    for mode in (("namespaces",) if os.geteuid() == 0 else ()) + ("user-namespace",):
+        problem = _probe(mode)
+        if problem is None:
+            _MODE[requested] = mode
+            return mode
+        why.append(f"{mode}: {problem}")
+    raise SandboxUnavailable("reward.code: no sandbox with a mount namespace here, so untrusted programs are not run ("
+                             + "; ".join(why) + "); set reward.code.isolation = 'rlimits' only for programs you trust")
+
+
+def require(isolation: Isolation) -> str:
+    """`isolation_mode(isolation)` as a one-line `UserError` (for the trainer's start)."""
+    from mrl.errors import UserError
+
+    try:
+        return isolation_mode(isolation)
+    except SandboxUnavailable as e:
+        raise UserError(str(e)) from None
 
 
 def _command(mode: str, uid: int, limits: Limits, scratch: str, job: str) -> list[str]:
@@ -158,8 +183,6 @@ def _command(mode: str, uid: int, limits: Limits, scratch: str, job: str) -> lis
                                limits.processes, limits.open_files))]
     if mode == "namespaces":
         return [shutil.which("unshare"), *_NS, *boot]
-    if mode == "namespaces-no-mount":
-        return [shutil.which("unshare"), *_NS_NO_MOUNT, *boot]
     if mode == "user-namespace":
         return [shutil.which("unshare"), "--map-root-user", *_NS, *boot]
     return boot
@@ -179,16 +202,23 @@ def _kill(proc: subprocess.Popen) -> None:
 def run_sandboxed(files: dict[str, str], argv: list[str], stdin: bytes, limits: Limits,
                   isolation: Isolation = "auto", secret: bytes = b"") -> RunResult:
     """Write `files` into a scratch directory, run `python -I <argv>` there under `limits`, feed
-    `stdin`; `secret` is readable once on fd 4 (the harness's nonce), fd 3 is the result channel."""
-    mode = isolation_mode(isolation)
+    `stdin`; `secret` is readable once on fd 4 (the harness's nonce), fd 3 is the result channel.
+    In a Landlock-restricted reward worker the run goes through its launcher (same result)."""
+    if isolation != "rlimits" and LAUNCHER is not None:
+        return LAUNCHER(files, argv, stdin, limits, isolation, secret)
+    return _run_in(isolation_mode(isolation), files, argv, stdin, limits, secret)
+
+
+def _run_in(mode: str, files: dict[str, str], argv: list[str], stdin: bytes, limits: Limits,
+            secret: bytes) -> RunResult:
     uid = sandbox_uid()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="mrl-code-") as job:
+        os.chmod(job, 0o700)
         for name, text in files.items():
             Path(job, name).write_text(text, encoding="utf-8")
         Path(job, "argv").write_text("\0".join(argv), encoding="utf-8")
-        scratch = ("/tmp/mrl-scratch" if mode in ("namespaces", "user-namespace")
-                   else _host_scratch() if mode == "namespaces-no-mount" else os.path.join(job, "scratch"))
+        scratch = "/tmp/mrl-scratch" if mode in MOUNT_MODES else os.path.join(job, "scratch")
         chan_r, chan_w = os.pipe()
         sec_r, sec_w = os.pipe()
         os.write(sec_w, secret)
@@ -199,8 +229,6 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin: bytes, limits: 
                                     start_new_session=True, env=_env(chan_w, sec_r), cwd=job)
         except OSError as e:
             os.close(chan_r)
-            if mode == "namespaces-no-mount":
-                shutil.rmtree(scratch, ignore_errors=True)
             return RunResult("sandbox", None, b"", str(e).encode(), b"", 0.0)
         finally:
             os.close(chan_w)
@@ -209,28 +237,10 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin: bytes, limits: 
             status, out, err, chan = _collect(proc, stdin, chan_r, limits, started)
         finally:
             os.close(chan_r)
-            if mode == "namespaces-no-mount":
-                shutil.rmtree(scratch, ignore_errors=True)
     code = proc.returncode
     if status == "ok":
         status = _exit_status(code, err)
     return RunResult(status, code, bytes(out), bytes(err[-4096:]), bytes(chan), time.monotonic() - started)
-
-
-def _host_scratch() -> str:
-    """A fresh scratch directory on the host that the sandbox uid can reach (Python opens its script
-    by absolute path, so every directory above it must be searchable): `mrl-code/` (0711) in the
-    first of /tmp, /var/tmp, /dev/shm where this process may create it."""
-    problems = []
-    for base in ("/tmp", "/var/tmp", "/dev/shm"):
-        root = os.path.join(base, "mrl-code")
-        try:
-            os.makedirs(root, mode=0o711, exist_ok=True)
-            os.chmod(root, 0o711)
-            return tempfile.mkdtemp(dir=root)
-        except OSError as e:
-            problems.append(f"{root}: {e.strerror}")
-    raise OSError(f"no scratch directory for the code sandbox ({'; '.join(problems)})")
 
 
 def _env(chan_w: int, sec_r: int) -> dict[str, str]:

@@ -134,6 +134,10 @@ class Rewarder:
         missing = [s.name for s in self.sources if s.kind in SERVICE_KINDS and s.name not in self.services]
         if missing:
             raise ValueError(f"reward sources {', '.join(missing)} need a scorer in `services`")
+        for isolation in {s.kwargs["isolation"] for s in self.sources if "isolation" in (s.kwargs or {})}:
+            from mrl.reward.code_sandbox import require
+
+            require(isolation)   # untrusted programs run in a real sandbox, or the job does not start
         refs = [s.ref for s in self.sources if s.kind in ("function", "builtin")]
         self.pool = RewardPool(refs, workers=workers, timeout_s=timeout_s, start_method=start_method,
                                memory_mb=memory_mb, max_output_bytes=max_output_bytes, env_allow=tuple(env_allow),

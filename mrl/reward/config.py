@@ -22,7 +22,7 @@ class CodeRewardConfig:
     """The `code` builtin: each test of a response's program runs in its own sandboxed process."""
 
     score: Literal["pass_rate", "all_pass"] = option("pass_rate", help="pass_rate: passed / tests; all_pass: 1 when every test passes (stops at the first failure)")
-    isolation: Literal["auto", "namespaces", "rlimits"] = option("auto", help="auto: network/mount/PID namespaces and a fresh uid where this machine allows, else rlimits only (logged); namespaces: required; rlimits: limits and a scratch directory only")
+    isolation: Literal["auto", "namespaces", "rlimits"] = option("auto", help="auto / namespaces: network, mount and PID namespaces (a fresh root without the run, data or host sockets, a capped scratch tmpfs) and a fresh uid; the job does not start where that cannot be had. rlimits: limits and a scratch directory only, UNSAFE for untrusted code (docs/security.md)")
     test_timeout_s: float = option(5.0, gt=0, help="wall time per test; the process group is killed past it")
     cpu_s: int = option(4, ge=1, help="CPU seconds per test (RLIMIT_CPU)")
     memory_mb: int = option(512, ge=16, help="address space per test in MiB (RLIMIT_AS)")

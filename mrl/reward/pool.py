@@ -191,6 +191,10 @@ def _worker_main(conn, refs: tuple[str, ...], memory_mb: int = 0, max_output_byt
     if env is not None:          # spawned workers start with it; a forked one drops the rest here
         os.environ.clear()
         os.environ.update(env)
+    if protect:   # Landlock forbids mounts from here on: the code sandbox's launcher is forked first
+        from mrl.reward import sandbox_launcher
+
+        sandbox_launcher.start()
     unenforced = sandbox.deny_writes(protect)
     for key in _THREAD_ENV:
         os.environ.setdefault(key, "1")

@@ -151,13 +151,13 @@ def checkpoint_root(spec) -> Path:
 
 
 def _save(r: SFTRun, step: int, run_id) -> None:
-    from mrl.checkpoint.run_state import ModelFacts, RunState, save_run
+    from mrl.checkpoint.run_state import ModelFacts, RunState, job_identity, save_run
 
     spec = r.spec
     state = RunState(trainer="sft", sampler=r.sampler.state_dict(), tracking_run_id=run_id,
                      actor_updates=r.engine.steps, model=ModelFacts.of(spec, r.hf), lora=_lora_extra(spec.sft.lora))
     save_run(Path(spec.checkpoint.dir), step, r.engine, state, spec.checkpoint,
-             with_optimizer=spec.checkpoint.save_optimizer)
+             with_optimizer=spec.checkpoint.save_optimizer, job=job_identity(spec))
 
 
 def _lora_extra(cfg) -> dict:
@@ -169,13 +169,13 @@ def _lora_extra(cfg) -> dict:
 
 def _resume(r: SFTRun):
     """(last completed step, its run state) or (0, None) for a fresh start."""
-    from mrl.checkpoint.run_state import resume_run
+    from mrl.checkpoint.run_state import job_identity, resume_run
 
     from mrl.checkpoint.compat import before_load
 
     # another model: one line before megatron reads a tensor
     start, state = resume_run(Path(r.spec.checkpoint.dir), r.engine, r.spec.checkpoint, trainer="sft",
-                              before_load=lambda found: before_load(found, r.hf))
+                              before_load=lambda found: before_load(found, r.hf), job=job_identity(r.spec))
     if state is not None:
         r.sampler.load_state_dict(state.sampler)
     return start, state

@@ -1,7 +1,8 @@
 """The life of a run on one rank, shared by `mrl train` and `mrl sft`: how it ends.
 
-- The run directory is locked first (`mrl.checkpoint.lock`): a second launch of the same job
-  fails in one line before it touches a checkpoint or the MLflow store.
+- The run directory and the checkpoint directory are locked first (`mrl.checkpoint.lock`): a
+  second launch of the same job, or another job given the same `checkpoint.dir`, fails in one
+  line before it touches a checkpoint or the MLflow store.
 - SIGTERM (torchrun, Slurm, `kill`) raises `SystemExit(143)` in the main thread, so the run
   unwinds like Ctrl-C instead of dying mid-write.
 - The run's status is FINISHED when the body said so (`Lifecycle.finished()`), KILLED on Ctrl-C or
@@ -60,7 +61,7 @@ def run_lifecycle(spec, *, rank: int, checkpoint_root: Path,
     previous = terminate_by_exit()
     lock = None
     try:
-        lock = hold_run_lock(run_dir_of(spec), rank)
+        lock = hold_run_lock(run_dir_of(spec), rank, checkpoint_dir=spec.checkpoint.dir)
         yield life
     except (KeyboardInterrupt, SystemExit):   # Ctrl-C, or SIGTERM from torchrun, Slurm or kill
         life.status = "KILLED"

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from mrl.checkpoint.config import saves_at
-from mrl.checkpoint.run_state import ModelFacts, RunState, resume_run, save_run
+from mrl.checkpoint.run_state import ModelFacts, RunState, job_identity, resume_run, save_run
 from mrl.config.job import JobSpec
 from mrl.platform.collectives import world_max
 from mrl.platform.dist import wait_for_peers
@@ -48,7 +48,8 @@ def _resume(run: Run, learner: Learner) -> tuple[int, Optional[RunState]]:
     companions = {"critic": learner.critic} if learner.critic is not None else None
     # another model: one line; a changed reward file: a warning
     start, state = resume_run(checkpoint_root(run.spec), learner.actor, run.spec.checkpoint, companions=companions,
-                              before_load=lambda found: before_load(found, run.hf, run.spec.reward))
+                              before_load=lambda found: before_load(found, run.hf, run.spec.reward),
+                              job=job_identity(run.spec))
     if state is not None and state.kl_coef is not None and learner.kl is not None:
         learner.kl.value = state.kl_coef
     return start, state
@@ -64,7 +65,7 @@ def _save(run: Run, learner: Learner, rollouts, step: int, tracker_run_id) -> No
                      reward_files=job_reward_files(spec.reward))
     save_run(checkpoint_root(spec), step, learner.actor, state, spec.checkpoint,
              with_optimizer=spec.checkpoint.save_optimizer,
-             companions={"critic": learner.critic} if learner.critic is not None else None)
+             companions={"critic": learner.critic} if learner.critic is not None else None, job=job_identity(spec))
 
 
 def _check_disk(spec: JobSpec, learner: Learner) -> None:

@@ -190,12 +190,11 @@ def test_auto_routes_verl_code_sources_to_the_code_reward():
 
 
 def test_inside_a_landlocked_reward_worker_the_sandbox_still_isolates(tmp_path):
-    """`mrl train` restricts reward workers with Landlock (no mounts there): the sandbox then runs
-    without a mount namespace, its scratch on the host, writes allowed only inside it."""
-    if isolation_mode() == "rlimits":
-        pytest.skip("no namespaces on this machine")
+    """`mrl train` restricts reward workers with Landlock (no mounts there): their programs are
+    started by the worker's launcher, forked before the restriction, in the full sandbox (its own
+    root: the host's directories are not there, its /tmp is its own tmpfs)."""
     cfg = RewardConfig(builtin="code", workers=1, code=CodeRewardConfig(test_timeout_s=3.0))
-    marker = f"/tmp/mrl-landlock-test-{os.getpid()}"
+    marker = str(tmp_path / "outside.txt")
     programs = {
         "pid namespace": ("import os\nprint(os.getpid())", {"inputs": [""], "outputs": ["2"]}, 1.0),
         "write outside": (f"open({marker!r}, 'w').write('x')\nprint(1)", {"inputs": [""], "outputs": ["1"]}, 0.0),
@@ -208,3 +207,40 @@ def test_inside_a_landlocked_reward_worker_the_sandbox_still_isolates(tmp_path):
         res = r.score(samples)
     assert res.scores == [want for _, _, want in programs.values()] and not res.errors
     assert not os.path.exists(marker)
+
+
+@pytest.mark.parametrize("got, expected, same", [
+    ("42", "42", True), ("42", "+42", True), ("0.3333333", "0.33333333", True), ("1e3", "1000", True),
+    ("1000.0", "1000", True), (".5", "0.5", True),
+    ("４２", "42", False), ("4_2", "42", False), ("42", "４２", False), ("٤٢", "42", False), ("nan", "nan", True),
+    ("nan", "NaN", False), ("inf", "1e999", False), ("infinity", "inf", False), ("0x2a", "42", False),
+    ("12345678901234567891", "12345678901234567890", False), ("1e999", "1e999", True), ("1e999", "2e999", False),
+])
+def test_number_tokens_are_ascii_decimals_and_integers_compare_exactly(got, expected, same):
+    assert stdout_matches(got, expected) is same
+
+
+def test_call_values_compare_numbers_with_numbers_only():
+    assert call_matches(42.0, 42) and call_matches(42, 42.0000001)
+    assert not call_matches("４２", 42.0) and not call_matches("42", 42.0) and not call_matches(True, 1.0)
+
+
+def test_number_tokens_property():
+    """Any two ASCII integers compare as integers; any token with a non-ASCII digit or an
+    underscore never equals a different token."""
+    from hypothesis import given, strategies as st
+
+    @given(st.integers(), st.integers())
+    def integers(a, b):
+        assert stdout_matches(str(a), str(b)) is (a == b)
+
+    @given(st.integers(min_value=0), st.sampled_from(["_", "\\u0662", "\\uff12", " "]))
+    def foreign(a, junk):
+        text = str(a)
+        mangled = text[:1] + junk.encode().decode("unicode_escape") + text[1:]
+        assert not stdout_matches(mangled, text + "0")   # never a different number
+        if junk != " ":
+            assert not stdout_matches(mangled, text) or mangled == text
+
+    integers()
+    foreign()
