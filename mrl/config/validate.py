@@ -60,7 +60,7 @@ def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
     if alg.dynamic_sampling.generation_batch_prompts is None:
         alg = _replace(alg, dynamic_sampling=_replace(alg.dynamic_sampling,
                                                       generation_batch_prompts=spec.data.prompts_per_step))
-    kl_on = alg.kl_loss.enable or alg.kl_reward.enable
+    kl_on = alg.kl_loss.enable or alg.kl_reward.enable or (alg.objective == "dpo" and alg.dpo.loss != "simpo")
     actor = spec.actor
     if actor.mini_batch_prompts is None:
         actor = _replace(actor, mini_batch_prompts=spec.data.prompts_per_step)
@@ -85,7 +85,8 @@ def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
     data = shared["data"]
     rollout = spec.rollout
     if rollout.responses_per_prompt is None:   # a group estimator needs a group: a minimal GRPO job is valid
-        rollout = _replace(rollout, responses_per_prompt=GROUP_RESPONSES if alg.advantage in _GROUP_ESTIMATORS else 1)
+        rollout = _replace(rollout, responses_per_prompt=GROUP_RESPONSES if alg.advantage in _GROUP_ESTIMATORS
+                                                         or alg.objective == "dpo" else 1)
     if rollout.dtype is None:
         rollout = _replace(rollout, dtype=spec.model.dtype)
     if rollout.seed is None:
@@ -326,6 +327,8 @@ def check(spec: JobSpec, report) -> None:
     if alg.advantage in _GROUP_ESTIMATORS and n < 2:
         err("rollout.responses_per_prompt", f"algorithm.advantage = {alg.advantage!r} compares responses within a group; "
                                             f"needs >= 2 responses per prompt, got {n}")
+    if alg.objective == "dpo":
+        _check_dpo(spec, n, err)
     if alg.advantage == "gae" and not spec.critic.enable:
         err("critic.enable", "algorithm.advantage = 'gae' needs a critic; set critic.enable = true")
     if alg.policy_loss in _SEQ_MEAN_LOSSES and alg.loss_aggregation != "seq-mean-token-mean":
@@ -446,3 +449,23 @@ def check(spec: JobSpec, report) -> None:
     # --- checkpoint / trainer
     if spec.checkpoint.resume == "must" and spec.checkpoint.load_from is None:
         warn("checkpoint.resume", f"'must' resumes from {spec.checkpoint.dir}; the run fails if no checkpoint is there")
+
+
+def _check_dpo(spec, n: int, err) -> None:
+    """Online DPO reads scores, pairs and the reference; refuse what it would not use."""
+    alg = spec.algorithm
+    if n < 2:
+        err("rollout.responses_per_prompt", f"algorithm.objective = 'dpo' pairs responses within a group; needs >= 2 "
+                                            f"responses per prompt, got {n}")
+    if alg.dpo.loss != "simpo" and not spec.ref.enable:
+        err("ref.enable", f"algorithm.dpo.loss = {alg.dpo.loss!r} compares with the reference model; set ref.enable = true")
+    unused = [("algorithm.advantage", alg.advantage == "gae"), ("critic.enable", spec.critic.enable),
+              ("algorithm.kl_loss.enable", alg.kl_loss.enable), ("algorithm.kl_reward.enable", alg.kl_reward.enable),
+              ("algorithm.entropy_coef", alg.entropy_coef > 0), ("algorithm.correction.level", alg.correction.level != "off"),
+              ("algorithm.correction.rejection", alg.correction.rejection is not None),
+              ("algorithm.pf_ppo.enable", alg.pf_ppo.enable),
+              ("actor.moe.routing_replay", spec.actor.moe.routing_replay != "off")]
+    for key, on in unused:
+        if on:
+            err(key, "not used by algorithm.objective = 'dpo' (the pairwise loss has no advantages, critic, KL term, "
+                     "entropy bonus or rollout correction); remove it")

@@ -64,6 +64,18 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
     if learner.critic is not None:
         with t("values"):
             batch = batch.add(values=values_of(run, learner.critic, batch))
+    if alg.objective == "dpo":   # pairs instead of advantages (mrl.train.dpo)
+        from mrl.train import dpo
+
+        recorded = UpdateLogprobs(batch) if reuse else None
+        with t("actor_update"):
+            metrics.update(dpo.update(run, learner, batch, step, recorded))
+        metrics["tokens/actor_update"] = float(batch.sequence_lengths.sum()) * spec.actor.epochs
+        if recorded is not None:
+            metrics.update(audit(batch.add(trainer_logprobs=recorded.logprobs)))
+        metrics.update({"time/train_started_at": train_started_at, "time/train_ended_at": time.time()})
+        metrics.update(t.metrics())
+        return metrics
     with t("advantages"):
         batch, m = advantages(run, learner.kl, batch, step)
         metrics.update(m)
