@@ -38,14 +38,13 @@ def mini_batch(engine, mini: Batch, cfg, objective, apply, *, logprob_budget: in
     return result, sums, logp
 
 
-def update(run: Run, learner: Learner, batch: Batch, step: int, record=None) -> dict[str, float]:
+def update(run: Run, learner: Learner, batch: Batch, step: int, kernels: str, record=None) -> dict[str, float]:
     """`actor.epochs` passes over the plan's mini-batches; returns `actor/*` (engine metrics,
     means over the optimizer steps taken) and `dpo/*` (means over all pairs of the step's first
-    epoch, and counts). `record` (an `UpdateLogprobs`) receives the first pass's log-probs of an
+    epoch, and counts). `kernels`: the log-prob kernels ("auto" or "torch"). `record` (an `UpdateLogprobs`) receives the first pass's log-probs of an
     on-policy step (one mini-batch, one epoch: the weights that generated the responses)."""
     from mrl.algos import dpo
     from mrl.engine.objectives import PairwiseObjective
-    from mrl.train.step import kernel_backend
 
     spec, alg = run.spec, run.spec.algorithm
     cfg = alg.dpo
@@ -55,7 +54,7 @@ def update(run: Run, learner: Learner, batch: Batch, step: int, record=None) -> 
                                   epochs=run.plan.actor.epochs, shuffle=getattr(spec.actor, "shuffle", False), seed=0,
                                   step=step)
     objective = PairwiseObjective(temperature=spec.rollout.temperature, vocab_size=run.hf["vocab_size"],
-                                  kernels=kernel_backend(run))
+                                  kernels=kernels)
 
     def apply(b, obj):
         return engine.train_mini_batch(b, obj, micro_batch_tokens=spec.actor.micro_batch_tokens, step=step)

@@ -69,7 +69,7 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
 
         recorded = UpdateLogprobs(batch) if reuse else None
         with t("actor_update"):
-            metrics.update(dpo.update(run, learner, batch, step, recorded))
+            metrics.update(dpo.update(run, learner, batch, step, kernel_backend(run), recorded))
         metrics["tokens/actor_update"] = float(batch.sequence_lengths.sum()) * spec.actor.epochs
         if recorded is not None:
             metrics.update(audit(batch.add(trainer_logprobs=recorded.logprobs)))
