@@ -15,7 +15,7 @@ KL_ESTIMATORS = _KL_BASE + tuple(k + "+" for k in _KL_BASE)
 """Every name of `mrl.algos.kl.KINDS` (verl's `kl_penalty` names; `+` = straight-through k2 gradient)."""
 LOSS_AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "opo", "grpo_passk", "gpg", "gdpo",
-              "optimal_token_baseline", "tir_optimal_token_baseline")
+              "optimal_token_baseline", "tir_optimal_token_baseline", "distill")
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "gpg", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "geo_mean", "dro",
                  "reinforce")
 OBJECTIVES = ("pg", "dpo")

@@ -76,6 +76,11 @@ def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
     ref = spec.ref if spec.ref.enable is not None else _replace(spec.ref, enable=kl_on)
     if ref.enable and ref.model_path is None:
         ref = _replace(ref, model_path=spec.model.path)
+    distill = spec.distill
+    if distill.model_path is not None and distill.micro_batch_tokens is None:
+        distill = _replace(distill, micro_batch_tokens=actor.micro_batch_tokens)
+    if distill.model_path is not None and distill.dtype is None:
+        distill = _replace(distill, dtype=spec.model.dtype)
     if ref.enable and ref.micro_batch_tokens is None:
         ref = _replace(ref, micro_batch_tokens=actor.micro_batch_tokens)
     reward = spec.reward
@@ -96,7 +101,7 @@ def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
     if rollout.weight_sync.dtype is None:
         rollout = _replace(rollout, weight_sync=_replace(rollout.weight_sync, dtype=rollout.dtype))
     return dataclasses.replace(spec, **shared, algorithm=alg, actor=actor, critic=critic, ref=ref, reward=reward,
-                               rollout=rollout)
+                               rollout=rollout, distill=distill)
 
 
 TRACKING_SCHEMES = ("sqlite", "file", "http", "https", "databricks", "postgresql", "mysql", "mssql")
@@ -329,6 +334,12 @@ def check(spec: JobSpec, report) -> None:
                                             f"needs >= 2 responses per prompt, got {n}")
     if alg.objective == "dpo":
         _check_dpo(spec, n, err)
+    if (alg.advantage == "distill") != (spec.distill.model_path is not None):
+        err("distill.model_path" if alg.advantage == "distill" else "algorithm.advantage",
+            "algorithm.advantage = 'distill' needs a teacher: set distill.model_path" if alg.advantage == "distill"
+            else f"distill.model_path names a teacher, read only by algorithm.advantage = 'distill', not {alg.advantage!r}")
+    if alg.advantage == "distill" and spec.distill.task_weight and n < 2:
+        err("distill.task_weight", f"the task advantage is GRPO's, within a group; needs >= 2 responses per prompt, got {n}")
     if alg.advantage == "gae" and not spec.critic.enable:
         err("critic.enable", "algorithm.advantage = 'gae' needs a critic; set critic.enable = true")
     if alg.policy_loss in _SEQ_MEAN_LOSSES and alg.loss_aggregation != "seq-mean-token-mean":

@@ -61,6 +61,12 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
     if learner.ref is not None:
         with t("ref_logprobs"):
             batch = batch.add(ref_logprobs=logprobs_of(learner.ref, run, batch, spec.ref.micro_batch_tokens))
+    if learner.teacher is not None:
+        from mrl.train.teacher import teacher_logprobs
+
+        with t("teacher_logprobs"):
+            batch = batch.add(teacher_logprobs=teacher_logprobs(learner.teacher, batch, spec.distill.micro_batch_tokens,
+                                                                spec.rollout.temperature, kernel_backend(run)))
     if learner.critic is not None:
         with t("values"):
             batch = batch.add(values=values_of(run, learner.critic, batch))
@@ -218,6 +224,14 @@ def advantages(run: Run, kl_controller, batch: Batch, step: int = 0) -> tuple[Ba
         a, _ = getattr(adv, alg.advantage)(token_rewards, mask, batch["group_index"], batch["old_logprobs"],
                                            batch["sum_pi_squared"], fields.get("correction_weights"),
                                            handle_zero_tail=True)   # as verl 0.9.1's trainers (its default)
+    elif alg.advantage == "distill":
+        d = run.spec.distill
+        task = adv.grpo(scores, batch["group_index"], norm_by_std=alg.norm_by_std) if d.task_weight else None
+        a = adv.distill(batch["old_logprobs"], batch["teacher_logprobs"], mask, d.coef, task, d.task_weight)
+        valid = mask > 0
+        gap = (batch["old_logprobs"] - batch["teacher_logprobs"]) * valid
+        total, tokens = dp_sum(torch.stack([gap.sum(), valid.sum()]).double()).tolist()
+        metrics["distill/reverse_kl"] = total / max(tokens, 1.0)   # sampled-token (k1) estimate per token
     else:
         raise ValueError(f"unknown advantage estimator {alg.advantage!r}")
     fields.update({"advantages": a.float()} if returns is None else {"advantages": a.float(), "returns": returns.float()})
