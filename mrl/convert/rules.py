@@ -126,6 +126,15 @@ def when(m: Mapping, key: str, cfg: dict) -> Translation:
     return copy(m, key, cfg)
 
 
+def switches_to(m: Mapping, key: str, cfg: dict) -> Translation:
+    """A verl switch that, when true, selects an mrl value (`value`): verl's
+    `distillation.enabled` is mrl's `algorithm.advantage = "distill"`, whatever estimator verl
+    names beside it (a note says that one is overridden)."""
+    if not cfg.get(key):
+        return _skip(f"{cfg.get(key)!r}: off in verl")
+    return Translation({m.target: m.params["value"]}, note=f"true -> {m.params['value']!r}")
+
+
 def read_by(m: Mapping, key: str, cfg: dict) -> Translation:
     return _skip(f"read with {m.params['by']}")
 
@@ -186,7 +195,7 @@ def lora_modules(m: Mapping, key: str, cfg: dict) -> Translation:
 RULES: dict[str, Callable[[Mapping, str, dict], Translation]] = {
     "lora_modules": lora_modules,
     "copy": copy, "each": each, "token_budget": token_budget, "prompt_overflow": prompt_overflow,
-    "sleep_level": sleep_level, "reward_function": reward_function, "when": when, "read_by": read_by,
+    "sleep_level": sleep_level, "reward_function": reward_function, "when": when, "switches_to": switches_to, "read_by": read_by,
     "pair": pair, "times": times, "more_than_one": more_than_one, "clip_ratio": clip_ratio,
 }
 

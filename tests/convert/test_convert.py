@@ -515,3 +515,35 @@ def test_a_custom_reward_function_is_called_with_verl_s_arguments(cli, tmp_path)
     rc, _, err = cli("convert", *command, "-o", out)
     assert rc == 0, err
     assert tomllib.loads(out.read_text())["reward"]["signature"] == "verl"
+
+
+DISTILL_SCRIPT = """#!/usr/bin/env bash
+# verl's examples/on_policy_distillation_trainer/run_qwen_gsmk8k_megatron.sh, its keys as given
+python3 -m verl.trainer.main_ppo --config-path=config --config-name='ppo_megatron_trainer.yaml' \\
+    data.train_files="['/data/gsm8k/train.parquet']" data.max_prompt_length=256 data.max_response_length=512 \\
+    data.train_batch_size=4 actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B \\
+    actor_rollout_ref.distillation.enabled=True actor_rollout_ref.distillation.loss_mode=k3 \\
+    actor_rollout_ref.distillation.jsd_beta=0.5 actor_rollout_ref.distillation.topk=128 \\
+    actor_rollout_ref.distillation.log_prob_use_dynamic_bsz=True \\
+    actor_rollout_ref.distillation.log_prob_micro_batch_size_per_gpu=4 \\
+    actor_rollout_ref.distillation.log_prob_max_token_len_per_gpu=3072 \\
+    actor_rollout_ref.distillation.teacher_model.path=Qwen/Qwen2.5-0.5B-Instruct \\
+    actor_rollout_ref.distillation.megatron.tensor_model_parallel_size=1 \\
+    actor_rollout_ref.actor.ppo_mini_batch_size=4 actor_rollout_ref.actor.use_dynamic_bsz=True \\
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=3072 actor_rollout_ref.rollout.tensor_model_parallel_size=1 \\
+    actor_rollout_ref.rollout.n=1 algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False \\
+    trainer.n_gpus_per_node=1 trainer.nnodes=1
+"""
+
+
+def test_verl_on_policy_distillation_example_converts_to_a_valid_distill_job(cli, tmp_path):
+    script, out = tmp_path / "distill.sh", tmp_path / "distill.toml"
+    script.write_text(DISTILL_SCRIPT)
+    rc, _, err = cli("convert", script, "-o", out)
+    assert rc == 0, err   # validates: n = 1 is fine for the distill advantage
+    text = out.read_text()
+    job = tomllib.loads(text)
+    assert job["algorithm"]["advantage"] == "distill" and job["rollout"].get("responses_per_prompt", 1) == 1
+    assert job["distill"] == {"model_path": "Qwen/Qwen2.5-0.5B-Instruct", "micro_batch_tokens": 3072}
+    assert "algorithm.adv_estimator = 'grpo' conflicts with actor_rollout_ref.distillation.enabled" in text
+    assert "# actor_rollout_ref.distillation.loss_mode = 'k3': mrl distils with the sampled-token" in text
