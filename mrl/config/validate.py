@@ -470,7 +470,7 @@ def _check_dpo(spec, n: int, err) -> None:
                                             f"responses per prompt, got {n}")
     if alg.dpo.loss != "simpo" and not spec.ref.enable:
         err("ref.enable", f"algorithm.dpo.loss = {alg.dpo.loss!r} compares with the reference model; set ref.enable = true")
-    unused = [("algorithm.advantage", alg.advantage == "gae"), ("critic.enable", spec.critic.enable),
+    unused = [("algorithm.advantage", alg.advantage in ("gae", "distill")), ("critic.enable", spec.critic.enable),
               ("algorithm.kl_loss.enable", alg.kl_loss.enable), ("algorithm.kl_reward.enable", alg.kl_reward.enable),
               ("algorithm.entropy_coef", alg.entropy_coef > 0), ("algorithm.correction.level", alg.correction.level != "off"),
               ("algorithm.correction.rejection", alg.correction.rejection is not None),
