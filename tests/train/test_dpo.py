@@ -52,3 +52,16 @@ def test_simpo_runs_without_a_reference(tmp_path):
                    "algorithm.dpo.gamma=0.5 algorithm.dpo.beta=2 trainer.total_steps=2 checkpoint.every_steps=0")
     assert "time/ref_logprobs" not in m and m["dpo/pairs"] >= 1 and m["actor/updated"] == 1
     assert all(v == v for v in m.values())
+
+
+def test_dpo_at_dp2_counts_pairs_and_dropped_groups_over_both_ranks(tmp_path):
+    """Two data-parallel ranks (gloo): each forms its own groups' pairs; the counts and means span
+    both (step 1 of the quickstart: 5 pairs, 3 groups with equal scores, as at one rank)."""
+    from tests.dist_util import run_torchrun
+
+    run_torchrun("-m mrl train", "jobs/quickstart_cpu.toml", "algorithm.objective=dpo", "parallel.tensor=1",
+                 "trainer.total_steps=2", f"job.output_dir={tmp_path}", "tracking.backends=[\"mlflow\"]",
+                 "checkpoint.every_steps=0", timeout=600)
+    h = history(tmp_path / "quickstart-cpu")
+    assert h["dpo/pairs"][1] == 5 and h["dpo/groups_dropped"][1] == 3
+    assert h["actor/updates"][1] == 2 and abs(h["actor/loss"][2] - h["dpo/loss"][2]) < 1e-3
