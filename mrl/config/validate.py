@@ -338,6 +338,10 @@ def check(spec: JobSpec, report) -> None:
         err("distill.model_path" if alg.advantage == "distill" else "algorithm.advantage",
             "algorithm.advantage = 'distill' needs a teacher: set distill.model_path" if alg.advantage == "distill"
             else f"distill.model_path names a teacher, read only by algorithm.advantage = 'distill', not {alg.advantage!r}")
+    if alg.advantage == "distill" and spec.distill.estimator == "full" and (spec.parallel.pipeline > 1
+                                                                          or spec.parallel.virtual_pipeline):
+        err("distill.estimator", "'full' runs the teacher inside the student's last pipeline stage; needs "
+                                 "parallel.pipeline = 1 (or use 'sampled')")
     if alg.advantage == "distill" and spec.distill.task_weight and n < 2:
         err("distill.task_weight", f"the task advantage is GRPO's, within a group; needs >= 2 responses per prompt, got {n}")
     if alg.advantage == "gae" and not spec.critic.enable:

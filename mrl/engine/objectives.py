@@ -122,6 +122,8 @@ class PolicyObjective:
     vocab_size: Optional[int] = None      # mask Megatron's vocabulary padding beyond it
     kernels: str = "auto"                 # "torch": the twins (model.use_fused_kernels = false)
     record: Optional[Callable] = dataclasses.field(default=None, compare=False)
+    distill_coef: float = 0.0             # > 0: + coef * full-vocabulary reverse KL to the teacher
+    teacher_rows: Optional[Callable] = dataclasses.field(default=None, compare=False)   # mb -> [N, V/tp] logits
 
     def __call__(self, logits: torch.Tensor, mb: MicroBatch, totals: Totals):
         from mrl.algos import kl, losses
@@ -168,7 +170,24 @@ class PolicyObjective:
             kl_tok = kl.estimate(logp, b["ref_logprobs"], self.kl_estimator)
             total = total + self.kl_coef * agg(kl_tok)
             metrics["kl_loss"] = (kl_tok.detach() * valid).sum() / valid.sum().clamp(min=1)
+        if self.distill_coef:
+            total = total + self.distill_coef * agg(self._distill_kl(logits, mb, valid, metrics))
         return total, metrics
+
+    def _distill_kl(self, logits, mb: MicroBatch, valid, metrics) -> torch.Tensor:
+        """`[n, R]` the full-vocabulary reverse KL to the teacher at each response token
+        (`mrl.engine.distill_kl`); its mean over valid tokens goes to `metrics["distill_kl"]`."""
+        from mrl.engine.distill_kl import reverse_kl
+
+        rows = mb.take(logits)
+        group = _tp_group()
+        if self.vocab_size is not None:
+            from mrl.models.roles import mask_padded_vocab
+
+            rows = mask_padded_vocab(rows, self.vocab_size, tp_rank=torch.distributed.get_rank(group) if group else 0)
+        kl_tok = mb.to_padded(reverse_kl(rows, self.teacher_rows(mb), self.temperature, group))
+        metrics["distill_kl"] = (kl_tok.detach() * valid).sum() / valid.sum().clamp(min=1)
+        return kl_tok
 
 
     def _more(self, logp, old, adv, mask, weights, mb: MicroBatch):

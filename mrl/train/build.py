@@ -235,7 +235,7 @@ def build_learner(spec: JobSpec, plan: StepPlan, hf: dict, device: str, total: i
     if spec.distill.model_path is not None:
         from mrl.models.tokenizer import load_tokenizer
 
-        teacher = build_teacher(spec, device, load_tokenizer(spec.model))
+        teacher = build_teacher(spec, device, load_tokenizer(spec.model), int(hf["vocab_size"]))
         STARTUP.say(f"teacher: {spec.distill.model_path}", timed=True)
     reward_model = build_reward_model(spec, hf, device)
     if reward_model is not None:
@@ -303,7 +303,7 @@ def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_mo
     return gen
 
 
-def build_teacher(spec: JobSpec, device: str, tokenizer):
+def build_teacher(spec: JobSpec, device: str, tokenizer, student_vocab: int):
     """`mrl.train.teacher.Teacher`: this rank's shard of the teacher, with its weights loaded; a `UserError` naming
     `distill.model_path` when it has no weights or another tokenizer."""
     import dataclasses
@@ -330,6 +330,10 @@ def build_teacher(spec: JobSpec, device: str, tokenizer):
     chunks = [build_role_model("ref", hf, spec.parallel, dtype=cfg.dtype, device=device, vp_stage=i if vpp else None,
                                attention=spec.model.attention, fused=spec.model.use_fused_kernels)
               for i in range(vpp or 1)]
+    if cfg.estimator == "full" and hf["vocab_size"] != student_vocab:
+        raise UserError(f"distill.model_path: the teacher's vocabulary size {hf['vocab_size']} differs from the "
+                        f"student's {student_vocab}; distill.estimator = 'full' compares their whole distributions "
+                        "shard by shard (use 'sampled')")
     load_weights(chunks, cfg.model_path, hf, "ref")
     return Teacher(engine=Engine(chunks, name="teacher"), vocab_size=int(hf["vocab_size"]))
 

@@ -17,7 +17,7 @@ import torch
 
 from mrl.batch import Batch
 
-__all__ = ["Teacher", "teacher_logprobs"]
+__all__ = ["Teacher", "teacher_logprobs", "teacher_rows"]
 
 
 @dataclasses.dataclass
@@ -34,3 +34,24 @@ def teacher_logprobs(teacher: Teacher, batch: Batch, budget: int, temperature: f
     out = teacher.engine.forward_only(batch, actor_outputs(temperature, vocab_size=teacher.vocab_size, kernels=kernels),
                                       micro_batch_tokens=budget)
     return out["logprobs"].cpu()
+
+
+def teacher_rows(teacher: Teacher):
+    """`fn(mb) -> [N, V/tp]`: the teacher's logits at the response tokens of a packed micro-batch of
+    the student's update (no gradient; Megatron's vocabulary padding at -inf), for the
+    full-vocabulary reverse KL (`distill.estimator = "full"`). The teacher runs on the same
+    packed row as the student, so its vocabulary shards line up with the student's (one
+    pipeline stage: the validator refuses `parallel.pipeline > 1` with it)."""
+    from mrl.engine.objectives import _tp_group
+    from mrl.models.roles import mask_padded_vocab
+
+    model = teacher.engine.chunks[0]
+
+    def fn(mb) -> torch.Tensor:
+        with torch.no_grad():
+            out = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
+            group = _tp_group()
+            return mask_padded_vocab(mb.take(out), teacher.vocab_size,
+                                     tp_rank=torch.distributed.get_rank(group) if group else 0)
+
+    return fn

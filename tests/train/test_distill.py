@@ -71,3 +71,28 @@ def test_distillation_with_a_task_reward_resumes_exactly(tmp_path, teacher):
     for k in keys:
         assert sorted(again[k]) == [1, 2, 3, 4], k
         assert again[k] == whole[k], (k, whole[k], again[k])
+
+
+def test_full_vocabulary_reverse_kl_distils_too(tmp_path, teacher):
+    """`distill.estimator = "full"`: the reverse KL over the whole vocabulary as the loss, no
+    advantage; the student reaches the teacher's reward and the exact KL falls."""
+    path, teacher_reward = teacher
+    run_jobs("jobs/quickstart_cpu.toml", tmp_path, f"{BASE} trainer.total_steps=20 algorithm.advantage=distill "
+             f"distill.model_path={path} distill.estimator=full rollout.responses_per_prompt=4")
+    h = history(tmp_path / "run0")
+    r, kl = h["reward/mean"], h["actor/distill_kl"]
+    print(f"full: teacher {teacher_reward:.3f}; student {r[1]:.3f} -> {_last5(r):.3f}; KL {kl[1]:.2f} -> {kl[20]:.3f}")
+    assert r[1] <= 0.2 and _last5(r) >= r[1] + 0.75 * (teacher_reward - r[1])
+    assert kl[20] < kl[1] / 4 and "distill/reverse_kl" not in h and h["actor/pg_loss"][1] == 0
+
+
+def test_full_vocabulary_distillation_at_tp2(tmp_path, teacher):
+    """Both models split over two tensor-parallel ranks: the KL is reduced over the vocabulary shards."""
+    from tests.dist_util import run_torchrun
+
+    path, _ = teacher
+    run_torchrun("-m mrl train", "jobs/quickstart_cpu.toml", "algorithm.advantage=distill", f"distill.model_path={path}",
+                 "distill.estimator=full", "rollout.responses_per_prompt=4", "trainer.total_steps=2",
+                 f"job.output_dir={tmp_path}", "tracking.backends=[\"mlflow\"]", "checkpoint.every_steps=0", timeout=600)
+    h = history(tmp_path / "quickstart-cpu")
+    assert h["actor/distill_kl"][1] > 1 and h["actor/updated"][2] == 1

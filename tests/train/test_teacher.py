@@ -47,7 +47,7 @@ def test_teacher_logprobs_of_student_tokens_equal_transformers(platform, tmp_pat
     from mrl.train.teacher import teacher_logprobs
 
     hf_model = _teacher_dir(tmp_path)
-    teacher = build_teacher(_spec(tmp_path), "cpu", byte_tokenizer())
+    teacher = build_teacher(_spec(tmp_path), "cpu", byte_tokenizer(), 512)
     assert not any(p.requires_grad for c in teacher.engine.chunks for p in c.parameters())
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 259, (n,), generator=g).tolist() for n in (3, 7, 5)]
@@ -70,6 +70,6 @@ def test_teacher_with_another_tokenizer_or_no_weights_is_refused(platform, tmp_p
     other.add_tokens(["<think>"])
     _teacher_dir(tmp_path, tokenizer=other)
     with pytest.raises(UserError, match="distill.model_path: the teacher's tokenizer"):
-        build_teacher(_spec(tmp_path), "cpu", byte_tokenizer())
+        build_teacher(_spec(tmp_path), "cpu", byte_tokenizer(), 512)
     with pytest.raises(UserError, match="holds no weights"):
-        build_teacher(_spec("builtin:tiny-qwen2"), "cpu", byte_tokenizer())
+        build_teacher(_spec("builtin:tiny-qwen2"), "cpu", byte_tokenizer(), 512)
