@@ -127,12 +127,13 @@ def when(m: Mapping, key: str, cfg: dict) -> Translation:
 
 
 def switches_to(m: Mapping, key: str, cfg: dict) -> Translation:
-    """A verl switch that, when true, selects an mrl value (`value`): verl's
+    """A verl switch that, when true, selects an mrl value (`values.true`): verl's
     `distillation.enabled` is mrl's `algorithm.advantage = "distill"`, whatever estimator verl
-    names beside it (a note says that one is overridden)."""
+    names beside it (a note says that one is overridden); false leaves mrl's value alone."""
     if not cfg.get(key):
         return _skip(f"{cfg.get(key)!r}: off in verl")
-    return Translation({m.target: m.params["value"]}, note=f"true -> {m.params['value']!r}")
+    new = _named(m, True)
+    return Translation({m.target: new}, note=f"true -> {new!r}")
 
 
 def read_by(m: Mapping, key: str, cfg: dict) -> Translation:

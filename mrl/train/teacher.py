@@ -4,7 +4,9 @@ A frozen megatron-core model like the reference (`mrl.models.roles`, role "ref":
 gradients, no optimizer), built from its own Hugging Face config at `distill.model_path` in
 `distill.dtype`, laid out with the job's tensor / pipeline parallelism, and driven by the same
 `Engine.forward_only` pass: vocabulary-parallel log-probs through `mrl_kernels` (the fused
-kernels on CUDA), Megatron's vocabulary padding masked at the teacher's own vocabulary size.
+kernels on CUDA), Megatron's vocabulary padding masked at the teacher's own vocabulary size
+(`teacher_logprobs`, `distill.estimator = "sampled"`); or run on each packed micro-batch of the
+student's update for the full-vocabulary reverse KL (`teacher_rows`, `"full"`).
 
 The teacher must share the student's tokenizer (the same token -> id map, checked when it is
 built by `mrl.train.build.build_teacher`): its log-probs are read at the student's token ids.
