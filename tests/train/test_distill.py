@@ -57,17 +57,19 @@ def test_distillation_moves_the_student_reward_to_the_teachers(tmp_path, teacher
     assert kl[20] < kl[1] / 4   # the student's tokens move to where the teacher puts its mass
 
 
-def test_distillation_with_a_task_reward_resumes_exactly(tmp_path, teacher):
+@pytest.mark.parametrize("variant", ["", "model.dtype=bfloat16 distill.estimator=full"])
+def test_distillation_with_a_task_reward_resumes_exactly(tmp_path, teacher, variant):
+    """fp32 with the sampled estimator; bf16 (student and teacher) with the full-vocabulary KL."""
     path, _ = teacher
     base = (f"{ONE_RANK} tracking.backends=[\"mlflow\"] checkpoint.every_steps=2 algorithm.advantage=distill "
-            f"distill.model_path={path} distill.task_weight=0.5 rollout.responses_per_prompt=4")
+            f"distill.model_path={path} distill.task_weight=0.5 rollout.responses_per_prompt=4 {variant}")
     run_jobs("jobs/quickstart_cpu.toml", tmp_path / "whole", f"{base} trainer.total_steps=4")
     resumed = tmp_path / "resumed"
     run_jobs("jobs/quickstart_cpu.toml", resumed, f"{base} trainer.total_steps=2")
     run_jobs("jobs/quickstart_cpu.toml", resumed, f"{base} trainer.total_steps=4")
     whole, again = history(tmp_path / "whole/run0"), history(resumed / "run0")
     keys = [k for k in whole if not k.startswith(("time/", "throughput/", "memory/", "weight_sync/"))]
-    assert "distill/reverse_kl" in keys and set(keys) <= set(again)
+    assert ("actor/distill_kl" if variant else "distill/reverse_kl") in keys and set(keys) <= set(again)
     for k in keys:
         assert sorted(again[k]) == [1, 2, 3, 4], k
         assert again[k] == whole[k], (k, whole[k], again[k])
