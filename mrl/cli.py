@@ -38,8 +38,15 @@ def summary(spec) -> str:
             + (f" (EP {par.expert})" if par.expert > 1 else "")
             + f"; {plan.prompts_per_step} prompts x {plan.responses_per_prompt} = {plan.responses_per_step} responses/step"
             + f"; {actor.mini_batches} optimizer step(s) of {actor.prompts} prompts x {actor.epochs} epoch(s)"
-            + f"; {spec.algorithm.advantage}/{spec.algorithm.policy_loss} on {r.engine}"
+            + f"; {_objective(spec.algorithm)} on {r.engine}"
             + (f", max staleness {r.max_staleness}" if plan.separate else ""))
+
+
+def _objective(alg) -> str:
+    """`advantage/policy_loss`, or online DPO's `dpo:<loss> (<pairs> pairs)`."""
+    if alg.objective == "dpo":
+        return f"dpo:{alg.dpo.loss} ({alg.dpo.pairs} pairs)"
+    return f"{alg.advantage}/{alg.policy_loss}"
 
 
 def cmd_validate(args) -> int:

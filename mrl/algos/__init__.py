@@ -11,12 +11,13 @@ Semantics reference: docs/algorithms.md. Modules:
 - `correction`: rollout-correction importance weights (TIS, IcePop-style masking) and mismatch
   metrics;
 - `dapo`: overlong penalty and the dynamic-sampling group filter;
+- `dpo`: online DPO's preference pairs, pairwise losses (dpo, ipo, simpo) and per-row coefficients;
 - `rejection` (+ torch-free `rejection_spec`): rollout rejection-sampling masks, verl's presets,
   PF-PPO resampling.
 """
 import importlib
 
-__all__ = ["advantages", "aggregation", "correction", "dapo", "kl", "losses", "rejection", "rejection_spec"]
+__all__ = ["advantages", "aggregation", "correction", "dapo", "dpo", "kl", "losses", "rejection", "rejection_spec"]
 
 
 def __getattr__(name: str):

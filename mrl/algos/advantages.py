@@ -400,3 +400,20 @@ def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: Optional[torch.T
         _check_bt("kl", kl, mask)
         out = out - beta * torch.where(ok, kl.to(s.dtype), torch.zeros((), dtype=s.dtype, device=s.device))
     return out
+
+
+@torch.no_grad()
+def distill(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor, coef: float = 1.0,
+            task: Optional[torch.Tensor] = None, task_weight: float = 0.0) -> torch.Tensor:
+    """On-policy distillation advantage per token [B, T] (Agarwal et al. 2024, arXiv:2306.13649;
+    Lu & Thinking Machines 2025, "On-Policy Distillation"): `-coef * (lp_old_t - lp_teacher_t)`,
+    the negated sampled-token estimate of the reverse KL `KL(student || teacher)` at each of the
+    student's own tokens, plus `task_weight * task` (a per-response advantage [B] of the task
+    reward, e.g. `grpo`) when given. No discounting: each token is credited its own term, as in
+    the references. 0 at masked positions."""
+    keep = mask > 0
+    diff = torch.where(keep, old_logprobs.double() - teacher_logprobs.double(), torch.zeros_like(old_logprobs.double()))
+    a = -coef * diff
+    if task is not None and task_weight:
+        a = a + task_weight * task.double().unsqueeze(-1)
+    return (a * keep).to(old_logprobs.dtype)

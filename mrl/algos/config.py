@@ -15,9 +15,12 @@ KL_ESTIMATORS = _KL_BASE + tuple(k + "+" for k in _KL_BASE)
 """Every name of `mrl.algos.kl.KINDS` (verl's `kl_penalty` names; `+` = straight-through k2 gradient)."""
 LOSS_AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "opo", "grpo_passk", "gpg", "gdpo",
-              "optimal_token_baseline", "tir_optimal_token_baseline")
+              "optimal_token_baseline", "tir_optimal_token_baseline", "distill")
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "gpg", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "geo_mean", "dro",
                  "reinforce")
+OBJECTIVES = ("pg", "dpo")
+DPO_LOSSES = ("dpo", "ipo", "simpo")     # mrl.algos.dpo.DPO_LOSSES (this module is torch-free)
+DPO_PAIRINGS = ("best_worst", "margin")  # mrl.algos.dpo.PAIRINGS
 REJECTION_PRESETS = tuple(PRESETS)
 """The names of `mrl.algos.rejection.PRESETS` (verl's RolloutCorrectionConfig presets)."""
 
@@ -94,9 +97,24 @@ class PFPPOConfig:
 
 
 @section
+class DPOConfig:
+    """Online DPO (`algorithm.objective = "dpo"`): preference pairs from each group, a pairwise loss."""
+
+    loss: Literal[DPO_LOSSES] = option("dpo", help="dpo: -log sigmoid(beta h); ipo: (h - 1/(2 beta))^2; simpo: "
+                                                   "length-normalised, reference-free, target margin gamma")
+    beta: float = option(0.1, gt=0, help="inverse temperature of the implicit reward (ipo: the regulariser tau)")
+    pairs: Literal[DPO_PAIRINGS] = option("best_worst", help="best_worst: one pair per group; margin: every pair of a "
+                                                              "group whose scores differ by more than margin")
+    margin: float = option(0.0, ge=0, help="a pair's scores must differ by more than this")
+    gamma: float = option(0.0, ge=0, help="simpo: target reward margin")
+
+
+@section
 class AlgorithmConfig:
     """The RL maths: advantages, policy loss, aggregation, KL, correction, DAPO."""
 
+    objective: Literal[OBJECTIVES] = option("pg", help="pg: policy gradient (advantages, policy_loss); dpo: online DPO "
+                                                       "on preference pairs from each group ([algorithm.dpo])")
     advantage: Literal[ADVANTAGES] = option("grpo", help="advantage estimator")
     gdpo_reward_keys: tuple[str, ...] = option((), help="gdpo: reward components normalised separately ('score', a source name, or a key the rewards return)")
     gdpo_reward_weights: tuple[float, ...] = option((), help="gdpo: weight of each component (default all 1)")
@@ -125,3 +143,4 @@ class AlgorithmConfig:
     dynamic_sampling: DynamicSamplingConfig = option(factory=DynamicSamplingConfig, help="DAPO dynamic sampling")
     overlong: OverlongConfig = option(factory=OverlongConfig, help="DAPO overlong shaping")
     pf_ppo: PFPPOConfig = option(factory=PFPPOConfig, help="PF-PPO resampling")
+    dpo: DPOConfig = option(factory=DPOConfig, help="online DPO (objective = 'dpo')")

@@ -10,7 +10,7 @@ from mrl.platform.config import ParallelConfig, PlatformConfig
 from mrl.reward.config import RewardConfig
 from mrl.rollout.config import RolloutConfig
 from mrl.tracking.config import TrackingConfig
-from mrl.train.config import ActorConfig, CriticConfig, RefConfig, TrainerConfig
+from mrl.train.config import ActorConfig, CriticConfig, DistillConfig, RefConfig, TrainerConfig
 
 
 @section
@@ -37,6 +37,7 @@ class JobSpec:
     actor: ActorConfig = option(factory=ActorConfig)
     critic: CriticConfig = option(factory=CriticConfig)
     ref: RefConfig = option(factory=RefConfig)
+    distill: DistillConfig = option(factory=DistillConfig)
     reward: RewardConfig = option(factory=RewardConfig)
     trainer: TrainerConfig = option(factory=TrainerConfig)
     checkpoint: CheckpointConfig = option(factory=CheckpointConfig)

@@ -60,7 +60,7 @@ def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
     if alg.dynamic_sampling.generation_batch_prompts is None:
         alg = _replace(alg, dynamic_sampling=_replace(alg.dynamic_sampling,
                                                       generation_batch_prompts=spec.data.prompts_per_step))
-    kl_on = alg.kl_loss.enable or alg.kl_reward.enable
+    kl_on = alg.kl_loss.enable or alg.kl_reward.enable or (alg.objective == "dpo" and alg.dpo.loss != "simpo")
     actor = spec.actor
     if actor.mini_batch_prompts is None:
         actor = _replace(actor, mini_batch_prompts=spec.data.prompts_per_step)
@@ -76,6 +76,11 @@ def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
     ref = spec.ref if spec.ref.enable is not None else _replace(spec.ref, enable=kl_on)
     if ref.enable and ref.model_path is None:
         ref = _replace(ref, model_path=spec.model.path)
+    distill = spec.distill
+    if distill.model_path is not None and distill.micro_batch_tokens is None:
+        distill = _replace(distill, micro_batch_tokens=actor.micro_batch_tokens)
+    if distill.model_path is not None and distill.dtype is None:
+        distill = _replace(distill, dtype=spec.model.dtype)
     if ref.enable and ref.micro_batch_tokens is None:
         ref = _replace(ref, micro_batch_tokens=actor.micro_batch_tokens)
     reward = spec.reward
@@ -85,7 +90,8 @@ def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
     data = shared["data"]
     rollout = spec.rollout
     if rollout.responses_per_prompt is None:   # a group estimator needs a group: a minimal GRPO job is valid
-        rollout = _replace(rollout, responses_per_prompt=GROUP_RESPONSES if alg.advantage in _GROUP_ESTIMATORS else 1)
+        rollout = _replace(rollout, responses_per_prompt=GROUP_RESPONSES if alg.advantage in _GROUP_ESTIMATORS
+                                                         or alg.objective == "dpo" else 1)
     if rollout.dtype is None:
         rollout = _replace(rollout, dtype=spec.model.dtype)
     if rollout.seed is None:
@@ -95,7 +101,7 @@ def resolve(spec: JobSpec, default_name: str = "job") -> JobSpec:
     if rollout.weight_sync.dtype is None:
         rollout = _replace(rollout, weight_sync=_replace(rollout.weight_sync, dtype=rollout.dtype))
     return dataclasses.replace(spec, **shared, algorithm=alg, actor=actor, critic=critic, ref=ref, reward=reward,
-                               rollout=rollout)
+                               rollout=rollout, distill=distill)
 
 
 TRACKING_SCHEMES = ("sqlite", "file", "http", "https", "databricks", "postgresql", "mysql", "mssql")
@@ -335,6 +341,18 @@ def check(spec: JobSpec, report) -> None:
     if alg.advantage in _GROUP_ESTIMATORS and n < 2:
         err("rollout.responses_per_prompt", f"algorithm.advantage = {alg.advantage!r} compares responses within a group; "
                                             f"needs >= 2 responses per prompt, got {n}")
+    if alg.objective == "dpo":
+        _check_dpo(spec, n, err)
+    if (alg.advantage == "distill") != (spec.distill.model_path is not None):
+        err("distill.model_path" if alg.advantage == "distill" else "algorithm.advantage",
+            "algorithm.advantage = 'distill' needs a teacher: set distill.model_path" if alg.advantage == "distill"
+            else f"distill.model_path names a teacher, read only by algorithm.advantage = 'distill', not {alg.advantage!r}")
+    if alg.advantage == "distill" and spec.distill.estimator == "full" and (spec.parallel.pipeline > 1
+                                                                          or spec.parallel.virtual_pipeline):
+        err("distill.estimator", "'full' runs the teacher inside the student's last pipeline stage; needs "
+                                 "parallel.pipeline = 1 (or use 'sampled')")
+    if alg.advantage == "distill" and spec.distill.task_weight and n < 2:
+        err("distill.task_weight", f"the task advantage is GRPO's, within a group; needs >= 2 responses per prompt, got {n}")
     if alg.advantage == "gae" and not spec.critic.enable:
         err("critic.enable", "algorithm.advantage = 'gae' needs a critic; set critic.enable = true")
     if alg.policy_loss in _SEQ_MEAN_LOSSES and alg.loss_aggregation != "seq-mean-token-mean":
@@ -457,3 +475,23 @@ def check(spec: JobSpec, report) -> None:
         err("checkpoint.save_hf_at_end", "exports the last checkpoint, and checkpoint.every_steps = -1 saves none")
     if spec.checkpoint.resume == "must" and spec.checkpoint.load_from is None:
         warn("checkpoint.resume", f"'must' resumes from {spec.checkpoint.dir}; the run fails if no checkpoint is there")
+
+
+def _check_dpo(spec, n: int, err) -> None:
+    """Online DPO reads scores, pairs and the reference; refuse what it would not use."""
+    alg = spec.algorithm
+    if n < 2:
+        err("rollout.responses_per_prompt", f"algorithm.objective = 'dpo' pairs responses within a group; needs >= 2 "
+                                            f"responses per prompt, got {n}")
+    if alg.dpo.loss != "simpo" and not spec.ref.enable:
+        err("ref.enable", f"algorithm.dpo.loss = {alg.dpo.loss!r} compares with the reference model; set ref.enable = true")
+    unused = [("algorithm.advantage", alg.advantage in ("gae", "distill")), ("critic.enable", spec.critic.enable),
+              ("algorithm.kl_loss.enable", alg.kl_loss.enable), ("algorithm.kl_reward.enable", alg.kl_reward.enable),
+              ("algorithm.entropy_coef", alg.entropy_coef > 0), ("algorithm.correction.level", alg.correction.level != "off"),
+              ("algorithm.correction.rejection", alg.correction.rejection is not None),
+              ("algorithm.pf_ppo.enable", alg.pf_ppo.enable),
+              ("actor.moe.routing_replay", spec.actor.moe.routing_replay != "off")]
+    for key, on in unused:
+        if on:
+            err(key, "not used by algorithm.objective = 'dpo' (the pairwise loss has no advantages, critic, KL term, "
+                     "entropy bonus or rollout correction); remove it")

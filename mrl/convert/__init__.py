@@ -184,7 +184,11 @@ def convert(yaml_files: list[Path], overrides: list[str], base: Path | None = No
             continue
         for mrl_key, new in t.values.items():
             new = _as_mrl(new, mrl[mrl_key][1], mrl_key, base)
-            candidates.setdefault(mrl_key, []).append(Candidate(shown, new, t.note, is_default, entry.placeholder))
+            cands = candidates.setdefault(mrl_key, [])
+            cand = Candidate(shown, new, t.note, is_default, entry.placeholder)
+            # a switch that selects a mode (verl's distillation.enabled -> algorithm.advantage = "distill")
+            # overrides the plain value it sits beside, whatever the key order
+            cands.insert(0, cand) if entry.rule == "switches_to" else cands.append(cand)
     for mrl_key, cands in candidates.items():
         chosen = [c for c in cands if not c.from_default] or cands
         first = chosen[0]

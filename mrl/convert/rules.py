@@ -326,6 +326,16 @@ def when(m: Mapping, key: str, cfg: dict) -> Translation:
     return copy(m, key, cfg)
 
 
+def switches_to(m: Mapping, key: str, cfg: dict) -> Translation:
+    """A verl switch that, when true, selects an mrl value (`values.true`): verl's
+    `distillation.enabled` is mrl's `algorithm.advantage = "distill"`, whatever estimator verl
+    names beside it (a note says that one is overridden); false leaves mrl's value alone."""
+    if not cfg.get(key):
+        return _skip(f"{cfg.get(key)!r}: off in verl")
+    new = _named(m, True)
+    return Translation({m.target: new}, note=f"true -> {new!r}")
+
+
 def read_by(m: Mapping, key: str, cfg: dict) -> Translation:
     return _skip(f"read with {m.params['by']}")
 
@@ -386,7 +396,7 @@ def lora_modules(m: Mapping, key: str, cfg: dict) -> Translation:
 RULES: dict[str, Callable[[Mapping, str, dict], Translation]] = {
     "lora_modules": lora_modules,
     "copy": copy, "each": each, "token_budget": token_budget, "prompt_overflow": prompt_overflow,
-    "sleep_level": sleep_level, "reward_function": reward_function, "when": when, "read_by": read_by,
+    "sleep_level": sleep_level, "reward_function": reward_function, "when": when, "switches_to": switches_to, "read_by": read_by,
     "pair": pair, "times": times, "more_than_one": more_than_one, "clip_ratio": clip_ratio,
     "reward_model": reward_model, "judge": judge, "overlong": overlong, "kwargs": kwargs,
     "reward_manager": reward_manager, "save_freq": save_freq, "clip_low": clip_low,

@@ -6,6 +6,8 @@ per-token values. Algorithms come from `mrl.algos`; only the plumbing lives here
   never gathered).
 - `PolicyObjective`: policy loss (`mrl.algos.config.POLICY_LOSSES`) aggregated with the global counts,
   plus the optional KL loss to the reference and entropy bonus.
+- `PairwiseObjective`: a loss over pairs of responses (online DPO, `mrl.algos.dpo`) from
+  per-row coefficients computed before the pass (its docstring has why this is exact).
 - `values_output` / `ValueObjective`: a value head's `[1, T, 1]` output read at the same
   positions as the log-probs (the state before each response token), clipped value loss.
 """
@@ -19,7 +21,7 @@ import torch
 from mrl.engine.engine import Totals
 from mrl.engine.packing import MicroBatch
 
-__all__ = ["actor_outputs", "PolicyObjective", "values_output", "ValueObjective"]
+__all__ = ["actor_outputs", "PolicyObjective", "PairwiseObjective", "values_output", "ValueObjective"]
 
 
 def _tp_group():
@@ -120,6 +122,8 @@ class PolicyObjective:
     vocab_size: Optional[int] = None      # mask Megatron's vocabulary padding beyond it
     kernels: str = "auto"                 # "torch": the twins (model.use_fused_kernels = false)
     record: Optional[Callable] = dataclasses.field(default=None, compare=False)
+    distill_coef: float = 0.0             # > 0: + coef * full-vocabulary reverse KL to the teacher
+    teacher_rows: Optional[Callable] = dataclasses.field(default=None, compare=False)   # mb -> [N, V/tp] logits
 
     def __call__(self, logits: torch.Tensor, mb: MicroBatch, totals: Totals):
         from mrl.algos import kl, losses
@@ -166,7 +170,24 @@ class PolicyObjective:
             kl_tok = kl.estimate(logp, b["ref_logprobs"], self.kl_estimator)
             total = total + self.kl_coef * agg(kl_tok)
             metrics["kl_loss"] = (kl_tok.detach() * valid).sum() / valid.sum().clamp(min=1)
+        if self.distill_coef:
+            total = total + self.distill_coef * agg(self._distill_kl(logits, mb, valid, metrics))
         return total, metrics
+
+    def _distill_kl(self, logits, mb: MicroBatch, valid, metrics) -> torch.Tensor:
+        """`[n, R]` the full-vocabulary reverse KL to the teacher at each response token
+        (`mrl.engine.distill_kl`); its mean over valid tokens goes to `metrics["distill_kl"]`."""
+        from mrl.engine.distill_kl import reverse_kl
+
+        rows = mb.take(logits)
+        group = _tp_group()
+        if self.vocab_size is not None:
+            from mrl.models.roles import mask_padded_vocab
+
+            rows = mask_padded_vocab(rows, self.vocab_size, tp_rank=torch.distributed.get_rank(group) if group else 0)
+        kl_tok = mb.to_padded(reverse_kl(rows, self.teacher_rows(mb), self.temperature, group))
+        metrics["distill_kl"] = (kl_tok.detach() * valid).sum() / valid.sum().clamp(min=1)
+        return kl_tok
 
 
     def _more(self, logp, old, adv, mask, weights, mb: MicroBatch):
@@ -195,6 +216,44 @@ class PolicyObjective:
             return losses.reinforce(logp, old, adv, mask, self.is_level, self.is_threshold, self.is_mode,
                                     is_mask=mb.batch.get("unrejected_mask"))
         raise ValueError(f"unknown policy loss {self.loss!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PairwiseObjective:
+    """The actor's `LossFn` for a loss over pairs of responses (online DPO: `mrl.algos.dpo`).
+
+    A pair's loss is a function of two sequence log-probs, and a pair's rows can land in
+    different micro-batches (token-balanced packing) though never on different DP ranks (pairs
+    are formed within a prompt's group, and groups are rank-local). The update is therefore
+    two passes over each mini-batch (`mrl.train.dpo`): a no-grad pass at the current weights
+    gives every row's sequence log-prob `S_i`; `mrl.algos.dpo.row_coefficients` evaluates the
+    mean pair loss `L` over the global pair count and `c_i = dL/dS_i` (column `dpo_coef`), and
+    each row's part of `L` (`dpo_loss`). This pass then backpropagates
+    `sum_i c_i * (S_i - S_i.detach()) + dpo_loss_i` over the micro-batch's rows: by the chain
+    rule `dL/dtheta = sum_i c_i dS_i/dtheta`, a sum over rows that any split into micro-batches
+    and DP ranks adds up to the same value, and the loss reported is `L` itself. The two passes
+    see the same weights; `pass_drift` (the mean |S_i - S_i of the first pass|) measures the
+    numerics between them."""
+
+    temperature: float = 1.0
+    vocab_size: Optional[int] = None
+    kernels: str = "auto"
+    record: Optional[Callable] = dataclasses.field(default=None, compare=False)
+
+    def __call__(self, logits: torch.Tensor, mb: MicroBatch, totals: Totals):
+        from mrl.algos.dpo import sequence_logps
+
+        logp_flat, _ = response_logprobs(logits, mb, self.temperature, vocab_size=self.vocab_size,
+                                         kernels=self.kernels)
+        logp = mb.to_padded(logp_flat)
+        if self.record is not None:
+            self.record(mb, logp.detach())
+        b = mb.batch
+        seq = sequence_logps(logp.float(), b["response_mask"])   # float64
+        coef = b["dpo_coef"].to(seq)
+        total = (coef * (seq - seq.detach())).sum() + b["dpo_loss"].to(seq).sum()
+        drift = (seq.detach() - b["dpo_seq_logp"].to(seq)).abs().mean() if len(b) else seq.new_zeros(())
+        return total.float(), {"pass_drift": drift.float()}
 
 
 def _share(mb: MicroBatch, totals: Totals, mode: str, all_rows: bool = False) -> torch.Tensor:

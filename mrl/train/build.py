@@ -231,11 +231,17 @@ def build_learner(spec: JobSpec, plan: StepPlan, hf: dict, device: str, total: i
     if ref is not None or critic is not None:
         STARTUP.say("models: " + ", ".join(n for n, m in (("reference", ref), ("critic", critic)) if m is not None),
                     timed=True)
+    teacher = None
+    if spec.distill.model_path is not None:
+        from mrl.models.tokenizer import load_tokenizer
+
+        teacher = build_teacher(spec, device, load_tokenizer(spec.model), int(hf["vocab_size"]))
+        STARTUP.say(f"teacher: {spec.distill.model_path}", timed=True)
     reward_model = build_reward_model(spec, hf, device)
     if reward_model is not None:
         STARTUP.say("reward model: loaded", timed=True)
     return Learner(actor=actor, exporter=Exporter(actor.chunks, hf, dtype=DTYPES[spec.rollout.weight_sync.dtype]),
-                   ref=ref, critic=critic, reward_model=reward_model, kl=kl_controller(spec))
+                   ref=ref, critic=critic, reward_model=reward_model, kl=kl_controller(spec), teacher=teacher)
 
 
 def _colocated_leader(ctx) -> tuple:
@@ -295,6 +301,41 @@ def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_mo
                                             protect_dirs=(str(run_dir), spec.checkpoint.dir),
                                             device=ctx.device, seed=spec.job.seed + ctx.global_rank)   # a local judge
     return gen
+
+
+def build_teacher(spec: JobSpec, device: str, tokenizer, student_vocab: int):
+    """`mrl.train.teacher.Teacher`: this rank's shard of the teacher, with its weights loaded; a `UserError` naming
+    `distill.model_path` when it has no weights or another tokenizer."""
+    import dataclasses
+
+    from mrl.engine import Engine
+    from mrl.models.megatron import hf_config
+    from mrl.models.roles import build_role_model
+    from mrl.errors import UserError
+    from mrl.models.tokenizer import load_tokenizer
+    from mrl.train.teacher import Teacher
+
+    cfg = spec.distill
+    model = dataclasses.replace(spec.model, path=cfg.model_path, tokenizer=None)
+    if not _has_weights(cfg.model_path):
+        raise UserError(f"distill.model_path: {cfg.model_path!r} holds no weights (a teacher must be a trained "
+                        "checkpoint)")
+    theirs = load_tokenizer(model)
+    if theirs.get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"distill.model_path: the teacher's tokenizer ({len(theirs.get_vocab())} tokens) differs from "
+                        f"the student's ({len(tokenizer.get_vocab())}); distillation reads the teacher at the "
+                        "student's token ids, so they must share one")
+    hf = hf_config(model)
+    vpp = spec.parallel.virtual_pipeline
+    chunks = [build_role_model("ref", hf, spec.parallel, dtype=cfg.dtype, device=device, vp_stage=i if vpp else None,
+                               attention=spec.model.attention, fused=spec.model.use_fused_kernels)
+              for i in range(vpp or 1)]
+    if cfg.estimator == "full" and hf["vocab_size"] != student_vocab:
+        raise UserError(f"distill.model_path: the teacher's vocabulary size {hf['vocab_size']} differs from the "
+                        f"student's {student_vocab}; distill.estimator = 'full' compares their whole distributions "
+                        "shard by shard (use 'sampled')")
+    load_weights(chunks, cfg.model_path, hf, "ref")
+    return Teacher(engine=Engine(chunks, name="teacher"), vocab_size=int(hf["vocab_size"]))
 
 
 def build_reward_model(spec: JobSpec, hf: dict, device: str):

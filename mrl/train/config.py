@@ -67,6 +67,22 @@ class RefConfig:
 
 
 @section
+class DistillConfig:
+    """On-policy distillation (`algorithm.advantage = "distill"`): a frozen teacher scores the
+    student's own tokens; the advantage is the per-token reverse KL to it (docs/algorithms.md)."""
+
+    model_path: Optional[str] = option(None, help="the teacher's checkpoint (a Hugging Face directory or builtin preset); "
+                                                  "it must share the student's tokenizer (checked at start)")
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = option(None, help="the teacher's dtype (default: model.dtype)")
+    micro_batch_tokens: Optional[int] = option(None, ge=1, help="token budget per teacher forward (default: actor.micro_batch_tokens)")
+    estimator: Literal["sampled", "full"] = option("sampled", help="sampled: the advantage coef * (lp_teacher - lp_old) "
+                                                                   "at the student's token; full: coef * the reverse KL over "
+                                                                   "the whole vocabulary as a loss term (pipeline 1)")
+    coef: float = option(1.0, gt=0, help="weight of the distillation term")
+    task_weight: float = option(0.0, ge=0, help="weight of the task reward's GRPO advantage added to it (0: distillation only)")
+
+
+@section
 class TrainerConfig:
     """Run length and cadence. `total_steps` wins over `epochs` when both are set."""
 

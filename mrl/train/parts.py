@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from mrl.rollout.weight_channel import ColocatedChannel
     from mrl.train.groups import ShardCarry
     from mrl.train.plan import StepPlan
+    from mrl.train.teacher import Teacher
     from mrl.weights.hf_export import Exporter
 
 
@@ -69,6 +70,7 @@ class Learner:
     critic: Optional["Engine"] = None
     reward_model: Optional["Engine"] = None   # value-head model scoring responses, on every rank
     kl: Optional[Union["AdaptiveController", "FixedController"]] = None   # algorithm.kl_reward
+    teacher: Optional["Teacher"] = None      # [distill]: the frozen teacher (`mrl.train.teacher`)
 
 
 @dataclass

@@ -118,7 +118,7 @@ def on_policy(spec, actor: Updates) -> bool:
     """Whether a step's actor update is one optimizer step on the weights that generated its
     responses, with nothing before the update needing the trainer's log-probs: one mini-batch,
     one epoch, no staleness (and no partial rollouts), no rollout correction or rejection, no KL
-    in the reward and no optimal token baseline (all read the trainer's log-probs before the
+    in the reward, no optimal token baseline and no distillation (all read the trainer's log-probs before the
     update), no PF-PPO resampling (the update's rows are not the batch's), no critic warm-up (steps that do
     not update the actor), one pipeline stage. Then the update's first forward pass gives the old
     log-probs and the audit, and the separate forward pass is skipped (`mrl.train.step`). (No
@@ -127,7 +127,7 @@ def on_policy(spec, actor: Updates) -> bool:
     return (actor.mini_batches == 1 and actor.epochs == 1 and not spec.actor.shuffle and roll.max_staleness == 0
             and not roll.partial_rollout_tokens and alg.correction.level == "off" and not alg.kl_reward.enable
             and alg.correction.rejection is None and not alg.pf_ppo.enable
-            and alg.advantage not in ("optimal_token_baseline", "tir_optimal_token_baseline")
+            and alg.advantage not in ("optimal_token_baseline", "tir_optimal_token_baseline", "distill")
             and not (spec.critic.enable and spec.critic.warmup_steps) and par.pipeline == 1
             and not par.virtual_pipeline)
 

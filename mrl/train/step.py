@@ -61,9 +61,27 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
     if learner.ref is not None:
         with t("ref_logprobs"):
             batch = batch.add(ref_logprobs=logprobs_of(learner.ref, run, batch, spec.ref.micro_batch_tokens))
+    if learner.teacher is not None and spec.distill.estimator == "sampled":
+        from mrl.train.teacher import teacher_logprobs
+
+        with t("teacher_logprobs"):
+            batch = batch.add(teacher_logprobs=teacher_logprobs(learner.teacher, batch, spec.distill.micro_batch_tokens,
+                                                                spec.rollout.temperature, kernel_backend(run)))
     if learner.critic is not None:
         with t("values"):
             batch = batch.add(values=values_of(run, learner.critic, batch))
+    if alg.objective == "dpo":   # pairs instead of advantages (mrl.train.dpo)
+        from mrl.train import dpo
+
+        recorded = UpdateLogprobs(batch) if reuse else None
+        with t("actor_update"):
+            metrics.update(dpo.update(run, learner, batch, step, kernel_backend(run), recorded))
+        metrics["tokens/actor_update"] = float(batch.sequence_lengths.sum()) * spec.actor.epochs
+        if recorded is not None:
+            metrics.update(audit(batch.add(trainer_logprobs=recorded.logprobs)))
+        metrics.update({"time/train_started_at": train_started_at, "time/train_ended_at": time.time()})
+        metrics.update(t.metrics())
+        return metrics
     with t("advantages"):
         batch, m = advantages(run, learner.kl, batch, step)
         metrics.update(m)
@@ -74,7 +92,7 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
     if learner.critic is None or step > spec.critic.warmup_steps:
         recorded = UpdateLogprobs(batch) if reuse else None
         with t("actor_update"), moe.actor_pass(learner.actor, replay, "update", batch):
-            metrics.update(update(learner.actor, batch, spec.actor, run.plan.actor, policy_objective(run, recorded),
+            metrics.update(update(learner.actor, batch, spec.actor, run.plan.actor, policy_objective(run, recorded, learner.teacher),
                                   step, "actor"))
         metrics["tokens/actor_update"] = float(batch.sequence_lengths.sum()) * spec.actor.epochs
         if recorded is not None:   # the audit from the update's forward pass
@@ -206,6 +224,17 @@ def advantages(run: Run, kl_controller, batch: Batch, step: int = 0) -> tuple[Ba
         a, _ = getattr(adv, alg.advantage)(token_rewards, mask, batch["group_index"], batch["old_logprobs"],
                                            batch["sum_pi_squared"], fields.get("correction_weights"),
                                            handle_zero_tail=True)   # as verl 0.9.1's trainers (its default)
+    elif alg.advantage == "distill":
+        d = run.spec.distill
+        task = adv.grpo(scores, batch["group_index"], norm_by_std=alg.norm_by_std) if d.task_weight else None
+        if d.estimator == "full":   # the KL is a loss term (policy_objective: actor/distill_kl); the task's advantage
+            a = (d.task_weight * task).unsqueeze(1) * mask if task is not None else torch.zeros(mask.shape)
+        else:
+            a = adv.distill(batch["old_logprobs"], batch["teacher_logprobs"], mask, d.coef, task, d.task_weight)
+            valid = mask > 0
+            gap = (batch["old_logprobs"] - batch["teacher_logprobs"]) * valid
+            total, tokens = dp_sum(torch.stack([gap.sum(), valid.sum()]).double()).tolist()
+            metrics["distill/reverse_kl"] = total / max(tokens, 1.0)   # sampled-token (k1) estimate per token
     else:
         raise ValueError(f"unknown advantage estimator {alg.advantage!r}")
     fields.update({"advantages": a.float()} if returns is None else {"advantages": a.float(), "returns": returns.float()})
@@ -247,11 +276,18 @@ def pf_ppo(batch: Batch, cfg, seed: tuple) -> Batch:
     return Batch({**out.tensors, "group_index": blocks.to(out["group_index"].dtype)}, out.meta)
 
 
-def policy_objective(run: Run, record=None):
-    """The actor's loss; `record` receives the update's log-probs (`UpdateLogprobs`)."""
+def policy_objective(run: Run, record=None, teacher=None):
+    """The actor's loss; `record` receives the update's log-probs (`UpdateLogprobs`); with
+    `distill.estimator = "full"`, `teacher`'s full-vocabulary reverse KL is a loss term."""
     from mrl.engine.objectives import PolicyObjective
 
     alg = run.spec.algorithm
+    full = alg.advantage == "distill" and run.spec.distill.estimator == "full"
+    distill = {}
+    if full:
+        from mrl.train.teacher import teacher_rows
+
+        distill = dict(distill_coef=run.spec.distill.coef, teacher_rows=teacher_rows(teacher))
     cor = alg.correction
     return PolicyObjective(loss=alg.policy_loss, eps_low=alg.clip_low, eps_high=alg.clip_high,
                            clip_c=alg.dual_clip or None, sapo_tau_pos=alg.sapo_tau_pos, sapo_tau_neg=alg.sapo_tau_neg,
@@ -262,7 +298,7 @@ def policy_objective(run: Run, record=None):
                            aggregation=alg.loss_aggregation, norm=alg.loss_norm, entropy_coef=alg.entropy_coef,
                            kl_coef=alg.kl_loss.coef if alg.kl_loss.enable else 0.0, kl_estimator=alg.kl_loss.estimator,
                            temperature=run.spec.rollout.temperature, vocab_size=run.hf["vocab_size"],
-                           kernels=kernel_backend(run), record=record)
+                           kernels=kernel_backend(run), record=record, **distill)
 
 
 def kernel_backend(run: Run) -> str:

@@ -519,3 +519,33 @@ def test_a_custom_reward_function_is_called_with_verl_s_arguments(cli, tmp_path)
     rc, _, err = cli("convert", *command, "-o", out)
     assert rc == 0, err
     assert tomllib.loads(out.read_text())["reward"]["signature"] == "verl"
+
+
+DISTILL_SCRIPT = """#!/usr/bin/env bash
+# verl 0.9's on-policy distillation keys (examples/on_policy_distillation_trainer/run_qwen3_8b_fsdp.sh, v0.9.0)
+python3 -m verl.trainer.main_ppo \\
+    data.train_files="['/data/gsm8k/train.parquet']" data.max_prompt_length=256 data.max_response_length=512 \\
+    data.train_batch_size=4 actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B \\
+    distillation.enabled=True distillation.distillation_loss.loss_mode=k1 \\
+    distillation.distillation_loss.topk=64 distillation.distillation_loss.use_task_rewards=False \\
+    distillation.teacher_models.teacher_model.model_path=Qwen/Qwen2.5-0.5B-Instruct \\
+    distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=1 \\
+    actor_rollout_ref.actor.ppo_mini_batch_size=4 actor_rollout_ref.actor.use_dynamic_bsz=True \\
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=3072 actor_rollout_ref.rollout.tensor_model_parallel_size=1 \\
+    actor_rollout_ref.rollout.n=1 algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False \\
+    trainer.n_gpus_per_node=1 trainer.nnodes=1
+"""
+
+
+def test_verl_on_policy_distillation_example_converts_to_a_valid_distill_job(cli, tmp_path):
+    """verl 0.9.1's `distillation.enabled` selects mrl's distill advantage over the grpo estimator
+    beside it (whatever the key order), and the teacher's path becomes distill.model_path."""
+    script, out = tmp_path / "distill.sh", tmp_path / "distill.toml"
+    script.write_text(DISTILL_SCRIPT)
+    rc, _, err = cli("convert", script, "-o", out)
+    assert rc == 0, err   # validates: n = 1 is fine for the distill advantage
+    text = out.read_text()
+    job = tomllib.loads(text)
+    assert job["algorithm"]["advantage"] == "distill" and job["rollout"].get("responses_per_prompt", 1) == 1
+    assert job["distill"]["model_path"] == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert "algorithm.adv_estimator = 'grpo' conflicts with distillation.enabled" in text

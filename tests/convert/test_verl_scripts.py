@@ -50,7 +50,7 @@ EXPECTED: dict[str, object] = {
     "v090__grpo_trainer_run_gpt_oss_20b_fsdp.sh": ("invalid", "is above parallel.tensor 1: a colocated sglang server"),
     "v090__sft_gsm8k_run_qwen3_8b_fsdp.sh": ("refused", "verl's SFT trainer"),
     "v090__generation_run_deepseek_llm_7b.sh": ("refused", "use `mrl generate`"),
-    "v090__on_policy_distillation_trainer_run_qwen3_8b_fsdp.sh": ("refused", "on-policy distillation"),
+    "v090__on_policy_distillation_trainer_run_qwen3_8b_fsdp.sh": "valid",
     "v090__mtp_trainer_run_mimo_7b_mtp_fully_async_megatron_multinode.sh": ("refused", "fully asynchronous trainer"),
     "v090__ascend_extras_grpo_trainer_run_qwen3_30b_a3b_megatron.sh": ("refused", "Ascend NPUs"),
     "recipe__dapo_test_dapo_7b_math.sh": ("invalid", "each data-parallel rank trains whole prompts"),
@@ -303,11 +303,14 @@ def test_is_threshold_lower_upper_is_icepop_mask():
         == ("mask", 0.5, 4.0)
 
 
-def test_npu_device_and_distillation_are_refused_in_one_line(cli, tmp_path):
+def test_npu_device_is_refused_in_one_line_and_distillation_supplied_by_hand(cli, tmp_path):
     rc, _, err = cli("convert", "trainer.device=npu", "-o", tmp_path / "a.toml")
     assert rc == 2 and err.count("error:") == 1 and "Ascend NPUs" in err and not (tmp_path / "a.toml").exists()
-    rc, _, err = cli("convert", "distillation.enabled=true", "-o", tmp_path / "b.toml")
-    assert rc == 2 and err.count("error:") == 1 and "distillation" in err
+    # distillation without a teacher path converts, and the job asks for the teacher (one line)
+    rc, _, err = cli("convert", "distillation.enabled=true", "actor_rollout_ref.model.path=builtin:tiny-llama",
+                     "-o", tmp_path / "b.toml")
+    assert "Traceback" not in err and (tmp_path / "b.toml").exists()
+    assert "distill.model_path: algorithm.advantage = 'distill' needs a teacher" in err, err
 
 
 def test_every_key_of_verl_0_9_1_is_mapped_or_explained():

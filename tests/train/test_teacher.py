@@ -1,0 +1,75 @@
+"""The distillation teacher (`mrl.train.build.build_teacher`, `mrl.train.teacher`): a frozen
+megatron-core model of its own architecture whose log-probs of the student's tokens equal
+transformers', and a one-line refusal of a teacher with another tokenizer or no weights."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mrl.batch import Batch
+from mrl.errors import UserError
+from mrl.models.tokenizer import byte_tokenizer
+from tests.weights.archs import make_hf_model
+
+REPO_JOB = "jobs/quickstart_cpu.toml"
+
+
+@pytest.fixture(scope="module")
+def platform():
+    from mrl import platform as plat
+    from mrl.platform.config import ParallelConfig, PlatformConfig
+
+    ctx = plat.setup(PlatformConfig(device="cpu", ranks_per_node=1, cpu_threads=1), ParallelConfig(), seed=11)
+    yield ctx
+    plat.teardown()
+
+
+def _spec(teacher_dir, *extra):
+    from mrl.config.loader import load
+
+    spec, _ = load(REPO_JOB, ["platform.ranks_per_node=1", "parallel.tensor=1", "algorithm.advantage=distill",
+                              f"distill.model_path={teacher_dir}", *extra])
+    return spec
+
+
+def _teacher_dir(tmp_path, tokenizer=None):
+    # larger than the student (builtin:tiny-qwen2: 2 layers, hidden 128), the student's 512-token vocabulary
+    model = make_hf_model("qwen2", tmp_path, seed=3, vocab_size=512, num_hidden_layers=3, hidden_size=96,
+                          intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    (tokenizer or byte_tokenizer()).save_pretrained(tmp_path)
+    return model
+
+
+def test_teacher_logprobs_of_student_tokens_equal_transformers(platform, tmp_path):
+    from mrl.train.build import build_teacher
+    from mrl.train.teacher import teacher_logprobs
+
+    hf_model = _teacher_dir(tmp_path)
+    teacher = build_teacher(_spec(tmp_path), "cpu", byte_tokenizer(), 512)
+    assert not any(p.requires_grad for c in teacher.engine.chunks for p in c.parameters())
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 259, (n,), generator=g).tolist() for n in (3, 7, 5)]
+    responses = [torch.randint(0, 259, (n,), generator=g).tolist() for n in (6, 2, 9)]
+    batch = Batch.from_sequences(prompts, responses, group_index=[0, 0, 1])
+    for temperature in (1.0, 0.7):
+        got = teacher_logprobs(teacher, batch, budget=24, temperature=temperature, kernels="torch")
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            with torch.no_grad():
+                logits = hf_model(torch.tensor([p + r])).logits[0, len(p) - 1:len(p) + len(r) - 1]
+            want = torch.log_softmax(logits.float() / temperature, -1).gather(-1, torch.tensor(r)[:, None])[:, 0]
+            assert (got[i, :len(r)] - want).abs().max().item() <= 1e-5, (i, temperature)
+            assert got[i, len(r):].abs().max().item() == 0.0 if len(r) < got.shape[1] else True
+
+
+def test_teacher_with_another_tokenizer_or_no_weights_is_refused(platform, tmp_path):
+    from mrl.train.build import build_teacher
+
+    other = copy.deepcopy(byte_tokenizer())   # (a shared instance: never change it in place)
+    other.add_tokens(["<think>"])
+    _teacher_dir(tmp_path, tokenizer=other)
+    with pytest.raises(UserError, match="distill.model_path: the teacher's tokenizer"):
+        build_teacher(_spec(tmp_path), "cpu", byte_tokenizer(), 512)
+    with pytest.raises(UserError, match="holds no weights"):
+        build_teacher(_spec("builtin:tiny-qwen2"), "cpu", byte_tokenizer(), 512)
