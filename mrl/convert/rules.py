@@ -326,6 +326,19 @@ def when(m: Mapping, key: str, cfg: dict) -> Translation:
     return copy(m, key, cfg)
 
 
+def read_with_estimator(m: Mapping, key: str, cfg: dict) -> Translation:
+    """The value, when verl 0.9.1's trainer reads it for the job's estimator: `only` lists the
+    estimators that read it, `except` those that ignore it (`compute_advantage` in
+    verl/trainer/ppo/ray_trainer.py: `use_pf_ppo` only in the GAE branch; `norm_adv_by_std_in_grpo`
+    not passed to grpo_vectorized or gdpo, which keep their default). Otherwise mrl keeps its own
+    default, which is what verl then does (mrl applies both settings with every estimator)."""
+    estimator = str(cfg.get("algorithm.adv_estimator", "gae"))
+    only, unless = m.params.get("only"), m.params.get("except") or []
+    if (only is not None and estimator not in only) or estimator in unless:
+        return _skip(f"verl ignores it with algorithm.adv_estimator = {estimator!r}")
+    return copy(m, key, cfg)
+
+
 def switches_to(m: Mapping, key: str, cfg: dict) -> Translation:
     """A verl switch that, when true, selects an mrl value (`values.true`): verl's
     `distillation.enabled` is mrl's `algorithm.advantage = "distill"`, whatever estimator verl
@@ -397,6 +410,7 @@ RULES: dict[str, Callable[[Mapping, str, dict], Translation]] = {
     "lora_modules": lora_modules,
     "copy": copy, "each": each, "token_budget": token_budget, "prompt_overflow": prompt_overflow,
     "sleep_level": sleep_level, "reward_function": reward_function, "when": when, "switches_to": switches_to, "read_by": read_by,
+    "read_with_estimator": read_with_estimator,
     "pair": pair, "times": times, "more_than_one": more_than_one, "clip_ratio": clip_ratio,
     "reward_model": reward_model, "judge": judge, "overlong": overlong, "kwargs": kwargs,
     "reward_manager": reward_manager, "save_freq": save_freq, "clip_low": clip_low,

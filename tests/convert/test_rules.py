@@ -108,3 +108,18 @@ def test_table_data_errors_are_named():
         parse_table({"mapped": {"a": "b"}, "not_applicable": {"a": "why"}})
     with pytest.raises(ValueError, match="reason '@missing'"):
         parse_table({"not_applicable": {"a": "@missing"}})
+
+
+@pytest.mark.parametrize("estimator, norm_by_std, pf_ppo", [
+    ("grpo", False, None), ("gdpo", None, None), ("grpo_vectorized", None, None), ("gae", False, True)])
+def test_settings_verl_reads_only_with_some_estimators_convert_only_there(estimator, norm_by_std, pf_ppo):
+    """verl 0.9.1's compute_advantage (ray_trainer.py) applies PF-PPO only in its GAE branch and never
+    passes norm_adv_by_std_in_grpo to grpo_vectorized or gdpo; mrl applies both with every estimator,
+    so a converted job keeps verl's meaning only if the key is dropped where verl ignores it."""
+    from mrl.convert import convert
+
+    conv = convert([], [f"algorithm.adv_estimator={estimator}", "algorithm.norm_adv_by_std_in_grpo=false",
+                        "algorithm.use_pf_ppo=true"])
+    values = {k: c.value for k, c in conv.values.items()}
+    assert values.get("algorithm.norm_by_std") == norm_by_std
+    assert values.get("algorithm.pf_ppo.enable") == pf_ppo
