@@ -3,6 +3,11 @@
 `data.prompt_overflow`: "drop" (counted in `prompts_overlong_dropped`), "truncate_left" (keep the
 last `data.max_prompt_tokens` tokens, counted in `prompts_truncated`; the end of a chat prompt
 holds the question and the generation prompt), or "error" (a `UserError` naming the row).
+
+A prompt whose text alone is over `prompt_byte_limit` bytes cannot fit the model whatever its
+tokens, and tokenizing it costs memory in proportion (a 200 MB cell would take gigabytes): it is
+never tokenized. "error" refuses it naming the row; "drop" and "truncate_left" drop it, counted in
+`prompts_oversized_dropped` (truncating would need its tokens).
 """
 from __future__ import annotations
 
@@ -45,6 +50,25 @@ class PromptDataset:
         return self.items[i]
 
 
+BYTES_PER_TOKEN = 32   # a generous bound on the bytes of one token: a longer prompt cannot fit the model
+
+
+def prompt_bytes(prompt: Any) -> int:
+    """The UTF-8 bytes of a prompt's text (a chat prompt: its messages' contents)."""
+    if isinstance(prompt, str):
+        return len(prompt.encode("utf-8", "surrogatepass"))
+    return sum(prompt_bytes(str(m.get("content", ""))) for m in prompt)
+
+
+def prompt_byte_limit(max_prompt_tokens: int, tokenizer: Any) -> int:
+    """The bytes a prompt may have before tokenizing: the longer of the tokenizer's
+    `model_max_length` (when it states one) and `data.max_prompt_tokens`, x `BYTES_PER_TOKEN`. A
+    prompt beyond it cannot fit the model whatever its tokens, and tokenizing it costs memory."""
+    stated = getattr(tokenizer, "model_max_length", None)
+    tokens = max(max_prompt_tokens, stated if isinstance(stated, int) and stated < 10**7 else 0)
+    return tokens * BYTES_PER_TOKEN
+
+
 def fit_length(ids: list[int], max_tokens: int, overflow: Overflow, origin: str) -> list[int] | None:
     """`ids` if short enough, else truncated from the left, None (drop) or a UserError."""
     if len(ids) <= max_tokens:
@@ -66,6 +90,7 @@ def tokenize_rows(rows: list[PromptRow], tokenizer: Any, *, max_prompt_tokens: i
 
     counts = Counter(stats or {})
     counts.update({"prompts_overlong_dropped": 0, "prompts_truncated": 0})
+    byte_limit = prompt_byte_limit(max_prompt_tokens, tokenizer)
     specials = special.special_strings(tokenizer)
     in_tools = special.special_in_tools(tools, specials) if tools and specials and chat_template else []
     if in_tools:
@@ -75,6 +100,14 @@ def tokenize_rows(rows: list[PromptRow], tokenizer: Any, *, max_prompt_tokens: i
         counts["tools_special_text_escaped" if special_tokens_in_text == "escape" else "tools_special_text_allowed"] = held
     items: list[PromptItem] = []
     for row in rows:
+        size = prompt_bytes(row.prompt)
+        if size > byte_limit:   # never tokenized: it cannot fit, and tokenizing it costs memory
+            if overflow == "error":
+                raise UserError(f"{row.origin}: prompt has {size} bytes, more than {byte_limit} = "
+                                f"{byte_limit // BYTES_PER_TOKEN} tokens x {BYTES_PER_TOKEN} bytes; it is not "
+                                "tokenized (set data.prompt_overflow = 'drop' to skip such rows)")
+            counts["prompts_oversized_dropped"] += 1
+            continue
         found = special.special_in(row.prompt, specials) if specials else []
         if found and special_tokens_in_text == "error":
             raise special.refuse(row.origin, found)

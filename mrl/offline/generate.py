@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from mrl.data.prompts import BYTES_PER_TOKEN, prompt_byte_limit, prompt_bytes
 from mrl.errors import UserError
 from mrl.offline.target import Target
 
@@ -174,25 +175,6 @@ def _items(run, prompts: list[Request] | FromData) -> list:
                                 text=text, prompt=req.prompt, answer=req.answer, data_source=req.data_source,
                                 origin=f"prompt {i}"))
     return items
-
-
-BYTES_PER_TOKEN = 32   # a generous bound on the bytes of one token: a longer prompt cannot fit the model
-
-
-def prompt_bytes(prompt: Any) -> int:
-    """The UTF-8 bytes of a prompt's text (a chat prompt: its messages' contents)."""
-    if isinstance(prompt, str):
-        return len(prompt.encode("utf-8", "surrogatepass"))
-    return sum(prompt_bytes(str(m.get("content", ""))) for m in prompt)
-
-
-def prompt_byte_limit(max_prompt_tokens: int, tokenizer: Any) -> int:
-    """The bytes a prompt may have before tokenizing: the longer of the tokenizer's
-    `model_max_length` (when it states one) and `data.max_prompt_tokens`, x `BYTES_PER_TOKEN`. A
-    prompt beyond it cannot fit the model whatever its tokens, and tokenizing it costs memory."""
-    stated = getattr(tokenizer, "model_max_length", None)
-    tokens = max(max_prompt_tokens, stated if isinstance(stated, int) and stated < 10**7 else 0)
-    return tokens * BYTES_PER_TOKEN
 
 
 def _refuse_oversized(prompts: list[Request], limit: int) -> None:

@@ -88,3 +88,24 @@ def test_generator_problem_checks_tasks_and_functions():
     assert generator_problem("mrl.data.generators:arithmetic") is None
     assert "did you mean 'basic_arithmetic'" in generator_problem("reasoning_gym:basic_arithmetics")
     assert "must accept 2 positional arguments" in generator_problem("jobs/rewards/arithmetic.py:score")
+
+
+def test_a_prompt_too_large_to_fit_is_never_tokenized(tokenizer, monkeypatch):
+    """A cell whose bytes exceed (max tokens x BYTES_PER_TOKEN) cannot fit the model whatever its
+    tokens: it is refused ("error") or dropped and counted ("drop", "truncate_left") before the
+    tokenizer sees it (a 200 MB cell would otherwise take gigabytes to tokenize)."""
+    from mrl.data import prompts as prompts_mod
+
+    big = "x" * (10 * prompts_mod.BYTES_PER_TOKEN + 1)
+    monkeypatch.setattr(tokenizer, "model_max_length", 10, raising=False)
+    seen = []
+    real = prompts_mod.encode_prompt
+    monkeypatch.setattr(prompts_mod, "encode_prompt", lambda text, *a, **k: seen.append(len(text)) or real(text, *a, **k))
+    rows = [row("hi", 0), row(big, 1)]
+    for overflow in ("drop", "truncate_left"):
+        seen.clear()
+        out = tokenize_rows(rows, tokenizer, max_prompt_tokens=10, overflow=overflow, chat_template=False)
+        assert [p.prompt for p in out.items] == ["hi"] and out.stats["prompts_oversized_dropped"] == 1
+        assert max(seen) < len(big)                 # the big cell never reached the tokenizer
+    with pytest.raises(UserError, match=r"t row 1: prompt has 321 bytes, more than 320 = 10 tokens x 32 bytes"):
+        tokenize_rows(rows, tokenizer, max_prompt_tokens=10, overflow="error", chat_template=False)
