@@ -251,7 +251,8 @@ class WeightSender:
 def pack(msg: Bucket | End) -> tuple[bytes, Optional[torch.Tensor]]:
     """A message as (JSON header, one flat uint8 buffer of its payloads or None) for a byte
     transport such as the trainer/rollout bridge (one object broadcast, one tensor broadcast).
-    The checksums travel in the header, so the receiver checks what the buffer delivered. The
+    The checksums travel in the header, so the receiver checks what the buffer delivered (xxh3 of
+    the host bytes that cross, whatever the sender's tensors hashed with on their device). The
     header is plain JSON, never a pickle: the receiver decodes it without running code."""
     import json
 
@@ -260,10 +261,12 @@ def pack(msg: Bucket | End) -> tuple[bytes, Optional[torch.Tensor]]:
     meta, parts = [], []
     for it in msg.items:
         tensors = [it.values] + ([it.indices] if it.indices is not None else [])
-        meta.append((it.name, it.shape, it.checksum,
-                     [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]))
-        for t in tensors:   # each payload starts 8-byte aligned, so the receiver can view it in place
-            raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+        raws = [t.detach().contiguous().reshape(-1).view(torch.uint8).cpu() for t in tensors]
+        # the bytes that cross are host bytes: a device checksum is replaced by theirs, which the
+        # receiver checks at host speed (the device sum stays the sender's, for the verification)
+        sums = it.checksum if it.checksum is None or it.checksum[0] == "xxh3" else checksum(*raws, algorithm="xxh3")
+        meta.append((it.name, it.shape, sums, [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]))
+        for raw in raws:   # each payload starts 8-byte aligned, so the receiver can view it in place
             parts += [raw, torch.zeros(-raw.numel() % 8, dtype=torch.uint8)]
     flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
     return json.dumps(["bucket", msg.version, msg.index, meta]).encode(), flat

@@ -356,3 +356,21 @@ def test_the_checksum_bench_runs_on_a_small_model():
     assert r["plan_7b"]["full_bytes"] > 14e9
     text = bench.report(r)
     assert "xxh3" in text and "GB/s" in text and "7B shape" in text
+
+
+def test_the_wire_carries_an_xxh3_of_the_host_bytes_that_cross_for_a_device_checksum():
+    """A GPU sender's wsum32 checksums are replaced in the header by the xxh3 of the host bytes
+    `pack` sends, which the receiver checks at host speed; a flipped wire byte is still caught."""
+    from mrl.weights.delta import Item, pack, unpack
+
+    t = torch.randn(10, 3)
+    idx = torch.tensor([1, 4], dtype=torch.int32)
+    items = [Item("w", (10, 3), t, checksum=checksum(t, algorithm="wsum32")),
+             Item("s", (10, 3), t.reshape(-1)[idx.long()], indices=idx,
+                  checksum=checksum(t.reshape(-1)[idx.long()], idx, algorithm="wsum32"))]
+    header, flat = pack(Bucket(0, 0, items))
+    back = unpack(header, flat)
+    assert [it.checksum[0] for it in back.items] == ["xxh3", "xxh3"]
+    assert all(matches(it.checksum, *it.payloads) for it in back.items)
+    flat[3] ^= 0x40
+    assert not matches(unpack(header, flat).items[0].checksum, *unpack(header, flat).items[0].payloads)
