@@ -2,7 +2,8 @@
 
     python tools/bench/checkpoint.py                    # SmolLM2-135M's shape, fp32, distributed optimizer, 1 rank
     python tools/bench/checkpoint.py --saves 3 --profile 25   # also cProfile one save: the top 25 by cumulative time
-    python tools/bench/checkpoint.py --layers 2         # a smaller model (the smoke test)
+    python tools/bench/checkpoint.py --layers 2         # a smaller model
+    python tools/bench/checkpoint.py --tiny --layers 1 --saves 1   # the smoke test
 
 Builds the SmolLM2 job's actor on this rank (megatron GPTModel of SmolLM2-135M-Instruct's shape,
 random weights, fp32, the distributed optimizer with its Adam state materialised, as a save after
@@ -66,6 +67,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--saves", type=int, default=2)
     ap.add_argument("--layers", type=int, default=SMOLLM2["num_hidden_layers"])
+    ap.add_argument("--tiny", action="store_true", help="a tiny model of the same family (the smoke test)")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile one more save; print the top N")
     ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
     args = ap.parse_args(argv)
@@ -81,6 +83,8 @@ def main(argv=None) -> None:
     from mrl.platform.config import ParallelConfig, PlatformConfig
 
     hf = dict(SMOLLM2, num_hidden_layers=args.layers)
+    if args.tiny:
+        hf.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
     parallel = ParallelConfig(distributed_optimizer=True)
     work = Path(args.dir or tempfile.mkdtemp(prefix="mrl-ckpt-bench-"))
     with platform.setup(PlatformConfig(device="cpu", nodes=1, ranks_per_node=1), parallel, seed=1):
@@ -114,7 +118,7 @@ def main(argv=None) -> None:
             plain_s.append(time.perf_counter() - t0)
         plain_bytes = (work / "plain.pt").stat().st_size
         load1 = os.getloadavg()
-        print(f"checkpoint save: SmolLM2-135M shape ({args.layers} layers, {params / 1e6:.1f}M params, fp32, "
+        print(f"checkpoint save: {'a tiny' if args.tiny else 'SmolLM2-135M'} shape ({args.layers} layers, {params / 1e6:.1f}M params, fp32, "
               f"distributed optimizer, 1 rank); {args.saves} saves each; load average {load0[0]:.2f} "
               f"(after: {load1[0]:.2f})")
         print(f"  {'what':<16} {'best s':>8} {'mean s':>8} {'MB written':>11} {'MB/s':>8}")
