@@ -3,7 +3,8 @@
 A `Checksum` is (algorithm, digest, byte count) over the tensor's raw bytes:
 
 - `"xxh3"` (host memory): xxHash's XXH3-128 of the bytes, read in place through a zero-copy
-  view (about 40 GB/s on one core of the dev machine).
+  view (up to about 40 GB/s on one core of the dev machine; 3-22 GB/s measured there under a
+  load average of 6-18, `tools/bench/checksum.py`).
 - `"wsum32"` (device memory): the position-weighted word sum of the bytes read as little-endian
   32-bit words w_0 .. w_{n-1} (zero-padded to a whole word): S = sum(w_i) and
   W = sum((i + 1) * w_i), both modulo 2**32, digest S + 2**32 * W. On CUDA one fused Triton
