@@ -9,7 +9,7 @@ in the layout, so they are restored only when the layout is the one that saved t
 Atomicity and retention are `mrl.checkpoint.store`'s: ranks write into a temporary directory,
 rank 0 fsyncs, renames and moves `latest`, then prunes to `keep_last`. Integrity is
 `mrl.checkpoint.manifest`'s: the last file of a save lists every other file with its size and
-SHA-256; `verify` checks it before a load, and `find_resumable` skips a damaged newest
+hash (XXH3-128); `verify` checks it before a load, and `find_resumable` skips a damaged newest
 checkpoint for the newest intact one, saying in one line what was wrong. Nothing is unpickled
 into arbitrary objects: RNG states are tensors and numbers, read with `weights_only=True`;
 `common.pt` and torch's `.metadata` are read by `mrl.checkpoint.trust`'s restricted readers

@@ -6,9 +6,17 @@ The embedded default on CPU. It runs its own decoding loop over the model's KV c
 prompts are batched). Prompts are left-padded; positions count real tokens only, so a padded row
 computes what it would alone. Weights arrive from the trainer's stream and are copied into the
 existing parameters (no second copy of the model).
+
+The n responses of a prompt share its prefill: each distinct prompt of a batch is run through
+the model once and its KV cache (and last-position logits) copied to its n rows before decoding
+(`share_prefill`; with 8 responses per prompt the prefill does an eighth of the work).
+`stage_seconds`, when set to a dict, accumulates the wall time of each stage of `generate`
+(`prefill`, `decode` forward calls, `sampling`, `logprobs`, `bookkeeping`) for benchmarks.
 """
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from typing import Any, Optional, Sequence
 
 import torch
@@ -34,8 +42,10 @@ class HFEngine(RolloutEngine):
     """Rollouts from a `transformers` causal LM held in this process."""
 
     def __init__(self, model: torch.nn.Module, *, seed: int = 0, eos_token_ids: Optional[Sequence[int]] = None,
-                 max_num_seqs: int = 256):
+                 max_num_seqs: int = 256, share_prefill: bool = True):
         self.model = model.eval()
+        self.share_prefill = share_prefill
+        self.stage_seconds: Optional[dict[str, float]] = None   # a dict: per-stage wall time accumulates
         self.device = next(model.parameters()).device
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else eos_ids_of(model)
         self.max_num_seqs = max_num_seqs
@@ -134,6 +144,43 @@ class HFEngine(RolloutEngine):
             if routes is not None:
                 routes.__exit__(None, None, None)
 
+    @contextmanager
+    def _stage(self, name: str):
+        """Accumulate the wall time of a stage into `stage_seconds` (when it is a dict)."""
+        if self.stage_seconds is None:
+            yield
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def _prefill(self, ids, mask, positions, prompt_index, routes):
+        """The prompts' forward pass: (last-position logits [B, 1, V], KV cache, prefill routes or
+        None). With `share_prefill`, each distinct prompt runs once and its cache rows are copied to
+        the rows that share it (a row's numbers are those of its prompt alone either way: left
+        padding to the same width, positions counting real tokens only)."""
+        B, width = ids.shape
+        first: dict[int, int] = {}
+        inverse = [first.setdefault(i, len(first)) for i in prompt_index]
+        if not self.share_prefill or len(first) == B:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                             logits_to_keep=1)
+            return out.logits, out.past_key_values, (routes.take(B, width) if routes is not None else None)
+        rows = torch.tensor([inverse.index(u) for u in range(len(first))], device=ids.device)
+        expand = torch.tensor(inverse, device=ids.device)
+        out = self.model(input_ids=ids[rows], attention_mask=mask[rows], position_ids=positions[rows],
+                         use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        cache.reorder_cache(expand)   # index_select on the batch dimension: row r gets its prompt's cache
+        taken = routes.take(len(first), width) if routes is not None else None
+        return out.logits[expand], cache, (taken[expand.to(taken.device)] if taken is not None else None)
+
     def _decode(self, ids, mask, positions, prompts, prompt_index, gens, seen, stop, sampling, routes):
         """The decoding loop of `_generate_batch`; with `routes` (a `RouteCapture`) each response
         gets the experts of its prompt tokens (prefill) and of each response token (the call that
@@ -145,39 +192,38 @@ class HFEngine(RolloutEngine):
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         stopped = torch.zeros(B, dtype=torch.bool, device=dev)
 
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        fed = [routes.take(B, width)] if routes is not None else []   # [B, tokens, L, k] per call
-        cache, next_pos = out.past_key_values, positions[:, -1] + 1
+        with self._stage("prefill"):
+            last_logits, cache, prefill_routes = self._prefill(ids, mask, positions, prompt_index, routes)
+        fed = [prefill_routes] if routes is not None else []   # [B, tokens, L, k] per call
+        next_pos = positions[:, -1] + 1
         for t in range(sampling.max_tokens):
-            logits = out.logits[:, -1, :self.vocab_size]
-            z = process_logits(logits, sampling, seen)
-            logp_all = torch.log_softmax(z, dim=-1)
-            if sampling.greedy:
-                tok = z.argmax(dim=-1)
-            else:
-                probs = logp_all.exp()
-                tok = torch.cat([torch.multinomial(probs[r], 1, generator=gens[r]) for r in range(B)])
-            if sampling.logprobs_mode == "raw_logprobs":
-                lp = reported_logprobs(logits, tok, sampling, seen)
-            else:
-                lp = logp_all.gather(-1, tok[:, None]).squeeze(-1)
-            live = ~done
-            tokens[:, t] = torch.where(live, tok, tokens[:, t])
-            logps[:, t] = torch.where(live, lp, logps[:, t])
-            lengths += live.long()
-            hit = live & torch.isin(tok, stop)
-            stopped |= hit
-            done |= hit
-            if bool(done.all()) or t + 1 == sampling.max_tokens:
+            with self._stage("sampling"):
+                logits = last_logits[:, -1, :self.vocab_size]
+                z = process_logits(logits, sampling, seen)
+                logp_all = torch.log_softmax(z, dim=-1)
+                if sampling.greedy:
+                    tok = z.argmax(dim=-1)
+                else:
+                    probs = logp_all.exp()
+                    tok = torch.cat([torch.multinomial(probs[r], 1, generator=gens[r]) for r in range(B)])
+            with self._stage("logprobs"):
+                if sampling.logprobs_mode == "raw_logprobs":
+                    lp = reported_logprobs(logits, tok, sampling, seen)
+                else:
+                    lp = logp_all.gather(-1, tok[:, None]).squeeze(-1)
+            with self._stage("bookkeeping"):
+                stop_now = self._record(t, tok, lp, tokens, logps, lengths, done, stopped, stop, sampling)
+            if stop_now:
                 break
             if seen is not None:
                 seen[torch.arange(B, device=dev), tok] = True
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=dev)], dim=1)
-            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                             past_key_values=cache, use_cache=True)
+            with self._stage("decode"):
+                out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                                 past_key_values=cache, use_cache=True)
             if routes is not None:
                 fed.append(routes.take(B, 1))
-            cache, next_pos = out.past_key_values, next_pos + 1
+            last_logits, cache, next_pos = out.logits, out.past_key_values, next_pos + 1
         if routes is not None:   # the last sampled tokens, fed once for their routes alone
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=dev)], dim=1)
             self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
@@ -194,6 +240,18 @@ class HFEngine(RolloutEngine):
                                       routes=None if routes is None else
                                       torch.cat([fed[0][r, width - len(prompts[r]):], decoded[r, :n]])))
         return responses
+
+    @staticmethod
+    def _record(t, tok, lp, tokens, logps, lengths, done, stopped, stop, sampling) -> bool:
+        """Store step `t`'s tokens and log-probs for the rows still live; True when decoding ends."""
+        live = ~done
+        tokens[:, t] = torch.where(live, tok, tokens[:, t])
+        logps[:, t] = torch.where(live, lp, logps[:, t])
+        lengths += live.long()
+        hit = live & torch.isin(tok, stop)
+        stopped |= hit
+        done |= hit
+        return bool(done.all()) or t + 1 == sampling.max_tokens
 
     @torch.no_grad()
     def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:

@@ -2,7 +2,8 @@
 
 `WeightSender` turns the exporter's stream of full HF-named tensors into `Bucket`s for one engine.
 Every bucket carries the policy version, its position in the sync and a checksum per payload
-(`mrl.weights.verify.checksum`, computed where the exported tensor lives); the sync ends with an
+(`mrl.weights.verify.checksum`: one pass over the bytes where the exported tensor lives, xxh3 in
+host memory, a fused wsum32 kernel on the GPU); the sync ends with an
 `End` marker naming every bucket's tensors, so the receiver can name what a lost bucket held.
 
 `rollout.weight_sync.mode = "delta"`: the sender keeps what the engine holds, a host copy of every
@@ -20,8 +21,10 @@ bias with its weight, arrive together or not at all). In a delta sync, when one 
 changed, the unit's other tensors go too, whole (their new bytes equal the held ones).
 
 `mode = "full"` keeps no copy, only each tensor's checksum (what the periodic full verification
-compares the engine's weights with); delta keeps both, the checksums updated as syncs go
-(`mrl.weights.verify.checksum_update` for sparse tensors), so a verification never rehashes the copy.
+compares the engine's weights with); delta keeps both, the checksums updated as syncs go: a whole
+tensor's is its payload's, a sparse one's is updated from the words its changed elements sit in
+(`mrl.weights.verify.checksum_update`: wsum32 is linear; an xxh3 sum, a host tensor's, is
+rehashed), so a verification never rehashes the copy.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ class Item:
     shape: tuple[int, ...]
     values: torch.Tensor
     indices: Optional[torch.Tensor] = None
-    checksum: Checksum = (0, 0, 0)
+    checksum: Optional[Checksum] = None
 
     @property
     def sparse(self) -> bool:
@@ -55,13 +58,15 @@ class Item:
         n = self.values.numel() * self.values.element_size()
         return n + (self.indices.numel() * self.indices.element_size() if self.indices is not None else 0)
 
-    def payload_checksum(self) -> Checksum:
-        """What the receiver recomputes: the values' checksum, folded with the indices' if sparse."""
-        values = checksum(self.values)
-        if self.indices is None:
-            return values
-        index = checksum(self.indices)
-        return tuple((a + 31 * b) & ((1 << 64) - 1) for a, b in zip(values, index))
+    @property
+    def payloads(self) -> tuple[torch.Tensor, ...]:
+        """What travels: the values, then the indices if sparse."""
+        return (self.values,) if self.indices is None else (self.values, self.indices)
+
+    def payload_checksum(self, algorithm: Optional[str] = None) -> Checksum:
+        """The checksum of the payloads as one byte stream (what the receiver recomputes, with the
+        algorithm of the checksum it was sent)."""
+        return checksum(*self.payloads, algorithm=algorithm or (self.checksum[0] if self.checksum else None))
 
 
 @dataclass
@@ -246,7 +251,8 @@ class WeightSender:
 def pack(msg: Bucket | End) -> tuple[bytes, Optional[torch.Tensor]]:
     """A message as (JSON header, one flat uint8 buffer of its payloads or None) for a byte
     transport such as the trainer/rollout bridge (one object broadcast, one tensor broadcast).
-    The checksums travel in the header, so the receiver checks what the buffer delivered. The
+    The checksums travel in the header, so the receiver checks what the buffer delivered (xxh3 of
+    the host bytes that cross, whatever the sender's tensors hashed with on their device). The
     header is plain JSON, never a pickle: the receiver decodes it without running code."""
     import json
 
@@ -255,10 +261,12 @@ def pack(msg: Bucket | End) -> tuple[bytes, Optional[torch.Tensor]]:
     meta, parts = [], []
     for it in msg.items:
         tensors = [it.values] + ([it.indices] if it.indices is not None else [])
-        meta.append((it.name, it.shape, it.checksum,
-                     [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]))
-        for t in tensors:   # each payload starts 8-byte aligned, so the receiver can view it in place
-            raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+        raws = [t.detach().contiguous().reshape(-1).view(torch.uint8).cpu() for t in tensors]
+        # the bytes that cross are host bytes: a device checksum is replaced by theirs, which the
+        # receiver checks at host speed (the device sum stays the sender's, for the verification)
+        sums = it.checksum if it.checksum is None or it.checksum[0] == "xxh3" else checksum(*raws, algorithm="xxh3")
+        meta.append((it.name, it.shape, sums, [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]))
+        for raw in raws:   # each payload starts 8-byte aligned, so the receiver can view it in place
             parts += [raw, torch.zeros(-raw.numel() % 8, dtype=torch.uint8)]
     flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
     return json.dumps(["bucket", msg.version, msg.index, meta]).encode(), flat

