@@ -7,6 +7,7 @@ or state damaged). The fast test runs every case in-process and prints `FAULT <n
 and the totals; the slow one drives `mrl train` (resume and `checkpoint.load_from`) end to end."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -224,6 +225,10 @@ def test_train_resume_and_load_from_run_no_code_from_a_crafted_checkpoint(tmp_pa
             victim = tmp_path / name / "checkpoints" / "actor" if how == "resume" else tmp_path / f"{name}_ckpt"
             shutil.copytree(src, victim)
             _plant(victim / "step_00000001", which, marker)
+            if how == "resume":   # the attacker rewrites the manifest's job too: the payload must still not run
+                body = json.loads((victim / "step_00000001" / "manifest.json").read_text())
+                body["job"] = {"name": name, "run_dir": str((tmp_path / name).resolve())}
+                (victim / "step_00000001" / "manifest.json").write_text(json.dumps(body))
             extra = [f"checkpoint.load_from={victim}"] if how == "load_from" else []
             proc = _train(tmp_path, f"job.name={name}", "trainer.total_steps=2", *extra)
             errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
