@@ -36,7 +36,7 @@ CONSTRAINT=()
 "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 # mrl itself (editable) and the test runner. --no-deps would leave megatron-core out; let the
 # constraints decide every version instead.
-"$PY" -m pip install --quiet "${CONSTRAINT[@]}" -e . pytest pytest-timeout
+"$PY" -m pip install --quiet "${CONSTRAINT[@]}" -e . pytest pytest-timeout hypothesis
 "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 "$PY" -c 'import vllm, transformers, mrl; print("vllm", vllm.__version__, "transformers", transformers.__version__)'
 
