@@ -56,6 +56,19 @@ def gsm8k(response: str, ground_truth: Any) -> float:
 
 
 # ---------------------------------------------------------------- MATH (Hendrycks)
+def _closing_brace(text: str, start: int) -> int | None:
+    """The index of the `}` that closes the first `{` at or after `start`, or None (unbalanced)."""
+    depth = 0
+    for j in range(start, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return j
+    return None
+
+
 def hendrycks_last_boxed(text: str) -> str | None:
     """The last `\\boxed{...}` with its braces (or `\\boxed xyz` up to a `$`, or the last `\\fbox{...}`)."""
     if "\\boxed " in text:
@@ -65,15 +78,8 @@ def hendrycks_last_boxed(text: str) -> str | None:
         start = text.rfind("\\fbox")
         if start < 0:
             return None
-    depth = 0
-    for j in range(start, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:j + 1]
-    return None
+    end = _closing_brace(text, start)
+    return None if end is None else text[start:end + 1]
 
 
 def unbox(boxed: str) -> str:
@@ -140,15 +146,8 @@ def dapo_last_boxed(text: str) -> str | None:
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
-    depth = 0
-    for j in range(start, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + len("\\boxed{"):j]
-    return None
+    end = _closing_brace(text, start)
+    return None if end is None else text[start + len("\\boxed{"):end]
 
 
 def math_dapo(response: str, ground_truth: Any) -> dict:
