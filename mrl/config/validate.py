@@ -347,6 +347,9 @@ def check(spec: JobSpec, report) -> None:
         err("distill.model_path" if alg.advantage == "distill" else "algorithm.advantage",
             "algorithm.advantage = 'distill' needs a teacher: set distill.model_path" if alg.advantage == "distill"
             else f"distill.model_path names a teacher, read only by algorithm.advantage = 'distill', not {alg.advantage!r}")
+    elif alg.advantage == "distill":
+        from mrl.train.teacher import teacher_problems   # what mrl train refuses when it builds the teacher
+        [err("distill.model_path", problem) for problem in teacher_problems(spec)]
     if alg.advantage == "distill" and spec.distill.estimator == "full" and (spec.parallel.pipeline > 1
                                                                           or spec.parallel.virtual_pipeline):
         err("distill.estimator", "'full' runs the teacher inside the student's last pipeline stage; needs "

@@ -114,3 +114,11 @@ def model_facts(path: str) -> ModelFacts | None:
     if path in KNOWN_MODELS:
         return facts_from_hf_config(KNOWN_MODELS[path], f"mrl's table of known models ({path})")
     return None
+
+
+def has_hf_weights(path) -> bool:
+    """Whether `path` is a local Hugging Face directory with safetensors weights (not a preset or a config only)."""
+    from pathlib import Path
+
+    return bool(path) and builtin_preset(path) is None and Path(path).is_dir() and (
+        (Path(path) / "model.safetensors").is_file() or (Path(path) / "model.safetensors.index.json").is_file())

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from mrl.config.job import JobSpec
-from mrl.models.facts import builtin_preset
+from mrl.models.facts import has_hf_weights, builtin_preset
 from mrl.platform.device import DTYPES
 from mrl.train.parts import Generation, Learner, PrecomputedScores, Prompts, Run
 from mrl.train.plan import StepPlan, step_plan
@@ -27,9 +27,7 @@ from mrl.train.plan import StepPlan, step_plan
 log = logging.getLogger(__name__)
 
 
-def _has_weights(path: Optional[str]) -> bool:
-    return bool(path) and builtin_preset(path) is None and Path(path).is_dir() and (
-        (Path(path) / "model.safetensors").is_file() or (Path(path) / "model.safetensors.index.json").is_file())
+_has_weights = has_hf_weights
 
 
 def role_chunks(role: str, spec: JobSpec, hf: dict, device: str, recompute: str = "none") -> list:
@@ -313,27 +311,18 @@ def build_teacher(spec: JobSpec, device: str, tokenizer, student_vocab: int):
     from mrl.models.roles import build_role_model
     from mrl.errors import UserError
     from mrl.models.tokenizer import load_tokenizer
-    from mrl.train.teacher import Teacher
+    from mrl.train.teacher import Teacher, teacher_problems
 
     cfg = spec.distill
     model = dataclasses.replace(spec.model, path=cfg.model_path, tokenizer=None)
-    if not _has_weights(cfg.model_path):
-        raise UserError(f"distill.model_path: {cfg.model_path!r} holds no weights (a teacher must be a trained "
-                        "checkpoint)")
-    theirs = load_tokenizer(model)
-    if theirs.get_vocab() != tokenizer.get_vocab():
-        raise UserError(f"distill.model_path: the teacher's tokenizer ({len(theirs.get_vocab())} tokens) differs from "
-                        f"the student's ({len(tokenizer.get_vocab())}); distillation reads the teacher at the "
-                        "student's token ids, so they must share one")
+    problems = teacher_problems(spec, tokenizer, student_vocab)
+    if problems:
+        raise UserError(f"distill.model_path: {problems[0]}")
     hf = hf_config(model)
     vpp = spec.parallel.virtual_pipeline
     chunks = [build_role_model("ref", hf, spec.parallel, dtype=cfg.dtype, device=device, vp_stage=i if vpp else None,
                                attention=spec.model.attention, fused=spec.model.use_fused_kernels)
               for i in range(vpp or 1)]
-    if cfg.estimator == "full" and hf["vocab_size"] != student_vocab:
-        raise UserError(f"distill.model_path: the teacher's vocabulary size {hf['vocab_size']} differs from the "
-                        f"student's {student_vocab}; distill.estimator = 'full' compares their whole distributions "
-                        "shard by shard (use 'sampled')")
     load_weights(chunks, cfg.model_path, hf, "ref")
     return Teacher(engine=Engine(chunks, name="teacher"), vocab_size=int(hf["vocab_size"]))
 

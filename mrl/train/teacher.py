@@ -19,7 +19,7 @@ import torch
 
 from mrl.batch import Batch
 
-__all__ = ["Teacher", "teacher_logprobs", "teacher_rows"]
+__all__ = ["Teacher", "teacher_logprobs", "teacher_rows", "teacher_problems"]
 
 
 @dataclasses.dataclass
@@ -57,3 +57,32 @@ def teacher_rows(teacher: Teacher):
                                      tp_rank=torch.distributed.get_rank(group) if group else 0)
 
     return fn
+
+
+def teacher_problems(spec, tokenizer=None, student_vocab=None) -> list[str]:
+    """What `build_teacher` refuses, found before any model is built (`mrl validate` asks too):
+    a teacher with no weights, another tokenizer (its log-probs are read at the student's token
+    ids), or another vocabulary size with `distill.estimator = "full"`. `tokenizer` and
+    `student_vocab` are the student's (loaded from `spec.model` when not given)."""
+    from mrl.models.facts import has_hf_weights
+    from mrl.models.megatron import hf_config
+    from mrl.models.tokenizer import load_tokenizer
+
+    cfg = spec.distill
+    if not has_hf_weights(cfg.model_path):
+        return [f"{cfg.model_path!r} holds no weights (a teacher must be a trained checkpoint)"]
+    teacher = dataclasses.replace(spec.model, path=cfg.model_path, tokenizer=None)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec.model)
+    theirs = load_tokenizer(teacher)
+    problems = []
+    if theirs.get_vocab() != tokenizer.get_vocab():
+        problems.append(f"the teacher's tokenizer ({len(theirs.get_vocab())} tokens) differs from the student's "
+                        f"({len(tokenizer.get_vocab())}); distillation reads the teacher at the student's token ids, "
+                        "so they must share one")
+    if cfg.estimator == "full":
+        student_vocab = student_vocab if student_vocab is not None else int(hf_config(spec.model)["vocab_size"])
+        if hf_config(teacher)["vocab_size"] != student_vocab:
+            problems.append(f"the teacher's vocabulary size {hf_config(teacher)['vocab_size']} differs from the "
+                            f"student's {student_vocab}; distill.estimator = 'full' compares their whole "
+                            "distributions shard by shard (use 'sampled')")
+    return problems

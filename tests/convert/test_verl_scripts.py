@@ -50,7 +50,7 @@ EXPECTED: dict[str, object] = {
     "v090__grpo_trainer_run_gpt_oss_20b_fsdp.sh": ("invalid", "is above parallel.tensor 1: a colocated sglang server"),
     "v090__sft_gsm8k_run_qwen3_8b_fsdp.sh": ("refused", "verl's SFT trainer"),
     "v090__generation_run_deepseek_llm_7b.sh": ("refused", "use `mrl generate`"),
-    "v090__on_policy_distillation_trainer_run_qwen3_8b_fsdp.sh": "valid",
+    "v090__on_policy_distillation_trainer_run_qwen3_8b_fsdp.sh": ("invalid", "distill.model_path"),
     "v090__mtp_trainer_run_mimo_7b_mtp_fully_async_megatron_multinode.sh": ("refused", "fully asynchronous trainer"),
     "v090__ascend_extras_grpo_trainer_run_qwen3_30b_a3b_megatron.sh": ("refused", "Ascend NPUs"),
     "recipe__dapo_test_dapo_7b_math.sh": ("invalid", "each data-parallel rank trains whole prompts"),

@@ -73,3 +73,21 @@ def test_teacher_with_another_tokenizer_or_no_weights_is_refused(platform, tmp_p
         build_teacher(_spec(tmp_path), "cpu", byte_tokenizer(), 512)
     with pytest.raises(UserError, match="holds no weights"):
         build_teacher(_spec("builtin:tiny-qwen2"), "cpu", byte_tokenizer(), 512)
+
+
+def test_validate_refuses_the_teacher_train_would_refuse(tmp_path):
+    """`mrl validate` asks the same `teacher_problems` as `build_teacher`: another tokenizer is one
+    line naming distill.model_path, before any model is built."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    other = copy.deepcopy(byte_tokenizer())
+    other.add_tokens(["<think>"])
+    _teacher_dir(tmp_path, tokenizer=other)
+    proc = subprocess.run([sys.executable, "-m", "mrl", "validate", str(REPO_JOB), "platform.ranks_per_node=1",
+                           "parallel.tensor=1", "algorithm.advantage=distill", f"distill.model_path={tmp_path}"],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    assert "distill.model_path: the teacher's tokenizer (" in errors[0] and "Traceback" not in proc.stderr
