@@ -175,7 +175,7 @@ def check_shared(spec, report):
     if plat.device == "cpu" and par.sequence_parallel:
         err("parallel.sequence_parallel", "needs Transformer Engine or apex norms, which the cpu platform does not have")
     try:
-        resolve_backend(spec.model.attention, plat.device)
+        resolve_backend(spec.model.attention, plat.device, par.context)
     except UserError as e:
         err("model.attention", str(e).removeprefix("model.attention: "))
 
@@ -196,8 +196,6 @@ def check_shared(spec, report):
                                f"world / pipeline = {world} / {par.pipeline} = {world // par.pipeline}")
     if par.virtual_pipeline is not None and par.pipeline == 1:
         err("parallel.virtual_pipeline", f"needs parallel.pipeline > 1 (it is 1), got virtual_pipeline {par.virtual_pipeline}")
-    if par.context > 1:  # the engine refuses it (packed sequences would need per-sequence CP splitting)
-        err("parallel.context", f"{par.context}: context parallelism is not supported by the training engine yet; set it to 1")
 
     # --- model facts
     facts = model_facts(spec.model.path)
@@ -258,10 +256,16 @@ def check(spec: JobSpec, report) -> None:
 
     for key, message in plan_problems(spec):
         err(key, message)
+    from mrl.models.context_parallel import tokens_per_rank   # the engine's CP chunking
+
+    per_rank = tokens_per_rank(seq_tokens, par.context)
     for key, tokens in budgets:
-        if tokens is not None and tokens * par.context < seq_tokens:
-            err(key, f"{tokens} tokens x context {par.context} cannot hold one sequence of data.max_prompt_tokens "
-                     f"{data.max_prompt_tokens} + rollout.max_response_tokens {roll.max_response_tokens} = {seq_tokens} tokens")
+        if tokens is not None and tokens < per_rank:
+            how = (f", in {2 * par.context} chunks of which each of the {par.context} context-parallel ranks holds 2: "
+                   f"{per_rank} tokens per rank" if par.context > 1 else "")
+            err(key, f"{tokens} tokens per rank cannot hold one sequence of data.max_prompt_tokens "
+                     f"{data.max_prompt_tokens} + rollout.max_response_tokens {roll.max_response_tokens} = "
+                     f"{seq_tokens} tokens{how}")
 
     # --- rollout engine layout and lengths
     from mrl.rollout.layout import rollout_layout_problems   # the rule mrl train applies

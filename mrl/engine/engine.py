@@ -111,8 +111,15 @@ class Engine:
 
     def micro_batches(self, batch: Batch, budget: int, budget_name: str) -> list[MicroBatch]:
         """Token-balanced packed micro-batches of this rank's `batch`; every DP rank gets the same
-        number (the largest any rank needs), which keeps their work balanced."""
+        number (the largest any rank needs), which keeps their work balanced. `budget` is tokens
+        per rank: under CP a micro-batch holds up to `budget x N` tokens of sequences padded to
+        2N chunks, `budget` on each CP rank."""
         lengths = batch.sequence_lengths.tolist()
+        if self.cp > 1:   # the budget is per CP rank; every sequence is padded to 2N chunks
+            from mrl.models.context_parallel import padded_length
+
+            lengths = [padded_length(n, self.cp) for n in lengths]
+            budget, budget_name = budget * self.cp, f"{budget_name} x parallel.context {self.cp}"
         plan = packing.plan(lengths, budget, min_micro_batches=1, budget_name=budget_name)
         count = torch.tensor([len(plan), self.pp if self.pp > 1 else 1], dtype=torch.long, device=self.device)
         if self.dp > 1:

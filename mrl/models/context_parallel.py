@@ -43,13 +43,18 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["CPLayout", "layout", "padded_length", "gather_rows", "gather_tokens", "attention"]
+__all__ = ["CPLayout", "layout", "padded_length", "tokens_per_rank", "gather_rows", "gather_tokens", "attention"]
 
 
 def padded_length(length: int, cp: int) -> int:
     """`length` rounded up to a multiple of 2 * cp (the 2N chunks of one sequence)."""
     unit = 2 * cp
     return -(-int(length) // unit) * unit
+
+
+def tokens_per_rank(length: int, cp: int) -> int:
+    """Tokens one CP rank holds of a sequence of `length`: two chunks of its 2N."""
+    return padded_length(length, cp) // cp
 
 
 @dataclasses.dataclass

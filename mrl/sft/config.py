@@ -94,7 +94,7 @@ VERL_SFT_NOT_APPLICABLE: dict[str, str] = {
     "data.pad_mode": _SFT_TOKEN_BUDGET,
     "use_remove_padding": _SFT_TOKEN_BUDGET,
     "data.balance_dp_token": "each DP rank packs its own share of the step's examples into token-budget micro-batches",
-    "ulysses_sequence_parallel_size": "context parallelism is not in the engine yet",
+    "ulysses_sequence_parallel_size": "not converted for SFT jobs: set parallel.context (context parallelism) by hand",
 }
 
 
@@ -174,10 +174,13 @@ def check(spec: SFTJobSpec, report) -> None:
     dp, facts = check_shared(spec, report)
     if dp and sft.examples_per_step % dp:
         err("sft.examples_per_step", f"{sft.examples_per_step} examples do not split evenly over data-parallel size {dp} "
-                                     f"(world size {world} / (tensor {par.tensor} x pipeline {par.pipeline}))")
-    if sft.micro_batch_tokens < sft.max_tokens:
-        err("sft.micro_batch_tokens", f"{sft.micro_batch_tokens} tokens cannot hold one example of sft.max_tokens "
-                                      f"{sft.max_tokens}")
+                                     f"(world size {world} / (tensor {par.tensor} x pipeline {par.pipeline} x context {par.context}))")
+    from mrl.models.context_parallel import tokens_per_rank   # the engine's CP chunking
+
+    if sft.micro_batch_tokens < tokens_per_rank(sft.max_tokens, par.context):
+        err("sft.micro_batch_tokens", f"{sft.micro_batch_tokens} tokens per rank cannot hold one example of sft.max_tokens "
+                                      f"{sft.max_tokens}" + (f" ({tokens_per_rank(sft.max_tokens, par.context)} per rank "
+                                                             f"of parallel.context {par.context})" if par.context > 1 else ""))
     defaults = DataConfig()
     for key in RL_ONLY_DATA_KEYS:
         if getattr(data, key) != getattr(defaults, key):

@@ -58,6 +58,15 @@ class StepPlan:
     actor: Updates
     critic: Optional[Updates]    # None without a critic
     on_policy: bool = False      # see `on_policy`: old log-probs come from the update's own forward
+    context: int = 1             # context-parallel ranks (parallel.context): each sequence in 2N chunks
+    longest_sequence: int = 0    # data.max_prompt_tokens + rollout.max_response_tokens
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens of the longest sequence on one context-parallel rank (two of its 2N chunks)."""
+        from mrl.models.context_parallel import tokens_per_rank
+
+        return tokens_per_rank(self.longest_sequence, self.context)
 
     @property
     def responses_per_step(self) -> int:
@@ -155,4 +164,5 @@ def step_plan(spec) -> StepPlan:
                     prompts_per_rank=prompts // dp, responses_per_prompt=roll.responses_per_prompt,
                     engine_ranks=1 if roll.mode == "server" else roll.tensor_parallel * roll.pipeline_parallel, separate=roll.placement == "separate",
                     actor=actor, critic=updates(spec.critic) if spec.critic.enable else None,
-                    on_policy=on_policy(spec, actor))
+                    on_policy=on_policy(spec, actor), context=par.context,
+                    longest_sequence=data.max_prompt_tokens + roll.max_response_tokens)
