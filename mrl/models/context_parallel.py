@@ -47,13 +47,17 @@ __all__ = ["CPLayout", "layout", "padded_length", "tokens_per_rank", "gather_row
 
 
 def padded_length(length: int, cp: int) -> int:
-    """`length` rounded up to a multiple of 2 * cp (the 2N chunks of one sequence)."""
+    """`length` rounded up to a multiple of 2 * cp (the 2N chunks of one sequence); `length`
+    itself without context parallelism (cp = 1)."""
+    if cp == 1:
+        return int(length)
     unit = 2 * cp
     return -(-int(length) // unit) * unit
 
 
 def tokens_per_rank(length: int, cp: int) -> int:
-    """Tokens one CP rank holds of a sequence of `length`: two chunks of its 2N."""
+    """Tokens one CP rank holds of a sequence of `length`: two chunks of its 2N (the whole
+    sequence at cp = 1)."""
     return padded_length(length, cp) // cp
 
 

@@ -56,6 +56,23 @@ def test_update_epochs_mini_batches_shuffle_equal_steps_by_hand():
     _run("update_equivalence.py", expect={"update_vs_by_hand": 0.0})
 
 
+def test_context_parallel_2_equals_1_grads_grpo_bf16_and_resume(tmp_path):
+    """One launch: CP2 == CP1 (loss, gradients, eval log-probs; token-mean PPO and seq-mean GSPO)
+    on packed uneven batches, two GRPO updates, a CP2 -> CP1 resume, and bf16 (scripts/cp_equivalence.py)."""
+    g = 1e-6
+    informational = 1e-1   # bf16 differences: printed; the ratios below are the criteria
+    _run("cp_equivalence.py", str(tmp_path / "ckpt"), expect={
+        "cp2_eval_logprobs": 1e-5, "cp1_fp32_vs_naive_grads": g,
+        **{f"cp2_{loss}_mb{k}_{what}": g for loss in ("ppo", "gspo") for k in (1, 3) for what in ("loss", "grads")},
+        **{f"grpo_cp2_vs_cp1_{what}": g for what in ("loss", "grad_norm", "params")},
+        **{f"resume_cp2_to_cp1_{what}": g for what in ("loss", "grad_norm", "lr", "params")},
+        **{f"bf16_{what}": informational for what in ("noise_floor_loss", "noise_floor_grads", "cp2_vs_cp1_loss",
+                                                     "cp2_vs_cp1_grads", "cp1_vs_fp32_loss", "cp1_vs_fp32_grads",
+                                                     "cp2_vs_fp32_loss", "cp2_vs_fp32_grads")},
+        "bf16_cp2_error_over_cp1_error_grads": 1.25, "bf16_cp2_error_over_cp1_error_loss": 1.25,
+        "bf16_cp2_vs_cp1_over_cp1_error_grads": 2.0})
+
+
 def test_moe_expert_parallel_2_equals_1():
     _run("moe_equivalence.py", expect={"moe_ep2_loss": 1e-6, "moe_ep2_grad_norm": 1e-6, "moe_ep2_params": 1e-6})
 
