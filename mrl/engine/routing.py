@@ -247,7 +247,8 @@ class RouterHooks:
                 torch.distributed.all_gather(parts, local.contiguous(), group=self.tp_group)
                 local = torch.cat(parts)
             row[:, layer] = local.cpu()
-        row = mb.whole_row(row.to(mb.tokens.device)).cpu()   # sequences back to back (gathered over CP)
+        # sequences back to back (gathered over CP; int32 on the wire, which every backend takes)
+        row = mb.whole_row(row.to(mb.tokens.device, torch.int32)).to(ROUTE_DTYPE).cpu()
         sub = mb.batch
         prompt, response = unpack_row(row, sub.prompt_lengths.tolist(), sub["response_lengths"].tolist(),
                                       sub["prompt_ids"].shape[1], sub.response_width)
