@@ -178,7 +178,7 @@ def check(spec: SFTJobSpec, report) -> None:
     from mrl.models.context_parallel import tokens_per_rank   # the engine's CP chunking
 
     if sft.micro_batch_tokens < tokens_per_rank(sft.max_tokens, par.context):
-        err("sft.micro_batch_tokens", f"{sft.micro_batch_tokens} tokens per rank cannot hold one example of sft.max_tokens "
+        err("sft.micro_batch_tokens", f"{sft.micro_batch_tokens} tokens cannot hold one example of sft.max_tokens "
                                       f"{sft.max_tokens}" + (f" ({tokens_per_rank(sft.max_tokens, par.context)} per rank "
                                                              f"of parallel.context {par.context})" if par.context > 1 else ""))
     defaults = DataConfig()
