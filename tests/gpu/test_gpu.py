@@ -177,6 +177,20 @@ def test_context_parallel_varlen_attention_matches_causal_attention_on_cuda(dtyp
             assert err <= tol, (n, name, err)
 
 
+def test_tensor_2_x_context_2_on_four_ranks_equals_one_naive_call():
+    """TP2 x CP2 (4 gloo ranks on the GPU machine's CPU cores; the CPU CI machine has 2): eval
+    log-probs, loss and every gradient shard equal one naive whole-batch call (scripts/cp_tp_equivalence.py)."""
+    import re
+
+    from tests.dist_util import run_torchrun
+
+    proc = run_torchrun(REPO / "tests" / "engine" / "scripts" / "cp_tp_equivalence.py", nproc=4, timeout=600)
+    diffs = {m.group(1): float(m.group(2)) for m in re.finditer(r"^MAXDIFF (\S+) (\S+)$", proc.stdout, re.M)}
+    expect = {"tp2_cp2_eval_logprobs": 1e-5, **{f"tp2_cp2_mb{k}_{w}": 1e-6 for k in (1, 3) for w in ("grads", "loss")}}
+    assert set(diffs) == set(expect), proc.stdout
+    assert all(diffs[k] <= v for k, v in expect.items()), diffs
+
+
 def test_quickstart_trains_20_bf16_steps_on_cuda_resumes_and_merges(tmp_path):
     """20 bf16 steps on cuda with the HF engine, uninterrupted and stopped at 10 + resumed: the
     resumed run logs the same headline metrics at every step (the console's; no MLflow on a bare
