@@ -247,25 +247,10 @@ def check(spec: JobSpec, report) -> None:
     n = roll.responses_per_prompt
     prompts = data.prompts_per_step
     seq_tokens = data.max_prompt_tokens + roll.max_response_tokens
-    budgets = [("actor.micro_batch_tokens", spec.actor.micro_batch_tokens),
-               ("actor.logprob_micro_batch_tokens", spec.actor.logprob_micro_batch_tokens),
-               ("ref.micro_batch_tokens", spec.ref.micro_batch_tokens)]
-    if spec.critic.enable:
-        budgets.append(("critic.micro_batch_tokens", spec.critic.micro_batch_tokens))
-    from mrl.train.plan import plan_problems   # the step plan mrl train resolves
+    from mrl.train.plan import budget_problems, plan_problems   # the step plan mrl train resolves
 
-    for key, message in plan_problems(spec):
+    for key, message in plan_problems(spec) + budget_problems(spec):
         err(key, message)
-    from mrl.models.context_parallel import tokens_per_rank   # the engine's CP chunking
-
-    per_rank = tokens_per_rank(seq_tokens, par.context)
-    for key, tokens in budgets:
-        if tokens is not None and tokens < per_rank:
-            how = (f", in {2 * par.context} chunks of which each of the {par.context} context-parallel ranks holds 2: "
-                   f"{per_rank} tokens per rank" if par.context > 1 else "")
-            err(key, f"{tokens} tokens per rank cannot hold one sequence of data.max_prompt_tokens "
-                     f"{data.max_prompt_tokens} + rollout.max_response_tokens {roll.max_response_tokens} = "
-                     f"{seq_tokens} tokens{how}")
 
     # --- rollout engine layout and lengths
     from mrl.rollout.layout import rollout_layout_problems   # the rule mrl train applies
