@@ -177,6 +177,8 @@ def gather_tokens(x: torch.Tensor, counts: Sequence[int], order: torch.Tensor, g
     `counts[r]` of them (`x` is this rank's); `order[k]` is the gathered position of value k. The
     ranks' counts differ, so each pads to the largest."""
     most = max(counts)
+    if most == 0:   # no response token on any rank (every rank knows the same counts)
+        return x[:0]
     pad = x.new_zeros((most - x.shape[0], *x.shape[1:]))
     gathered = _GatherTokens.apply(torch.cat([x, pad]), group)
     return gathered.index_select(0, order)
