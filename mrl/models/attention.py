@@ -73,6 +73,9 @@ def resolve_backend(requested: str, device: str, context: int = 1) -> str:
         if requested in ("te", "flex"):
             raise UserError(f"model.attention: {requested!r} does not take parallel.context = {context}; "
                             "use 'auto' (sdpa on cpu, varlen on cuda)")
+        if requested == "sdpa" and device == "cuda":
+            raise UserError(f"model.attention: 'sdpa' with parallel.context = {context} runs on CPU only "
+                            "(torch's CPU flash kernel); use 'varlen' or 'auto' on cuda")
         if requested == "auto":
             return "varlen" if device == "cuda" else "sdpa"
     if requested not in BACKENDS:

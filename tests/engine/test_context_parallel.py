@@ -133,6 +133,8 @@ def test_cp_attention_builds_no_score_matrix_of_the_sequence():
 def test_attention_backends_under_context_parallelism():
     assert resolve_backend("auto", "cpu", 2) == "sdpa"
     assert resolve_backend("auto", "cuda", 2) == "varlen"
+    with pytest.raises(UserError, match="'sdpa' with parallel.context = 2 runs on CPU only"):
+        resolve_backend("sdpa", "cuda", 2)
     for bad in ("te", "flex"):
         with pytest.raises(UserError, match=f"'{bad}' does not take parallel.context = 2"):
             resolve_backend(bad, "cuda", 2)
