@@ -42,9 +42,10 @@ def test_gradients_do_not_depend_on_micro_batch_split_dp_tp_or_pp():
         "pp2_grads": g, "pp2_loss": g, "pp2_grad_norm": g})
 
 
-def test_critic_value_head_gradients_match_naive_at_dp2_and_tp2():
+def test_critic_value_head_gradients_match_naive_at_dp2_tp2_and_cp2():
     _run("critic_equivalence.py", expect={
         "critic_packed_vs_unpacked_values": 1e-5, "critic_tp2_grads": 1e-6, "critic_tp2_loss": 1e-6,
+        "critic_cp2_values": 1e-5, "critic_cp2_grads": 1e-6, "critic_cp2_loss": 1e-6,
         **{f"critic_dp2_mb{k}_{what}": 1e-6 for k in (1, 2, 4) for what in ("grads", "loss")}})
 
 
