@@ -202,7 +202,7 @@ def _flash_cpu(q, k, v, causal: bool, scale: float):
 
 
 class _BlockCausal(torch.autograd.Function):
-    """Query chunk `q` `[1, H, C, D]` attending to keys `k`/`v` `[1, H, P + C, D]`: the first P
+    """Query chunk `q` `[B, H, C, D]` attending to keys `k`/`v` `[B, H, P + C, D]`: the first P
     without a mask, the last C causally (bottom-right), as two flash blocks merged by
     log-sum-exp. Backward: each block's flash backward with the merged output and log-sum-exp."""
 
@@ -241,6 +241,19 @@ def _heads(x: torch.Tensor, rep: int) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
+def _grouped(q: torch.Tensor, rep: int) -> torch.Tensor:
+    """Query chunk `[C, Hkv * rep, D]` -> `[rep, Hkv, C, D]`: the query heads of a KV group (megatron's
+    GQA order: head h reads KV head h // rep) go to the batch dimension, so K/V need no copy per
+    group (`expand`, stride 0) and autograd saves no repeated K/V."""
+    c, h, d = q.shape
+    return q.view(c, h // rep, rep, d).permute(2, 1, 0, 3)
+
+
+def _ungrouped(o: torch.Tensor) -> torch.Tensor:
+    rep, hkv, c, d = o.shape
+    return o.permute(2, 1, 0, 3).reshape(c, hkv * rep, d)
+
+
 def _sdpa_cp(q, k_row, v_row, cp: CPLayout, scale: float) -> torch.Tensor:
     rep = q.shape[1] // k_row.shape[1]
     outs = []
@@ -251,8 +264,8 @@ def _sdpa_cp(q, k_row, v_row, cp: CPLayout, scale: float) -> torch.Tensor:
             continue
         for half, j in zip(torch.split(qs, c), (cp.rank, 2 * cp.size - 1 - cp.rank)):
             end = (j + 1) * c
-            o = _BlockCausal.apply(_heads(half, 1), _heads(ks[:end], rep), _heads(vs[:end], rep), scale)
-            outs.append(o.squeeze(0).transpose(0, 1))
+            kv = [x[:end].transpose(0, 1).unsqueeze(0).expand(rep, -1, -1, -1) for x in (ks, vs)]
+            outs.append(_ungrouped(_BlockCausal.apply(_grouped(half, rep), *kv, scale)))
     if not outs:
         return q
     return torch.cat(outs)
