@@ -24,7 +24,8 @@ Kernels (no `[T, T]` or `[C, L]` score matrix is built):
 - CPU (`sdpa`): the query chunk j against the keys of the earlier chunks (no mask) and against
   its own chunk (causal) are two calls of torch's CPU flash kernel, merged by their
   log-sum-exps; the backward calls the flash backward of each block with the merged output and
-  log-sum-exp (exactly ring attention's backward, `_BlockCausal`).
+  log-sum-exp (exactly ring attention's backward, `_BlockCausal`). A KV group's query heads ride
+  the batch dimension against K/V expanded without a copy (`_grouped`).
 - CUDA (`varlen`): torch's packed flash attention with each query chunk as its own "sequence"
   and the prefix of its keys as the matching key "sequence" (flash's causal mask with fewer
   queries than keys is bottom-right aligned, which is exactly this). Untested without a GPU.
