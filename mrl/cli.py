@@ -25,7 +25,7 @@ def _split_args(items: list[str]) -> tuple[list[str], list[str]]:
 def summary(spec) -> str:
     """One line with the layout and batch arithmetic a user wants to eyeball."""
     if hasattr(spec, "sft"):
-        from mrl.sft.config import summary as sft_summary
+        from mrl.config.sft_job import summary as sft_summary
 
         return sft_summary(spec)
     from mrl.train.plan import step_plan
@@ -71,7 +71,7 @@ def cmd_validate(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from mrl.config.dump import to_toml
+    from mrl.schema.dump import to_toml
     from mrl.config.loader import load
 
     jobs, overrides = _split_args(args.items)
@@ -123,7 +123,8 @@ def cmd_keys(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from mrl.config import schema
+    from mrl.schema.section import fields_of, section_of
+    from mrl.schema.value import describe
     from mrl.config.job import JobSpec
     from mrl.config.loader import PATHS_HELP
 
@@ -133,9 +134,9 @@ def cmd_keys(args) -> int:
 
     def walk(cls, prefix: str):
         for f in dataclasses.fields(cls):
-            info = schema.fields_of(cls)[f.name]
+            info = fields_of(cls)[f.name]
             dotted = prefix + f.name
-            sub = schema.section_of(info.type)
+            sub = section_of(info.type)
             if sub is not None:
                 walk(sub, dotted + ".")
                 continue
@@ -147,7 +148,7 @@ def cmd_keys(args) -> int:
                 default = f.default_factory()
             else:
                 default = f.default
-            rows.append({"key": dotted, "type": schema.describe(info.type), "required": info.required,
+            rows.append({"key": dotted, "type": describe(info.type), "required": info.required,
                          "default": list(default) if isinstance(default, tuple) else default,
                          "meaning": info.meta.get("help", "")})
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mrl.config import schema
+from mrl.schema.section import all_keys, fields_of, optional_inner, section_of, tables_of, union_members
+from mrl.schema.value import ValueProblem, check_range, convert, describe, kind_of
 from mrl.config.suggest import explain_unknown
 from mrl.errors import SpecError
 
@@ -200,7 +201,7 @@ def read_spec_file(path: Path, report: Report, chain: tuple[Path, ...] = ()) -> 
         return raw
     here = Origin(shown, lines.get("extends"))
     if not isinstance(base_name, str):
-        report.error("extends", f"must be a string (a path relative to {shown}), got {schema.kind_of(base_name)}", here)
+        report.error("extends", f"must be a string (a path relative to {shown}), got {kind_of(base_name)}", here)
         return None
     base_path = path.parent / base_name
     if not base_path.exists():
@@ -223,7 +224,7 @@ def read_spec_file(path: Path, report: Report, chain: tuple[Path, ...] = ()) -> 
 def _valid_unset(unset: Any, base_name: Any, report: Report, here: Origin) -> bool:
     """`unset = ["section.key", ...]` in a file that `extends` another: known dotted keys only."""
     from mrl.config.job import JobSpec
-    from mrl.sft.config import SFTJobSpec
+    from mrl.config.sft_job import SFTJobSpec
 
     if base_name is None:
         report.error("unset", "only means something in a file that `extends` another (it removes keys the base "
@@ -231,9 +232,9 @@ def _valid_unset(unset: Any, base_name: Any, report: Report, here: Origin) -> bo
         return False
     if not isinstance(unset, list) or not all(isinstance(k, str) for k in unset):
         report.error("unset", f"must be a list of dotted keys (e.g. [\"rollout.max_model_len\"]), got "
-                              f"{schema.kind_of(unset)}", here)
+                              f"{kind_of(unset)}", here)
         return False
-    valid = set(schema.all_keys(JobSpec)) | set(schema.all_keys(SFTJobSpec))
+    valid = set(all_keys(JobSpec)) | set(all_keys(SFTJobSpec))
     for key in unset:
         if key not in valid:
             parent = key.rpartition(".")[0]
@@ -258,12 +259,12 @@ def _field_at(cls, dotted: str):
     """(Field, is_inside_free_table) for a dotted key, or None if the key does not exist."""
     parts = dotted.split(".")
     for i, part in enumerate(parts):
-        f = schema.fields_of(cls).get(part)
+        f = fields_of(cls).get(part)
         if f is None:
             return None
         if i == len(parts) - 1:
             return f, False
-        sub = schema.section_of(f.type)
+        sub = section_of(f.type)
         if sub is None:
             return (f, True) if typing.get_origin(f.type) is dict else None
         cls = sub
@@ -275,13 +276,13 @@ _PLAIN_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 def _parse_override_value(text: str, tp: Any) -> Any:
     """Coerce a command-line string to the schema type `tp` (best effort; convert() checks)."""
-    inner = schema.optional_inner(tp)
+    inner = optional_inner(tp)
     if inner is not None:
         if text.strip().lower() in ("none", "null"):
             return None
         tp = inner
     stripped = text.strip()
-    members = schema.union_members(tp)
+    members = union_members(tp)
     if members is not None and str in members:
         # a number or a name (e.g. a rejection threshold: 0.01 or "0.5_2.0"): only a plain decimal
         # is a number, since TOML would read 0.5_2 as 0.52
@@ -336,7 +337,7 @@ def _split_top_level(text: str) -> list[str]:
 
 def apply_overrides(raw: dict, overrides: list[str], root, report: Report) -> None:
     """Apply `a.b.c=value` strings to `raw`, typed from the schema; bad ones are reported."""
-    valid = schema.all_keys(root)
+    valid = all_keys(root)
     for item in overrides:
         key, eq, text = item.partition("=")
         key = key.strip()
@@ -351,7 +352,7 @@ def apply_overrides(raw: dict, overrides: list[str], root, report: Report) -> No
             report.error(key, explain_unknown(key, siblings, valid), origin)
             continue
         f, free = found
-        if not free and schema.section_of(f.type) is not None:
+        if not free and section_of(f.type) is not None:
             report.error(key, "is a table; override its keys one by one (e.g. " f"{key}.<key>=value)", origin)
             continue
         value = _parse_free(text) if free else _parse_override_value(text, f.type)
@@ -461,10 +462,10 @@ def build_section(cls, raw: Any, prefix: str, report: Report, valid: list[str]):
     """
     name = prefix[:-1] if prefix else "job spec"
     if not isinstance(raw, dict):
-        report.error(name, f"must be a table, got {schema.kind_of(raw)}")
+        report.error(name, f"must be a table, got {kind_of(raw)}")
         report.bad_keys.add(name)
         raw = {}
-    fields = schema.fields_of(cls)
+    fields = fields_of(cls)
     for key in raw:
         if key not in fields:
             dotted = prefix + key
@@ -478,20 +479,20 @@ def build_section(cls, raw: Any, prefix: str, report: Report, valid: list[str]):
         dotted = prefix + fname
         if fname not in raw:
             if f.required:
-                report.error(dotted, f"missing required key ({f.meta.get('help') or schema.describe(f.type)})")
+                report.error(dotted, f"missing required key ({f.meta.get('help') or describe(f.type)})")
                 buildable = False
             continue
-        sub = schema.section_of(f.type)
+        sub = section_of(f.type)
         if sub is not None:
             value = build_section(sub, raw[fname], dotted + ".", report, valid)
             if value is None:
                 buildable = False
             values[fname] = value
             continue
-        elem = schema.tables_of(f.type)
+        elem = tables_of(f.type)
         if elem is not None:   # a list of tables: each built (and reported) as `key[i].field`
             if not isinstance(raw[fname], (list, tuple)):
-                report.error(dotted, f"must be a list of tables ([[{dotted}]]), got {schema.kind_of(raw[fname])}")
+                report.error(dotted, f"must be a list of tables ([[{dotted}]]), got {kind_of(raw[fname])}")
                 report.bad_keys.add(dotted)
                 continue
             built = [build_section(elem, item, f"{dotted}[{i}].", report, valid) for i, item in enumerate(raw[fname])]
@@ -501,9 +502,9 @@ def build_section(cls, raw: Any, prefix: str, report: Report, valid: list[str]):
             values[fname] = tuple(built)
             continue
         try:
-            value = schema.convert(raw[fname], f.type)
-            schema.check_range(value, f.meta)
-        except schema.ValueProblem as e:
+            value = convert(raw[fname], f.type)
+            check_range(value, f.meta)
+        except ValueProblem as e:
             report.error(dotted, str(e))
             report.bad_keys.add(dotted)
             buildable = buildable and not f.required
@@ -545,14 +546,14 @@ def load(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), r
     raw = read_spec_file(path, report)
     if raw is None:
         raise SpecError(report.problems[0], problems=report.problems)
-    from mrl.sft import config as sft_config   # a job with an [sft] table is an SFT job (`mrl sft`)
+    from mrl.config import sft_job   # a job with an [sft] table is an SFT job (`mrl sft`)
 
     if root is None:
-        root = sft_config.SFTJobSpec if sft_config.is_sft_table(raw) else JobSpec
-    rules = sft_config if root is sft_config.SFTJobSpec else validate
+        root = sft_job.SFTJobSpec if sft_job.is_sft_table(raw) else JobSpec
+    rules = sft_job if root is sft_job.SFTJobSpec else validate
     apply_overrides(raw, list(overrides), root, report)
     resolve_paths(raw, report)
-    spec = build_section(root, raw, "", report, schema.all_keys(root))
+    spec = build_section(root, raw, "", report, all_keys(root))
     if spec is not None:
         # Cross-section checks run even after field errors (bad values fell back to defaults),
         # but a check about a key whose value was rejected would only repeat that error.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from mrl.config.schema import option, section
+from mrl.schema.section import option, section
 from mrl.models.lora import LoraConfig
 from mrl.optim.config import OptimConfig, ScheduleConfig
 

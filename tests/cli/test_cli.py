@@ -118,7 +118,7 @@ def test_readme_job_is_the_shipped_grpo_recipe_and_its_commands_exist(tmp_path):
     commands are the Makefile's targets (CI runs the test command through .ci/run)."""
     import re
 
-    from mrl.config.dump import to_toml
+    from mrl.schema.dump import to_toml
     from mrl.config.loader import load
 
     readme = (REPO / "README.md").read_text()

@@ -236,7 +236,7 @@ def test_single_process_cpu_platform_runs_megatron_and_needs_compat():
     fails without it (so the layer is doing real work); teardown() restores everything."""
     from mrl import platform
     from mrl.platform import cpu_compat
-    from mrl.platform import tiny_model as tm
+    from mrl.models import tiny_model as tm
 
     spec = tm.TinyGPTSpec(num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=1,
                           ffn_hidden_size=32, vocab_size=32, seq_length=8)
@@ -298,7 +298,7 @@ def test_single_process_bf16_ddp_and_megatron_optimizer_step():
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from mrl import platform
-    from mrl.platform import tiny_model as tm
+    from mrl.models import tiny_model as tm
 
     spec = tm.TinyGPTSpec(num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=1,
                           ffn_hidden_size=32, vocab_size=32, seq_length=8)

@@ -13,7 +13,7 @@ import torch
 
 from mrl.errors import CollectiveTimeout
 from mrl.platform import setup, teardown
-from mrl.platform import tiny_model as tm
+from mrl.models import tiny_model as tm
 from mrl.platform.config import ParallelConfig, PlatformConfig
 
 TIMEOUT_S = 4.0
