@@ -102,7 +102,7 @@ def test_show_get_prints_values_for_scripts(cli):
 
 
 def test_every_subcommand_help_has_a_description_and_examples():
-    from mrl.cli import EXAMPLES, build_parser
+    from mrl.cli.parser import EXAMPLES, build_parser
 
     parser = build_parser()
     [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
