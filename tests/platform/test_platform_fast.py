@@ -215,14 +215,16 @@ def test_compat_activate_deactivate_is_idempotent_and_reversible(compat):
 
 
 def test_torch_view_and_tensor_method_mode(compat):
-    view = compat._VIEW
+    from mrl.platform import cpu_torch
+
+    view = cpu_torch.VIEW
     assert view.zeros(2, device="cuda").device.type == "cpu"
     assert view.tensor([1.0], device=torch.device("cuda", 0)).device.type == "cpu"
     assert view.nn is torch.nn and view.float32 is torch.float32
     with view.cuda.stream(view.cuda.Stream()):
         view.cuda.current_stream().record_event().synchronize()
     t = torch.ones(2)
-    with compat._CudaMethodsOnCpu():
+    with cpu_torch.CudaMethodsOnCpu():
         assert t.cuda() is t
         assert t.type() == "torch.cuda.FloatTensor"
         assert t.to("cuda").device.type == "cpu"
