@@ -18,7 +18,7 @@ def cmd_keys(args) -> int:
     from mrl.schema.section import fields_of, section_of
     from mrl.schema.value import describe
     from mrl.config.job import JobSpec
-    from mrl.config.loader import PATHS_HELP
+    from mrl.config.paths import PATHS_HELP
 
     if args.verl:
         return _verl_keys(args.prefix, args.json)

@@ -23,7 +23,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     from mrl import __version__
-    from mrl.config.loader import PATHS_HELP
+    from mrl.config.paths import PATHS_HELP
 
     parser = argparse.ArgumentParser(prog="mrl", description="Megatron-centric RL post-training for LLMs.",
                                      epilog=f"Job specs: {PATHS_HELP}.")

@@ -32,11 +32,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from mrl.rollout import vllm_engine as spmd
+from mrl.rollout import vllm_worker
 from mrl.rollout.async_engine import AsyncEngine, GenRequest, GenResult
 from mrl.rollout.engine import WeightStream, buckets
 from mrl.rollout.types import Sampling
-from mrl.rollout import vllm_engine as spmd
-from mrl.rollout import vllm_worker
 
 
 def pack_tensor(name: str, t: torch.Tensor) -> tuple:

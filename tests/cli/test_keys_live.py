@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mrl.schema.section import fields_of, section_of
 from mrl.config.job import JobSpec
 from mrl.config.loader import load
 from mrl.errors import SpecError, UserError
+from mrl.schema.section import fields_of, section_of
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "jobs/quickstart_cpu.toml"

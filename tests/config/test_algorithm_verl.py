@@ -63,7 +63,7 @@ def test_keys_algorithm_lists_every_verl_name(cli):
 def test_rejection_threshold_is_a_number_or_a_spec(write_job):
     """verl's rollout_rs_threshold is a float or a string ("0.5_2.0"): both are accepted, in the file
     and on the command line, where only a plain decimal is a number (TOML would read 0.5_2 as 0.52)."""
-    from mrl.config.loader import _parse_override_value
+    from mrl.config.overrides import _parse_override_value
     from mrl.algos.config import CorrectionConfig
     from mrl.schema.section import fields_of
     from mrl.errors import SpecError

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from mrl.schema.section import all_keys, fields_of, optional_inner, section_of
-from mrl.schema.dump import to_toml
 from mrl.config.job import JobSpec
 from mrl.config.loader import load
 from mrl.config.suggest import VERL_TO_MRL
+from mrl.schema.dump import to_toml
+from mrl.schema.section import all_keys, fields_of, optional_inner, section_of
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = sorted((REPO / "jobs").glob("*.toml"))
@@ -200,7 +200,8 @@ def test_a_child_file_unsets_a_key_its_base_set(tmp_path):
     base = (REPO / "jobs/quickstart_cpu.toml").read_text()
     assert "max_staleness" not in base
     (tmp_path / "base.toml").write_text(base.replace("[rollout]", "[rollout]\nmax_model_len = 4096\n", 1))
-    from mrl.config.loader import read_spec_file, Report
+    from mrl.config.files import read_spec_file
+    from mrl.config.report import Report
     raw = read_spec_file(tmp_path / "base.toml", Report(main_file="base.toml"))
     assert raw["rollout"]["max_model_len"] == 4096 and raw["job"]["description"].startswith("GRPO on CPU")
     (tmp_path / "child.toml").write_text('extends = "base.toml"\nunset = ["rollout.max_model_len", "job.description"]\n')

@@ -12,13 +12,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mrl.schema.section import all_keys
 from mrl.config.job import JobSpec
 from mrl.config.suggest import explain_unknown
 from mrl.config.verl_table import verl_table
 from mrl.convert import convert, render
 from mrl.convert.rules import RULES
 from mrl.convert.verl_config import verl_defaults
+from mrl.schema.section import all_keys
 
 if sys.version_info >= (3, 11):
     import tomllib
