@@ -105,7 +105,7 @@ def _about(problem: str, keys: set[str]) -> bool:
 
 def load(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), root=None):
     """Load and validate a job spec. Returns (spec, report); raises SpecError listing every problem."""
-    from mrl.config import validate
+    from mrl.config import defaults, validate
     from mrl.config.job import JobSpec
 
     path = Path(path)
@@ -117,16 +117,19 @@ def load(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), r
 
     if root is None:
         root = sft_job.SFTJobSpec if sft_job.is_sft_table(raw) else JobSpec
-    rules = sft_job if root is sft_job.SFTJobSpec else validate
+    if root is sft_job.SFTJobSpec:
+        resolve, check = sft_job.resolve, sft_job.check
+    else:
+        resolve, check = defaults.resolve, validate.check
     apply_overrides(raw, list(overrides), root, report)
     resolve_paths(raw, report)
     spec = build_section(root, raw, "", report, all_keys(root))
     if spec is not None:
         # Cross-section checks run even after field errors (bad values fell back to defaults),
         # but a check about a key whose value was rejected would only repeat that error.
-        spec = rules.resolve(spec, default_name=path.stem)
+        spec = resolve(spec, default_name=path.stem)
         checks = Report(main_file=report.main_file, origins=report.origins)
-        rules.check(spec, checks)
+        check(spec, checks)
         report.problems += [p for p in checks.problems if not _about(p, report.bad_keys)]
         report.warnings += checks.warnings
     if report.problems:

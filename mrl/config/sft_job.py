@@ -7,7 +7,7 @@ SFT job validates and then does nothing. Of `[data]`, SFT reads the sources (`tr
 `val_files`, `generator`, `generator_size`, `generator_kwargs`), `prompt_key`, `chat_template`,
 `system_prompt`, `shuffle`, `seed` and `bad_rows`; setting one of the prompt-only keys
 (`answer_key`, `prompts_per_step`, `max_prompt_tokens`, ...) in an SFT job is an error.
-`resolve` and `check` apply the RL job's rules to the shared sections (`validate.resolve_shared`,
+`resolve` and `check` apply the RL job's rules to the shared sections (`defaults.resolve_shared`,
 `validate.check_shared`), then SFT's own.
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ import os
 
 from mrl.checkpoint.config import CheckpointConfig
 from mrl.config.job import JobConfig
-from mrl.config.validate import check_shared, resolve_shared
+from mrl.config.defaults import resolve_shared
+from mrl.config.validate import check_shared
 from mrl.data.config import DataConfig
 from mrl.models.config import ModelConfig
 from mrl.platform.config import ParallelConfig, PlatformConfig
