@@ -58,7 +58,7 @@ def _model(dtype: str, attention: str):
 
 def _run(model, lengths, dense: bool):
     from mrl.engine.packing import _thd_params
-    from mrl.platform.tiny_model import block_causal_mask
+    from mrl.models.tiny_model import block_causal_mask
 
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, HF["vocab_size"], (1, sum(lengths)), generator=g).cuda()
