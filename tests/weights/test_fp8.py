@@ -1,0 +1,168 @@
+"""Blockwise FP8 rollout weights: the quantizer, the stream transform, the hf engine and delta sync.
+
+Byte equality with vLLM's own quantizer is checked in the vLLM tier
+(`tests/rollout/test_fp8_vllm_ref.py`); here the expectations are checkable by hand."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mrl.models.facts import BUILTIN_PRESETS
+from mrl.rollout.hf import HFEngine
+from mrl.rollout.weight_channel import ColocatedChannel
+from mrl.weights.fp8 import (FP8, Fp8Stream, dequantize_block_fp8, e4m3_error_bound, quantize_block_fp8)
+from mrl.weights.verify import same_bits
+
+
+def test_a_block_whose_largest_element_is_448_has_scale_1_and_exact_values():
+    w = torch.zeros(128, 128)
+    w[0, 0], w[5, 7], w[127, 127] = 448.0, -1.5, 0.0390625   # all representable in e4m3
+    q, s = quantize_block_fp8(w)
+    assert q.dtype == FP8 and s.dtype == torch.float32 and s.shape == (1, 1)
+    assert s.item() == 1.0
+    assert torch.equal(q.float(), w)
+
+
+def test_scales_are_per_128x128_block_and_partial_blocks_are_padded():
+    w = torch.ones(130, 260)
+    w[:128, :128] *= 2.0
+    w[128:, 256:] *= 8.0
+    q, s = quantize_block_fp8(w)
+    assert q.shape == (130, 260) and s.shape == (2, 3)
+    assert s[0, 0].item() == pytest.approx(2.0 / 448) and s[1, 2].item() == pytest.approx(8.0 / 448)
+    assert s[0, 1].item() == pytest.approx(1.0 / 448)
+    # an all-zero block keeps a finite scale (amax floor 1e-4)
+    q0, s0 = quantize_block_fp8(torch.zeros(4, 4))
+    assert s0.item() == pytest.approx(1e-4 / 448) and not q0.float().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_the_round_trip_error_is_within_the_e4m3_bound_of_every_block(dtype, power_of_two):
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(300, 200, generator=g) * torch.logspace(-3, 0, 200)).to(dtype)   # blocks of different ranges
+    q, s = quantize_block_fp8(w, power_of_two=power_of_two)
+    if power_of_two:
+        assert torch.equal(s, torch.pow(2.0, torch.round(torch.log2(s))))
+    back = dequantize_block_fp8(q, s)
+    err = (back - w.float()).abs()
+    bound = e4m3_error_bound(w, s)
+    assert (err <= bound * (1 + 1e-6)).all()
+    assert err.max() > 0   # it does round
+    # no element saturates: every block's largest magnitude maps to at most 448
+    assert q.float().abs().max() <= 448
+
+
+def test_the_stream_quantizes_linear_weights_and_keeps_embeddings_norms_head_and_routers():
+    names = [("model.embed_tokens.weight", (512, 128)), ("model.layers.0.input_layernorm.weight", (128,)),
+             ("model.layers.0.self_attn.q_proj.weight", (128, 128)), ("model.layers.0.self_attn.q_proj.bias", (128,)),
+             ("model.layers.0.mlp.gate.weight", (4, 128)), ("model.layers.0.mlp.experts.0.gate_proj.weight", (32, 128)),
+             ("model.layers.0.mlp.shared_expert_gate.weight", (1, 128)), ("model.norm.weight", (128,)),
+             ("lm_head.weight", (512, 128))]
+    out = list(Fp8Stream()((n, torch.randn(s)) for n, s in names))
+    assert [(n, t.dtype) for n, t in out] == [
+        ("model.embed_tokens.weight", torch.float32), ("model.layers.0.input_layernorm.weight", torch.float32),
+        ("model.layers.0.self_attn.q_proj.weight", FP8), ("model.layers.0.self_attn.q_proj.weight_scale_inv", torch.float32),
+        ("model.layers.0.self_attn.q_proj.bias", torch.float32), ("model.layers.0.mlp.gate.weight", torch.float32),
+        ("model.layers.0.mlp.experts.0.gate_proj.weight", FP8),
+        ("model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv", torch.float32),
+        ("model.layers.0.mlp.shared_expert_gate.weight", torch.float32), ("model.norm.weight", torch.float32),
+        ("lm_head.weight", torch.float32)]
+    custom = Fp8Stream(skip=("embed_tokens", "lm_head", "norm", r"\.mlp\.gate\.weight$", "down_proj"))
+    assert not custom.quantizes("model.layers.3.mlp.down_proj.weight", (128, 256))
+    assert custom.ignored_modules([("model.layers.3.mlp.down_proj.weight", (128, 256)),
+                                   ("model.layers.3.mlp.gate.weight", (4, 128)), ("lm_head.weight", (5, 128))]) \
+        == ["model.layers.3.mlp.down_proj", "model.layers.3.mlp.gate"]
+    # bytes on the wire: 1 per element plus 4 per block's scale
+    assert Fp8Stream().nbytes("x.q_proj.weight", (256, 130), 2) == 256 * 130 + 4 * 2 * 2
+    assert Fp8Stream().nbytes("model.norm.weight", (130,), 2) == 260
+
+
+def _engine(seed, name="tiny-llama", dtype="float32"):
+    torch.manual_seed(seed)
+    return HFEngine.from_config(BUILTIN_PRESETS[name], dtype=dtype)
+
+
+class Trainer:
+    """fp32 master weights, exported in bf16 after an Adam-sized update each step."""
+
+    def __init__(self, engine, seed=1):
+        g = torch.Generator().manual_seed(seed)
+        self.master = {n: torch.randn(p.shape, generator=g) * 0.05 for n, p in engine.model.named_parameters()}
+        self.g = g
+
+    def step(self, lr):
+        for w in self.master.values():
+            w.add_(torch.randn(w.shape, generator=self.g).sign() * lr * w.abs())
+
+    def stream(self):
+        return Fp8Stream()((n, w.to(torch.bfloat16)) for n, w in self.master.items())
+
+
+def test_the_hf_engine_runs_the_dequantized_blocks_of_the_fp8_stream():
+    engine = _engine(0)
+    trainer = Trainer(engine)
+    ColocatedChannel(engine, verify_every_steps=1).push(trainer.stream(), 0)
+    params = dict(engine.model.named_parameters())
+    name = "model.layers.0.mlp.down_proj.weight"
+    q, s = quantize_block_fp8(trainer.master[name].to(torch.bfloat16))
+    assert torch.equal(params[name], dequantize_block_fp8(q, s))
+    assert not torch.equal(params[name], trainer.master[name].to(torch.bfloat16).float())   # it is rounded
+    held = dict(engine.held_weights([name, name + "_scale_inv"]))
+    assert torch.equal(held[name].view(torch.uint8), q.view(torch.uint8)) and torch.equal(held[name + "_scale_inv"], s)
+    emb = "model.embed_tokens.weight"
+    assert torch.equal(params[emb], trainer.master[emb].to(torch.bfloat16).float())   # kept in the export dtype
+
+
+def test_delta_fp8_is_bit_identical_to_a_full_fp8_sync_after_every_step_of_20():
+    full_engine, delta_engine = _engine(0, dtype="bfloat16"), _engine(1, dtype="bfloat16")
+    trainer = Trainer(full_engine)
+    full = ColocatedChannel(full_engine, mode="full", bucket_mb=0.05, verify_every_steps=1)
+    delta = ColocatedChannel(delta_engine, mode="delta", bucket_mb=0.05, verify_every_steps=1)
+    bf16_bytes = sum(w.numel() * 2 for w in trainer.master.values())
+    sparse_seen = False
+    for step in range(20):
+        if step:
+            trainer.step(1e-3 if step % 2 else 1e-5)
+        full.push(trainer.stream(), step, lost=step == 0)
+        delta.push(trainer.stream(), step, lost=step == 0)
+        a, b = dict(full_engine.model.named_parameters()), dict(delta_engine.model.named_parameters())
+        for n in a:
+            assert same_bits(a[n].data, b[n].data).all(), (step, n)
+        fa, fb = full_engine._fp8.tensors, delta_engine._fp8.tensors
+        assert fa.keys() == fb.keys() and len(fa) == 2 * 14
+        for n in fa:
+            assert same_bits(fa[n], fb[n]).all(), (step, n)
+        assert full.last.verified and delta.last.verified   # every tensor's checksum read back
+        # 2 layers x (q, k, v, o, gate, up, down: 147,456 fp8 bytes + 10 blocks' scales), embeddings,
+        # head and 5 norms in bf16: (65,536 + 65,536 + 640) x 2
+        assert full.last.bytes_sent == 2 * (147456 + 10 * 4) + 131712 * 2 == 558416 < 0.66 * bf16_bytes
+        if step:
+            assert delta.last.bytes_sent < full.last.bytes_sent
+            sparse_seen |= delta.last.tensors_sparse > 0
+    assert sparse_seen   # some steps sent index/value pairs into the fp8 bytes
+
+
+def _smollm2() -> Path | None:
+    path = Path(__file__).resolve().parents[2] / "../.mrl-cache/models/SmolLM2-135M-Instruct"
+    return path if (path / "mrl_source.json").is_file() else None
+
+
+@pytest.mark.skipif(_smollm2() is None, reason="SmolLM2-135M-Instruct not built here (tools/models/smollm2.py)")
+def test_smollm2_weights_round_trip_within_the_e4m3_bound():
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(_smollm2().glob("*.safetensors")):
+        tensors.update(load_file(f))
+    stream = Fp8Stream()
+    checked = 0
+    for name, w in tensors.items():
+        if stream.quantizes(name, w.shape):
+            q, s = quantize_block_fp8(w.to(torch.bfloat16))
+            err = (dequantize_block_fp8(q, s) - w.to(torch.bfloat16).float()).abs()
+            assert (err <= e4m3_error_bound(w.to(torch.bfloat16), s) * (1 + 1e-6)).all(), name
+            checked += 1
+    assert checked == 30 * 7
