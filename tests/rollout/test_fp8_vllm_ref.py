@@ -1,0 +1,42 @@
+"""mrl's block-FP8 quantizer against the pinned vLLM's own (`vllm.utils.deep_gemm.per_block_cast_to_fp8`,
+the quantizer behind vLLM's block-FP8 paths): the same fp8 bytes and float32 scales, on random
+tensors of full and partial blocks, bf16 and fp32, with and without power-of-two scales.
+
+Run from the vllm test environment: `.venv-vllm/bin/pytest -m vllm tests/rollout/test_fp8_vllm_ref.py`.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrl.weights.fp8 import quantize_block_fp8
+
+from mrl.rollout.vllm_engine import vllm_available
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(not vllm_available(), reason="vllm is not importable here; "
+                                 "run `bash .ci/vllm-setup.sh` and use .venv-vllm/bin/pytest")]
+
+
+def test_fp8_bytes_and_scales_equal_vllms_reference_quantizer():
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    eager = per_block_cast_to_fp8._torchdynamo_orig_callable   # the function as written, not compiled
+    g = torch.Generator().manual_seed(0)
+    cases = 0
+    for shape in [(256, 384), (200, 130), (64, 64), (576, 1536)]:
+        for dtype in (torch.bfloat16, torch.float32):
+            w = (torch.randn(*shape, generator=g) * torch.logspace(-4, 0, shape[1])).to(dtype)
+            w[:3, :5] = 0.0   # a corner of zeros; small blocks exercise the amax floor
+            for pow2 in (False, True):
+                ref_q, ref_s = eager(w, [128, 128], use_ue8m0=pow2)
+                q, s = quantize_block_fp8(w, power_of_two=pow2)
+                assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), (shape, dtype, pow2)
+                assert torch.equal(s, ref_s), (shape, dtype, pow2)
+                cases += 1
+    # and vLLM's compiled function (what its kernels call) on one shape
+    w = torch.randn(200, 300, generator=g, dtype=torch.bfloat16)
+    ref_q, ref_s = per_block_cast_to_fp8(w, [128, 128], use_ue8m0=False)
+    q, s = quantize_block_fp8(w)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+    assert cases == 16
