@@ -142,3 +142,23 @@ def vllm_quantization_config(rollout, model_path: str) -> dict:
     found = known_hf_config(model_path)
     ignored = stream.ignored_modules((t.name, t.shape) for t in hf_tensors(found[0])) if found else []
     return stream.vllm_config(ignored)
+
+
+TIS_HINT = ("set [algorithm.correction] level = \"token\", mode = \"truncate\", threshold = 2.0 (token TIS at 2.0, "
+            "verl's recommendation with FP8 rollout; jobs/quickstart_fp8_cpu.toml)")
+
+
+def fp8_problems(spec) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(errors, warnings) of a job's FP8 rollout settings, as (key, one line) for `mrl validate`."""
+    errors, warnings = [], []
+    for pattern in spec.rollout.fp8.skip:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            errors.append(("rollout.fp8.skip", f"{pattern!r} is not a regular expression ({e})"))
+    if spec.rollout.quantization == "fp8":
+        corr = spec.algorithm.correction
+        if corr.level == "off" and corr.preset is None and corr.rejection is None:
+            warnings.append(("rollout.quantization", "fp8 rollout adds weight rounding the trainer does not see, and "
+                                                     "no rollout correction is set: " + TIS_HINT))
+    return errors, warnings
