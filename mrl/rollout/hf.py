@@ -276,7 +276,7 @@ class HFEngine(RolloutEngine):
                 weight = self._fp8.put(name, tensor, self.device)
                 if weight not in self._targets:
                     raise KeyError(f"hf engine: the weight stream names {name!r}, which the model does not have")
-                filled.add(id(self._targets[weight]))
+                filled.add(id(self._owners.get(weight, self._targets[weight])))
                 loaded += 1
                 continue
             target = self._targets.get(name)

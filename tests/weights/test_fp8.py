@@ -166,3 +166,41 @@ def test_smollm2_weights_round_trip_within_the_e4m3_bound():
             assert (err <= e4m3_error_bound(w.to(torch.bfloat16), s) * (1 + 1e-6)).all(), name
             checked += 1
     assert checked == 30 * 7
+
+
+def test_vllm_is_started_with_the_block_fp8_config_of_the_stream_dense_and_moe():
+    from mrl.config.loader import load
+    from mrl.rollout.vllm_engine import engine_args
+
+    jobs = Path(__file__).resolve().parents[2] / "jobs"
+    for job, model, routers in (("quickstart_fp8_cpu.toml", "builtin:tiny-qwen2", []),
+                                ("quickstart_moe_cpu.toml", "builtin:tiny-qwen3-moe",
+                                 ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"])):
+        spec, _ = load(str(jobs / job), ['rollout.quantization="fp8"', "rollout.fp8.power_of_two_scales=true"])
+        kw = engine_args(spec.rollout, model, seed=0, dtype="bfloat16", max_model_len=64, rank=0, on_cpu=False)
+        assert kw["quantization"] == "fp8"
+        expected = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+        if routers:   # kept in bf16 by the skip list, so vLLM must not expect FP8 there
+            expected["ignored_layers"] = routers
+        assert kw["hf_overrides"] == {"quantization_config": expected}
+    spec, _ = load(str(jobs / "quickstart_cpu.toml"), [])
+    assert "hf_overrides" not in engine_args(spec.rollout, "builtin:tiny-qwen2", seed=0, dtype="bfloat16",
+                                             max_model_len=64, rank=0, on_cpu=False)
+
+
+def test_an_moe_engine_takes_fp8_experts_into_its_fused_expert_tensors_and_keeps_its_router():
+    engine = _engine(0, "tiny-qwen3-moe")
+    from mrl.weights.sync_plan import hf_tensors
+
+    g = torch.Generator().manual_seed(3)
+    # the checkpoint's tensors as the exporter streams them: per-expert projections, the router
+    stream = {t.name: (torch.randn(t.shape, generator=g) * 0.05).to(torch.bfloat16)
+              for t in hf_tensors(BUILTIN_PRESETS["tiny-qwen3-moe"])}
+    quantized = sum(Fp8Stream().quantizes(n, t.shape) for n, t in stream.items())
+    assert quantized == 2 * (4 + 4 * 3)   # per layer: q, k, v, o and 4 experts' gate, up, down
+    assert engine.update_weights(Fp8Stream()(stream.items())) == len(stream) + quantized   # complete: no error
+    expert = "model.layers.1.mlp.experts.3.down_proj.weight"
+    assert torch.equal(engine._targets[expert], dequantize_block_fp8(*quantize_block_fp8(stream[expert])))
+    router = "model.layers.1.mlp.gate.weight"
+    assert engine._targets[router].dtype == torch.float32 and router + "_scale_inv" not in engine._fp8.tensors
+    assert torch.equal(engine._targets[router], stream[router].float())
