@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mrl.weights.fp8 import quantize_block_fp8
+from mrl.weights.fp8 import Fp8Stream, quantize_block_fp8
+from tests.weights.test_fp8 import smollm2_dir, smollm2_weights
 
 from mrl.rollout.vllm_engine import vllm_available
 
@@ -40,3 +41,20 @@ def test_fp8_bytes_and_scales_equal_vllms_reference_quantizer():
     q, s = quantize_block_fp8(w)
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
     assert cases == 16
+
+
+@pytest.mark.skipif(smollm2_dir() is None, reason="SmolLM2-135M-Instruct not built here (tools/models/smollm2.py; "
+                                                  "MRL_SMOLLM2=DIR)")
+def test_fp8_bytes_equal_vllms_on_real_smollm2_weights():
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    eager = per_block_cast_to_fp8._torchdynamo_orig_callable
+    stream, checked = Fp8Stream(), 0
+    for name, w in smollm2_weights().items():
+        if stream.quantizes(name, w.shape):
+            w = w.to(torch.bfloat16)
+            ref_q, ref_s = eager(w, [128, 128])
+            q, s = quantize_block_fp8(w)
+            assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s), name
+            checked += 1
+    assert checked == 30 * 7   # q, k, v, o, gate, up, down of 30 layers
