@@ -47,7 +47,10 @@ def quantize_block_fp8(w: torch.Tensor, block: Sequence[int] = BLOCK,
     padded[:m, :n] = w
     view = padded.view(rows, bm, cols, bn)
     amax = view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(AMAX_FLOOR)
-    scale = amax / FP8_MAX
+    # a 0-dim tensor divisor: CUDA divides by a Python scalar as a multiplication by its (inexact)
+    # reciprocal, one ulp off in some blocks; tensor / tensor is the correctly rounded division the
+    # CPU does for both, so the bytes are the same wherever the export lives
+    scale = amax / torch.full((), FP8_MAX, device=amax.device)
     if power_of_two:
         scale = torch.pow(2.0, torch.ceil(torch.log2(scale.abs())))
     q = (view * (1.0 / scale)).to(FP8)
