@@ -391,7 +391,7 @@ def engine_args(rollout, model_path: str, *, seed: int, dtype: str, max_model_le
     if rollout.quantization:
         kw["quantization"] = rollout.quantization
     if rollout.quantization == "fp8":   # the block-FP8 layout the weight stream carries (mrl/weights/fp8.py)
-        from mrl.weights.fp8 import vllm_quantization_config
+        from mrl.rollout.vllm_fp8 import vllm_quantization_config
 
         kw["hf_overrides"] = {"quantization_config": vllm_quantization_config(rollout, model_path)}
     if rollout.cudagraph_capture_sizes:

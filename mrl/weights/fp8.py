@@ -134,19 +134,6 @@ def from_config(rollout) -> "Fp8Stream | None":
     return Fp8Stream(skip=rollout.fp8.skip, power_of_two=rollout.fp8.power_of_two_scales)
 
 
-def vllm_quantization_config(rollout, model_path: str) -> dict:
-    """vLLM's `quantization_config` for the block-FP8 stream of `rollout.fp8`: 128x128 weight
-    blocks, dynamic activation scales, and as `ignored_layers` the linear modules the skip list
-    keeps in the export dtype (routers by default; read from the model's config when it is known)."""
-    from mrl.models.facts import known_hf_config
-    from mrl.weights.sync_plan import hf_tensors
-
-    stream = from_config(rollout)
-    found = known_hf_config(model_path)
-    ignored = stream.ignored_modules((t.name, t.shape) for t in hf_tensors(found[0])) if found else []
-    return stream.vllm_config(ignored)
-
-
 TIS_HINT = ("set [algorithm.correction] level = \"token\", mode = \"truncate\", threshold = 2.0 (token TIS at 2.0, "
             "verl's recommendation with FP8 rollout; jobs/quickstart_fp8_cpu.toml)")
 

@@ -23,7 +23,8 @@ def main(model_dir: str) -> None:
     from mrl.rollout.hf import HFEngine
     from mrl.rollout.types import Sampling
     from mrl.rollout.vllm_engine import VLLMEngine
-    from mrl.weights.fp8 import DEFAULT_SKIP, Fp8Stream, vllm_quantization_config
+    from mrl.rollout.vllm_fp8 import vllm_quantization_config
+    from mrl.weights.fp8 import DEFAULT_SKIP, Fp8Stream
 
     dist.init_process_group("gloo")
     rollout = SimpleNamespace(quantization="fp8", fp8=SimpleNamespace(skip=DEFAULT_SKIP, power_of_two_scales=False))
