@@ -224,3 +224,22 @@ def test_an_moe_engine_takes_fp8_experts_into_its_fused_expert_tensors_and_keeps
     router = "model.layers.1.mlp.gate.weight"
     assert engine._targets[router].dtype == torch.float32 and router + "_scale_inv" not in engine._fp8.tensors
     assert torch.equal(engine._targets[router], stream[router].float())
+
+
+def test_fp8_buckets_cross_the_byte_wire_of_separate_rollout_ranks_and_are_checked_there():
+    from mrl.rollout.weight_channel import WeightReceiver
+    from mrl.weights.delta import Bucket, WeightSender, pack, unpack
+    from mrl.weights.verify import WeightSyncError
+
+    engine, twin = _engine(0), _engine(1)
+    trainer = Trainer(engine)
+    ColocatedChannel(twin).push(trainer.stream(), 0)
+    wire = [unpack(*pack(m)) for m in WeightSender(bucket_bytes=2**16).encode(trainer.stream(), 0)]
+    fp8 = [it for m in wire if isinstance(m, Bucket) for it in m.items if it.values.dtype == FP8]
+    assert len(fp8) == 14
+    WeightReceiver(engine, "0").apply(wire, 0, full=True)   # every payload rehashed from the wire bytes
+    for n, t in twin._fp8.tensors.items():
+        assert same_bits(engine._fp8.tensors[n], t).all()
+    fp8[0].values.view(torch.uint8)[7] ^= 1   # one bit of one FP8 byte, flipped on the wire
+    with pytest.raises(WeightSyncError, match=f"{fp8[0].name} .*failed its checksum"):
+        WeightReceiver(engine, "0").apply(wire, 0, full=True)
