@@ -182,7 +182,7 @@ def plan_sync(spec, *, links: Links = Links(), changed_fraction: float = 0.02) -
     delta = sum(delta_bytes(t.numel, b / t.numel, changed_fraction) for b, t in wire)
     bucket_mb = spec.rollout.weight_sync.bucket_mb
 
-    class _Sized:   # hf_buckets packs by numel * element_size, which is all it reads
+    class _Sized:   # hf_buckets packs by numel * element_size, which is all it reads: here, bytes x 1
         def __init__(self, n):
             self.n = n
 
@@ -190,9 +190,9 @@ def plan_sync(spec, *, links: Links = Links(), changed_fraction: float = 0.02) -
             return self.n
 
         def element_size(self):
-            return elem
+            return 1
 
-    n_buckets = sum(1 for _ in hf_buckets(((t.name, _Sized(t.numel)) for t in tensors), bucket_mb * 2**20))
+    n_buckets = sum(1 for _ in hf_buckets(((t.name, _Sized(b)) for b, t in wire), bucket_mb * 2**20))
     largest = max(t.numel for t in tensors) * elem
 
     p, rpn = spec.parallel, spec.platform.ranks_per_node
@@ -243,7 +243,7 @@ def plan_sync(spec, *, links: Links = Links(), changed_fraction: float = 0.02) -
                      f"{sent / full:.1%} of the {dtype} bytes; quantized after the trainer's gathers")
     pcie = Group("host copy compare (delta), per rank", 1, "PCIe")
     compare_s = sent / _bw(links, "PCIe") if spec.platform.device == "cuda" else 0.0
-    bucket_bytes = min(bucket_mb * 2**20, full)
+    bucket_bytes = min(bucket_mb * 2**20, sent)   # buckets hold what is sent (fp8: the quantized tensors)
     # the tensor being gathered: its TP shards list plus the assembled full tensor
     trainer_extra = bucket_bytes + 2 * largest
     return SyncPlan(model=spec.model.path, source=source, tensors=len(tensors), elements=full // elem,
@@ -251,7 +251,7 @@ def plan_sync(spec, *, links: Links = Links(), changed_fraction: float = 0.02) -
                     changed_fraction=changed_fraction, bucket_mb=bucket_mb,
                     buckets=n_buckets, largest_tensor_bytes=largest, groups=groups + ([(pcie, sent)] if compare_s else []),
                     trainer_extra_bytes=trainer_extra, host_copy_bytes=sent,
-                    engine_extra_bytes=max(bucket_bytes, largest),
+                    engine_extra_bytes=max(bucket_bytes, max(b for b, _ in wire)),
                     seconds_full=seconds + sent * bridge, seconds_delta=seconds + delta * bridge + compare_s,
                     notes=notes)
 
