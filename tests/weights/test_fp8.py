@@ -243,3 +243,19 @@ def test_fp8_buckets_cross_the_byte_wire_of_separate_rollout_ranks_and_are_check
     fp8[0].values.view(torch.uint8)[7] ^= 1   # one bit of one FP8 byte, flipped on the wire
     with pytest.raises(WeightSyncError, match=f"{fp8[0].name} .*failed its checksum"):
         WeightReceiver(engine, "0").apply(wire, 0, full=True)
+
+
+def test_validate_warns_about_fp8_without_rollout_correction_and_refuses_a_bad_skip_pattern(capsys):
+    from mrl.cli import main
+
+    jobs = Path(__file__).resolve().parents[2] / "jobs"
+    assert main(["validate", str(jobs / "quickstart_cpu.toml"), 'rollout.quantization="fp8"']) == 0
+    out = capsys.readouterr()
+    warned = [line for line in (out.out + out.err).splitlines() if "rollout.quantization" in line]
+    assert len(warned) == 1 and 'level = "token"' in warned[0] and "threshold = 2.0" in warned[0], warned
+    assert main(["validate", str(jobs / "quickstart_fp8_cpu.toml")]) == 0   # the shipped job sets token TIS
+    out = capsys.readouterr()
+    assert "rollout.quantization" not in out.out + out.err
+    assert main(["validate", str(jobs / "quickstart_fp8_cpu.toml"), 'rollout.fp8.skip=["(lm_head"]']) != 0
+    out = capsys.readouterr()
+    assert "rollout.fp8.skip: '(lm_head' is not a regular expression" in out.out + out.err
