@@ -5,7 +5,8 @@ The embedded default on CPU. It runs its own decoding loop over the model's KV c
 `mrl.rollout.logprobs` and sampling is seeded per response (reproducible regardless of how
 prompts are batched). Prompts are left-padded; positions count real tokens only, so a padded row
 computes what it would alone. Weights arrive from the trainer's stream and are copied into the
-existing parameters (no second copy of the model).
+existing parameters (no second copy of the model); block-FP8 weights (`rollout.quantization`) are
+held as sent and the parameters get their dequantization (`mrl.rollout.hf_fp8`).
 
 The n responses of a prompt share its prefill: each distinct prompt of a batch is run through
 the model once and its KV cache (and last-position logits) copied to its n rows before decoding

@@ -32,8 +32,8 @@ class Fp8Held:
 
     def claims(self, name: str, tensor: Optional[torch.Tensor] = None) -> bool:
         """Is `name` an FP8 weight or a scale (one arriving now as `tensor`, or one held)?"""
-        if tensor is not None and (tensor.dtype == FP8 or name.endswith(SCALE_SUFFIX)):
-            return True
+        if tensor is not None:
+            return tensor.dtype == FP8 or name.endswith(SCALE_SUFFIX)
         return name in self.tensors
 
     def put(self, name: str, tensor: torch.Tensor, device: torch.device) -> str:
