@@ -99,6 +99,9 @@ class Fp8Config:
     """`rollout.quantization = "fp8"`: blockwise FP8 weights on the wire and in the engine (mrl/weights/fp8.py)."""
 
     power_of_two_scales: bool = option(False, help="round each 128x128 block's scale up to a power of two (UE8M0)")
+    matmul: Literal["auto", "dequantized", "scaled_mm"] = option(
+        "auto", help="hf engine: linear layers as FP8 GEMMs (torch._scaled_mm, activations per 1x128) or on the "
+                     "dequantized weights; auto: FP8 GEMMs on CUDA GPUs of capability >= 8.9 (vllm: its own kernels)")
     skip: tuple[str, ...] = option(("embed_tokens", "lm_head", "norm", r"\.mlp\.gate\.weight$", "shared_expert_gate"),
                                    help="regular expressions (re.search) of tensor names kept in the export dtype; "
                                         "only 2-D *.weight tensors are ever quantized")

@@ -43,7 +43,7 @@ class HFEngine(RolloutEngine):
     """Rollouts from a `transformers` causal LM held in this process."""
 
     def __init__(self, model: torch.nn.Module, *, seed: int = 0, eos_token_ids: Optional[Sequence[int]] = None,
-                 max_num_seqs: int = 256, share_prefill: bool = True):
+                 max_num_seqs: int = 256, share_prefill: bool = True, fp8_matmul: str = "auto"):
         self.model = model.eval()
         self.share_prefill = share_prefill
         self.stage_seconds: Optional[dict[str, float]] = None   # a dict: per-stage wall time accumulates
@@ -53,9 +53,10 @@ class HFEngine(RolloutEngine):
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self._seeds = torch.Generator().manual_seed(seed)  # draws one seed per response
         self._set_targets()
-        from mrl.rollout.hf_fp8 import Fp8Held
+        from mrl.rollout.hf_fp8 import Fp8Held, scaled_mm_default
 
-        self._fp8 = Fp8Held()   # block-FP8 weights of the stream (rollout.quantization = "fp8")
+        # block-FP8 weights of the stream (rollout.quantization = "fp8"), run as FP8 GEMMs or dequantized
+        self._fp8 = Fp8Held(scaled_mm=fp8_matmul == "scaled_mm" or fp8_matmul == "auto" and scaled_mm_default(self.device))
         self._asleep = False
         from mrl.rollout.hf_routes import RouteCapture
 
@@ -290,6 +291,7 @@ class HFEngine(RolloutEngine):
             filled.add(id(self._owners.get(name, target)))
             loaded += 1
         self._fp8.flush(self._targets)
+        self._fp8.route(self.model)
         missing = [n for n, p in self.model.named_parameters() if id(p) not in filled]  # tied: one name
         if missing and not partial:
             shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")

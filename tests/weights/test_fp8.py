@@ -259,3 +259,38 @@ def test_validate_warns_about_fp8_without_rollout_correction_and_refuses_a_bad_s
     assert main(["validate", str(jobs / "quickstart_fp8_cpu.toml"), 'rollout.fp8.skip=["(lm_head"]']) != 0
     out = capsys.readouterr()
     assert "rollout.fp8.skip: '(lm_head' is not a regular expression" in out.out + out.err
+
+
+def test_the_fp8_gemm_equals_the_product_of_the_quantized_operands():
+    from mrl.rollout.hf_fp8 import act_quant, block_fp8_matmul
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 256, generator=g)
+    w = torch.randn(200, 256, generator=g) * 0.05
+    q, s = quantize_block_fp8(w)
+    got = block_fp8_matmul(x, q, s, out_dtype=torch.float32)
+    x_q, x_s = act_quant(x)
+    assert x_s.shape == (8, 2) and torch.equal(x_q.float().abs().amax(-1), torch.full((8,), 448.0))
+    ref = (x_q.float().view(8, 2, 128) * x_s[..., None]).view(8, 256) @ dequantize_block_fp8(q, s).t()
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+    rel = (got - x @ w.t()).norm() / (x @ w.t()).norm()
+    assert 0 < rel < 0.05   # e4m3 rounding of both operands
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_hf_engine_can_run_its_linear_layers_as_fp8_gemms(dtype):
+    from mrl.rollout.types import Sampling
+
+    gemm, deq = _engine(0, dtype=dtype), _engine(0, dtype=dtype)
+    gemm._fp8.scaled_mm = True   # what fp8_matmul = "scaled_mm" (or "auto" on an sm89+ GPU) sets
+    assert not deq._fp8.scaled_mm   # auto on the CPU: the dequantized weights
+    trainer = Trainer(gemm)
+    for engine in (gemm, deq):
+        ColocatedChannel(engine, verify_every_steps=1).push(trainer.stream(), 0)
+    assert len(gemm._fp8.routed) == 14 and not deq._fp8.routed   # 2 layers x q, k, v, o, gate, up, down
+    seqs = [[1, 5, 6, 7, 8, 9, 10], [1, 300, 301, 2]]
+    a, b = gemm.sequence_logprobs(seqs), deq.sequence_logprobs(seqs)
+    diffs = [abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    assert 0 < max(diffs) < 0.05, diffs   # only the activations' FP8 rounding differs
+    out = gemm.generate([[1, 5, 6]], Sampling(n=2, temperature=1.0, max_tokens=4, seed=0))
+    assert all(len(r.token_ids) == 4 for r in out)
