@@ -11,7 +11,9 @@ two (UE8M0 scales, DeepGEMM's on Blackwell), trading up to one bit of range for 
 The arithmetic is vLLM's reference (`vllm.utils.deep_gemm.per_block_cast_to_fp8` of the pinned
 vllm 0.32: amax in float32, `x * (1 / s)` in float32, cast with round-to-nearest-even), so the
 bytes are equal to what vLLM's own quantizer makes of the same tensor
-(`tests/rollout/test_fp8_vllm_ref.py`). Round trip: for an element of magnitude |x| in a block of
+(`tests/rollout/test_fp8_vllm_ref.py`), except that the scale divides by a 0-dim tensor rather
+than a Python float: CUDA turns the latter into a multiplication by an inexact reciprocal, so this
+way the bytes are the same on every device (`tests/gpu/test_fp8_gpu.py`). Round trip: for an element of magnitude |x| in a block of
 scale s, e4m3 keeps 3 mantissa bits, so `|x - W_q * s| <= 2**-4 * 2**floor(log2 |x / s|) * s`
 (half an ulp) for normal values and `2**-10 * s` (half the subnormal step) below `2**-6 * s`.
 
@@ -151,4 +153,7 @@ def fp8_problems(spec) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         if corr.level == "off" and corr.preset is None and corr.rejection is None:
             warnings.append(("rollout.quantization", "fp8 rollout adds weight rounding the trainer does not see, and "
                                                      "no rollout correction is set: " + TIS_HINT))
+        if spec.rollout.fp8.matmul != "auto" and spec.rollout.engine != "hf":
+            warnings.append(("rollout.fp8.matmul", f"applies to the hf engine only; the {spec.rollout.engine} engine "
+                                                   "runs its own FP8 kernels"))
     return errors, warnings
