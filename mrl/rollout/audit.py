@@ -34,6 +34,11 @@ def logprob_audit(rollout_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: 
     - `rollout/kl_k3`: mean of `exp(-d) - 1 + d` (d clamped to ±20), the k3 estimate of the same
       KL (>= 0, low variance);
     - `rollout/prob_abs_diff_mean`: mean of `|exp(rollout) - exp(trainer)|`;
+    - `rollout/log_ppl_diff`: mean over sequences of `mean_t rollout - mean_t trainer`, log(ppl_trainer
+      / ppl_rollout) (`rollout/log_ppl_abs_diff`: of its absolute value);
+    - `rollout/chi2_token`, `rollout/chi2_seq`: chi^2(pi_trainer || pi_rollout) per token and per
+      sequence (`mrl.algos.correction.mismatch_metrics`, verl's `rollout_corr/*`): the variance of
+      the importance weights rollout correction applies, the figure FP8 rollout moves most;
     - `rollout/audit_tokens`: how many tokens were compared.
     Empty input gives 0 for every metric.
     """
@@ -44,7 +49,7 @@ def logprob_audit(rollout_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: 
     n = int(ok.sum())
     if n == 0:
         return {k: 0.0 for k in ("rollout/logprob_abs_diff_mean", "rollout/logprob_abs_diff_max", "rollout/kl_k1",
-                                 "rollout/kl_k3", "rollout/prob_abs_diff_mean", "rollout/audit_tokens")}
+                                 "rollout/kl_k3", "rollout/prob_abs_diff_mean", "rollout/audit_tokens") + _SPREAD}
     roll, train = rollout_logp[ok].double(), trainer_logp[ok].double()
     d = roll - train
     dc = d.clamp(-20.0, 20.0)
@@ -55,7 +60,18 @@ def logprob_audit(rollout_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: 
         "rollout/kl_k3": float((torch.expm1(-dc) + dc).mean()),
         "rollout/prob_abs_diff_mean": float((roll.exp() - train.exp()).abs().mean()),
         "rollout/audit_tokens": float(n),
+        **_spread(rollout_logp, trainer_logp, mask),
     }
+
+
+_SPREAD = ("rollout/log_ppl_diff", "rollout/log_ppl_abs_diff", "rollout/chi2_token", "rollout/chi2_seq")
+
+
+def _spread(rollout_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    from mrl.algos.correction import mismatch_metrics
+
+    m = mismatch_metrics(trainer_logp.double(), rollout_logp.double(), mask)
+    return {k: float(m[k.removeprefix("rollout/")]) for k in _SPREAD}
 
 
 def pack_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Response], pad_id: int = 0):

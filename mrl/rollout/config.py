@@ -95,6 +95,19 @@ class WeightSyncConfig:
 
 
 @section
+class Fp8Config:
+    """`rollout.quantization = "fp8"`: blockwise FP8 weights on the wire and in the engine (mrl/weights/fp8.py)."""
+
+    power_of_two_scales: bool = option(False, help="round each 128x128 block's scale up to a power of two (UE8M0)")
+    matmul: Literal["auto", "dequantized", "scaled_mm"] = option(
+        "auto", help="hf engine: linear layers as FP8 GEMMs (torch._scaled_mm, activations per 1x128) or on the "
+                     "dequantized weights; auto: FP8 GEMMs on CUDA GPUs of capability >= 8.9 (vllm: its own kernels)")
+    skip: tuple[str, ...] = option(("embed_tokens", "lm_head", "norm", r"\.mlp\.gate\.weight$", "shared_expert_gate"),
+                                   help="regular expressions (re.search) of tensor names kept in the export dtype; "
+                                        "only 2-D *.weight tensors are ever quantized")
+
+
+@section
 class SGLangConfig:
     """`rollout.engine = "sglang"`: how the SGLang server (pinned 0.5.23) is launched and fed (docs/sglang.md)."""
 
@@ -166,7 +179,9 @@ class RolloutConfig:
     cudagraph_capture_sizes: Optional[tuple[int, ...]] = option(None, ge=1, help="batch sizes captured as CUDA graphs")
     sleep_level: int = option(1, choices=(0, 1, 2), help="0 keeps the engine awake; 1 offloads weights, drops KV cache; 2 drops both")
     load_format: Literal["dummy", "auto"] = option("dummy", help="dummy: weights arrive from the trainer; auto: engine loads model.path")
-    quantization: Optional[Literal["fp8"]] = option(None, help="online quantization of rollout weights")
+    quantization: Optional[Literal["fp8"]] = option(None, help="fp8: linear weights go to the engine as blockwise "
+                                                               "float8_e4m3fn with per-128x128-block scales (docs/fp8.md)")
+    fp8: Fp8Config = option(factory=Fp8Config, help="blockwise FP8 rollout weights")
     disable_log_stats: bool = option(True, help="silence the engine's periodic stats")
     generate_timeout_s: float = option(3600.0, gt=0, help="a generate call that takes longer is an error")
     engine_kwargs: dict[str, Any] = option(factory=dict, help="extra engine arguments passed through verbatim")

@@ -45,9 +45,11 @@ def build_engine(rollout, model, *, seed: int, device: torch.device | str, max_m
         from mrl.rollout.hf import HFEngine
 
         if preset is not None or rollout.load_format == "dummy" and not Path(model.path).is_dir():
-            return HFEngine.from_config(found[0], dtype=dtype, device=device, seed=seed, max_num_seqs=rollout.max_num_seqs)
+            return HFEngine.from_config(found[0], dtype=dtype, device=device, seed=seed, max_num_seqs=rollout.max_num_seqs,
+                                        fp8_matmul=rollout.fp8.matmul)
         return HFEngine.from_pretrained(model.path, dtype=dtype, device=device, seed=seed,
-                                        trust_remote_code=model.trust_remote_code, max_num_seqs=rollout.max_num_seqs)
+                                        trust_remote_code=model.trust_remote_code, max_num_seqs=rollout.max_num_seqs,
+                                        fp8_matmul=rollout.fp8.matmul)
     if rollout.engine == "sglang":
         from mrl.rollout.sglang_sync import launch, sglang_problems
 

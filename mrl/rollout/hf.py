@@ -5,7 +5,8 @@ The embedded default on CPU. It runs its own decoding loop over the model's KV c
 `mrl.rollout.logprobs` and sampling is seeded per response (reproducible regardless of how
 prompts are batched). Prompts are left-padded; positions count real tokens only, so a padded row
 computes what it would alone. Weights arrive from the trainer's stream and are copied into the
-existing parameters (no second copy of the model).
+existing parameters (no second copy of the model); block-FP8 weights (`rollout.quantization`) are
+held as sent and the parameters get their dequantization (`mrl.rollout.hf_fp8`).
 
 The n responses of a prompt share its prefill: each distinct prompt of a batch is run through
 the model once and its KV cache (and last-position logits) copied to its n rows before decoding
@@ -42,7 +43,7 @@ class HFEngine(RolloutEngine):
     """Rollouts from a `transformers` causal LM held in this process."""
 
     def __init__(self, model: torch.nn.Module, *, seed: int = 0, eos_token_ids: Optional[Sequence[int]] = None,
-                 max_num_seqs: int = 256, share_prefill: bool = True):
+                 max_num_seqs: int = 256, share_prefill: bool = True, fp8_matmul: str = "auto"):
         self.model = model.eval()
         self.share_prefill = share_prefill
         self.stage_seconds: Optional[dict[str, float]] = None   # a dict: per-stage wall time accumulates
@@ -52,6 +53,10 @@ class HFEngine(RolloutEngine):
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self._seeds = torch.Generator().manual_seed(seed)  # draws one seed per response
         self._set_targets()
+        from mrl.rollout.hf_fp8 import Fp8Held, scaled_mm_default
+
+        # block-FP8 weights of the stream (rollout.quantization = "fp8"), run as FP8 GEMMs or dequantized
+        self._fp8 = Fp8Held(scaled_mm=fp8_matmul == "scaled_mm" or fp8_matmul == "auto" and scaled_mm_default(self.device))
         self._asleep = False
         from mrl.rollout.hf_routes import RouteCapture
 
@@ -101,6 +106,7 @@ class HFEngine(RolloutEngine):
                  prompt_seeds: Optional[Sequence[int]] = None) -> list[Response]:
         if self._asleep:
             raise RuntimeError("hf engine: generate() while asleep; call wake() first")
+        self._fp8.flush(self._targets)   # sparse FP8 updates applied outside update_weights
         per_prompt = resolve_prompt_seeds(sampling, len(prompt_token_ids), prompt_seeds)
         rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(sampling.n)]
         seeds = [self._row_seed(per_prompt[i], j) for i, j in rows]
@@ -255,6 +261,7 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        self._fp8.flush(self._targets)
         out = []
         for seq in token_ids:   # one row at a time: no padding in the numbers
             ids = torch.tensor([list(seq)], device=self.device)
@@ -267,6 +274,13 @@ class HFEngine(RolloutEngine):
     def update_weights(self, weights: WeightStream, *, partial: bool = False) -> int:
         loaded, filled = 0, set()
         for name, tensor in weights:
+            if self._fp8.claims(name, tensor):   # a block-FP8 weight or its scales: held, dequantized below
+                weight = self._fp8.put(name, tensor, self.device)
+                if weight not in self._targets:
+                    raise KeyError(f"hf engine: the weight stream names {name!r}, which the model does not have")
+                filled.add(id(self._owners.get(weight, self._targets[weight])))
+                loaded += 1
+                continue
             target = self._targets.get(name)
             if target is None:
                 raise KeyError(f"hf engine: the weight stream names {name!r}, which the model does not have")
@@ -276,6 +290,8 @@ class HFEngine(RolloutEngine):
             target.data.copy_(tensor)  # casts dtype and moves device in place
             filled.add(id(self._owners.get(name, target)))
             loaded += 1
+        self._fp8.flush(self._targets)
+        self._fp8.route(self.model)
         missing = [n for n, p in self.model.named_parameters() if id(p) not in filled]  # tied: one name
         if missing and not partial:
             shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
@@ -287,6 +303,9 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def apply_sparse(self, name: str, indices: torch.Tensor, values: torch.Tensor) -> None:
+        if self._fp8.claims(name):   # dequantized when the sync's update_weights ends (or before generating)
+            self._fp8.put_sparse(name, indices, values)
+            return
         target = self._targets.get(name)
         if target is None:
             raise KeyError(f"hf engine: the weight stream names {name!r}, which the model does not have")
@@ -295,7 +314,9 @@ class HFEngine(RolloutEngine):
 
     def held_weights(self, names):
         for name in names:
-            if name in self._targets:
+            if self._fp8.claims(name):   # the FP8 bytes and scales as received (the matmul reads their dequantization)
+                yield name, self._fp8.tensors[name]
+            elif name in self._targets:
                 yield name, self._targets[name].data
 
     def sleep(self, level: Optional[int] = None) -> None:

@@ -215,6 +215,10 @@ def engine_args(rollout, model_path: str, *, seed: int, dtype: str, max_model_le
     )
     if rollout.quantization:
         kw["quantization"] = rollout.quantization
+    if rollout.quantization == "fp8":   # the block-FP8 layout the weight stream carries (mrl/weights/fp8.py)
+        from mrl.rollout.vllm_fp8 import vllm_quantization_config
+
+        kw["hf_overrides"] = {"quantization_config": vllm_quantization_config(rollout, model_path)}
     if rollout.cudagraph_capture_sizes:
         kw["compilation_config"] = {"cudagraph_capture_sizes": list(rollout.cudagraph_capture_sizes)}
     if "kv_cache_memory_bytes" not in rollout.engine_kwargs and on_cpu:

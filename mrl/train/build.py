@@ -239,7 +239,10 @@ def build_learner(spec: JobSpec, plan: StepPlan, hf: dict, device: str, total: i
     reward_model = build_reward_model(spec, hf, device)
     if reward_model is not None:
         STARTUP.say("reward model: loaded", timed=True)
-    return Learner(actor=actor, exporter=Exporter(actor.chunks, hf, dtype=DTYPES[spec.rollout.weight_sync.dtype]),
+    from mrl.weights.fp8 import from_config as fp8_stream
+
+    exporter = Exporter(actor.chunks, hf, dtype=DTYPES[spec.rollout.weight_sync.dtype], quantize=fp8_stream(spec.rollout))
+    return Learner(actor=actor, exporter=exporter,
                    ref=ref, critic=critic, reward_model=reward_model, kl=kl_controller(spec), teacher=teacher)
 
 

@@ -21,7 +21,7 @@ each sync, as full fine-tuning does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Literal, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -93,22 +93,28 @@ class Exporter:
     """Streams one model's weights as HF tensors; the plan is computed once and reused."""
 
     def __init__(self, chunks: Iterable[torch.nn.Module], hf: dict[str, Any], *, dtype: Optional[torch.dtype] = None,
-                 adapters: bool = False):
+                 adapters: bool = False, quantize: Optional[Callable[[Iterable], Iterator]] = None):
         """`adapters`: stream the LoRA adapters themselves (PEFT's per-projection `lora_A` / `lora_B`,
-        gathered over TP and PP like any weight) instead of the (merged) model weights."""
+        gathered over TP and PP like any weight) instead of the (merged) model weights.
+        `quantize`: a transform of the stream (`mrl.weights.fp8.Fp8Stream` for FP8 rollout)."""
         self.chunks = list(chunks)
         self.hf = hf
         self.dims = model_dims(hf)
         self.placements = local_placements(self.chunks, hf, adapters=adapters)
         self.by_key = {(p.order, p.hf_names): p for p in self.placements}
         self.dtype = dtype
+        self.quantize = quantize
         self.plan = _plan(self.placements, self.dims, is_tied(self.chunks), dtype)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.stream()
 
     def stream(self, targets: Targets = "all") -> Iterator[tuple[str, torch.Tensor]]:
-        """(hf_name, full tensor) pairs; empty on ranks that `targets` does not include."""
+        """(hf_name, full tensor) pairs; empty on ranks that `targets` does not include.
+        With `quantize`, what it makes of them (block-FP8 weights followed by their scales)."""
+        return self.quantize(self._full(targets)) if self.quantize is not None else self._full(targets)
+
+    def _full(self, targets: Targets) -> Iterator[tuple[str, torch.Tensor]]:
         with torch.no_grad():
             for entry in self.plan:
                 tensors = (self._to_all(entry) if targets == "all" else self._to_rank(entry, int(targets)))

@@ -102,9 +102,10 @@ def hf_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
     return out
 
 
-def delta_bytes(numel: int, elem_bytes: int, changed_fraction: float) -> int:
-    """Bytes of one tensor under delta sync: sparse index/value pairs or the whole tensor."""
-    return min(numel * elem_bytes, int(round(numel * changed_fraction)) * (INDEX_BYTES + elem_bytes))
+def delta_bytes(numel: int, elem_bytes: float, changed_fraction: float) -> int:
+    """Bytes of one tensor under delta sync: sparse index/value pairs or the whole tensor
+    (`elem_bytes` may be fractional: an FP8 weight's byte plus its share of the block scales)."""
+    return int(min(numel * elem_bytes, int(round(numel * changed_fraction)) * (INDEX_BYTES + elem_bytes)))
 
 
 @dataclass(frozen=True)
@@ -171,11 +172,17 @@ def plan_sync(spec, *, links: Links = Links(), changed_fraction: float = 0.02) -
     dtype = spec.rollout.weight_sync.dtype or spec.rollout.dtype or spec.model.dtype
     elem = DTYPE_BYTES[dtype]
     tensors = hf_tensors(cfg)
-    full = sum(t.numel for t in tensors) * elem
-    delta = sum(delta_bytes(t.numel, elem, changed_fraction) for t in tensors)
+    full = sum(t.numel for t in tensors) * elem   # what the trainer's gathers move (export dtype)
+    from mrl.weights.fp8 import from_config as fp8_stream
+
+    fp8 = fp8_stream(spec.rollout)
+    # what reaches the engine: block-FP8 weights (1 byte + 4 per 128x128 block) when quantized
+    wire = [(fp8.nbytes(t.name, t.shape, elem) if fp8 else t.numel * elem, t) for t in tensors]
+    sent = sum(b for b, _ in wire)
+    delta = sum(delta_bytes(t.numel, b / t.numel, changed_fraction) for b, t in wire)
     bucket_mb = spec.rollout.weight_sync.bucket_mb
 
-    class _Sized:   # hf_buckets packs by numel * element_size, which is all it reads
+    class _Sized:   # hf_buckets packs by numel * element_size, which is all it reads: here, bytes x 1
         def __init__(self, n):
             self.n = n
 
@@ -183,9 +190,9 @@ def plan_sync(spec, *, links: Links = Links(), changed_fraction: float = 0.02) -
             return self.n
 
         def element_size(self):
-            return elem
+            return 1
 
-    n_buckets = sum(1 for _ in hf_buckets(((t.name, _Sized(t.numel)) for t in tensors), bucket_mb * 2**20))
+    n_buckets = sum(1 for _ in hf_buckets(((t.name, _Sized(b)) for b, t in wire), bucket_mb * 2**20))
     largest = max(t.numel for t in tensors) * elem
 
     p, rpn = spec.parallel, spec.platform.ranks_per_node
@@ -222,7 +229,7 @@ def plan_sync(spec, *, links: Links = Links(), changed_fraction: float = 0.02) -
     if rollout_ranks:
         members = [0] + list(range(trainer_world, world))
         g = Group("bridge broadcast to rollout ranks", len(members), _node_span(members, rpn))
-        groups.append((g, full))
+        groups.append((g, sent))
         bridge = 1 / _bw(links, g.link)
         notes.append(f"separate placement: trainer rank 0 sends every bucket to {rollout_ranks} rollout ranks")
     else:
@@ -231,17 +238,21 @@ def plan_sync(spec, *, links: Links = Links(), changed_fraction: float = 0.02) -
     if spec.rollout.engine == "vllm":
         notes.append("vllm delta syncs send changed tensors whole, with the rest of their fused module (q/k/v, "
                      "gate/up): more than the delta figure where few elements change")
+    if fp8:
+        notes.append(f"fp8: linear weights cross as block FP8 with float32 scales per 128x128 block, "
+                     f"{sent / full:.1%} of the {dtype} bytes; quantized after the trainer's gathers")
     pcie = Group("host copy compare (delta), per rank", 1, "PCIe")
-    compare_s = full / _bw(links, "PCIe") if spec.platform.device == "cuda" else 0.0
-    bucket_bytes = min(bucket_mb * 2**20, full)
+    compare_s = sent / _bw(links, "PCIe") if spec.platform.device == "cuda" else 0.0
+    bucket_bytes = min(bucket_mb * 2**20, sent)   # buckets hold what is sent (fp8: the quantized tensors)
     # the tensor being gathered: its TP shards list plus the assembled full tensor
     trainer_extra = bucket_bytes + 2 * largest
-    return SyncPlan(model=spec.model.path, source=source, tensors=len(tensors), elements=full // elem, dtype=dtype,
-                    full_bytes=full, delta_bytes=delta, changed_fraction=changed_fraction, bucket_mb=bucket_mb,
-                    buckets=n_buckets, largest_tensor_bytes=largest, groups=groups + ([(pcie, full)] if compare_s else []),
-                    trainer_extra_bytes=trainer_extra, host_copy_bytes=full,
-                    engine_extra_bytes=max(bucket_bytes, largest),
-                    seconds_full=seconds + full * bridge, seconds_delta=seconds + delta * bridge + compare_s,
+    return SyncPlan(model=spec.model.path, source=source, tensors=len(tensors), elements=full // elem,
+                    dtype=dtype + (" -> block fp8 (e4m3)" if fp8 else ""), full_bytes=sent, delta_bytes=delta,
+                    changed_fraction=changed_fraction, bucket_mb=bucket_mb,
+                    buckets=n_buckets, largest_tensor_bytes=largest, groups=groups + ([(pcie, sent)] if compare_s else []),
+                    trainer_extra_bytes=trainer_extra, host_copy_bytes=sent,
+                    engine_extra_bytes=max(bucket_bytes, max(b for b, _ in wire)),
+                    seconds_full=seconds + sent * bridge, seconds_delta=seconds + delta * bridge + compare_s,
                     notes=notes)
 
 

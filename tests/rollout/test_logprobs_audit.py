@@ -56,8 +56,15 @@ def test_audit_metrics_by_hand():
     assert m["rollout/kl_k1"] == pytest.approx(float(d.mean()))
     assert m["rollout/kl_k3"] == pytest.approx(float((torch.exp(-d) - 1 + d).mean()))
     assert m["rollout/kl_k3"] > 0
+    # sequences: row 0 mean d = (0.1 + 0 - 0.5) / 3, row 1 mean d = 0; log-ppl diff is their mean
+    assert m["rollout/log_ppl_diff"] == pytest.approx((-0.4 / 3 + 0.0) / 2)
+    assert m["rollout/log_ppl_abs_diff"] == pytest.approx((0.4 / 3) / 2)
+    # chi^2 per token: mean of (pi_trainer / pi_rollout)^2 - 1 = mean exp(-2d) - 1
+    assert m["rollout/chi2_token"] == pytest.approx(float(torch.exp(-2 * d).mean() - 1))
+    assert m["rollout/chi2_seq"] == pytest.approx(float((torch.exp(torch.tensor(0.8)) + 1) / 2 - 1))
     same = logprob_audit(roll, roll.clone(), mask)
     assert same["rollout/logprob_abs_diff_max"] == 0 and same["rollout/kl_k3"] == 0
+    assert same["rollout/chi2_token"] == 0 and same["rollout/log_ppl_diff"] == 0
     assert logprob_audit(roll, train, torch.zeros_like(mask))["rollout/kl_k1"] == 0
     with pytest.raises(ValueError, match="shapes"):
         logprob_audit(roll, train[:, :2], mask)

@@ -88,3 +88,15 @@ def test_plan_of_an_unknown_model_is_one_line(capsys, tmp_path):
     assert main(["plan", str(JOBS / "quickstart_cpu.toml"), "model.path=/nonexistent/model"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.path" in err[0]
+
+
+def test_fp8_rollout_sends_linear_weights_as_one_byte_plus_block_scales():
+    spec, _ = load(str(JOBS / "quickstart_fp8_cpu.toml"), [])
+    plan = plan_sync(spec)
+    # tiny-qwen2, tied: per layer q 128x128, k/v 64x128, o 128x128, gate/up 256x128, down 128x256 =
+    # 147,456 fp8 bytes + 10 blocks x 4; embeddings 65,536, q/k/v biases 2 x 256 and 5 norms x 128 in bf16
+    # (the quickstart_fp8 run measured weight_sync/bytes = 428,368 and 723,200 without fp8)
+    assert plan.full_bytes == 2 * (147456 + 40) + 2 * (65536 + 2 * 256 + 5 * 128) == 428368
+    bf16, _ = load(str(JOBS / "quickstart_fp8_cpu.toml"), ["rollout.quantization=none"])
+    assert plan_sync(bf16).full_bytes == 2 * (2 * 147456 + 65536 + 2 * 256 + 5 * 128) == 723200
+    assert "fp8" in plan.dtype and any("59.2% of the bfloat16 bytes" in n for n in plan.notes)

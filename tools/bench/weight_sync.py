@@ -4,6 +4,7 @@
     python tools/bench/weight_sync.py --cases quickstart --steps 10 --lr 3e-3 1e-5
     python tools/bench/weight_sync.py --cases smollm2 --model ~/.cache/mrl/models/SmolLM2-135M-Instruct
     python tools/bench/weight_sync.py --cases quickstart --separate   # also across the bridge (torchrun, 2 ranks)
+    python tools/bench/weight_sync.py --cases quickstart --fp8        # also with block-FP8 rollout weights
 
 Cases (each with its learning rates; `--lr` overrides them all):
 - `quickstart`: jobs/quickstart_cpu.toml, its tiny Qwen2 (0.72 MB in bf16), lr 3e-3 (the job's) and 1e-5, 1e-6;
@@ -27,6 +28,9 @@ run, the mean over the steps after the first (the first sync is full in both mod
 `--separate` also runs the quickstart on separate rollout ranks (1 trainer + 1 rollout rank,
 torchrun, on-policy), full vs delta: the MB that cross the bridge per sync and trainer rank 0's
 time per sync (export, compare, checksums and broadcast; the rollout rank checks and loads it).
+
+`--fp8` also runs every case with `rollout.quantization = "fp8"` (docs/fp8.md), full and delta, and
+prints each run's bytes per sync as a share of the bf16 full sync of the same case and lr.
 
 The learning rate decides how many bf16 elements change per step: the quickstart's 3e-3 moves
 almost all of them, RL fine-tuning rates (1e-6 .. 1e-5) few. `--json PATH` writes the figures.
@@ -118,6 +122,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--lr", type=float, nargs="+", default=None, help="learning rates (default: each case's)")
     ap.add_argument("--separate", action="store_true", help="also the quickstart across the bridge (torchrun)")
+    ap.add_argument("--fp8", action="store_true", help="also with block-FP8 rollout weights (rollout.quantization)")
     ap.add_argument("--json", metavar="PATH", default=None)
     a = ap.parse_args()
     base = ["platform.ranks_per_node=1", "model.dtype=bfloat16", f"trainer.total_steps={a.steps}",
@@ -131,11 +136,14 @@ def main() -> None:
             job, overrides, lrs = CASES[case]
             extra = [f"model.path={Path(a.model).resolve()}"] if case == "smollm2" else []
             for lr in a.lr or lrs:
-                for mode in ("full", "delta"):
-                    out = Path(tmp) / f"{case}_{mode}_{lr:g}"
-                    h = _run(job, out, base + overrides + extra + [f"actor.optim.lr={lr}",
-                                                                   f"rollout.weight_sync.mode={mode}"])
-                    results[f"{case} lr={lr:g} {mode}"] = summarize(h)
+                for quant in ("", " fp8")[:1 + a.fp8]:
+                    for mode in ("full", "delta"):
+                        out = Path(tmp) / f"{case}_{mode}_{lr:g}{quant.strip()}"
+                        h = _run(job, out, base + overrides + extra + [f"actor.optim.lr={lr}",
+                                                                       f"rollout.weight_sync.mode={mode}"]
+                                 + (['rollout.quantization="fp8"'] if quant else []))
+                        r = results[f"{case} lr={lr:g}{quant} {mode}"] = summarize(h)
+                        r["of_bf16"] = r["MB_per_sync"] / results[f"{case} lr={lr:g} full"]["MB_full"]
         if a.separate:
             for lr in a.lr or CASES["quickstart"][2]:
                 for mode in ("full", "delta"):
@@ -147,12 +155,14 @@ def main() -> None:
     print(f"bf16, {a.steps} steps, 1 rank (bridge: 1 trainer + 1 rollout rank); means over steps 2..{a.steps}; "
           f"load average {load[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end, {time.time() - started:.0f} s")
     print(f"{'run':<28} {'MB/sync':>9} {'of full':>8} {'changed':>8} {'sync s':>8} {'checksum s':>11} {'verify s':>9} "
-          f"{'(ck+vf)/sync':>12} {'step s':>7} {'full syncs':>10} {'reward':>7} {'grad norm':>9}")
+          f"{'(ck+vf)/sync':>12} {'step s':>7} {'full syncs':>10} {'reward':>7} {'grad norm':>9}"
+          + (f" {'of bf16':>8}" if a.fp8 else ""))
     for name, r in results.items():
         overhead = (r["checksum_s"] + r["verify_s"]) / r["sync_s"] if r["sync_s"] else float("nan")
         print(f"{name:<28} {r['MB_per_sync']:>9.3f} {r['MB_per_sync'] / r['MB_full']:>8.1%} "
               f"{_pct(r['changed_fraction']):>8} {r['sync_s']:>8.4f} {r['checksum_s']:>11.4f} {r['verify_s']:>9.4f} "
-              f"{overhead:>12.1%} {r['step_s']:>7.2f} {int(r['full_syncs']):>10} {r['reward_mean']:>7.3f} {r['grad_norm']:>9.3g}")
+              f"{overhead:>12.1%} {r['step_s']:>7.2f} {int(r['full_syncs']):>10} {r['reward_mean']:>7.3f} {r['grad_norm']:>9.3g}"
+              + (f" {r.get('of_bf16', float('nan')):>8.1%}" if a.fp8 else ""))
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1, sort_keys=True))
 
