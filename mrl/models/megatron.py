@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from mrl.errors import UserError
 from mrl.models.config import ModelConfig
-from mrl.models.facts import BUILTIN_PRESETS, builtin_preset, find_hf_config
+from mrl.models.facts import BUILTIN_PRESETS, MODEL_TYPE_ALIASES, builtin_preset, canonical_config, find_hf_config
 from mrl.platform.config import ParallelConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
@@ -41,15 +41,54 @@ def hf_config(model: ModelConfig) -> dict[str, Any]:
 
 def complete_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """`cfg` with every field its `transformers` config class defaults (e.g. `norm_topk_prob`,
-    `rope_parameters`), so mrl reads the architecture exactly as `transformers` does."""
+    `rope_parameters`), so mrl reads the architecture exactly as `transformers` does; an aliased
+    model type (kimi_k2) becomes its architecture's (`facts.canonical_config`)."""
     from transformers import AutoConfig
 
+    cfg = canonical_config(cfg)
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UserError(f"model.path: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise UserError(f"model.path: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)}, "
+                        f"and {', '.join(f'{a} as {t}' for a, t in MODEL_TYPE_ALIASES.items())})")
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise UserError(f"model.path: quantized checkpoint (quantization_config {method!r}) is not supported; mrl trains "
+                        "unquantized weights (dequantize the checkpoint to bf16 first)")
     rest = {k: v for k, v in cfg.items() if k != "model_type"}
     full = AutoConfig.for_model(model_type, **rest).to_dict()
     return {**full, "model_type": model_type}
+
+
+def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1) -> list[str]:
+    """Every reason mrl cannot build the checkpoint config `cfg` exactly, one `"key: reason"` line
+    each: what `mrl validate` reports, from the checks `mrl train` refuses with (model type,
+    quantization, activation, RoPE type, each architecture's own refusals)."""
+    try:
+        hf = complete_hf_config(cfg)
+    except UserError as e:
+        return [str(e)]
+    problems = []
+    for check in (_check_activation, hf_inv_freq if hf["model_type"] != "deepseek_v3" else None,
+                  (lambda h: deepseek_v3_fields({**h, "_tensor_parallel": tensor_parallel}))
+                  if hf["model_type"] == "deepseek_v3" else None):
+        try:
+            if check is not None:
+                check(hf)
+        except UserError as e:
+            problems.append(str(e))
+    return problems
+
+
+def model_problems(path: str, tensor_parallel: int = 1) -> list[str]:
+    """`architecture_problems` of the config at `model.path` (none when it cannot be read here)."""
+    found = find_hf_config(path)
+    return [] if found is None else architecture_problems(found[0], tensor_parallel)
+
+
+def _check_activation(hf: dict[str, Any]) -> None:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UserError(f"model.path: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
 
 
 def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
@@ -133,8 +172,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(f"model.path: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise UserError(f"model.path: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
+    _check_activation(hf)
     torch_dtype = _DTYPES[dtype]
     heads = hf["num_attention_heads"]
     te = resolve_backend(attention, device) == "te"
@@ -222,8 +260,18 @@ def deepseek_v3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     0, RL does not re-balance) within the `topk_group` best of `n_group` groups (a group's score is
     the sum of its top 2), weights renormalised and scaled by `routed_scaling_factor`; shared
     experts of `n_shared_experts x moe_intermediate_size`; the first `first_k_dense_replace`
-    layers dense.
+    layers dense. Kimi-K2 (`model_type = "kimi_k2"`, read as deepseek_v3: `facts.MODEL_TYPE_ALIASES`)
+    is this architecture with one group (`n_group` 1); its remote code's routing fields must say
+    what transformers computes (`scoring_func` sigmoid, `topk_method` noaux_tc, `moe_layer_freq` 1).
+    Training-time balancing fields of that code (`aux_loss_alpha`, `seq_aux`) are not applied: the
+    correction bias stays fixed and no auxiliary loss is added, as for deepseek_v3.
     """
+    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise UserError(f"model.path: deepseek_v3 routing scoring_func {hf.get('scoring_func')!r} / topk_method "
+                        f"{hf.get('topk_method')!r} is not supported (sigmoid / noaux_tc, as transformers' DeepSeek-V3)")
+    if (hf.get("moe_layer_freq") or 1) != 1:
+        raise UserError(f"model.path: deepseek_v3 with moe_layer_freq {hf['moe_layer_freq']} is not supported (experts in "
+                        "every layer from first_k_dense_replace on, as transformers' DeepSeek-V3)")
     if not hf.get("rope_interleave", True):
         raise UserError("model.path: deepseek_v3 with rope_interleave = false is not supported (megatron's MLA "
                         "rotates interleaved pairs)")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from mrl.errors import UserError
 from mrl.weights.tables import TABLES
 from mrl.weights.transforms import GATE_UP, QKV_FUSED, VOCAB, ModelDims
-from tests.weights.archs import ARCHS, make_hf_model, probe_tokens
+from tests.weights.archs import ARCHS, copy_config, make_hf_model, probe_tokens
 
 
 class _Mem:
@@ -116,7 +115,7 @@ def test_export_loads_in_transformers_with_the_same_logits(platform, tmp_path, a
     out = tmp_path / "exported"
     out.mkdir()
     save_file(dict(Exporter([model], hf).stream()), out / "model.safetensors", metadata={"format": "pt"})
-    shutil.copy(src / "config.json", out / "config.json")
+    copy_config(src, out)
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tokens = probe_tokens(hf["vocab_size"])
     with torch.no_grad():
