@@ -24,6 +24,20 @@ from mrl.platform.config import ParallelConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Model types transformers builds that mrl does not map yet, and what is missing (issue 40).
+UNMAPPED_MODEL_TYPES = {
+    "gemma3_text": "sliding-window layers with their own RoPE base, Gemma's (1 + w) RMSNorms, the post-attention "
+                   "and post-feed-forward norms, the embedding scale and the GELU-tanh MLP are not built",
+    "glm4_moe": "RoPE on half of each head (partial_rotary_factor) is not built into mrl's packed RoPE, nor the "
+                "translation of its DeepSeek-style sigmoid router",
+    "gpt_oss": "attention sinks, alternating sliding-window layers, the clamped SwiGLU with biases and MXFP4 "
+               "checkpoint weights are not built",
+    "qwen3_next": "gated DeltaNet linear-attention layers and gated full attention are not built",
+    "qwen3_5_text": "gated DeltaNet linear-attention layers and gated full attention are not built",
+    "qwen3_5_moe_text": "gated DeltaNet linear-attention layers and gated full attention are not built",
+}
+UNMAPPED_MODEL_TYPES.update(gemma3=UNMAPPED_MODEL_TYPES["gemma3_text"], qwen3_5=UNMAPPED_MODEL_TYPES["qwen3_5_text"],
+                            qwen3_5_moe=UNMAPPED_MODEL_TYPES["qwen3_5_moe_text"])
 from mrl.platform.device import DTYPES as _DTYPES
 
 
@@ -48,8 +62,9 @@ def complete_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     cfg = canonical_config(cfg)
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UserError(f"model.path: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)}, "
-                        f"and {', '.join(f'{a} as {t}' for a, t in MODEL_TYPE_ALIASES.items())})")
+        why = f" yet: {UNMAPPED_MODEL_TYPES[model_type]}" if model_type in UNMAPPED_MODEL_TYPES else ""
+        raise UserError(f"model.path: model_type {model_type!r} is not supported{why} (supported: "
+                        f"{', '.join(SUPPORTED_MODEL_TYPES)}, and {', '.join(f'{a} as {t}' for a, t in MODEL_TYPE_ALIASES.items())})")
     quant = cfg.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"

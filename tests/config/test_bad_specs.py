@@ -362,3 +362,31 @@ def test_a_vllm_judge_where_vllm_is_not_importable_is_one_line(write_job, cli):
     assert rc == 2 and "Traceback" not in err
     [line] = [line for line in err.splitlines() if line.startswith("error:")]
     assert ": reward.judge.engine: " in line and "vllm is not importable here" in line, err
+
+
+# ---- architectures mrl does not build: one line at validate, as train would refuse -------------
+
+@pytest.mark.parametrize("cfg,key,fragment", [
+    (dict(model_type="gpt_oss"), "model.path", "'gpt_oss' is not supported yet: attention sinks"),
+    (dict(model_type="gemma3_text"), "model.path", "'gemma3_text' is not supported yet: sliding-window layers"),
+    (dict(model_type="qwen3_next"), "model.path", "'qwen3_next' is not supported yet: gated DeltaNet"),
+    (dict(model_type="kimi_k2", quantization_config={"quant_method": "fp8"}), "model.path",
+     "quantized checkpoint (quantization_config 'fp8') is not supported"),
+    (dict(model_type="kimi_k2", scoring_func="softmax"), "model.path", "scoring_func 'softmax' / topk_method"),
+    (dict(model_type="kimi_k2", moe_layer_freq=2), "model.path", "moe_layer_freq 2 is not supported"),
+    (dict(model_type="kimi_k2", kv_lora_rank=17), "parallel.tensor", "2 does not divide deepseek_v3's kv_lora_rank"),
+    (dict(model_type="qwen2", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}), "model.path",
+     "RoPE type 'dynamic' is not supported"),
+], ids=["gpt_oss", "gemma3", "qwen3_next", "quantized", "kimi-routing", "kimi-moe-freq", "kimi-tp", "rope"])
+def test_architecture_refusals_are_one_line_at_validate(write_job, cli, tmp_path, cfg, key, fragment):
+    import json
+
+    from tests.weights.archs import ARCHS, _COMMON
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**_COMMON, **ARCHS.get(cfg["model_type"], {}), **cfg}))
+    rc, _, err = cli("validate", write_job({"model": {"path": str(model)}, "parallel": {"tensor": 2}}))
+    assert rc == 2 and "Traceback" not in err, err
+    hits = [line for line in err.splitlines() if line.startswith("error:") and f": {key}: " in line]
+    assert len(hits) == 1 and fragment in hits[0], err
