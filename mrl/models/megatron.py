@@ -19,10 +19,10 @@ import torch.nn.functional as F
 
 from mrl.errors import UserError
 from mrl.models.config import ModelConfig
-from mrl.models.facts import BUILTIN_PRESETS, MODEL_TYPE_ALIASES, builtin_preset, canonical_config, find_hf_config
+from mrl.models.facts import ARCHITECTURES, BUILTIN_PRESETS, MODEL_TYPE_ALIASES, builtin_preset, canonical_config, find_hf_config
 from mrl.platform.config import ParallelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = tuple(t for t in ARCHITECTURES if t not in MODEL_TYPE_ALIASES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Model types transformers builds that mrl does not map yet, and what is missing (issue 40).
 UNMAPPED_MODEL_TYPES = {

@@ -98,7 +98,9 @@ class HFEngine(RolloutEngine):
         `update_weights` (until then they are transformers' random initialisation)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        cfg = dict(hf_config)
+        from mrl.models.facts import canonical_config
+
+        cfg = canonical_config(dict(hf_config))   # kimi_k2 -> transformers' deepseek_v3
         config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
         model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[dtype])
         return cls(model.to(device), **kw)
