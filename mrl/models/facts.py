@@ -31,7 +31,7 @@ _DENSE, _MOE = "TP1 TP2 PP2 DP2", "TP1 TP2 PP2 DP2 EP2"
 ARCHITECTURES: dict[str, str] = {
     "llama": _DENSE, "mistral": "llama's table and translation, no test of its own", "qwen2": _DENSE,
     "qwen3": _DENSE, "qwen3_moe": _MOE, "qwen2_moe": _MOE, "mixtral": _MOE, "deepseek_v3": _MOE,
-    "kimi_k2": _MOE + " (read as deepseek_v3)",
+    "kimi_k2": _MOE + " (read as deepseek_v3)", "glm4_moe": _MOE,
 }
 
 
@@ -67,6 +67,14 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
                          rope_theta=50000.0, rope_scaling=dict(type="yarn", factor=4.0, beta_fast=1.0, beta_slow=1.0,
                                                                mscale=1.0, mscale_all_dim=1.0,
                                                                original_max_position_embeddings=256)),
+    # GLM-4.5's shape: RoPE on half of each head, QKV bias, sigmoid routing with the correction
+    # bias, one shared expert, the first layer dense (GLM-4.5: 3 of 46).
+    "tiny-glm4-moe": dict(model_type="glm4_moe", hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                          vocab_size=512, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+                          topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                          attention_bias=True, use_qk_norm=False, partial_rotary_factor=0.5,
+                          num_nextn_predict_layers=0, max_position_embeddings=1024, tie_word_embeddings=False),
 }
 
 # Checkpoint model types that are another type's architecture under their own name: mrl reads

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from mrl.errors import UserError
 from mrl.models.config import ModelConfig
+from mrl.models.sigmoid_moe import sigmoid_moe_fields
 from mrl.models.facts import ARCHITECTURES, BUILTIN_PRESETS, MODEL_TYPE_ALIASES, builtin_preset, canonical_config, find_hf_config
 from mrl.platform.config import ParallelConfig
 
@@ -28,8 +29,6 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 UNMAPPED_MODEL_TYPES = {
     "gemma3_text": "sliding-window layers with their own RoPE base, Gemma's (1 + w) RMSNorms, the post-attention "
                    "and post-feed-forward norms, the embedding scale and the GELU-tanh MLP are not built",
-    "glm4_moe": "RoPE on half of each head (partial_rotary_factor) is not built into mrl's packed RoPE, nor the "
-                "translation of its DeepSeek-style sigmoid router",
     "gpt_oss": "attention sinks, alternating sliding-window layers, the clamped SwiGLU with biases and MXFP4 "
                "checkpoint weights are not built",
     "qwen3_next": "gated DeltaNet linear-attention layers and gated full attention are not built",
@@ -85,6 +84,7 @@ def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1) -> list
         return [str(e)]
     problems = []
     for check in (_check_activation, hf_inv_freq if hf["model_type"] != "deepseek_v3" else None,
+                  (lambda h: sigmoid_moe_fields(h, "glm4_moe")) if hf["model_type"] == "glm4_moe" else None,
                   (lambda h: deepseek_v3_fields({**h, "_tensor_parallel": tensor_parallel}))
                   if hf["model_type"] == "deepseek_v3" else None):
         try:
@@ -129,12 +129,18 @@ def hf_inv_freq(hf: dict[str, Any]) -> torch.Tensor:
     cfg = AutoConfig.for_model(**hf)
     if rope_type == "default":
         base = float(params["rope_theta"])
-        dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        dim = int((hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) * rotary_fraction(hf))
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
     if attention_factor != 1.0:
         raise UserError(f"model.path: RoPE type {rope_type!r} with attention factor {attention_factor} is not supported")
     return inv_freq.float()
+
+
+def rotary_fraction(hf: dict[str, Any]) -> float:
+    """The part of each head RoPE rotates (`partial_rotary_factor`: GLM-4.5's 0.5; megatron's
+    `rotary_percent`): its first `head_dim x fraction` channels, the `rotate_half` way."""
+    return float(rope_parameters(hf).get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0)
 
 
 def moe_layer_pattern(hf: dict[str, Any]) -> list[int] | None:
@@ -205,7 +211,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
         add_bias_linear=False,
         add_qkv_bias=(model_type == "qwen2" or bool(hf.get("attention_bias", False))
                       or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)))),
-        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(hf.get("use_qk_norm"))),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=hf.get("initializer_range", 0.02),
@@ -234,7 +240,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
     elif recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     experts = hf.get("num_experts") or hf.get("num_local_experts")
-    if experts and model_type != "deepseek_v3":
+    if experts and model_type not in ("deepseek_v3", "glm4_moe"):
         pattern = moe_layer_pattern(hf)
         if pattern is not None:
             kwargs.update(moe_layer_freq=pattern)
@@ -252,6 +258,8 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
             moe_permute_fusion=False,
         )
         kwargs.update(shared_experts(hf))
+    if model_type == "glm4_moe":   # GLM-4.5: GQA attention, DeepSeek-V3's router and shared experts
+        kwargs.update(sigmoid_moe_fields(hf, "glm4_moe"), moe_grouped_gemm=te, moe_permute_fusion=False)
     if model_type == "deepseek_v3":
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -270,29 +278,16 @@ def deepseek_v3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     Multi-latent attention: q through a rank-`q_lora_rank` bottleneck with its RMSNorm (or one
     projection when `q_lora_rank` is null), k/v from a rank-`kv_lora_rank` latent plus one shared
     `qk_rope_head_dim` RoPE key; RoPE on the interleaved pairs (`rope_interleave`, megatron's MLA
-    convention). MoE: sigmoid scores, top-k chosen on scores plus the checkpoint's
-    `e_score_correction_bias` (megatron's expert bias, kept fixed: `moe_router_bias_update_rate`
-    0, RL does not re-balance) within the `topk_group` best of `n_group` groups (a group's score is
-    the sum of its top 2), weights renormalised and scaled by `routed_scaling_factor`; shared
-    experts of `n_shared_experts x moe_intermediate_size`; the first `first_k_dense_replace`
-    layers dense. Kimi-K2 (`model_type = "kimi_k2"`, read as deepseek_v3: `facts.MODEL_TYPE_ALIASES`)
+    convention). MoE: `models.sigmoid_moe`. Kimi-K2 (`model_type = "kimi_k2"`, read as deepseek_v3: `facts.MODEL_TYPE_ALIASES`)
     is this architecture with one group (`n_group` 1); its remote code's routing fields must say
     what transformers computes (`scoring_func` sigmoid, `topk_method` noaux_tc, `moe_layer_freq` 1).
     Training-time balancing fields of that code (`aux_loss_alpha`, `seq_aux`) are not applied: the
     correction bias stays fixed and no auxiliary loss is added, as for deepseek_v3.
     """
-    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise UserError(f"model.path: deepseek_v3 routing scoring_func {hf.get('scoring_func')!r} / topk_method "
-                        f"{hf.get('topk_method')!r} is not supported (sigmoid / noaux_tc, as transformers' DeepSeek-V3)")
-    if (hf.get("moe_layer_freq") or 1) != 1:
-        raise UserError(f"model.path: deepseek_v3 with moe_layer_freq {hf['moe_layer_freq']} is not supported (experts in "
-                        "every layer from first_k_dense_replace on, as transformers' DeepSeek-V3)")
     if not hf.get("rope_interleave", True):
         raise UserError("model.path: deepseek_v3 with rope_interleave = false is not supported (megatron's MLA "
                         "rotates interleaved pairs)")
-    if not hf.get("norm_topk_prob", True):
-        raise UserError("model.path: deepseek_v3 with norm_topk_prob = false is not supported (megatron "
-                        "renormalises sigmoid top-k weights)")
+    sigmoid_moe_fields(hf, "deepseek_v3")   # its refusals before the TP ones
     tp = int(hf.get("_tensor_parallel", 1))
     for name, rows in (("q_lora_rank", hf.get("q_lora_rank") or 0),
                        ("kv_lora_rank + qk_rope_head_dim", hf["kv_lora_rank"] + hf["qk_rope_head_dim"])):
@@ -325,32 +320,7 @@ def deepseek_v3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     else:
         raise UserError(f"model.path: RoPE type {rope['rope_type']!r} is not supported for deepseek_v3 "
                         "(default, yarn)")
-    experts = hf.get("n_routed_experts")
-    if experts:
-        topk, groups, group_topk = hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1
-        if groups > 1 and topk != 2 * group_topk:
-            raise UserError(f"model.path: deepseek_v3 group-limited routing needs num_experts_per_tok = 2 x topk_group "
-                            f"(a group scores its top 2 experts; megatron scores top num_experts_per_tok / topk_group), "
-                            f"got {topk} and {group_topk}")
-        dense = hf.get("first_k_dense_replace") or 0
-        fields.update(
-            num_moe_experts=experts,
-            moe_router_topk=topk,
-            moe_ffn_hidden_size=hf["moe_intermediate_size"],
-            moe_layer_freq=[0 if i < dense else 1 for i in range(hf["num_hidden_layers"])],
-            moe_router_score_function="sigmoid",
-            moe_router_pre_softmax=False,
-            moe_router_enable_expert_bias=True,
-            moe_router_bias_update_rate=0.0,
-            moe_router_num_groups=groups if groups > 1 else None,
-            moe_router_group_topk=group_topk if groups > 1 else None,
-            moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="alltoall",
-        )
-        if hf.get("n_shared_experts"):
-            fields.update(moe_shared_expert_intermediate_size=hf["n_shared_experts"] * hf["moe_intermediate_size"])
+    fields.update(sigmoid_moe_fields(hf, "deepseek_v3"))
     return fields
 
 
@@ -382,6 +352,7 @@ def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_
                       if post_process is None else post_process),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
+        rotary_percent=rotary_fraction(hf),
         rotary_base=int(float(rope_parameters(hf)["rope_theta"])),
         vp_stage=vp_stage,
     )

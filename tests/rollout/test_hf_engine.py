@@ -166,7 +166,7 @@ def test_sequence_logprobs_are_the_teacher_forced_forward(engine):
         assert lps == pytest.approx(want.tolist(), abs=1e-6)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "kimi_k2", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "kimi_k2", "glm4_moe", "mixtral"])
 def test_moe_checkpoint_stream_fills_the_fused_experts(tmp_path, arch):
     """The weight stream names each expert apart (`experts.3.gate_proj.weight`, Mixtral's `w1`),
     as checkpoints do; transformers holds them fused (`experts.gate_up_proj [E, 2I, H]`). A
@@ -208,7 +208,7 @@ def test_a_kimi_k2_directory_is_served_as_deepseek_v3(tmp_path):
         assert torch.equal(eng.model(tokens).logits, src(tokens).logits)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
 def test_moe_responses_carry_the_experts_the_engine_used(tmp_path, arch):
     """Each response's `routes` ([prompt + response tokens, MoE layers, top-k]) are the routers'
     own choices (DeepSeek-V3: group-limited, bias-corrected), equal to a single forward over the

@@ -218,7 +218,7 @@ def test_moe_quickstart_learns_at_expert_parallel_two(tmp_path):
 
 
 #: the architecture presets added after the first eight types (issue 40), each trained 5 GRPO steps
-NEW_ARCH_PRESETS = ("tiny-kimi-k2",)
+NEW_ARCH_PRESETS = ("tiny-kimi-k2", "tiny-glm4-moe")
 
 
 @pytest.mark.slow

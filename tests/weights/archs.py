@@ -42,6 +42,12 @@ ARCHS: dict[str, dict] = {
                                                           mscale=1.0, mscale_all_dim=1.0,
                                                           original_max_position_embeddings=32),
                     tie_word_embeddings=False),
+    # GLM-4.5's shape: half-head RoPE, QKV bias, QK-norm (GLM-4.6 style), layer 0 dense, sigmoid
+    # routing with the correction bias over 2 groups (best 1, top 2), a shared expert.
+    "glm4_moe": dict(model_type="glm4_moe", intermediate_size=96, moe_intermediate_size=32, head_dim=16,
+                     n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                     first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
+                     use_qk_norm=True, partial_rotary_factor=0.5, rope_theta=1000000.0, tie_word_embeddings=False),
     "mixtral": dict(model_type="mixtral", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
                     tie_word_embeddings=False),
 }
