@@ -370,3 +370,27 @@ def test_every_supported_model_type_has_a_tested_tiny_model():
     assert set(ARCHITECTURES) - {"mistral"} == set(ARCHS)
     assert "no test of its own" in ARCHITECTURES["mistral"]
 
+
+
+def test_multi_token_prediction_layers_are_skipped_only_where_the_config_declares_them(platform, tmp_path):
+    """GLM-4.5 / DeepSeek-V3 checkpoints store `num_nextn_predict_layers` MTP layers after the last
+    one (`model.layers.<num_hidden_layers>.*`): not loaded (transformers skips them too), counted in
+    the report; the same tensors without the config field are an unexpected-tensor error."""
+    ref_model = make_hf_model("glm4_moe", tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    mtp = {k.replace("model.layers.1.", "model.layers.2."): v.clone() for k, v in weights.items()
+           if k.startswith("model.layers.1.")}
+    save_file({**weights, **mtp}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for declared in (1, 0):
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": declared}))
+        if not declared:
+            with pytest.raises(UserError, match=r"unexpected tensor 'model\.layers\.2\..*\(and \d+ more\)"):
+                _megatron("actor", tmp_path)
+            continue
+        hf, model, report = _megatron("actor", tmp_path)
+        assert report.mtp_skipped == len(mtp) > 0 and report.tensors_read > 0
+        tokens = probe_tokens(hf["vocab_size"])
+        with torch.no_grad():
+            want = ref_model(tokens).logits
+        assert (_forward(model, tokens)[..., : hf["vocab_size"]] - want).abs().max().item() <= 1e-5
