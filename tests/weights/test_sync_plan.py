@@ -38,8 +38,10 @@ def test_plan_prints_the_table_for_every_shipped_recipe(job, capsys, monkeypatch
 def test_tensor_list_matches_a_transformers_model_of_the_config(preset):
     import transformers
 
+    from mrl.models.facts import canonical_config
+
     cfg = dict(BUILTIN_PRESETS[preset])
-    hf_cfg = transformers.AutoConfig.for_model(**cfg)
+    hf_cfg = transformers.AutoConfig.for_model(**canonical_config(cfg))   # tiny-kimi-k2 as deepseek_v3
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
     want = {n: tuple(t.shape) for n, t in model.state_dict().items()
             if not (cfg.get("tie_word_embeddings") and n == "lm_head.weight")}
