@@ -3,10 +3,12 @@
 Supported decoder families: Llama/Mistral (RMSNorm, SwiGLU, RoPE, GQA), Qwen2 (plus QKV bias),
 Qwen3 (plus QK-norm), Qwen3-MoE (plus routed experts, softmax router, top-k optionally
 renormalised, dense MLPs in `mlp_only_layers`), Qwen2-MoE (Qwen2 attention with QKV bias, the
-Qwen3-MoE router, plus a shared expert scaled by a sigmoid gate) and Mixtral (routed experts,
-renormalised top-k).
+Qwen3-MoE router, plus a shared expert scaled by a sigmoid gate), Mixtral (routed experts,
+renormalised top-k), DeepSeek-V3 (multi-latent attention, `models.sigmoid_moe`; Kimi-K2 is read
+as it) and GLM-4.5 (`glm4_moe`: GQA with QKV bias, RoPE on half of each head, `models.sigmoid_moe`).
 RoPE uses the checkpoint's inverse frequencies as `transformers` computes them (default,
-linear and llama3 scaling).
+linear and llama3 scaling; partial rotation per `partial_rotary_factor`).
+`architecture_problems` lists, one line each, what a config asks that mrl does not build.
 Weights here are random (megatron's init); loading Hugging Face weights is the weight-mapping
 layer's job.
 """
@@ -19,8 +21,9 @@ import torch.nn.functional as F
 
 from mrl.errors import UserError
 from mrl.models.config import ModelConfig
+from mrl.models.facts import (ARCHITECTURES, BUILTIN_PRESETS, MODEL_TYPE_ALIASES, builtin_preset, canonical_config,
+                              find_hf_config)
 from mrl.models.sigmoid_moe import sigmoid_moe_fields
-from mrl.models.facts import ARCHITECTURES, BUILTIN_PRESETS, MODEL_TYPE_ALIASES, builtin_preset, canonical_config, find_hf_config
 from mrl.platform.config import ParallelConfig
 
 SUPPORTED_MODEL_TYPES = tuple(t for t in ARCHITECTURES if t not in MODEL_TYPE_ALIASES)
@@ -82,14 +85,17 @@ def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1) -> list
         hf = complete_hf_config(cfg)
     except UserError as e:
         return [str(e)]
+    checks = [_check_activation]
+    if hf["model_type"] == "deepseek_v3":   # MLA takes its own RoPE types (default, yarn) and TP rules
+        checks.append(lambda h: deepseek_v3_fields({**h, "_tensor_parallel": tensor_parallel}))
+    else:
+        checks.append(hf_inv_freq)
+    if hf["model_type"] == "glm4_moe":
+        checks.append(lambda h: sigmoid_moe_fields(h, "glm4_moe"))
     problems = []
-    for check in (_check_activation, hf_inv_freq if hf["model_type"] != "deepseek_v3" else None,
-                  (lambda h: sigmoid_moe_fields(h, "glm4_moe")) if hf["model_type"] == "glm4_moe" else None,
-                  (lambda h: deepseek_v3_fields({**h, "_tensor_parallel": tensor_parallel}))
-                  if hf["model_type"] == "deepseek_v3" else None):
+    for check in checks:
         try:
-            if check is not None:
-                check(hf)
+            check(hf)
         except UserError as e:
             problems.append(str(e))
     return problems

@@ -228,7 +228,8 @@ def test_new_architecture_presets_train_five_grpo_steps(tmp_path):
     weights), and for MoE presets routing replay R3 agreeing with the engine on every token."""
     from mrl.models.facts import model_facts
 
-    base = f"{ONE_RANK} trainer.total_steps=5 checkpoint.every_steps=0"
+    base = (f"{ONE_RANK} trainer.total_steps=5 checkpoint.every_steps=0 data.prompts_per_step=4 "
+            "rollout.responses_per_prompt=4 actor.mini_batch_prompts=2")
     moe = [bool(model_facts(f"builtin:{p}").num_experts) for p in NEW_ARCH_PRESETS]
     results = run_jobs("jobs/quickstart_cpu.toml", tmp_path, *(f"{base} model.path=builtin:{p}" + (
         " actor.moe.routing_replay=r3" if e else "") for p, e in zip(NEW_ARCH_PRESETS, moe)))
