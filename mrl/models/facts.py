@@ -104,6 +104,12 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                                num_key_value_heads=4, head_dim=128, hidden_size=2048, intermediate_size=6144,
                                moe_intermediate_size=768, vocab_size=151936, num_experts=128, num_experts_per_tok=8,
                                tie_word_embeddings=False),
+    "zai-org/GLM-4.5-Air": dict(model_type="glm4_moe", num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8,
+                                head_dim=128, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+                                vocab_size=151552, n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8,
+                                first_k_dense_replace=1, n_group=1, topk_group=1, partial_rotary_factor=0.5,
+                                attention_bias=True, use_qk_norm=False, num_nextn_predict_layers=1,
+                                tie_word_embeddings=False),
 }
 
 
