@@ -85,7 +85,7 @@ def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1) -> list
         hf = complete_hf_config(cfg)
     except UserError as e:
         return [str(e)]
-    checks = [_check_activation]
+    checks = [_check_activation, _check_sliding_window]
     if hf["model_type"] == "deepseek_v3":   # MLA takes its own RoPE types (default, yarn) and TP rules
         checks.append(lambda h: deepseek_v3_fields({**h, "_tensor_parallel": tensor_parallel}))
     else:
@@ -105,6 +105,20 @@ def model_problems(path: str, tensor_parallel: int = 1) -> list[str]:
     """`architecture_problems` of the config at `model.path` (none when it cannot be read here)."""
     found = find_hf_config(path)
     return [] if found is None else architecture_problems(found[0], tensor_parallel)
+
+
+def _check_sliding_window(hf: dict[str, Any]) -> None:
+    """Sliding-window attention is not built: refuse a window that masks anything (Mistral's
+    `sliding_window`, which transformers defaults to 4096; Qwen's `use_sliding_window` layers),
+    unless it is at least `max_position_embeddings` long."""
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types")
+    active = ("sliding_attention" in layer_types if layer_types
+              else bool(window) and hf.get("use_sliding_window") is not False)
+    if active and window and int(window) < int(hf.get("max_position_embeddings") or 0):
+        raise UserError(f"model.path: sliding-window attention (sliding_window {window} < max_position_embeddings "
+                        f"{hf['max_position_embeddings']}) is not supported: mrl attends over whole sequences (set "
+                        "sliding_window to null in config.json if the model does not need it)")
 
 
 def _check_activation(hf: dict[str, Any]) -> None:
@@ -200,6 +214,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(f"model.path: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     _check_activation(hf)
+    _check_sliding_window(hf)
     torch_dtype = _DTYPES[dtype]
     heads = hf["num_attention_heads"]
     te = resolve_backend(attention, device) == "te"

@@ -378,9 +378,13 @@ def test_a_vllm_judge_where_vllm_is_not_importable_is_one_line(write_job, cli):
     (dict(model_type="qwen2", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}), "model.path",
      "RoPE type 'dynamic' is not supported"),
     (dict(model_type="glm4_moe", norm_topk_prob=False), "model.path", "glm4_moe with norm_topk_prob = false"),
+    (dict(model_type="mistral", intermediate_size=96, max_position_embeddings=32768), "model.path",
+     "sliding-window attention (sliding_window 4096 < max_position_embeddings 32768)"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1), "model.path",
+     "sliding-window attention (sliding_window 16 < max_position_embeddings 128)"),
     (dict(model_type="glm4_moe", n_group=2, topk_group=2), "model.path", "glm4_moe group-limited routing needs"),
 ], ids=["gpt_oss", "gemma3", "qwen3_next", "quantized", "kimi-routing", "kimi-moe-freq", "kimi-tp", "rope", "glm-norm",
-        "glm-groups"])
+        "mistral-window", "qwen2-window", "glm-groups"])
 def test_architecture_refusals_are_one_line_at_validate(write_job, cli, tmp_path, cfg, key, fragment):
     import json
 
