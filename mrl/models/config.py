@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from mrl.config.schema import option, section
 from mrl.models.facts import BUILTIN_PRESETS, architectures_help
+from mrl.schema.section import option, section
 
 
 @section
