@@ -135,6 +135,11 @@ def check_shared(spec, report):
             err("parallel.sequence_parallel", f"megatron trains MoE models with parallel.tensor {par.tensor} > 1 only with "
                                               "sequence_parallel = true" + (" (not available on cpu: use tensor = 1 there)"
                                                                             if plat.device == "cpu" else ""))
+    if facts is not None:   # the architecture refusals mrl train raises, one line each
+        from mrl.models.megatron import model_problems
+
+        for line in model_problems(spec.model.path, par.tensor):
+            err(*line.split(": ", 1))
 
     return dp, facts
 

@@ -57,6 +57,8 @@ def write_config(out: Path, hf: dict[str, Any], *, dtype: torch.dtype, valued: b
     cfg["architectures"] = [names[model_type]]
     if valued:
         cfg["tie_word_embeddings"] = False  # a value model has no LM head to tie
+    if cfg.get("num_nextn_predict_layers"):
+        cfg["num_nextn_predict_layers"] = 0   # MTP layers are not trained or written (weights.hf_import.mtp_tensors)
     cfg.update(special_ids or {})
     config = AutoConfig.for_model(**cfg)
     config.dtype = dtype

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
+from mrl.models.facts import BUILTIN_PRESETS, architectures_help
 from mrl.schema.section import option, section
 
 
@@ -10,7 +11,9 @@ from mrl.schema.section import option, section
 class ModelConfig:
     """The policy model. `path` is a local Hugging Face directory, a Hub id, or `builtin:<preset>`."""
 
-    path: str = option(help="HF model directory, Hub id, or builtin:<preset> (tiny random models for CPU runs)")
+    path: str = option(help="HF model directory, Hub id, or builtin:<preset> (tiny random models for CPU runs: "
+                            f"{', '.join(BUILTIN_PRESETS)}). Model types, with the layouts tested against "
+                            f"transformers: {architectures_help()}")
     dtype: Literal["bfloat16", "float16", "float32"] = option("bfloat16", help="parameter/compute dtype")
     tokenizer: Optional[str] = option(None, help="tokenizer directory or id (default: model.path)")
     trust_remote_code: bool = option(False, help="allow custom modelling code from the checkpoint")

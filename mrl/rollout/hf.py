@@ -82,11 +82,18 @@ class HFEngine(RolloutEngine):
     # --- construction --------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str = "float32", device: str | torch.device = "cpu",
-                        trust_remote_code: bool = False, **kw) -> "HFEngine":
-        """Load a local Hugging Face model directory."""
-        from transformers import AutoModelForCausalLM
+                        trust_remote_code: bool = False, hf_config: Optional[dict[str, Any]] = None,
+                        **kw) -> "HFEngine":
+        """Load a local Hugging Face model directory; `hf_config` (a config dict) replaces its
+        config.json (a Kimi-K2 directory is built as transformers' DeepSeek-V3)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code)
+        extra = {}
+        if hf_config is not None:
+            cfg = dict(hf_config)
+            extra["config"] = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code,
+                                                     **extra)
         return cls(model.to(device), **kw)
 
     @classmethod
@@ -96,7 +103,9 @@ class HFEngine(RolloutEngine):
         `update_weights` (until then they are transformers' random initialisation)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        cfg = dict(hf_config)
+        from mrl.models.facts import canonical_config
+
+        cfg = canonical_config(dict(hf_config))   # kimi_k2 -> transformers' deepseek_v3
         config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
         model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[dtype])
         return cls(model.to(device), **kw)

@@ -60,13 +60,13 @@ class RouteCapture:
 
 def moe_layer_indices(hf: dict) -> list[int]:
     """0-based indices of the layers with routed experts, by `transformers`' rule for each MoE
-    architecture (Qwen-MoE: not in `mlp_only_layers` and every `decoder_sparse_step`-th; DeepSeek-V3:
+    architecture (Qwen-MoE: not in `mlp_only_layers` and every `decoder_sparse_step`-th; DeepSeek-V3, GLM-4.5:
     from `first_k_dense_replace` on, every `moe_layer_freq`-th; Mixtral: all)."""
     n, kind = int(hf["num_hidden_layers"]), hf.get("model_type")
     if kind in ("qwen3_moe", "qwen2_moe"):
         dense, step = set(hf.get("mlp_only_layers") or ()), int(hf.get("decoder_sparse_step") or 1)
         return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
-    if kind == "deepseek_v3":
+    if kind in ("deepseek_v3", "glm4_moe"):
         first, freq = int(hf.get("first_k_dense_replace") or 0), int(hf.get("moe_layer_freq") or 1)
         return [i for i in range(n) if i >= first and i % freq == 0]
     return list(range(n))

@@ -33,7 +33,7 @@ def peak_bf16_flops(device_name: str) -> float | None:
 def model_params(hf: dict, *, active: bool = True) -> int:
     """Parameters of a decoder-only Hugging Face config (dense or MoE); `active` counts the experts
     one token passes through (`num_experts_per_tok`) instead of all of them. Covers shared experts
-    (Qwen2-MoE with its gate, DeepSeek-V3), DeepSeek-V3's dense first layers and its multi-latent
+    (Qwen2-MoE with its gate, DeepSeek-V3, GLM-4.5), their dense first layers and DeepSeek's multi-latent
     attention."""
     h, layers, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
     model_type = hf.get("model_type")
@@ -45,7 +45,7 @@ def model_params(hf: dict, *, active: bool = True) -> int:
         d = hf.get("head_dim") or h // heads
         bias = bool(hf.get("attention_bias", model_type == "qwen2") or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)))
         attn = h * heads * d + 2 * h * kv * d + heads * d * h + (bias * (heads + 2 * kv) * d)
-        if model_type in ("qwen3", "qwen3_moe"):
+        if model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and hf.get("use_qk_norm")):
             attn += 2 * d   # q_norm, k_norm
     experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0
     dense_mlp = 3 * h * hf["intermediate_size"]
@@ -55,9 +55,9 @@ def model_params(hf: dict, *, active: bool = True) -> int:
         moe = used * 3 * h * inter + h * experts   # experts + router
         if model_type == "qwen2_moe" and hf.get("shared_expert_intermediate_size"):
             moe += 3 * h * hf["shared_expert_intermediate_size"] + h   # shared expert + its gate
-        if model_type == "deepseek_v3":
+        if model_type in ("deepseek_v3", "glm4_moe"):
             moe += 3 * h * inter * (hf.get("n_shared_experts") or 0)
-        dense_layers = (hf.get("first_k_dense_replace") or 0) if model_type == "deepseek_v3" else 0
+        dense_layers = (hf.get("first_k_dense_replace") or 0) if model_type in ("deepseek_v3", "glm4_moe") else 0
         mlps = dense_layers * dense_mlp + (layers - dense_layers) * moe
     else:
         mlps = layers * dense_mlp

@@ -81,6 +81,19 @@ class ImportReport:
     tensors_read: int = 0
     bytes_read: int = 0
     initialised: list[str] = field(default_factory=list)   # parameters kept at init (critic value head)
+    mtp_skipped: int = 0    # tensors of multi-token-prediction layers, not loaded
+
+
+def mtp_tensors(names: Iterable[str], hf: dict[str, Any]) -> set[str]:
+    """The checkpoint's multi-token-prediction layers (DeepSeek-V3's and GLM-4.5's
+    `num_nextn_predict_layers`, stored as `model.layers.<num_hidden_layers + i>.*`): a speculative
+    decoding head that `transformers` does not load and mrl does not train."""
+    extra = int(hf.get("num_nextn_predict_layers") or 0)
+    if not extra:
+        return set()
+    first = int(hf["num_hidden_layers"])
+    layers = {f"model.layers.{i}." for i in range(first, first + extra)}
+    return {n for n in names if n.startswith(tuple(layers))}
 
 
 def _sources(p: Placement, ckpt: Checkpoint, tied: bool) -> tuple[str, ...]:
@@ -136,7 +149,8 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], path: str | Path | Che
     gathered = gather_objects((problems, consumed), "weight import check")
     problems = sorted({q for ps, _ in gathered for q in ps})
     consumed = set().union(*(c for _, c in gathered))
-    unexpected = sorted(n for n in ckpt.names() - consumed
+    mtp = mtp_tensors(ckpt.names() - consumed, hf)
+    unexpected = sorted(n for n in ckpt.names() - consumed - mtp
                         if not n.endswith(_IGNORED_SUFFIXES) and not (lm_head_unused and n == "lm_head.weight"))
     problems += [f"unexpected tensor {n!r} (no parameter of this {hf['model_type']} model maps to it)"
                  for n in unexpected]
@@ -158,6 +172,10 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], path: str | Path | Che
             if progress is not None:
                 progress(done, len(plan))
     ckpt.close()
+    report.mtp_skipped = len(mtp)
+    if mtp:
+        log.info("weights: %s: %d tensor(s) of the %d multi-token-prediction layer(s) not loaded (mrl trains the "
+                 "main model; transformers does not load them either)", path, len(mtp), hf["num_nextn_predict_layers"])
     if keep_init:
         log.info("weights: %s has no value head; %d parameter(s) keep their initialisation", path, len(keep_init))
     return report

@@ -59,40 +59,43 @@ class HFTensor:
 
 
 def hf_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
-    """The tensors a llama / qwen2 / qwen3 / qwen3_moe checkpoint holds, in checkpoint order."""
+    """The tensors a checkpoint of a supported architecture holds (llama, qwen2/3, the Qwen MoEs,
+    DeepSeek-V3 / Kimi-K2 with multi-latent attention, GLM-4.5; an aliased model type as its
+    architecture), in checkpoint order. Experts by Qwen / DeepSeek names (Mixtral's sizes are the
+    same)."""
+    from mrl.models.facts import canonical_config
+
+    cfg = canonical_config(cfg)
     h = cfg["hidden_size"]
-    heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads") or heads
-    hd = cfg.get("head_dim") or h // heads
     inter = cfg.get("intermediate_size")
     vocab = cfg["vocab_size"]
     model_type = cfg.get("model_type", "llama")
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     moe_inter = cfg.get("moe_intermediate_size") or inter
-    bias = model_type == "qwen2" or bool(cfg.get("attention_bias"))
-    qk_norm = model_type in ("qwen3", "qwen3_moe")
+    sigmoid_moe = model_type in ("deepseek_v3", "glm4_moe")   # DeepSeek's router, shared experts, dense first layers
+    first_moe = int(cfg.get("first_k_dense_replace") or 0) if sigmoid_moe else 0
     if inter is None and not experts:
         raise ValueError("the model config has no intermediate_size")
     out = [HFTensor("model.embed_tokens.weight", (vocab, h), tp_sharded=True)]
     for layer in range(cfg["num_hidden_layers"]):
-        a, m = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
+        m = f"model.layers.{layer}.mlp"
         out.append(HFTensor(f"model.layers.{layer}.input_layernorm.weight", (h,)))
-        out += [HFTensor(f"{a}.q_proj.weight", (heads * hd, h), True), HFTensor(f"{a}.k_proj.weight", (kv * hd, h), True),
-                HFTensor(f"{a}.v_proj.weight", (kv * hd, h), True)]
-        if bias:
-            out += [HFTensor(f"{a}.q_proj.bias", (heads * hd,), True), HFTensor(f"{a}.k_proj.bias", (kv * hd,), True),
-                    HFTensor(f"{a}.v_proj.bias", (kv * hd,), True)]
-        if qk_norm:
-            out += [HFTensor(f"{a}.q_norm.weight", (hd,)), HFTensor(f"{a}.k_norm.weight", (hd,))]
-        out.append(HFTensor(f"{a}.o_proj.weight", (h, heads * hd), True))
+        out += _mla_tensors(cfg, layer) if model_type == "deepseek_v3" else _attention_tensors(cfg, layer)
         out.append(HFTensor(f"model.layers.{layer}.post_attention_layernorm.weight", (h,)))
-        if experts:
+        if experts and layer >= first_moe:
             out.append(HFTensor(f"{m}.gate.weight", (experts, h)))
+            if sigmoid_moe:
+                out.append(HFTensor(f"{m}.gate.e_score_correction_bias", (experts,)))
             for e in range(experts):
                 x = f"{m}.experts.{e}"
                 out += [HFTensor(f"{x}.gate_proj.weight", (moe_inter, h), True, True),
                         HFTensor(f"{x}.up_proj.weight", (moe_inter, h), True, True),
                         HFTensor(f"{x}.down_proj.weight", (h, moe_inter), True, True)]
+            shared = (cfg.get("n_shared_experts") or 0) * moe_inter if sigmoid_moe else 0
+            if shared:
+                x = f"{m}.shared_experts"
+                out += [HFTensor(f"{x}.gate_proj.weight", (shared, h), True), HFTensor(f"{x}.up_proj.weight", (shared, h), True),
+                        HFTensor(f"{x}.down_proj.weight", (h, shared), True)]
         else:
             out += [HFTensor(f"{m}.gate_proj.weight", (inter, h), True), HFTensor(f"{m}.up_proj.weight", (inter, h), True),
                     HFTensor(f"{m}.down_proj.weight", (h, inter), True)]
@@ -100,6 +103,43 @@ def hf_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
     if not cfg.get("tie_word_embeddings", False):
         out.append(HFTensor("lm_head.weight", (vocab, h), tp_sharded=True))
     return out
+
+
+def _attention_tensors(cfg: dict[str, Any], layer: int) -> list[HFTensor]:
+    """q/k/v/o of grouped-query attention, with the QKV bias and QK-norm the architecture has."""
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    hd = cfg.get("head_dim") or h // heads
+    model_type = cfg.get("model_type", "llama")
+    bias = model_type == "qwen2" or bool(cfg.get("attention_bias"))
+    qk_norm = model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm")))
+    a = f"model.layers.{layer}.self_attn"
+    out = [HFTensor(f"{a}.q_proj.weight", (heads * hd, h), True), HFTensor(f"{a}.k_proj.weight", (kv * hd, h), True),
+           HFTensor(f"{a}.v_proj.weight", (kv * hd, h), True)]
+    if bias:
+        out += [HFTensor(f"{a}.q_proj.bias", (heads * hd,), True), HFTensor(f"{a}.k_proj.bias", (kv * hd,), True),
+                HFTensor(f"{a}.v_proj.bias", (kv * hd,), True)]
+    if qk_norm:
+        out += [HFTensor(f"{a}.q_norm.weight", (hd,)), HFTensor(f"{a}.k_norm.weight", (hd,))]
+    return out + [HFTensor(f"{a}.o_proj.weight", (h, heads * hd), True)]
+
+
+def _mla_tensors(cfg: dict[str, Any], layer: int) -> list[HFTensor]:
+    """DeepSeek-V3's multi-latent attention: q (bottleneck + norm, or one projection), the k/v
+    latent with the shared RoPE key and its norm, the k/v up projection, the output."""
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    q_rank, kv_rank = cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
+    a = f"model.layers.{layer}.self_attn"
+    if q_rank:
+        out = [HFTensor(f"{a}.q_a_proj.weight", (q_rank, h), True), HFTensor(f"{a}.q_a_layernorm.weight", (q_rank,)),
+               HFTensor(f"{a}.q_b_proj.weight", (heads * (nope + rope), q_rank), True)]
+    else:
+        out = [HFTensor(f"{a}.q_proj.weight", (heads * (nope + rope), h), True)]
+    return out + [HFTensor(f"{a}.kv_a_proj_with_mqa.weight", (kv_rank + rope, h), True),
+                  HFTensor(f"{a}.kv_a_layernorm.weight", (kv_rank,)),
+                  HFTensor(f"{a}.kv_b_proj.weight", (heads * (nope + v), kv_rank), True),
+                  HFTensor(f"{a}.o_proj.weight", (h, heads * v), True)]
 
 
 def delta_bytes(numel: int, elem_bytes: float, changed_fraction: float) -> int:

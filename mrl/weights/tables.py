@@ -134,6 +134,10 @@ TABLES: dict[str, tuple[Rule, ...]] = {
     # DeepSeek-V3 / R1 (and Kimi-K2): MLA, dense MLPs in the first `first_k_dense_replace` layers,
     # then routed experts (Qwen-MoE names) with shared experts and the router's correction bias.
     "deepseek_v3": EMBEDDINGS + MLA + DENSE_MLP + QWEN_MOE_EXPERTS + DEEPSEEK_MOE_EXTRAS,
+    # GLM-4.5 / 4.6: GQA attention with QKV bias (`attention_bias`) and optional QK-norm
+    # (`use_qk_norm`), dense MLPs in the first `first_k_dense_replace` layers, then DeepSeek-V3's
+    # experts, shared experts and correction bias under the same names.
+    "glm4_moe": EMBEDDINGS + ATTENTION + QKV_BIAS + QK_NORM + DENSE_MLP + QWEN_MOE_EXPERTS + DEEPSEEK_MOE_EXTRAS,
 }
 
 # Rows whose megatron side is a buffer, not a parameter (mapped like one when the model has it).

@@ -375,3 +375,38 @@ def test_context_parallel_job_validates_and_shows_its_chunks(write_job, cli):
     assert rc == 0, err
     assert "DP 1 x TP 1 x PP 1 x CP 2" in out
     assert "CP 2: a 96-token sequence in 4 chunks, 48 tokens per rank" in out
+
+
+# ---- architectures mrl does not build: one line at validate, as train would refuse -------------
+
+@pytest.mark.parametrize("cfg,key,fragment", [
+    (dict(model_type="gpt_oss"), "model.path", "'gpt_oss' is not supported yet: attention sinks"),
+    (dict(model_type="gemma3_text"), "model.path", "'gemma3_text' is not supported yet: sliding-window layers"),
+    (dict(model_type="qwen3_next"), "model.path", "'qwen3_next' is not supported yet: gated DeltaNet"),
+    (dict(model_type="kimi_k2", quantization_config={"quant_method": "fp8"}), "model.path",
+     "quantized checkpoint (quantization_config 'fp8') is not supported"),
+    (dict(model_type="kimi_k2", scoring_func="softmax"), "model.path", "scoring_func 'softmax' / topk_method"),
+    (dict(model_type="kimi_k2", moe_layer_freq=2), "model.path", "moe_layer_freq 2 is not supported"),
+    (dict(model_type="kimi_k2", kv_lora_rank=17), "parallel.tensor", "2 does not divide deepseek_v3's kv_lora_rank"),
+    (dict(model_type="qwen2", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}), "model.path",
+     "RoPE type 'dynamic' is not supported"),
+    (dict(model_type="glm4_moe", norm_topk_prob=False), "model.path", "glm4_moe with norm_topk_prob = false"),
+    (dict(model_type="mistral", intermediate_size=96, max_position_embeddings=32768), "model.path",
+     "sliding-window attention (sliding_window 4096 < max_position_embeddings 32768)"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1), "model.path",
+     "sliding-window attention (sliding_window 16 < max_position_embeddings 128)"),
+    (dict(model_type="glm4_moe", n_group=2, topk_group=2), "model.path", "glm4_moe group-limited routing needs"),
+], ids=["gpt_oss", "gemma3", "qwen3_next", "quantized", "kimi-routing", "kimi-moe-freq", "kimi-tp", "rope", "glm-norm",
+        "mistral-window", "qwen2-window", "glm-groups"])
+def test_architecture_refusals_are_one_line_at_validate(write_job, cli, tmp_path, cfg, key, fragment):
+    import json
+
+    from tests.weights.archs import ARCHS, _COMMON
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**_COMMON, **ARCHS.get(cfg["model_type"], {}), **cfg}))
+    rc, _, err = cli("validate", write_job({"model": {"path": str(model)}, "parallel": {"tensor": 2}}))
+    assert rc == 2 and "Traceback" not in err, err
+    hits = [line for line in err.splitlines() if line.startswith("error:") and f": {key}: " in line]
+    assert len(hits) == 1 and fragment in hits[0], err

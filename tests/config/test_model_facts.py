@@ -34,3 +34,17 @@ def test_known_table_and_unknown():
     assert model_facts("Qwen/Qwen3-30B-A3B").num_experts == KNOWN_MODELS["Qwen/Qwen3-30B-A3B"]["num_experts"]
     assert model_facts("nobody/no-such-model-here") is None
     assert find_hf_config("builtin:nope") is None
+
+
+def test_new_architectures_facts(tmp_path):
+    """A kimi_k2 directory reads as deepseek_v3 with its routed experts; GLM-4.5-Air validates offline."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="kimi_k2", num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64, hidden_size=7168,
+        vocab_size=163840, n_routed_experts=384, num_experts_per_tok=8)))
+    cfg, _ = find_hf_config(str(tmp_path))
+    assert cfg["model_type"] == "deepseek_v3"
+    facts = model_facts(str(tmp_path))
+    assert (facts.num_layers, facts.num_experts, facts.experts_per_token) == (61, 384, 8)
+    air = model_facts("zai-org/GLM-4.5-Air")
+    assert (air.num_attention_heads, air.num_query_groups, air.num_experts) == (96, 8, 128)
+    assert model_facts("builtin:tiny-glm4-moe").num_experts == 4 and model_facts("builtin:tiny-kimi-k2").num_experts == 4

@@ -216,11 +216,12 @@ def test_packed_rope_equals_megatrons_per_sequence_thd_rope_and_its_gradients():
     assert (flat - want).abs().max() > 1e-1
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+@pytest.mark.parametrize("model_type", ["qwen3", "llama", "glm4_moe"])
 def test_packed_rope_model_equals_megatrons_per_sequence_rope_path(cpu_platform, monkeypatch, model_type):
     """The whole model on one packed row: mrl's attention (`PackedRopeSelfAttention`) vs the same
     weights through megatron's `SelfAttention` and its per-sequence `thd` RoPE, logits and
-    parameter gradients in fp32 (Qwen3: RoPE after the QK-norms; Llama with llama3 RoPE scaling).
+    parameter gradients in fp32 (Qwen3: RoPE after the QK-norms; Llama with llama3 RoPE scaling;
+    GLM-4.5 (its dense layers): RoPE on half of each head, the rest passed through).
     Only the old path runs megatron's per-sequence RoPE."""
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer.attention import SelfAttention
@@ -228,9 +229,9 @@ def test_packed_rope_model_equals_megatrons_per_sequence_rope_path(cpu_platform,
     from mrl.models import rope
     from mrl.models.megatron import build_gpt, transformer_config
 
-    extra = {} if model_type == "qwen3" else dict(
+    extra = {"qwen3": {}, "glm4_moe": dict(partial_rotary_factor=0.5, attention_bias=True)}.get(model_type, dict(
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8))
+                          original_max_position_embeddings=8)))
     hf = dict(_tiny_hf(), model_type=model_type, **extra)
     cfg = transformer_config(hf, dtype="float32", parallel=ParallelConfig(), device="cpu")
     torch.manual_seed(0)
@@ -241,6 +242,8 @@ def test_packed_rope_model_equals_megatrons_per_sequence_rope_path(cpu_platform,
     old.load_state_dict(new.state_dict())
     assert type(new.decoder.layers[0].self_attention) is rope.PackedRopeSelfAttention
     assert type(old.decoder.layers[0].self_attention) is SelfAttention
+    head_dim = cfg.kv_channels
+    assert new.rotary_pos_emb.inv_freq.numel() * 2 == (head_dim // 2 if model_type == "glm4_moe" else head_dim)
     with torch.no_grad():  # sharper than init, so positions move the logits visibly
         for p in new.parameters():
             p.mul_(3.0)

@@ -37,11 +37,17 @@ def saved(tmp_path_factory):
     q2moe, dsv3 = base / "qwen2_moe", base / "deepseek_v3"
     make_hf_model("qwen2_moe", q2moe)
     make_hf_model("deepseek_v3", dsv3)
+    kimi = base / "kimi_k2"
+    make_hf_model("kimi_k2", kimi)   # config.json says kimi_k2
+    glm = base / "glm4_moe"
+    make_hf_model("glm4_moe", glm)
     cases = {"q2_tp2": (q2, "actor", "tp2", "float32"),
              "q2_critic_tp2": (critic, "critic", "tp2", "float32"),
              "moe_ep2": (moe, "actor", "ep2", "float32"),
              "q2moe_ep2": (q2moe, "actor", "ep2", "float32"),
              "dsv3_tp2": (dsv3, "actor", "tp2", "float32"),
+             "kimi_ep2": (kimi, "actor", "ep2", "float32"),
+             "glm_tp2": (glm, "actor", "tp2", "float32"),
              "preset_bf16_tp2": ("builtin:tiny-qwen2", "actor", "tp2", "bfloat16")}
     out = base / "ckpts"
     out.mkdir()

@@ -42,11 +42,21 @@ def _assert_equal(got: dict, want: dict) -> None:
 
 # ----------------------------------------------------------------------------- slow: real checkpoints
 
+def _transformers_config(src):
+    """The source's config as transformers builds it (an aliased kimi_k2 as deepseek_v3)."""
+    from transformers import AutoConfig
+
+    from mrl.models.facts import canonical_config
+
+    return AutoConfig.for_model(**canonical_config(json.loads((src / "config.json").read_text())))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["q2_tp2", "moe_ep2", "q2moe_ep2", "dsv3_tp2"])
+@pytest.mark.parametrize("name", ["q2_tp2", "moe_ep2", "q2moe_ep2", "dsv3_tp2", "kimi_ep2", "glm_tp2"])
 def test_merge_is_bit_exact_and_matches_transformers(saved, tmp_path, name):
-    """TP2 Qwen2 / EP2 Qwen3-MoE / EP2 Qwen2-MoE / TP2 DeepSeek-V3 -> HF: the source tensors
-    bit for bit (DeepSeek's router correction bias included), the source model's logits."""
+    """TP2 Qwen2 / EP2 Qwen3-MoE / EP2 Qwen2-MoE / TP2 DeepSeek-V3 / EP2 Kimi-K2 / TP2 GLM-4.5 -> HF: the
+    source tensors bit for bit (DeepSeek's router correction bias included), the source model's
+    logits (a Kimi-K2 source read as DeepSeek-V3, as the merged config.json says)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mrl.merge import merge
@@ -64,7 +74,8 @@ def test_merge_is_bit_exact_and_matches_transformers(saved, tmp_path, name):
     assert not (out.parent / "hf.partial").exists()
     tokens = probe_tokens(json.loads((src / "config.json").read_text())["vocab_size"])
     with torch.no_grad():
-        want = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(tokens).logits
+        want = AutoModelForCausalLM.from_pretrained(src, config=_transformers_config(src),
+                                                    dtype=torch.float32).eval()(tokens).logits
         merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(tokens).logits
     assert torch.equal(merged, want)
     if (src / "tokenizer.json").is_file():

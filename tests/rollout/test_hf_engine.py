@@ -166,7 +166,7 @@ def test_sequence_logprobs_are_the_teacher_forced_forward(engine):
         assert lps == pytest.approx(want.tolist(), abs=1e-6)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "kimi_k2", "glm4_moe", "mixtral"])
 def test_moe_checkpoint_stream_fills_the_fused_experts(tmp_path, arch):
     """The weight stream names each expert apart (`experts.3.gate_proj.weight`, Mixtral's `w1`),
     as checkpoints do; transformers holds them fused (`experts.gate_up_proj [E, 2I, H]`). A
@@ -191,7 +191,24 @@ def test_moe_checkpoint_stream_fills_the_fused_experts(tmp_path, arch):
         eng.update_weights([(k, v) for k, v in stream.items() if "experts" not in k or ".experts.gate_up" in k])
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_a_kimi_k2_directory_is_served_as_deepseek_v3(tmp_path):
+    """A Kimi-K2 checkpoint says model_type kimi_k2 (transformers has no such type; its remote code
+    is DeepSeek-V3's): the engine the job builds loads it as transformers' DeepSeek-V3, same logits."""
+    from mrl.models.config import ModelConfig
+    from mrl.rollout.config import RolloutConfig
+    from mrl.rollout.factory import build_engine
+    from tests.weights.archs import make_hf_model, probe_tokens
+
+    src = make_hf_model("kimi_k2", tmp_path)
+    eng = build_engine(RolloutConfig(engine="hf"), ModelConfig(path=str(tmp_path), dtype="float32"), seed=0,
+                       device="cpu", max_model_len=64)
+    assert eng.model.config.model_type == "deepseek_v3"
+    tokens = probe_tokens(src.config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(eng.model(tokens).logits, src(tokens).logits)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
 def test_moe_responses_carry_the_experts_the_engine_used(tmp_path, arch):
     """Each response's `routes` ([prompt + response tokens, MoE layers, top-k]) are the routers'
     own choices (DeepSeek-V3: group-limited, bias-corrected), equal to a single forward over the

@@ -220,16 +220,18 @@ def test_model_params_match_transformers(preset):
         assert model_params(hf) == model_params(hf, active=False) - 2 * per_expert   # 2 of 4 experts active
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3", "kimi_k2", "glm4_moe"])
 def test_model_params_of_shared_experts_and_mla_match_transformers(arch):
-    """Shared experts (Qwen2-MoE's gated one, DeepSeek's), DeepSeek's dense first layer and MLA."""
+    """Shared experts (Qwen2-MoE's gated one, DeepSeek's, GLM-4.5's), the dense first layers,
+    MLA, GLM-4.5's QKV bias and QK-norm."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from mrl.models.facts import canonical_config
     from mrl.tracking.perf import model_params
     from tests.weights.archs import _COMMON, ARCHS
 
     for extra in ({}, {"q_lora_rank": None} if arch == "deepseek_v3" else {}):
-        cfg = AutoConfig.for_model(**{**_COMMON, **ARCHS[arch], **extra})
+        cfg = AutoConfig.for_model(**canonical_config({**_COMMON, **ARCHS[arch], **extra}))
         hf = cfg.to_dict()
         assert model_params(hf, active=False) == sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
         experts = hf.get("n_routed_experts") or hf["num_experts"]

@@ -217,6 +217,31 @@ def test_moe_quickstart_learns_at_expert_parallel_two(tmp_path):
     assert 1.0 <= h["moe/expert_load_max_over_mean"][1] <= 4.0 and h["moe/router_aux_loss"][1] > 0
 
 
+#: the architecture presets added after the first eight types (issue 40), each trained 5 GRPO steps
+NEW_ARCH_PRESETS = ("tiny-kimi-k2", "tiny-glm4-moe")
+
+
+@pytest.mark.slow
+def test_new_architecture_presets_train_five_grpo_steps(tmp_path):
+    """Each new architecture's tiny preset (one process, one rank, the hf engine): 5 GRPO steps
+    with no error and no NaN, the engine's step-1 log-probs within 1e-4 of the trainer's (same
+    weights), and for MoE presets routing replay R3 agreeing with the engine on every token."""
+    from mrl.models.facts import model_facts
+
+    base = (f"{ONE_RANK} trainer.total_steps=5 checkpoint.every_steps=0 data.prompts_per_step=4 "
+            "rollout.responses_per_prompt=4 actor.mini_batch_prompts=2")
+    moe = [bool(model_facts(f"builtin:{p}").num_experts) for p in NEW_ARCH_PRESETS]
+    results = run_jobs("jobs/quickstart_cpu.toml", tmp_path, *(f"{base} model.path=builtin:{p}" + (
+        " actor.moe.routing_replay=r3" if e else "") for p, e in zip(NEW_ARCH_PRESETS, moe)))
+    for i, (preset, m) in enumerate(zip(NEW_ARCH_PRESETS, results)):
+        assert m["actor/updates"] == 2 and all(v == v for v in m.values()), (preset, m)
+        h = history(tmp_path / f"run{i}")
+        assert sorted(h["reward/mean"]) == [1, 2, 3, 4, 5], preset
+        assert h["rollout/logprob_abs_diff_max"][1] <= 1e-4, (preset, h["rollout/logprob_abs_diff_max"][1])
+        if moe[i]:
+            assert h["moe/routing_agreement_min"][1] == 1.0, preset
+
+
 @pytest.mark.slow
 def test_stopped_and_resumed_run_matches_uninterrupted_run_exactly(tmp_path):
     base = f"{ONE_RANK} tracking.backends=[\"mlflow\"] checkpoint.every_steps=2"

@@ -1,6 +1,7 @@
 """Tiny random Hugging Face models, one per supported architecture, saved as safetensors."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -29,6 +30,24 @@ ARCHS: dict[str, dict] = {
                         n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
                         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                         tie_word_embeddings=False),
+    # Kimi-K2's config as published (model_type kimi_k2, DeepSeek-V3's architecture): one routing
+    # group, yarn RoPE in the legacy `rope_scaling` form with mscale_all_dim 1, the remote code's
+    # routing fields, no MTP layers; written under its own model_type (see make_hf_model).
+    "kimi_k2": dict(model_type="kimi_k2", num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+                    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                    first_k_dense_replace=1, moe_layer_freq=1, routed_scaling_factor=2.827, scoring_func="sigmoid",
+                    topk_method="noaux_tc", norm_topk_prob=True, num_nextn_predict_layers=0,
+                    q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                    rope_theta=50000.0, rope_scaling=dict(type="yarn", factor=4.0, beta_fast=1.0, beta_slow=1.0,
+                                                          mscale=1.0, mscale_all_dim=1.0,
+                                                          original_max_position_embeddings=32),
+                    tie_word_embeddings=False),
+    # GLM-4.5's shape: half-head RoPE, QKV bias, QK-norm (GLM-4.6 style), layer 0 dense, sigmoid
+    # routing with the correction bias over 2 groups (best 1, top 2), a shared expert.
+    "glm4_moe": dict(model_type="glm4_moe", intermediate_size=96, moe_intermediate_size=32, head_dim=16,
+                     n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                     first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
+                     use_qk_norm=True, partial_rotary_factor=0.5, rope_theta=1000000.0, tie_word_embeddings=False),
     "mixtral": dict(model_type="mixtral", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
                     tie_word_embeddings=False),
 }
@@ -38,7 +57,10 @@ def make_hf_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides):
     """Build `arch` with random weights (norms perturbed away from 1), save it, return the model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = {**_COMMON, **ARCHS[arch], **overrides}
+    from mrl.models.facts import canonical_config
+
+    raw = {**_COMMON, **ARCHS[arch], **overrides}
+    cfg = canonical_config(raw)   # an aliased type (kimi_k2) is built as its architecture
     config = AutoConfig.for_model(**cfg)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -53,8 +75,21 @@ def make_hf_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides):
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     model.save_pretrained(out_dir)
+    if cfg["model_type"] != raw["model_type"]:   # the checkpoint's own config.json, as its authors ship it
+        saved = json.loads((Path(out_dir) / "config.json").read_text())
+        saved = {k: v for k, v in saved.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+        (Path(out_dir) / "config.json").write_text(json.dumps({**saved, **raw}, indent=2))
     return model
 
 
 def probe_tokens(vocab: int, batch: int = 2, seq: int = 12, seed: int = 7) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def copy_config(src: str | Path, out: str | Path) -> None:
+    """`src`'s config.json into `out` as transformers loads it: an aliased model type (kimi_k2) as
+    its architecture's, which is what `mrl merge` writes."""
+    from mrl.models.facts import canonical_config
+
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    (Path(out) / "config.json").write_text(json.dumps(canonical_config(cfg), indent=2))

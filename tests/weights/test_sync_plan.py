@@ -38,8 +38,10 @@ def test_plan_prints_the_table_for_every_shipped_recipe(job, capsys, monkeypatch
 def test_tensor_list_matches_a_transformers_model_of_the_config(preset):
     import transformers
 
+    from mrl.models.facts import canonical_config
+
     cfg = dict(BUILTIN_PRESETS[preset])
-    hf_cfg = transformers.AutoConfig.for_model(**cfg)
+    hf_cfg = transformers.AutoConfig.for_model(**canonical_config(cfg))   # tiny-kimi-k2 as deepseek_v3
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
     want = {n: tuple(t.shape) for n, t in model.state_dict().items()
             if not (cfg.get("tie_word_embeddings") and n == "lm_head.weight")}
@@ -55,6 +57,8 @@ def test_known_models_have_their_published_parameter_counts():
     # Qwen2.5-32B: 32.76 B parameters; Qwen3-30B-A3B: 30.53 B (their model cards)
     assert sum(t.numel for t in hf_tensors(KNOWN_MODELS["Qwen/Qwen2.5-32B"])) / 1e9 == pytest.approx(32.76, abs=0.01)
     assert sum(t.numel for t in hf_tensors(KNOWN_MODELS["Qwen/Qwen3-30B-A3B"])) / 1e9 == pytest.approx(30.53, abs=0.01)
+    # GLM-4.5-Air: "106B total parameters" (its model card), without its MTP layer (not synced)
+    assert sum(t.numel for t in hf_tensors(KNOWN_MODELS["zai-org/GLM-4.5-Air"])) / 1e9 == pytest.approx(106, abs=1)
 
 
 def test_delta_bytes_takes_the_smaller_of_sparse_and_whole():

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from mrl.errors import UserError
 from mrl.weights.tables import TABLES
 from mrl.weights.transforms import GATE_UP, QKV_FUSED, VOCAB, ModelDims
-from tests.weights.archs import ARCHS, make_hf_model, probe_tokens
+from tests.weights.archs import ARCHS, copy_config, make_hf_model, probe_tokens
 
 
 class _Mem:
@@ -116,7 +115,7 @@ def test_export_loads_in_transformers_with_the_same_logits(platform, tmp_path, a
     out = tmp_path / "exported"
     out.mkdir()
     save_file(dict(Exporter([model], hf).stream()), out / "model.safetensors", metadata={"format": "pt"})
-    shutil.copy(src / "config.json", out / "config.json")
+    copy_config(src, out)
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tokens = probe_tokens(hf["vocab_size"])
     with torch.no_grad():
@@ -360,3 +359,38 @@ def test_deepseek_v3_refusals_are_one_line():
                          (dict(_tensor_parallel=3), "parallel.tensor: 3 does not divide deepseek_v3's q_lora_rank")]:
         with pytest.raises(UserError, match=message):
             deepseek_v3_fields({**hf, **bad})
+
+
+def test_every_supported_model_type_has_a_tested_tiny_model():
+    """`mrl keys model` lists facts.ARCHITECTURES with tested layouts: each has a model in
+    tests/weights/archs.py (hence the TP1 checks here and the layouts launch), mistral apart
+    (llama's table and translation, said in its entry)."""
+    from mrl.models.facts import ARCHITECTURES
+
+    assert set(ARCHITECTURES) - {"mistral"} == set(ARCHS)
+    assert "no test of its own" in ARCHITECTURES["mistral"]
+
+
+
+def test_multi_token_prediction_layers_are_skipped_only_where_the_config_declares_them(platform, tmp_path):
+    """GLM-4.5 / DeepSeek-V3 checkpoints store `num_nextn_predict_layers` MTP layers after the last
+    one (`model.layers.<num_hidden_layers>.*`): not loaded (transformers skips them too), counted in
+    the report; the same tensors without the config field are an unexpected-tensor error."""
+    ref_model = make_hf_model("glm4_moe", tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    mtp = {k.replace("model.layers.1.", "model.layers.2."): v.clone() for k, v in weights.items()
+           if k.startswith("model.layers.1.")}
+    save_file({**weights, **mtp}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for declared in (1, 0):
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": declared}))
+        if not declared:
+            with pytest.raises(UserError, match=r"unexpected tensor 'model\.layers\.2\..*\(and \d+ more\)"):
+                _megatron("actor", tmp_path)
+            continue
+        hf, model, report = _megatron("actor", tmp_path)
+        assert report.mtp_skipped == len(mtp) > 0 and report.tensors_read > 0
+        tokens = probe_tokens(hf["vocab_size"])
+        with torch.no_grad():
+            want = ref_model(tokens).logits
+        assert (_forward(model, tokens)[..., : hf["vocab_size"]] - want).abs().max().item() <= 1e-5

@@ -6,17 +6,17 @@ since starting 2 ranks costs more than checking one more tiny model.
 from __future__ import annotations
 
 import re
-import shutil
 
 import pytest
 import torch
 
 from tests.dist_util import REPO, run_torchrun
+from tests.weights.archs import copy_config
 from tests.weights.conftest import ALL_ARCHS
 
 SCRIPT = REPO / "tests/weights/scripts/roundtrip.py"
-MOE = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral")
-LAUNCHES = [(a,) for a in ALL_ARCHS if a not in MOE[:3]] + [MOE[:3]]
+MOE = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "kimi_k2", "glm4_moe", "mixtral")
+LAUNCHES = [(a,) for a in ALL_ARCHS if a not in MOE[:5]] + [MOE[:5]]
 
 
 @pytest.mark.slow
@@ -35,7 +35,7 @@ def test_round_trip_is_exact_and_logits_match_transformers(archs, hf_checkpoint,
         from transformers import AutoModelForCausalLM
 
         out = tmp_path / d.name
-        shutil.copy(d / "config.json", out / "config.json")
+        copy_config(d, out)
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
         ref = torch.load(d / "reference.pt")
         with torch.no_grad():
