@@ -262,6 +262,14 @@ class AgentRunner:
         if needed is not None and needed <= 0:
             enough.set()
 
+        async def cut(me: Optional[int]) -> None:
+            """Abort every trajectory still running (all but `me`, the one that just finished)."""
+            late = [i for i, task in enumerate(tasks) if not task.done() and i != me]
+            await self.router.abort([contexts[i].key for i in late])
+            for i in late:
+                if contexts[i].phase != "generate":   # waiting for tools (or not started): stop it here
+                    tasks[i].cancel()
+
         async def one(i: int, ctx: AgentContext) -> Trajectory:
             out = await self.agent(ctx)
             if not isinstance(out, Trajectory):
@@ -271,27 +279,25 @@ class AgentRunner:
                 left[g] -= 1
                 if left[g] == 0:
                     finished.append(g)
-                    if needed is not None and len(finished) >= needed:
+                    if needed is not None and len(finished) == needed:
+                        # abort the rest now, from the finishing trajectory itself: the engines stop
+                        # them where they are, not a few scheduler steps later
                         enough.set()
+                        await cut(i)
             return out
 
+        if enough.is_set():   # nothing needed: every trajectory stays as it is, unstarted or carried
+            for c in contexts:
+                c.trajectory.finish_reason = "abort"
+                self.router.release(c.key)
+            return RunResult([c.trajectory for c in contexts], [], len(contexts), self.router.busy_fraction(),
+                             loop.time() - started)
         tasks = [asyncio.ensure_future(one(i, c)) for i, c in enumerate(contexts)]
-        waiter = asyncio.ensure_future(enough.wait())
         try:
-            pending = set(tasks)
-            while pending and not enough.is_set():
-                done, pending = await asyncio.wait(pending | {waiter}, return_when=asyncio.FIRST_COMPLETED)
-                pending.discard(waiter)
-                for task in done:
-                    if task is not waiter and task.exception() is not None:
-                        raise task.exception()
-            if pending:
-                late = [i for i, task in enumerate(tasks) if not task.done()]
-                await self.router.abort([contexts[i].key for i in late])
-                for i in late:
-                    if contexts[i].phase != "generate":   # waiting for tools (or not started): stop it here
-                        tasks[i].cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION) if tasks else (set(), set())
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
             out = []
             for i, task in enumerate(tasks):
                 if task.cancelled():
@@ -304,7 +310,6 @@ class AgentRunner:
             aborted = sum(t.finish_reason == "abort" for t in out)
             return RunResult(out, finished, aborted, self.router.busy_fraction(), loop.time() - started)
         finally:
-            waiter.cancel()
             for task in tasks:
                 task.cancel()
             for c in contexts:
