@@ -224,11 +224,19 @@ class TrajectorySpec:
 
 @dataclass
 class RunResult:
-    trajectories: list[Trajectory]   # in the order of the specs
-    finished_groups: list[int]       # groups finished (no trajectory aborted), in the order they finished
+    trajectories: list[Trajectory]   # in the order of the specs (then of the specs `more` added)
+    finished_groups: list[int]       # groups finished and accepted (none aborted), in the order they finished
     aborted: int                     # trajectories that ended aborted (by the budget, or an engine's abort)
     engine_busy: float               # the router's busy fraction over the call
     seconds: float
+    rejected_groups: list[int] = field(default_factory=list)   # finished, refused by `accept`, in order
+    specs: list[TrajectorySpec] = field(default_factory=list)  # every spec run: the call's, then `more`'s
+
+
+#: `accept(group, trajectories)`: whether a finished group counts (dynamic sampling's filter)
+Accept = Callable[[int, list[Trajectory]], bool]
+#: `more()`: the specs of one more group to start when a group was refused (empty: none left)
+More = Callable[[], list[TrajectorySpec]]
 
 
 class AgentRunner:
@@ -246,21 +254,42 @@ class AgentRunner:
                             tools=self.tools, tokenizer=self.tokenizer, turns=self.turns, format=self.format,
                             multi_turn=self.multi_turn)
 
-    async def run(self, specs: Sequence[TrajectorySpec], sampling: Sampling, needed: Optional[int] = None) -> RunResult:
+    async def run(self, specs: Sequence[TrajectorySpec], sampling: Sampling, needed: Optional[int] = None,
+                  accept: Optional[Accept] = None, more: Optional[More] = None) -> RunResult:
         """Run every trajectory of `specs`; with `needed`, abort the rest once `needed` groups
-        (every trajectory of a group finished, none aborted) have finished."""
+        (every trajectory of a group finished, none aborted) have finished and been accepted.
+
+        `accept(group, trajectories)` judges each group as it finishes (dynamic sampling), in this
+        loop's thread, so the order of events does not depend on the judge's timing; a refused
+        group does not count, and `more()` gives a group to start in its place at once (the
+        groups are taken as they finish, not in rounds)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         self.router.reset_clock()
+        specs = list(specs)
         contexts = [self.context(s, sampling) for s in specs]
         by_group: dict[int, list[int]] = {}
-        for i, s in enumerate(specs):
-            by_group.setdefault(s.group, []).append(i)
-        left = {g: len(ix) for g, ix in by_group.items()}
+        left: dict[int, int] = {}
         finished: list[int] = []
+        rejected: list[int] = []
         enough = asyncio.Event()
-        if needed is not None and needed <= 0:
-            enough.set()
+        if needed is not None and needed <= 0:   # nothing needed: every trajectory stays as it is
+            for c in contexts:
+                c.trajectory.finish_reason = "abort"
+                self.router.release(c.key)
+            return RunResult([c.trajectory for c in contexts], [], len(contexts), self.router.busy_fraction(),
+                             loop.time() - started, specs=specs)
+        tasks: list = []
+
+        def start(new: Sequence[TrajectorySpec]) -> None:
+            for s in new:
+                i = len(tasks)
+                if i >= len(specs):
+                    specs.append(s)
+                    contexts.append(self.context(s, sampling))
+                by_group.setdefault(s.group, []).append(i)
+                left[s.group] = left.get(s.group, 0) + 1
+                tasks.append(asyncio.ensure_future(one(i, contexts[i])))
 
         async def cut(me: Optional[int]) -> None:
             """Abort every trajectory still running (all but `me`, the one that just finished)."""
@@ -278,37 +307,40 @@ class AgentRunner:
             if out.finish_reason != "abort":
                 left[g] -= 1
                 if left[g] == 0:
-                    finished.append(g)
-                    if needed is not None and len(finished) == needed:
-                        # abort the rest now, from the finishing trajectory itself: the engines stop
-                        # them where they are, not a few scheduler steps later
-                        enough.set()
-                        await cut(i)
+                    group = [out if k == i else contexts[k].trajectory for k in by_group[g]]
+                    if accept is not None and not accept(g, group):
+                        rejected.append(g)
+                        if more is not None and not enough.is_set():
+                            start(more())
+                    else:
+                        finished.append(g)
+                        if needed is not None and len(finished) == needed:
+                            # abort the rest now, from the finishing trajectory itself: the engines
+                            # stop them where they are, not a few scheduler steps later
+                            enough.set()
+                            await cut(i)
             return out
 
-        if enough.is_set():   # nothing needed: every trajectory stays as it is, unstarted or carried
-            for c in contexts:
-                c.trajectory.finish_reason = "abort"
-                self.router.release(c.key)
-            return RunResult([c.trajectory for c in contexts], [], len(contexts), self.router.busy_fraction(),
-                             loop.time() - started)
-        tasks = [asyncio.ensure_future(one(i, c)) for i, c in enumerate(contexts)]
+        start(specs)
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION) if tasks else (set(), set())
-            for task in done:
-                if not task.cancelled() and task.exception() is not None:
-                    raise task.exception()
+            while True:
+                pending = [t for t in tasks if not t.done()]
+                if not pending:
+                    break
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    if not task.cancelled() and task.exception() is not None:
+                        raise task.exception()
             out = []
             for i, task in enumerate(tasks):
                 if task.cancelled():
                     contexts[i].trajectory.finish_reason = "abort"
                     out.append(contexts[i].trajectory)
-                elif task.exception() is not None:
-                    raise task.exception()
                 else:
                     out.append(task.result())
             aborted = sum(t.finish_reason == "abort" for t in out)
-            return RunResult(out, finished, aborted, self.router.busy_fraction(), loop.time() - started)
+            return RunResult(out, finished, aborted, self.router.busy_fraction(), loop.time() - started,
+                             rejected_groups=rejected, specs=specs)
         finally:
             for task in tasks:
                 task.cancel()

@@ -5,8 +5,9 @@ It owns the leader's server engines (`VLLMAsyncEngine`s, or any `AsyncEngine`), 
 thread (`LoopThread`), a `Router` over them and an `AgentRunner`. The trainer's thread calls
 - `generate(prompts, sampling)`: every trajectory (`sampling.n` per prompt) run to its end by the
   agent, each its own coroutine, returned as `Response`s (prompt-major, as `RolloutEngine`);
-- `run_groups(specs, sampling, needed)`: the producer's call with a budget: groups finished in
-  the order they finished, the rest aborted (`agent_loop.AgentRunner.run`);
+- `run_groups(specs, sampling, needed, accept, more)`: the producer's call with a budget: groups
+  finished in the order they finished (judged as they finish by `accept`, refused ones replaced
+  by `more`), the rest aborted (`agent_loop.AgentRunner.run`);
 - `update_weights(stream)`: pause generation -> load the verified stream -> resume, on every
   engine (the stream is replayed per engine from one host copy when there are several).
 """
@@ -31,11 +32,12 @@ class ServerRollout(RolloutEngine):
 
     # --- generation ------------------------------------------------------------------------------
     def run_groups(self, specs: Sequence[TrajectorySpec], sampling: Sampling,
-                   needed: Optional[int] = None) -> RunResult:
+                   needed: Optional[int] = None, accept=None, more=None) -> RunResult:
         import asyncio
         import concurrent.futures
 
-        future = asyncio.run_coroutine_threadsafe(self.runner.run(specs, sampling, needed), self.loop.loop)
+        future = asyncio.run_coroutine_threadsafe(self.runner.run(specs, sampling, needed, accept, more),
+                                                  self.loop.loop)
         try:
             self.last = future.result(self.timeout_s)
         except concurrent.futures.TimeoutError:
