@@ -33,7 +33,7 @@ ARGS = ["job.name=run", "tracking.backends=[\"mlflow\"]", "platform.ranks_per_no
 def test_killed_server_mode_run_with_partial_trajectories_resumes_exactly(tmp_path, dtype):
     """Killed (SIGKILL to the launch and its processes) after its step-2 checkpoint, which holds
     aborted trajectories with tokens: the resumed run restores them, continues them in step 3, and
-    logs every metric the uninterrupted run logs, step for step (time and throughput aside)."""
+    logs every metric the uninterrupted run logs, step for step (wall-clock readings aside)."""
     args = [*ARGS, f"model.dtype={dtype}"]
     run_torchrun("-m mrl train", JOB, f"job.output_dir={tmp_path / 'whole'}", *args, nproc=1, timeout=600)
 
@@ -55,7 +55,9 @@ def test_killed_server_mode_run_with_partial_trajectories_resumes_exactly(tmp_pa
     resumed = run_torchrun("-m mrl train", JOB, f"job.output_dir={out}", *args, nproc=1, timeout=600)
     assert "resumed from step 2 of 4; 4 groups in hand restored" in resumed.stdout, resumed.stdout
     whole, again = _history(tmp_path / "whole"), _history(out)
-    keys = [k for k in whole if not k.startswith(("time/", "throughput/", "memory/"))]
+    # wall-clock readings differ between any two runs: stage times, throughput, memory, and the
+    # share of the rollout's wall time the engine was busy
+    keys = [k for k in whole if not k.startswith(("time/", "throughput/", "memory/")) and k != "rollout/engine_busy"]
     assert sorted(whole["reward/mean"]) == [1, 2, 3, 4]
     assert [k for k in keys if again.get(k) != whole[k]] == []
     # what was in flight at the kill: trajectories aborted in step 2 with tokens, continued in step 3
