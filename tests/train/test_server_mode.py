@@ -173,3 +173,42 @@ def test_dynamic_sampling_takes_groups_as_they_finish():
         assert s1.scores == [1.0, 0.0, 1.0, 0.0]
     finally:
         server.shutdown()
+
+
+def test_the_other_ranks_of_the_group_replay_the_groups_started_in_flight(monkeypatch):
+    """A model-parallel group's other ranks get the leader's outcome by broadcast and draw the same
+    replacement groups from their own samplers: their step, carry and data position equal the
+    leader's (the broadcasts recorded on the leader, replayed on a follower)."""
+    import mrl.train.rollout as rollout_mod
+    import mrl.train.server_round as round_mod
+    from mrl.train.carry import encode_carry
+    from mrl.train.produce import produce
+
+    sent = []
+
+    def record(obj, group, is_leader, work):
+        sent.append(obj)
+        return obj
+
+    extra = ["algorithm.dynamic_sampling.enable=true"]
+    run, gen, prompts, server = _parts([2, 3, 30, 150, 5, 5], extra=extra, rewarder=OddRefused())
+    try:
+        monkeypatch.setattr(round_mod, "from_leader", record)
+        monkeypatch.setattr(rollout_mod, "from_leader", record)
+        lead = produce(run, gen, prompts, 1, agree_min=lambda x: x).shards[0]
+    finally:
+        server.shutdown()
+    replay = iter(sent)
+    monkeypatch.setattr(round_mod, "from_leader", lambda obj, group, is_leader, work: next(replay))
+    monkeypatch.setattr(rollout_mod, "from_leader", lambda obj, group, is_leader, work: next(replay))
+    run2, gen2, prompts2, server2 = _parts([2, 3, 30, 150, 5, 5], extra=extra)
+    server2.shutdown()
+    gen2.generator = gen2.engine = gen2.rewarder = None
+    gen2.is_leader = False
+    follow = produce(run2, gen2, prompts2, 1, agree_min=lambda x: x).shards[0]
+    assert next(replay, None) is None
+    assert [it.index for it in follow.items] == [it.index for it in lead.items] == [0, 2]
+    assert [x.token_ids for x in follow.responses] == [x.token_ids for x in lead.responses]
+    assert follow.scores == lead.scores and follow.stats == lead.stats
+    assert encode_carry(prompts2.carry) == encode_carry(prompts.carry)
+    assert prompts2.position == prompts.position
