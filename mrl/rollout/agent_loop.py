@@ -9,10 +9,13 @@ log-prob 0. `tool_agent` is the built-in agent, the lockstep loop's rules (`mult
 conversation at a time; `single_turn` generates once. A job names its own agent in
 `rollout.multi_turn.agent` ("path/file.py:function", docs/multi_turn.md).
 
-Budgets (`AgentRunner.run`): with `needed`, once that many groups have finished every other
-trajectory is aborted: a request in the engine returns what it has (`finish_reason = "abort"`),
-an agent waiting for its tools is cancelled (its trajectory stays as it was before the call, with
-`info["pending_tools"]`), and a trajectory not yet started stays empty. Aborted trajectories are
+Budgets (`AgentRunner.run`): with `needed`, once that many groups have finished (and been
+accepted by `accept`, dynamic sampling's filter, which judges each group as it finishes; `more`
+starts a group in place of each refused one) every other trajectory is aborted, from the
+coroutine of the trajectory that completed the need: a request in the engine returns what it has
+(`finish_reason = "abort"`), an agent waiting for its tools is cancelled (its trajectory stays as
+it was before the call, with `info["pending_tools"]`), and a trajectory not yet started stays
+empty. Aborted trajectories are
 partial rollouts: the caller carries them to a later step, where `resume` continues them (the
 same agent, from `ctx.trajectory` as it was left).
 """
