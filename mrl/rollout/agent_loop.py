@@ -9,10 +9,13 @@ log-prob 0. `tool_agent` is the built-in agent, the lockstep loop's rules (`mult
 conversation at a time; `single_turn` generates once. A job names its own agent in
 `rollout.multi_turn.agent` ("path/file.py:function", docs/multi_turn.md).
 
-Budgets (`AgentRunner.run`): with `needed`, once that many groups have finished every other
-trajectory is aborted: a request in the engine returns what it has (`finish_reason = "abort"`),
-an agent waiting for its tools is cancelled (its trajectory stays as it was before the call, with
-`info["pending_tools"]`), and a trajectory not yet started stays empty. Aborted trajectories are
+Budgets (`AgentRunner.run`): with `needed`, once that many groups have finished (and been
+accepted by `accept`, dynamic sampling's filter, which judges each group as it finishes; `more`
+starts a group in place of each refused one) every other trajectory is aborted, from the
+coroutine of the trajectory that completed the need: a request in the engine returns what it has
+(`finish_reason = "abort"`), an agent waiting for its tools is cancelled (its trajectory stays as
+it was before the call, with `info["pending_tools"]`), and a trajectory not yet started stays
+empty. Aborted trajectories are
 partial rollouts: the caller carries them to a later step, where `resume` continues them (the
 same agent, from `ctx.trajectory` as it was left).
 """
@@ -224,11 +227,19 @@ class TrajectorySpec:
 
 @dataclass
 class RunResult:
-    trajectories: list[Trajectory]   # in the order of the specs
-    finished_groups: list[int]       # groups finished (no trajectory aborted), in the order they finished
+    trajectories: list[Trajectory]   # in the order of the specs (then of the specs `more` added)
+    finished_groups: list[int]       # groups finished and accepted (none aborted), in the order they finished
     aborted: int                     # trajectories that ended aborted (by the budget, or an engine's abort)
     engine_busy: float               # the router's busy fraction over the call
     seconds: float
+    rejected_groups: list[int] = field(default_factory=list)   # finished, refused by `accept`, in order
+    specs: list[TrajectorySpec] = field(default_factory=list)  # every spec run: the call's, then `more`'s
+
+
+#: `accept(group, trajectories)`: whether a finished group counts (dynamic sampling's filter)
+Accept = Callable[[int, list[Trajectory]], bool]
+#: `more()`: the specs of one more group to start when a group was refused (empty: none left)
+More = Callable[[], list[TrajectorySpec]]
 
 
 class AgentRunner:
@@ -246,21 +257,50 @@ class AgentRunner:
                             tools=self.tools, tokenizer=self.tokenizer, turns=self.turns, format=self.format,
                             multi_turn=self.multi_turn)
 
-    async def run(self, specs: Sequence[TrajectorySpec], sampling: Sampling, needed: Optional[int] = None) -> RunResult:
+    async def run(self, specs: Sequence[TrajectorySpec], sampling: Sampling, needed: Optional[int] = None,
+                  accept: Optional[Accept] = None, more: Optional[More] = None) -> RunResult:
         """Run every trajectory of `specs`; with `needed`, abort the rest once `needed` groups
-        (every trajectory of a group finished, none aborted) have finished."""
+        (every trajectory of a group finished, none aborted) have finished and been accepted.
+
+        `accept(group, trajectories)` judges each group as it finishes (dynamic sampling), in this
+        loop's thread, so the order of events does not depend on the judge's timing; a refused
+        group does not count, and `more()` gives a group to start in its place at once (the
+        groups are taken as they finish, not in rounds)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         self.router.reset_clock()
+        specs = list(specs)
         contexts = [self.context(s, sampling) for s in specs]
         by_group: dict[int, list[int]] = {}
-        for i, s in enumerate(specs):
-            by_group.setdefault(s.group, []).append(i)
-        left = {g: len(ix) for g, ix in by_group.items()}
+        left: dict[int, int] = {}
         finished: list[int] = []
+        rejected: list[int] = []
         enough = asyncio.Event()
-        if needed is not None and needed <= 0:
-            enough.set()
+        if needed is not None and needed <= 0:   # nothing needed: every trajectory stays as it is
+            for c in contexts:
+                c.trajectory.finish_reason = "abort"
+                self.router.release(c.key)
+            return RunResult([c.trajectory for c in contexts], [], len(contexts), self.router.busy_fraction(),
+                             loop.time() - started, specs=specs)
+        tasks: list = []
+
+        def start(new: Sequence[TrajectorySpec]) -> None:
+            for s in new:
+                i = len(tasks)
+                if i >= len(specs):
+                    specs.append(s)
+                    contexts.append(self.context(s, sampling))
+                by_group.setdefault(s.group, []).append(i)
+                left[s.group] = left.get(s.group, 0) + 1
+                tasks.append(asyncio.ensure_future(one(i, contexts[i])))
+
+        async def cut(me: Optional[int]) -> None:
+            """Abort every trajectory still running (all but `me`, the one that just finished)."""
+            late = [i for i, task in enumerate(tasks) if not task.done() and i != me]
+            await self.router.abort([contexts[i].key for i in late])
+            for i in late:
+                if contexts[i].phase != "generate":   # waiting for tools (or not started): stop it here
+                    tasks[i].cancel()
 
         async def one(i: int, ctx: AgentContext) -> Trajectory:
             out = await self.agent(ctx)
@@ -270,41 +310,41 @@ class AgentRunner:
             if out.finish_reason != "abort":
                 left[g] -= 1
                 if left[g] == 0:
-                    finished.append(g)
-                    if needed is not None and len(finished) >= needed:
-                        enough.set()
+                    group = [out if k == i else contexts[k].trajectory for k in by_group[g]]
+                    if accept is not None and not accept(g, group):
+                        rejected.append(g)
+                        if more is not None and not enough.is_set():
+                            start(more())
+                    else:
+                        finished.append(g)
+                        if needed is not None and len(finished) == needed:
+                            # abort the rest now, from the finishing trajectory itself: the engines
+                            # stop them where they are, not a few scheduler steps later
+                            enough.set()
+                            await cut(i)
             return out
 
-        tasks = [asyncio.ensure_future(one(i, c)) for i, c in enumerate(contexts)]
-        waiter = asyncio.ensure_future(enough.wait())
+        start(specs)
         try:
-            pending = set(tasks)
-            while pending and not enough.is_set():
-                done, pending = await asyncio.wait(pending | {waiter}, return_when=asyncio.FIRST_COMPLETED)
-                pending.discard(waiter)
+            while True:
+                pending = [t for t in tasks if not t.done()]
+                if not pending:
+                    break
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
                 for task in done:
-                    if task is not waiter and task.exception() is not None:
+                    if not task.cancelled() and task.exception() is not None:
                         raise task.exception()
-            if pending:
-                late = [i for i, task in enumerate(tasks) if not task.done()]
-                await self.router.abort([contexts[i].key for i in late])
-                for i in late:
-                    if contexts[i].phase != "generate":   # waiting for tools (or not started): stop it here
-                        tasks[i].cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
             out = []
             for i, task in enumerate(tasks):
                 if task.cancelled():
                     contexts[i].trajectory.finish_reason = "abort"
                     out.append(contexts[i].trajectory)
-                elif task.exception() is not None:
-                    raise task.exception()
                 else:
                     out.append(task.result())
             aborted = sum(t.finish_reason == "abort" for t in out)
-            return RunResult(out, finished, aborted, self.router.busy_fraction(), loop.time() - started)
+            return RunResult(out, finished, aborted, self.router.busy_fraction(), loop.time() - started,
+                             rejected_groups=rejected, specs=specs)
         finally:
-            waiter.cancel()
             for task in tasks:
                 task.cancel()
             for c in contexts:

@@ -135,8 +135,9 @@ class RolloutConfig:
                                                                 "(docs/sglang.md)")
     mode: Literal["spmd", "server"] = option(
         "spmd", help="spmd: the engine runs inside the trainer's ranks, every rank of an engine group generating in "
-                     "lockstep; server (vllm): each generating leader runs a continuously batching vLLM AsyncLLM "
-                     "(engine core in processes of its own) and every trajectory is its own coroutine "
+                     "lockstep; server: each generating leader runs one continuously batching engine (vllm: an AsyncLLM "
+                     "with its engine core in processes of its own; hf: a deterministic scheduler over transformers) "
+                     "and every trajectory is its own coroutine "
                      "(docs/multi_turn.md, docs/async.md)")
     over_sample_rate: float = option(
         0.0, ge=0, le=4, help="rollout.mode = 'server': submit ceil((1 + rate) x the groups a step needs); once enough "

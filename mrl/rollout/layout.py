@@ -108,8 +108,15 @@ def server_problems(rollout) -> list[tuple[str, str]]:
                 out.append((f"rollout.{key}", f"is {value!r} but needs rollout.mode = 'server' (requests aborted and "
                                               "agents run per trajectory only there)"))
         return out
-    if rollout.engine != "vllm":
-        out.append(("rollout.mode", f"'server' runs vLLM's AsyncLLM; set rollout.engine = 'vllm' (is {rollout.engine!r})"))
+    if rollout.engine not in ("vllm", "hf"):
+        out.append(("rollout.mode", f"'server' runs vLLM's AsyncLLM or the hf engine's scheduler; set rollout.engine = "
+                                    f"'vllm' or 'hf' (is {rollout.engine!r})"))
+    if rollout.engine == "hf":
+        for key, value, default in (("tensor_parallel", rollout.tensor_parallel, 1),
+                                    ("expert_parallel", rollout.expert_parallel, False)):
+            if value != default:
+                out.append((f"rollout.{key}", f"is {value} but the 'hf' engine does not shard (one model per trainer "
+                                              f"replica); set it to {default} or use rollout.engine = 'vllm'"))
     if rollout.pipeline_parallel > 1:
         out.append(("rollout.pipeline_parallel", "server-mode engines split by tensor parallelism only; set 1"))
     if rollout.partial_rollout_tokens:

@@ -5,8 +5,9 @@ It owns the leader's server engines (`VLLMAsyncEngine`s, or any `AsyncEngine`), 
 thread (`LoopThread`), a `Router` over them and an `AgentRunner`. The trainer's thread calls
 - `generate(prompts, sampling)`: every trajectory (`sampling.n` per prompt) run to its end by the
   agent, each its own coroutine, returned as `Response`s (prompt-major, as `RolloutEngine`);
-- `run_groups(specs, sampling, needed)`: the producer's call with a budget: groups finished in
-  the order they finished, the rest aborted (`agent_loop.AgentRunner.run`);
+- `run_groups(specs, sampling, needed, accept, more)`: the producer's call with a budget: groups
+  finished in the order they finished (judged as they finish by `accept`, refused ones replaced
+  by `more`), the rest aborted (`agent_loop.AgentRunner.run`);
 - `update_weights(stream)`: pause generation -> load the verified stream -> resume, on every
   engine (the stream is replayed per engine from one host copy when there are several).
 """
@@ -31,11 +32,12 @@ class ServerRollout(RolloutEngine):
 
     # --- generation ------------------------------------------------------------------------------
     def run_groups(self, specs: Sequence[TrajectorySpec], sampling: Sampling,
-                   needed: Optional[int] = None) -> RunResult:
+                   needed: Optional[int] = None, accept=None, more=None) -> RunResult:
         import asyncio
         import concurrent.futures
 
-        future = asyncio.run_coroutine_threadsafe(self.runner.run(specs, sampling, needed), self.loop.loop)
+        future = asyncio.run_coroutine_threadsafe(self.runner.run(specs, sampling, needed, accept, more),
+                                                  self.loop.loop)
         try:
             self.last = future.result(self.timeout_s)
         except concurrent.futures.TimeoutError:
@@ -72,6 +74,14 @@ class ServerRollout(RolloutEngine):
             finally:
                 self.loop.run(engine.resume())
         return sent
+
+    @property
+    def accepts_sparse(self) -> bool:
+        """Index/value updates are applied while the stream is consumed, inside the pause (one engine)."""
+        return len(self.engines) == 1 and getattr(self.engines[0], "accepts_sparse", False)
+
+    def apply_sparse(self, name, indices, values) -> None:
+        self.engines[0].apply_sparse(name, indices, values)
 
     def load_unit(self, name: str) -> str:
         return self.engines[0].load_unit(name)
@@ -112,20 +122,30 @@ def response_info(info: dict) -> dict:
 
 def build_server_rollout(spec, tokenizer, *, device, tools=None, model_path: Optional[str] = None) -> ServerRollout:
     """The leader's `ServerRollout` for a job (`rollout.mode = "server"`): one vLLM AsyncLLM on this
-    rank's device (and the next `tensor_parallel - 1` on a GPU), the agent of
+    rank's device (and the next `tensor_parallel - 1` on a GPU), or with `rollout.engine = "hf"` one
+    `HFAsyncEngine` (`hf_async.py`) on it, the agent of
     `rollout.multi_turn.agent` or the built-in one, the job's tools (`tools`: `JobTools`)."""
     from mrl.rollout.agent_loop import AsyncTools, load_agent
-    from mrl.rollout.factory import engine_gpus, engine_model_path
-    from mrl.rollout.vllm_async import LoopThread, VLLMAsyncEngine
+    from mrl.rollout.factory import build_engine, engine_gpus, engine_model_path
+    from mrl.rollout.vllm_async import LoopThread
 
     r = spec.rollout
     loop = LoopThread()
     try:
-        path = model_path or engine_model_path(r, spec.model)
-        gpus = engine_gpus(device, r.tensor_parallel, "rollout")
-        seed = r.seed if r.seed is not None else spec.job.seed
-        engine = VLLMAsyncEngine.from_config(r, path, loop=loop, seed=seed, dtype=r.dtype or spec.model.dtype,
-                                             max_model_len=r.max_model_len, gpus=gpus, on_cpu=gpus is None)
+        if r.engine == "hf":
+            from mrl.rollout.hf_async import HFAsyncEngine
+
+            engine = HFAsyncEngine(build_engine(r, spec.model, seed=spec.job.seed, device=device,
+                                                max_model_len=r.max_model_len),
+                                   max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens)
+        else:
+            from mrl.rollout.vllm_async import VLLMAsyncEngine
+
+            path = model_path or engine_model_path(r, spec.model)
+            gpus = engine_gpus(device, r.tensor_parallel, "rollout")
+            seed = r.seed if r.seed is not None else spec.job.seed
+            engine = VLLMAsyncEngine.from_config(r, path, loop=loop, seed=seed, dtype=r.dtype or spec.model.dtype,
+                                                 max_model_len=r.max_model_len, gpus=gpus, on_cpu=gpus is None)
     except BaseException:
         loop.close()
         raise

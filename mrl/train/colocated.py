@@ -65,7 +65,12 @@ class ColocatedRollouts:
     def load_state(self, saved, start: int) -> str:
         self.prompts.load_position(saved.sampler)
         self.prompts.carry = decode_carry(saved.rollout_carry, self.prompts.dataset)
-        return ""
+        groups = [g for c in self.prompts.carry.values() for g in c.active + c.ready]
+        if not groups:
+            return ""
+        unfinished = [t for g in groups for t, f in zip(g.tokens, g.finish) if f is None]
+        return (f"{len(groups)} groups in hand restored ({len(unfinished)} trajectories unfinished, "
+                f"{sum(len(t) for t in unfinished)} of their tokens generated)")
 
     def close(self, wait: bool = True) -> None:
         pass

@@ -27,6 +27,7 @@ class GroupInProgress:
     routes: list = field(default_factory=list)     # MoE routes of each response's latest call (`Response.routes`)
     masks: list = field(default_factory=list)      # server mode: each response's loss mask (empty: all 1)
     infos: list = field(default_factory=list)      # server mode: each trajectory's info (turns, tool counts, state)
+    prescored: Optional[tuple] = None              # server mode, dynamic sampling: (scored, keep) as it finished
 
     @property
     def finished(self) -> bool:

@@ -36,7 +36,7 @@ from mrl.rollout.types import Response, sampling_from_config
 from mrl.train.carry import GroupInProgress, ShardCarry, advance, drop_stale, encode_carry
 from mrl.train.metrics import RewardStats
 from mrl.train.parts import Generation, Prompts, Run
-from mrl.train.rollout import generate, score
+from mrl.train.rollout import generate, leader_score, score
 from mrl.train.server_round import refresh_unstarted, server_round, target_groups
 
 
@@ -131,9 +131,16 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
                     break
             if server:   # submit the target's groups (reordered: first finished first); the rest wait unstarted
                 k = max(target - len(c.ready), 0)
-                submitted = c.active[:k]
-                server_round(run, gen, submitted, per_rank - len(c.ready), seed, d, st)
-                c.active = submitted + c.active[k:]
+                submitted, waiting = c.active[:k], c.active[k:]
+                judge = supply = None
+                drawn = [0]
+                if dyn.enable and reward_model is None and not spec.algorithm.gdpo_reward_keys:
+                    room = (dyn.max_generation_batches * max(len(prompts.shards), 1) - draws
+                            if dyn.max_generation_batches else None)
+                    judge, supply, drawn = _in_flight_filter(run, gen, prompts, d, waiting, step, room)
+                server_round(run, gen, submitted, per_rank - len(c.ready), seed, d, st, judge, supply)
+                draws += drawn[0]
+                c.active = submitted + waiting
             elif chunk:
                 advance(run, gen, c.active, chunk, seed, d, st)
             else:
@@ -147,17 +154,30 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
                             for i, g in enumerate(c.active)]
             done = [g for g in c.active if g.finished]
             c.active = [g for g in c.active if not g.finished]
-            if done:
-                responses = [x for g in done for x in g.responses()]
-                r = score(run, gen, [g.item for g in done], responses, n, step,
+            fresh = [g for g in done if g.prescored is None]
+            judged: dict[int, tuple] = {}   # id(group) -> (scores, kept)
+            if fresh:
+                responses = [x for g in fresh for x in g.responses()]
+                r = score(run, gen, [g.item for g in fresh], responses, n, step,
                           metric=dyn.metric if dyn.enable else None, reward_model=reward_model)
                 rewards[d].add(r["stats"], len(responses))
                 keep, dropped = keep_groups_of(r, n, dyn.enable, spec.reward.on_error == "drop")
                 st["dropped"] += dropped
-                for i, g in enumerate(done):
-                    if keep[i] and (carries or len(c.ready) < per_rank):
-                        g.scored = {"scores": r["scores"][i * n:(i + 1) * n]}
-                        c.ready.append(g)
+                judged.update({id(g): (r["scores"][i * n:(i + 1) * n], keep[i]) for i, g in enumerate(fresh)})
+            for g in done:
+                if g.prescored is not None:   # scored and filtered as it finished (server mode)
+                    r, g.prescored = g.prescored[0], None
+                    if "filter_error" in r:
+                        raise UserError(r["filter_error"])
+                    rewards[d].add(r["stats"], n)
+                    keep, dropped = keep_groups_of(r, n, dyn.enable, spec.reward.on_error == "drop")
+                    st["dropped"] += dropped
+                    judged[id(g)] = (r["scores"], keep[0])
+            for g in done:
+                scores, kept = judged[id(g)]
+                if kept and (carries or len(c.ready) < per_rank):
+                    g.scored = {"scores": list(scores)}
+                    c.ready.append(g)
         rounds += 1
         have = agree_min(min(len(carry[d].ready) for d in prompts.shards) if prompts.shards else per_rank)
         if have >= per_rank or not (dyn.enable or chunk):
@@ -182,6 +202,8 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
         if server:
             stats.update({"rollout/aborted": st.get("aborted", 0.0), "rollout/engine_busy": st.get("engine_busy", 0.0),
                           "rollout/carried": float(sum(f is None for g in c.active for f in g.finish))})
+            if dyn.enable:   # groups dynamic sampling refused as they finished (each replaced at once)
+                stats["rollout/dynamic_refused_groups"] = st.get("dynamic_rejected", 0.0)
         if carries:
             stats.update({"rollout/partial_tokens_carried": float(sum(sum(g.carried) for g in taken)),
                           "rollout/partial_groups_in_flight": float(len(c.active) + len(c.ready)),
@@ -201,6 +223,35 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
     return StepRollout(step=step, version=gen.version, shards=out, position=prompts.position,
                        produce_s=time.perf_counter() - started, finished_at=time.time(),
                        carry=encode_carry(carry) if carries else None)
+
+
+def _in_flight_filter(run: Run, gen: Generation, prompts: Prompts, d: int, waiting: list, step: int,
+                      room: Optional[int]):
+    """Server mode with dynamic sampling: (judge, supply, drawn) for `server_round`. `judge`
+    scores a group on the leader as it finishes and applies the filter; `supply` gives the group
+    to start in place of a refused one: the next waiting group of shard `d`, else the first of a
+    newly drawn batch (the rest wait), or None once `room` more batches were drawn
+    (`max_generation_batches`; None: no limit). `drawn[0]` counts the batches drawn."""
+    spec = run.spec
+    n, dyn = spec.rollout.responses_per_prompt, spec.algorithm.dynamic_sampling
+    drawn = [0]
+
+    def judge(g, responses):
+        r = leader_score(run, gen, [g.item], responses, n, step, metric=dyn.metric)
+        if "filter_error" in r:
+            return r, True   # raised on every rank by the producer
+        return r, keep_groups_of(r, n, True, spec.reward.on_error == "drop")[0][0]
+
+    def supply():
+        if not waiting:
+            if room is not None and drawn[0] >= room:
+                return None
+            picked = prompts.samplers[d].next()
+            drawn[0] += 1
+            waiting.extend(GroupInProgress.new(prompts.dataset[i], n, gen.version) for i in picked.indices)
+        return waiting.pop(0)
+
+    return judge, supply, drawn
 
 
 def greedy_scores(run: Run, gen: Generation, items: list, step: int, dp_rank: int, reward_model=None) -> list[float]:

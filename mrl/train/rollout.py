@@ -126,36 +126,44 @@ def score(run: Run, gen: Generation, items: list, responses: list[Response], n: 
     """Rewards of `responses` (prompt-major, `n` per item) as plain lists, equal on the group;
     with `metric`, also the dynamic-sampling values (`filter_values`) of each response.
     `reward_model`: the value-head engine, run on every rank of the group first (colocated)."""
-    from mrl.reward.compose import RewardSample
-
     result = None
     model_scores = (reward_model_scores(run, reward_model, items, responses, n) if reward_model is not None
                     else None)
     if gen.is_leader:
         if model_scores is not None:
             gen.rm_scores.scores = model_scores
-        tok = run.tokenizer
-        samples = [RewardSample(sample_id=f"step {step} prompt {it.index} response {j}", prompt=it.prompt,
-                                response=tok.decode(r.token_ids, skip_special_tokens=True), ground_truth=it.answer,
-                                data_source=it.data_source, extra=dict(it.extra),
-                                token_ids=list(it.token_ids) + list(r.token_ids))
-                   for it_i, it in enumerate(items) for j, r in enumerate(responses[it_i * n:(it_i + 1) * n])]
-        started = time.perf_counter()
-        res = gen.rewarder.score(samples)
-        result = dict(scores=res.scores, valid=res.valid,
-                      stats={**res.stats, "time/reward_scoring": time.perf_counter() - started})
-        try:
-            if metric is not None:
-                result["filter_values"] = filter_values(res, metric)
-            if run.spec.algorithm.gdpo_reward_keys:   # gdpo's components, read by `to_batch`
-                result["components"] = [filter_values(res, k) for k in run.spec.algorithm.gdpo_reward_keys]
-        except UserError as e:   # raised on every rank of the group, after the broadcast
-            result["filter_error"] = str(e)
+        result = leader_score(run, gen, items, responses, n, step, metric)
     result = from_leader(result, gen.mp_group, gen.is_leader, "reward scoring")
     if "filter_error" in result:
         raise UserError(result["filter_error"])
     for i, r in enumerate(responses if "components" in result else ()):
         r.info["reward_components"] = [float(c[i]) for c in result["components"]]
+    return result
+
+
+def leader_score(run: Run, gen: Generation, items: list, responses: list[Response], n: int, step: int,
+                 metric: str | None = None) -> dict:
+    """`score`'s work on the group's leader alone (no broadcast, no reward model): the reward
+    function's scores, validity, stats and, with `metric`, the dynamic-sampling values; a metric
+    the rewards lack is returned as `filter_error` (raised on every rank after the broadcast)."""
+    from mrl.reward.compose import RewardSample
+
+    tok = run.tokenizer
+    samples = [RewardSample(sample_id=f"step {step} prompt {it.index} response {j}", prompt=it.prompt,
+                            response=tok.decode(r.token_ids, skip_special_tokens=True), ground_truth=it.answer,
+                            data_source=it.data_source, extra=dict(it.extra),
+                            token_ids=list(it.token_ids) + list(r.token_ids))
+               for it_i, it in enumerate(items) for j, r in enumerate(responses[it_i * n:(it_i + 1) * n])]
+    started = time.perf_counter()
+    res = gen.rewarder.score(samples)
+    result = dict(scores=res.scores, valid=res.valid, stats={**res.stats, "time/reward_scoring": time.perf_counter() - started})
+    try:
+        if metric is not None:
+            result["filter_values"] = filter_values(res, metric)
+        if run.spec.algorithm.gdpo_reward_keys:   # gdpo's components, read by `to_batch`
+            result["components"] = [filter_values(res, k) for k in run.spec.algorithm.gdpo_reward_keys]
+    except UserError as e:   # raised on every rank of the group, after the broadcast
+        result["filter_error"] = str(e)
     return result
 
 

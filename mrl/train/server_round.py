@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Callable, Optional
 
 from mrl.platform.collectives import from_leader
-from mrl.rollout.types import prompt_seed, sampling_from_config
+from mrl.rollout.types import Response, prompt_seed, sampling_from_config
 from mrl.train.groups import GroupInProgress
 
 
@@ -35,33 +36,77 @@ def refresh_unstarted(active: list[GroupInProgress], version: int) -> None:
                 g.versions[j] = version
 
 
-def server_round(run, gen, active: list[GroupInProgress], need: int, seed: int, dp_rank: int, st: dict) -> None:
+def server_round(run, gen, active: list[GroupInProgress], need: int, seed: int, dp_rank: int, st: dict,
+                 judge: Optional[Callable] = None, supply: Optional[Callable] = None) -> None:
     """Run `active`'s unfinished trajectories; with over-sampling, abort the rest once `need`
     groups finished. Updates the groups in place and the counters `st` (generated, tokens,
-    aborted, engine_busy)."""
+    aborted, engine_busy, dynamic_rejected).
+
+    Dynamic sampling in flight (`judge`, on the leader: `judge(group, responses) -> (scored,
+    keep)`): each group is scored and filtered as it finishes; a refused group does not count
+    toward `need`, and `supply()` (every rank: the next group to start, appended to `active`, or
+    None) starts another in its place at once. The scores travel with the outcome
+    (`GroupInProgress.prescored`), so the producer does not score those groups again."""
+    from mrl.rollout.server import response_info
+
     roll = run.spec.rollout
     n = roll.responses_per_prompt
     refresh_unstarted(active, gen.version)   # a trajectory is as old as its first token
-    position = {id(g): gi for gi, g in enumerate(active)}
-    work = [(gi, g, j) for gi, g in enumerate(active) for j in range(n) if g.finish[j] is None]
+    groups = list(active)
+    work = [(gi, g, j) for gi, g in enumerate(groups) for j in range(n) if g.finish[j] is None]
     outcome = None
     if gen.is_leader:
         from mrl.rollout.agent_loop import Trajectory, TrajectorySpec
 
-        specs = []
-        for gi, g, j in work:
+        def spec_of(gi: int, g: GroupInProgress, j: int) -> TrajectorySpec:
             resume = None
             if g.tokens[j] or (g.infos and g.infos[j]):
                 resume = Trajectory(list(g.tokens[j]), list(g.logprobs[j]),
                                     list(g.masks[j]) if g.masks else [1] * len(g.tokens[j]),
                                     info=dict(g.infos[j]) if g.infos else {})
-            specs.append(TrajectorySpec(f"s{seed}d{dp_rank}g{gi}r{j}", gi, list(g.item.token_ids),
-                                        seed=prompt_seed(seed, gi * n + j) % 2**31, resume=resume))
+            return TrajectorySpec(f"s{seed}d{dp_rank}g{gi}r{j}", gi, list(g.item.token_ids),
+                                  seed=prompt_seed(seed, gi * n + j) % 2**31, resume=resume)
+
+        prescored: dict[int, tuple] = {}
+
+        def accept(gi: int, trajectories) -> bool:
+            g, new = groups[gi], iter(trajectories)
+            responses = []
+            for j in range(n):
+                if g.finish[j] is not None:   # finished in an earlier round
+                    responses.append(Response(0, list(g.tokens[j]), list(g.logprobs[j]), g.finish[j]))
+                else:
+                    t = next(new)
+                    responses.append(Response(0, list(t.token_ids), list(t.logprobs), t.finish_reason,
+                                              loss_mask=list(t.loss_mask), info=response_info(t.info)))
+            prescored[gi] = judge(g, responses)
+            return prescored[gi][1]
+
+        def more() -> list:
+            g = supply()
+            if g is None:
+                return []
+            groups.append(g)
+            return [spec_of(len(groups) - 1, g, j) for j in range(n)]
+
+        specs = [spec_of(gi, g, j) for gi, g, j in work]
         sampling = replace(sampling_from_config(roll), n=1, seed=None)
-        result = gen.generator.run_groups(specs, sampling, need if roll.over_sample_rate else None)
+        budgeted = bool(roll.over_sample_rate) or judge is not None
+        result = gen.generator.run_groups(specs, sampling, need if budgeted else None,
+                                          accept=accept if judge is not None else None,
+                                          more=more if judge is not None and supply is not None else None)
         outcome = ([(t.token_ids, t.logprobs, t.loss_mask, t.finish_reason, t.info) for t in result.trajectories],
-                   result.aborted, result.engine_busy, result.finished_groups)
-    trajectories, aborted, busy, order = from_leader(outcome, gen.mp_group, gen.is_leader, "server-mode rollouts")
+                   result.aborted, result.engine_busy, result.finished_groups, len(groups) - len(active),
+                   [prescored.get(gi) for gi in range(len(groups))])
+    trajectories, aborted, busy, order, supplied, scored = from_leader(outcome, gen.mp_group, gen.is_leader,
+                                                                       "server-mode rollouts")
+    if not gen.is_leader:   # the same groups, drawn in the same order
+        for _ in range(supplied):
+            groups.append(supply())
+    for gi in range(len(active), len(groups)):   # the groups started in place of refused ones
+        active.append(groups[gi])
+        work += [(gi, groups[gi], j) for j in range(n)]
+    position = {id(g): gi for gi, g in enumerate(groups)}
     for (gi, g, j), (ids, lps, mask, reason, info) in zip(work, trajectories):
         if not g.masks:
             g.masks = [[1] * len(t) for t in g.tokens]
@@ -71,8 +116,11 @@ def server_round(run, gen, active: list[GroupInProgress], need: int, seed: int, 
         if reason != "abort":
             g.finish[j] = reason
             st["generated"] += 1
+    for g, pre in zip(groups, scored):
+        g.prescored = pre
     # the groups that finished first come first (they make the batch; the producer scores in this order)
     rank = {gi: k for k, gi in enumerate(order)}
     active.sort(key=lambda g: rank.get(position[id(g)], len(order)))
     st["aborted"] = st.get("aborted", 0.0) + aborted
+    st["dynamic_rejected"] = st.get("dynamic_rejected", 0.0) + sum(1 for pre in scored if pre is not None and not pre[1])
     st["engine_busy"] = busy

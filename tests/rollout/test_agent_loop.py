@@ -209,7 +209,10 @@ SERVER = ["rollout.engine=vllm", "rollout.mode=server"]
 
 
 @pytest.mark.parametrize("patch,key,fragment", [
-    (["rollout.engine=hf", "rollout.mode=server"], "rollout.mode", "set rollout.engine = 'vllm'"),
+    (["rollout.engine=sglang", "rollout.mode=server", "rollout.load_format=dummy"], "rollout.mode",
+     "set rollout.engine = 'vllm' or 'hf'"),
+    (["rollout.engine=hf", "rollout.mode=server", "rollout.tensor_parallel=2"], "rollout.tensor_parallel",
+     "does not shard"),
     (["rollout.over_sample_rate=0.25"], "rollout.over_sample_rate", "needs rollout.mode = 'server'"),
     ([*SERVER, "rollout.over_sample_rate=0.25"], "rollout.max_staleness", "over-sampling carries"),
     ([*SERVER, "rollout.partial_rollout_tokens=2", "rollout.max_staleness=1"], "rollout.partial_rollout_tokens",

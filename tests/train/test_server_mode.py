@@ -20,7 +20,7 @@ def continuing(prompt):
     return list(range(len(prompt) - 3, prompt[2]))
 
 
-def _parts(lengths, rate=0.5):
+def _parts(lengths, rate=0.5, extra=(), rewarder=None):
     from mrl.data.sampler import PromptSampler
     from mrl.rollout.agent_loop import AgentRunner, single_turn
     from mrl.rollout.router import Router
@@ -32,14 +32,14 @@ def _parts(lengths, rate=0.5):
     spec, _ = load(QUICKSTART, ["rollout.engine=vllm", "rollout.mode=server", f"rollout.over_sample_rate={rate}",
                                 f"rollout.max_staleness={int(rate > 0)}", "data.prompts_per_step=2", "rollout.responses_per_prompt=2",
                                 "rollout.max_response_tokens=200",
-                                "actor.mini_batch_prompts=1"])
+                                "actor.mini_batch_prompts=1", *extra])
     items = [SimpleNamespace(index=i, token_ids=(7, 7, L), prompt="p", answer="a", data_source="t", extra={})
              for i, L in enumerate(lengths)]
     engine = FakeAsyncEngine(continuing, tick=0.002)
     server = ServerRollout([engine], LoopThread(), AgentRunner(Router([engine]), single_turn))
     run = SimpleNamespace(spec=spec, plan=step_plan(spec), dp=1, separate=False,
                           tokenizer=SimpleNamespace(decode=lambda ids, **kw: "r"), ctx=SimpleNamespace(role="train"))
-    gen = Generation(engine=server, generator=server, rewarder=Rewarder())
+    gen = Generation(engine=server, generator=server, rewarder=rewarder or Rewarder())
     return run, gen, Prompts(dataset=items, samplers={0: PromptSampler(len(items), 2, seed=0, shuffle=False)}), server
 
 
@@ -133,3 +133,82 @@ def test_the_groups_that_finish_first_make_the_batch():
         assert [it.index for it in s1.items][0] == 1 and len(s1.items) == 2
     finally:
         server.shutdown()
+
+
+class OddRefused:
+    """Groups of even prompts score [1, 0] (kept by dynamic sampling), odd ones [1, 1] (refused)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def score(self, samples):
+        from mrl.reward.compose import RewardResult
+
+        self.calls.append([s.sample_id for s in samples])
+        scores = [float(int(s.sample_id.split()[3]) % 2 == 1 or s.sample_id.endswith(" 0")) for s in samples]
+        n = len(samples)
+        return RewardResult(scores=scores, valid=[True] * n, source_scores={}, metrics={}, errors=[],
+                            stats={"reward/mean": sum(scores) / n})
+
+
+def test_dynamic_sampling_takes_groups_as_they_finish():
+    """Need 2 groups, 3 submitted (rate 0.5) of 2, 3, 30 tokens, a 150-token group waiting: the
+    3-token group (odd) is refused as it finishes and the waiting group starts at once in its
+    place; the 30-token group completes the need and the 150-token group is aborted with tokens.
+    One generation round; each group scored once, as it finished."""
+    from mrl.train.produce import produce
+
+    rewarder = OddRefused()
+    run, gen, prompts, server = _parts([2, 3, 30, 150, 5, 5], extra=["algorithm.dynamic_sampling.enable=true"],
+                                       rewarder=rewarder)
+    try:
+        gen.version = 0
+        s1 = produce(run, gen, prompts, 1, agree_min=lambda x: x).shards[0]
+        assert [it.index for it in s1.items] == [0, 2]
+        assert s1.stats["rollout/dynamic_refused_groups"] == 1 and s1.stats["rollout/generation_rounds"] == 1
+        assert s1.stats["rollout/aborted"] == 2 and s1.stats["rollout/carried"] == 2
+        assert [[int(x.split()[3]) for x in call] for call in rewarder.calls] == [[0, 0], [1, 1], [2, 2]]
+        (late,) = prompts.carry[0].active
+        assert late.item.index == 3 and late.finish == [None, None] and 0 < len(late.tokens[0]) < 150
+        assert s1.scores == [1.0, 0.0, 1.0, 0.0]
+    finally:
+        server.shutdown()
+
+
+def test_the_other_ranks_of_the_group_replay_the_groups_started_in_flight(monkeypatch):
+    """A model-parallel group's other ranks get the leader's outcome by broadcast and draw the same
+    replacement groups from their own samplers: their step, carry and data position equal the
+    leader's (the broadcasts recorded on the leader, replayed on a follower)."""
+    import mrl.train.rollout as rollout_mod
+    import mrl.train.server_round as round_mod
+    from mrl.train.carry import encode_carry
+    from mrl.train.produce import produce
+
+    sent = []
+
+    def record(obj, group, is_leader, work):
+        sent.append(obj)
+        return obj
+
+    extra = ["algorithm.dynamic_sampling.enable=true"]
+    run, gen, prompts, server = _parts([2, 3, 30, 150, 5, 5], extra=extra, rewarder=OddRefused())
+    try:
+        monkeypatch.setattr(round_mod, "from_leader", record)
+        monkeypatch.setattr(rollout_mod, "from_leader", record)
+        lead = produce(run, gen, prompts, 1, agree_min=lambda x: x).shards[0]
+    finally:
+        server.shutdown()
+    replay = iter(sent)
+    monkeypatch.setattr(round_mod, "from_leader", lambda obj, group, is_leader, work: next(replay))
+    monkeypatch.setattr(rollout_mod, "from_leader", lambda obj, group, is_leader, work: next(replay))
+    run2, gen2, prompts2, server2 = _parts([2, 3, 30, 150, 5, 5], extra=extra)
+    server2.shutdown()
+    gen2.generator = gen2.engine = gen2.rewarder = None
+    gen2.is_leader = False
+    follow = produce(run2, gen2, prompts2, 1, agree_min=lambda x: x).shards[0]
+    assert next(replay, None) is None
+    assert [it.index for it in follow.items] == [it.index for it in lead.items] == [0, 2]
+    assert [x.token_ids for x in follow.responses] == [x.token_ids for x in lead.responses]
+    assert follow.scores == lead.scores and follow.stats == lead.stats
+    assert encode_carry(prompts2.carry) == encode_carry(prompts.carry)
+    assert prompts2.position == prompts.position
