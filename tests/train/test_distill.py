@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.dist_util import REPO
+from tests.train.resume import assert_resumed_exactly, whole_and_resumed
 from tests.train.test_train import ONE_RANK, history, run_jobs
 
 pytestmark = pytest.mark.slow
@@ -57,22 +58,16 @@ def test_distillation_moves_the_student_reward_to_the_teachers(tmp_path, teacher
     assert kl[20] < kl[1] / 4   # the student's tokens move to where the teacher puts its mass
 
 
-@pytest.mark.parametrize("variant", ["", "model.dtype=bfloat16 distill.estimator=full"])
-def test_distillation_with_a_task_reward_resumes_exactly(tmp_path, teacher, variant):
-    """fp32 with the sampled estimator; bf16 (student and teacher) with the full-vocabulary KL."""
+def test_distillation_with_a_task_reward_resumes_exactly(tmp_path, teacher):
+    """One launch: fp32 with the sampled estimator; bf16 (student and teacher) with the
+    full-vocabulary KL."""
     path, _ = teacher
     base = (f"{ONE_RANK} tracking.backends=[\"mlflow\"] checkpoint.every_steps=2 algorithm.advantage=distill "
-            f"distill.model_path={path} distill.task_weight=0.5 rollout.responses_per_prompt=4 {variant}")
-    run_jobs("jobs/quickstart_cpu.toml", tmp_path / "whole", f"{base} trainer.total_steps=4")
-    resumed = tmp_path / "resumed"
-    run_jobs("jobs/quickstart_cpu.toml", resumed, f"{base} trainer.total_steps=2")
-    run_jobs("jobs/quickstart_cpu.toml", resumed, f"{base} trainer.total_steps=4")
-    whole, again = history(tmp_path / "whole/run0"), history(resumed / "run0")
-    keys = [k for k in whole if not k.startswith(("time/", "throughput/", "memory/", "weight_sync/"))]
-    assert ("actor/distill_kl" if variant else "distill/reverse_kl") in keys and set(keys) <= set(again)
-    for k in keys:
-        assert sorted(again[k]) == [1, 2, 3, 4], k
-        assert again[k] == whole[k], (k, whole[k], again[k])
+            f"distill.model_path={path} distill.task_weight=0.5 rollout.responses_per_prompt=4")
+    variants = {"distill/reverse_kl": "", "actor/distill_kl": "model.dtype=bfloat16 distill.estimator=full"}
+    runs = whole_and_resumed("jobs/quickstart_cpu.toml", tmp_path, *(f"{base} {v}" for v in variants.values()))
+    for metric, (whole, again) in zip(variants, runs):
+        assert metric in assert_resumed_exactly(whole, again), metric
 
 
 def test_full_vocabulary_reverse_kl_distils_too(tmp_path, teacher):
