@@ -302,8 +302,8 @@ def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_mo
 
 
 def build_teacher(spec: JobSpec, device: str, tokenizer, student_vocab: int):
-    """`mrl.train.teacher.Teacher`: this rank's shard of the teacher, with its weights loaded; a `UserError` naming
-    `distill.model_path` when it has no weights or another tokenizer."""
+    """`mrl.train.teacher.Teacher`: this rank's shard of the teacher, with its weights loaded (and its tokenizer
+    where it differs from the student's); a `UserError` naming `distill.model_path` for what `teacher_problems` finds."""
     import dataclasses
 
     from mrl.engine import Engine
@@ -324,7 +324,10 @@ def build_teacher(spec: JobSpec, device: str, tokenizer, student_vocab: int):
                                attention=spec.model.attention, fused=spec.model.use_fused_kernels)
               for i in range(vpp or 1)]
     load_weights(chunks, cfg.model_path, hf, "ref")
-    return Teacher(engine=Engine(chunks, name="teacher"), vocab_size=int(hf["vocab_size"]))
+    theirs = load_tokenizer(model)
+    other = theirs.get_vocab() != tokenizer.get_vocab()   # read through mrl.train.retokenize
+    return Teacher(engine=Engine(chunks, name="teacher"), vocab_size=int(hf["vocab_size"]),
+                   tokenizer=theirs if other else None, student_tokenizer=tokenizer if other else None)
 
 
 def build_reward_model(spec: JobSpec, hf: dict, device: str):

@@ -8,8 +8,11 @@ kernels on CUDA), Megatron's vocabulary padding masked at the teacher's own voca
 (`teacher_logprobs`, `distill.estimator = "sampled"`); or run on each packed micro-batch of the
 student's update for the full-vocabulary reverse KL (`teacher_rows`, `"full"`).
 
-The teacher must share the student's tokenizer (the same token -> id map, checked when it is
-built by `mrl.train.build.build_teacher`): its log-probs are read at the student's token ids.
+A teacher that shares the student's tokenizer (the same token -> id map, checked when it is
+built by `mrl.train.build.build_teacher`) is read at the student's token ids. A teacher with
+another tokenizer (`"sampled"` only) reads the student's response decoded and re-encoded in its
+own tokens, and its log-probs are attributed back to the student's tokens by character offsets
+(`mrl.train.retokenize`).
 """
 from __future__ import annotations
 
@@ -26,16 +29,42 @@ __all__ = ["Teacher", "teacher_logprobs", "teacher_rows", "teacher_problems"]
 class Teacher:
     engine: object          # mrl.engine.Engine, frozen
     vocab_size: int         # the teacher's tokenizer vocabulary (its hf config)
+    tokenizer: object = None          # the teacher's, where it differs from the student's (else None)
+    student_tokenizer: object = None  # the student's, with `tokenizer`
 
 
-def teacher_logprobs(teacher: Teacher, batch: Batch, budget: int, temperature: float, kernels: str) -> torch.Tensor:
-    """`[B, R]` the teacher's log-probs of the student's response tokens (at the rollout
-    temperature, as the student's)."""
+def teacher_logprobs(teacher: Teacher, batch: Batch, budget: int, temperature: float,
+                     kernels: str) -> tuple[torch.Tensor, dict[str, float]]:
+    """(`[B, R]` the teacher's log-probs of the student's response tokens, at the rollout
+    temperature as the student's; metrics). With another tokenizer, the log-probs of its own
+    tokens of the response's text, attributed to the student's tokens chunk by chunk
+    (`mrl.train.retokenize.attribute`, reading `old_logprobs`); the metric
+    `distill/student_tokens_per_chunk` says how far the two tokenizations agree (1: token for token)."""
     from mrl.engine.objectives import actor_outputs
 
-    out = teacher.engine.forward_only(batch, actor_outputs(temperature, vocab_size=teacher.vocab_size, kernels=kernels),
-                                      micro_batch_tokens=budget)
-    return out["logprobs"].cpu()
+    outputs = actor_outputs(temperature, vocab_size=teacher.vocab_size, kernels=kernels)
+    if teacher.tokenizer is None:
+        return teacher.engine.forward_only(batch, outputs, micro_batch_tokens=budget)["logprobs"].cpu(), {}
+    from mrl.train.retokenize import align, attribute
+
+    prompts, responses = [], []
+    for i, n in enumerate(batch["response_lengths"].tolist()):
+        prompts.append(batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist())
+        responses.append(batch["response_ids"][i, :n].tolist())
+    aligned = [align(teacher.student_tokenizer, teacher.tokenizer, p, r) for p, r in zip(prompts, responses)]
+    theirs = Batch.from_sequences([a.prompt for a in aligned], [a.response for a in aligned],
+                                  group_index=batch["group_index"].tolist())
+    lq = teacher.engine.forward_only(theirs, outputs, micro_batch_tokens=budget)["logprobs"].cpu()
+    old = batch["old_logprobs"].cpu()
+    out = torch.zeros_like(old)
+    for i, (a, r) in enumerate(zip(aligned, responses)):
+        out[i, :len(r)] = attribute(old[i, :len(r)], lq[i, :len(a.response)], a)
+    from mrl.platform.collectives import dp_sum
+
+    chunks = sum(max(a.student_chunk, default=-1) + 1 for a in aligned)
+    tokens, chunks = dp_sum(torch.tensor([sum(map(len, responses)), chunks], dtype=torch.float64),
+                            "teacher chunk counts").tolist()
+    return out, {"distill/student_tokens_per_chunk": tokens / max(chunks, 1.0)}
 
 
 def teacher_rows(teacher: Teacher):
@@ -61,9 +90,11 @@ def teacher_rows(teacher: Teacher):
 
 def teacher_problems(spec, tokenizer=None, student_vocab=None) -> list[str]:
     """What `build_teacher` refuses, found before any model is built (`mrl validate` asks too):
-    a teacher with no weights, another tokenizer (its log-probs are read at the student's token
-    ids), or another vocabulary size with `distill.estimator = "full"`. `tokenizer` and
-    `student_vocab` are the student's (loaded from `spec.model` when not given)."""
+    a teacher with no weights; with another tokenizer, `distill.estimator = "full"` (it compares
+    the two distributions id by id) or a tokenizer without character offsets (a slow one: the
+    sampled estimator aligns the two tokenizations by them); another vocabulary size with
+    `"full"`. `tokenizer` and `student_vocab` are the student's (loaded from `spec.model` when
+    not given)."""
     from mrl.models.facts import has_hf_weights
     from mrl.models.megatron import hf_config
     from mrl.models.tokenizer import load_tokenizer
@@ -76,9 +107,14 @@ def teacher_problems(spec, tokenizer=None, student_vocab=None) -> list[str]:
     theirs = load_tokenizer(teacher)
     problems = []
     if theirs.get_vocab() != tokenizer.get_vocab():
-        problems.append(f"the teacher's tokenizer ({len(theirs.get_vocab())} tokens) differs from the student's "
-                        f"({len(tokenizer.get_vocab())}); distillation reads the teacher at the student's token ids, "
-                        "so they must share one")
+        if cfg.estimator == "full":
+            problems.append(f"the teacher's tokenizer ({len(theirs.get_vocab())} tokens) differs from the student's "
+                            f"({len(tokenizer.get_vocab())}); distill.estimator = 'full' compares the two "
+                            "distributions token id by token id, so they must share one (or use 'sampled')")
+        elif not getattr(theirs, "is_fast", False):
+            problems.append(f"the teacher's tokenizer ({type(theirs).__name__}) differs from the student's and gives no "
+                            "character offsets (a slow tokenizer); the sampled estimator aligns the two tokenizations "
+                            "by them: give the teacher a tokenizer.json")
     if cfg.estimator == "full":
         student_vocab = student_vocab if student_vocab is not None else int(hf_config(spec.model)["vocab_size"])
         if hf_config(teacher)["vocab_size"] != student_vocab:
