@@ -2,7 +2,8 @@
 
 A frozen megatron-core model like the reference (`mrl.models.roles`, role "ref": eval mode, no
 gradients, no optimizer), built from its own Hugging Face config at `distill.model_path` in
-`distill.dtype`, laid out with the job's tensor / pipeline parallelism, and driven by the same
+`distill.dtype`, laid out with the job's pipeline parallelism and its own tensor parallelism
+(`distill.parallel.tensor`, a divisor of the job's: `teacher_process_groups`), and driven by the same
 `Engine.forward_only` pass: vocabulary-parallel log-probs through `mrl_kernels` (the fused
 kernels on CUDA), Megatron's vocabulary padding masked at the teacher's own vocabulary size
 (`teacher_logprobs`, `distill.estimator = "sampled"`); or run on each packed micro-batch of the
@@ -21,8 +22,9 @@ import dataclasses
 import torch
 
 from mrl.batch import Batch
+from mrl.engine.objectives import JOB_GROUP
 
-__all__ = ["Teacher", "teacher_logprobs", "teacher_rows", "teacher_problems"]
+__all__ = ["Teacher", "teacher_logprobs", "teacher_rows", "teacher_problems", "teacher_process_groups"]
 
 
 @dataclasses.dataclass
@@ -31,6 +33,34 @@ class Teacher:
     vocab_size: int         # the teacher's tokenizer vocabulary (its hf config)
     tokenizer: object = None          # the teacher's, where it differs from the student's (else None)
     student_tokenizer: object = None  # the student's, with `tokenizer`
+    tp_group: object = JOB_GROUP           # its vocabulary's tensor-parallel group: the job's, None (whole), or its own
+    copies: int = 1                   # job TP / teacher TP: the student's vocabulary shard is 1/copies of this rank's
+
+
+def teacher_process_groups(tensor: int):
+    """(megatron `ProcessGroupCollection` for a teacher split over `tensor` ranks, its
+    tensor-parallel group: None at 1) inside the job's tensor-parallel groups of `T` ranks, or
+    None where `tensor == T` (the job's groups).
+
+    Each TP group of the job holds `k = T / tensor` copies: the teacher's group of job TP rank
+    `r` is the ranks `r' = r mod k` of its job group (strided), in which `r` is teacher rank
+    `r // k`. The teacher's vocabulary is padded as the student's (`vocab_multiple` 128 k), so
+    this rank's shard of it contains the student's shard, at offset `(r mod k) V_pad / T`
+    (`teacher_rows`). Megatron keeps one parallel state per process; the teacher's layers take
+    these groups through megatron's `pg_collection` instead (as do its weights: `mrl.weights.layout`)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    job = ps.get_tensor_model_parallel_world_size()
+    if tensor == job:
+        return None, JOB_GROUP
+    k, r = job // tensor, ps.get_tensor_model_parallel_rank()
+    ranks = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()) if job > 1 else [dist.get_rank()]
+    mine = dist.new_group(ranks[r % k::k], use_local_synchronization=True)   # only its members create it
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    groups.tp = mine
+    return groups, (mine if tensor > 1 else None)
 
 
 def teacher_logprobs(teacher: Teacher, batch: Batch, budget: int, temperature: float,
@@ -42,7 +72,7 @@ def teacher_logprobs(teacher: Teacher, batch: Batch, budget: int, temperature: f
     `distill/student_tokens_per_chunk` says how far the two tokenizations agree (1: token for token)."""
     from mrl.engine.objectives import actor_outputs
 
-    outputs = actor_outputs(temperature, vocab_size=teacher.vocab_size, kernels=kernels)
+    outputs = actor_outputs(temperature, vocab_size=teacher.vocab_size, kernels=kernels, group=teacher.tp_group)
     if teacher.tokenizer is None:
         return teacher.engine.forward_only(batch, outputs, micro_batch_tokens=budget)["logprobs"].cpu(), {}
     from mrl.train.retokenize import align, attribute
@@ -72,53 +102,68 @@ def teacher_rows(teacher: Teacher):
     the student's update (no gradient; Megatron's vocabulary padding at -inf), for the
     full-vocabulary reverse KL (`distill.estimator = "full"`). The teacher runs on the same
     packed row as the student, so its vocabulary shards line up with the student's (one
-    pipeline stage: the validator refuses `parallel.pipeline > 1` with it)."""
+    pipeline stage: the validator refuses `parallel.pipeline > 1` with it); a teacher at a
+    smaller tensor-parallel size gives the student's shard out of its larger one."""
+    from megatron.core import parallel_state as ps
+
     from mrl.engine.objectives import _tp_group
     from mrl.models.roles import mask_padded_vocab
 
     model = teacher.engine.chunks[0]
+    group = _tp_group() if teacher.tp_group is JOB_GROUP else teacher.tp_group
+    part = ps.get_tensor_model_parallel_rank() % teacher.copies
 
     def fn(mb) -> torch.Tensor:
         with torch.no_grad():
             out = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
-            group = _tp_group()
-            return mask_padded_vocab(mb.take(out), teacher.vocab_size,
+            rows = mask_padded_vocab(mb.take(out), teacher.vocab_size,
                                      tp_rank=torch.distributed.get_rank(group) if group else 0)
+            width = rows.shape[-1] // teacher.copies
+            return rows[..., part * width:(part + 1) * width]
 
     return fn
 
 
-def teacher_problems(spec, tokenizer=None, student_vocab=None) -> list[str]:
-    """What `build_teacher` refuses, found before any model is built (`mrl validate` asks too):
-    a teacher with no weights; with another tokenizer, `distill.estimator = "full"` (it compares
-    the two distributions id by id) or a tokenizer without character offsets (a slow one: the
-    sampled estimator aligns the two tokenizations by them); another vocabulary size with
-    `"full"`. `tokenizer` and `student_vocab` are the student's (loaded from `spec.model` when
-    not given)."""
+def teacher_problems(spec, tokenizer=None, student_vocab=None) -> list[tuple[str, str]]:
+    """(key, problem) for what `build_teacher` refuses, found before any model is built (`mrl
+    validate` asks too): a teacher with no weights; a `distill.parallel.tensor` that does not
+    divide `parallel.tensor`, or differs from it for a mixture-of-experts teacher (its expert
+    layers keep the job's groups); with another tokenizer, `distill.estimator = "full"` (it
+    compares the two distributions id by id) or a tokenizer without character offsets (a slow
+    one: the sampled estimator aligns the two tokenizations by them); another vocabulary size
+    with `"full"`. `tokenizer` and `student_vocab` are the student's (loaded from `spec.model`
+    when not given)."""
     from mrl.models.facts import has_hf_weights
     from mrl.models.megatron import hf_config
     from mrl.models.tokenizer import load_tokenizer
 
-    cfg = spec.distill
+    cfg, key = spec.distill, "distill.model_path"
     if not has_hf_weights(cfg.model_path):
-        return [f"{cfg.model_path!r} holds no weights (a teacher must be a trained checkpoint)"]
+        return [(key, f"{cfg.model_path!r} holds no weights (a teacher must be a trained checkpoint)")]
     teacher = dataclasses.replace(spec.model, path=cfg.model_path, tokenizer=None)
+    problems = []
+    tp, job = cfg.parallel.tensor, spec.parallel.tensor
+    if tp is not None and job % tp:
+        problems.append(("distill.parallel.tensor", f"{tp} does not divide parallel.tensor = {job} (the teacher is split "
+                                                    "inside the job's tensor-parallel groups)"))
+    elif tp is not None and tp != job and (hf_config(teacher).get("num_experts") or hf_config(teacher).get("num_local_experts")):
+        problems.append(("distill.parallel.tensor", f"a mixture-of-experts teacher takes the job's tensor parallelism "
+                                                    f"({job}, not {tp}): its expert layers use the job's groups"))
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec.model)
     theirs = load_tokenizer(teacher)
-    problems = []
     if theirs.get_vocab() != tokenizer.get_vocab():
         if cfg.estimator == "full":
-            problems.append(f"the teacher's tokenizer ({len(theirs.get_vocab())} tokens) differs from the student's "
-                            f"({len(tokenizer.get_vocab())}); distill.estimator = 'full' compares the two "
-                            "distributions token id by token id, so they must share one (or use 'sampled')")
+            problems.append((key, f"the teacher's tokenizer ({len(theirs.get_vocab())} tokens) differs from the student's "
+                                  f"({len(tokenizer.get_vocab())}); distill.estimator = 'full' compares the two "
+                                  "distributions token id by token id, so they must share one (or use 'sampled')"))
         elif not getattr(theirs, "is_fast", False):
-            problems.append(f"the teacher's tokenizer ({type(theirs).__name__}) differs from the student's and gives no "
-                            "character offsets (a slow tokenizer); the sampled estimator aligns the two tokenizations "
-                            "by them: give the teacher a tokenizer.json")
+            problems.append((key, f"the teacher's tokenizer ({type(theirs).__name__}) differs from the student's and gives "
+                                  "no character offsets (a slow tokenizer); the sampled estimator aligns the two "
+                                  "tokenizations by them: give the teacher a tokenizer.json"))
     if cfg.estimator == "full":
         student_vocab = student_vocab if student_vocab is not None else int(hf_config(spec.model)["vocab_size"])
         if hf_config(teacher)["vocab_size"] != student_vocab:
-            problems.append(f"the teacher's vocabulary size {hf_config(teacher)['vocab_size']} differs from the "
-                            f"student's {student_vocab}; distill.estimator = 'full' compares their whole "
-                            "distributions shard by shard (use 'sampled')")
+            problems.append((key, f"the teacher's vocabulary size {hf_config(teacher)['vocab_size']} differs from the "
+                                  f"student's {student_vocab}; distill.estimator = 'full' compares their whole "
+                                  "distributions shard by shard (use 'sampled')"))
     return problems

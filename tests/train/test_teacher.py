@@ -131,3 +131,34 @@ def test_validate_refuses_the_teacher_train_would_refuse(tmp_path):
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr
     assert "distill.model_path: the teacher's tokenizer (" in errors[0] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_teacher_at_its_own_tensor_parallel_size_in_a_tp2_job(tmp_path):
+    """One 2-rank launch (`tests/train/scripts/teacher_layout.py`): `distill.parallel.tensor = 1`
+    inside `parallel.tensor = 2`, whole on each rank; log-probs equal transformers' (1e-5) with
+    the student's tokenizer and with another; the full estimator's rows (the student's half of
+    the vocabulary) equal the TP2 teacher's and transformers'."""
+    from tests.dist_util import run_torchrun
+    from tests.train.merged_tokenizer import merged_tokenizer
+
+    _teacher_dir(tmp_path / "same")
+    _teacher_dir(tmp_path / "other", tokenizer=merged_tokenizer())
+    proc = run_torchrun("tests/train/scripts/teacher_layout.py", str(tmp_path / "same"), str(tmp_path / "other"),
+                        timeout=600)
+    for check in ("tp1_teacher_logprobs_equal_transformers", "tp1_teacher_rows_equal_tp2_and_transformers",
+                  "tp1_teacher_with_another_tokenizer_equals_transformers"):
+        assert f"OK 0 {check}" in proc.stdout and f"OK 1 {check}" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_the_teachers_tensor_parallel_size_must_divide_the_jobs(tmp_path):
+    """What `build_teacher` refuses (`teacher_problems`) `mrl validate` refuses too, before any model."""
+    from mrl.config.loader import load
+    from mrl.errors import SpecError
+
+    _teacher_dir(tmp_path)
+    job = [REPO_JOB, ["algorithm.advantage=distill", f"distill.model_path={tmp_path}"]]
+    with pytest.raises(SpecError, match=r"^command line: distill.parallel.tensor: 3 does not divide parallel.tensor = 2 "):
+        load(job[0], job[1] + ["distill.parallel.tensor=3"])
+    for tp in (1, 2):
+        assert load(job[0], job[1] + [f"distill.parallel.tensor={tp}"])[0].distill.parallel.tensor == tp
