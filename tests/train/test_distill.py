@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.dist_util import REPO
-from tests.train.resume import assert_resumed_exactly, whole_and_resumed
+from tests.train.resume import assert_resumed_exactly, resume_sets
 from tests.train.test_train import ONE_RANK, history, run_jobs
 
 pytestmark = pytest.mark.slow
@@ -60,14 +60,30 @@ def test_distillation_moves_the_student_reward_to_the_teachers(tmp_path, teacher
 
 def test_distillation_with_a_task_reward_resumes_exactly(tmp_path, teacher):
     """One launch: fp32 with the sampled estimator; bf16 (student and teacher) with the
-    full-vocabulary KL."""
+    full-vocabulary KL; and the fp32 run again with the teacher's tokenizer made another
+    (one added token) but tokenizing the same: read through the re-encoding path
+    (`mrl.train.retokenize`), every chunk one token each side, every metric as the first run's."""
+    import shutil
+
+    from mrl.models.tokenizer import byte_tokenizer
+
     path, _ = teacher
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(path, other)
+    tokenizer = byte_tokenizer()
+    tokenizer.add_tokens(["<think>"])   # (a fresh instance: never change a shared one in place)
+    tokenizer.save_pretrained(other)
     base = (f"{ONE_RANK} tracking.backends=[\"mlflow\"] checkpoint.every_steps=2 algorithm.advantage=distill "
-            f"distill.model_path={path} distill.task_weight=0.5 rollout.responses_per_prompt=4")
+            f"distill.task_weight=0.5 rollout.responses_per_prompt=4")
     variants = {"distill/reverse_kl": "", "actor/distill_kl": "model.dtype=bfloat16 distill.estimator=full"}
-    runs = whole_and_resumed("jobs/quickstart_cpu.toml", tmp_path, *(f"{base} {v}" for v in variants.values()))
-    for metric, (whole, again) in zip(variants, runs):
-        assert metric in assert_resumed_exactly(whole, again), metric
+    run_jobs("jobs/quickstart_cpu.toml", tmp_path,
+             *resume_sets(*(f"{base} distill.model_path={path} {v}" for v in variants.values())),
+             f"{base} distill.model_path={other} job.name=retokenized trainer.total_steps=4")
+    for i, metric in enumerate(variants):
+        assert metric in assert_resumed_exactly(history(tmp_path / f"whole{i}"), history(tmp_path / f"resumed{i}"))
+    first, again = history(tmp_path / "whole0"), history(tmp_path / "retokenized")
+    assert again.pop("distill/student_tokens_per_chunk") == {s: 1.0 for s in range(1, 5)}
+    assert_resumed_exactly(first, again)   # (the same values at every step)
 
 
 def test_full_vocabulary_reverse_kl_distils_too(tmp_path, teacher):
@@ -84,12 +100,14 @@ def test_full_vocabulary_reverse_kl_distils_too(tmp_path, teacher):
 
 
 def test_full_vocabulary_distillation_at_tp2(tmp_path, teacher):
-    """Both models split over two tensor-parallel ranks: the KL is reduced over the vocabulary shards."""
+    """The student split over two tensor-parallel ranks, the teacher whole on each
+    (`distill.parallel.tensor = 1`, giving each rank the student's half of its vocabulary): the
+    KL is reduced over the student's vocabulary shards."""
     from tests.dist_util import run_torchrun
 
     path, _ = teacher
     run_torchrun("-m mrl train", "jobs/quickstart_cpu.toml", "algorithm.advantage=distill", f"distill.model_path={path}",
-                 "distill.estimator=full", "rollout.responses_per_prompt=4", "trainer.total_steps=2",
+                 "distill.estimator=full", "distill.parallel.tensor=1", "rollout.responses_per_prompt=4", "trainer.total_steps=2",
                  f"job.output_dir={tmp_path}", "tracking.backends=[\"mlflow\"]", "checkpoint.every_steps=0", timeout=600)
     h = history(tmp_path / "quickstart-cpu")
     assert h["actor/distill_kl"][1] > 1 and h["actor/updated"][2] == 1
