@@ -9,17 +9,23 @@ from tests.train.test_train import history, run_jobs
 SKIP = ("time/", "throughput/", "memory/", "weight_sync/")
 
 
-def whole_and_resumed(job: str, out: Path, *variants: str, steps: int = 4, stop: int = 2,
-                      timeout: float = 900) -> list[tuple[dict, dict]]:
-    """For each override string in `variants`: a run of `steps` steps, and a run stopped after
-    `stop` steps then resumed to `steps` (the variant must checkpoint at `stop`), all in one
-    launch. -> [(uninterrupted history, resumed history)] (`history`'s metric -> {step: value})."""
+def resume_sets(*variants: str, steps: int = 4, stop: int = 2) -> list[str]:
+    """`run_jobs` override sets: for each override string in `variants`, a run of `steps` steps
+    (job `whole<i>`), and a run stopped after `stop` steps then resumed to `steps` (job
+    `resumed<i>`; the variant must checkpoint at `stop`)."""
     sets = []
     for i, v in enumerate(variants):
         sets += [f"{v} job.name=whole{i} trainer.total_steps={steps}",
                  f"{v} job.name=resumed{i} trainer.total_steps={stop}",
                  f"{v} job.name=resumed{i} trainer.total_steps={steps}"]   # picks up at step stop + 1
-    run_jobs(job, out, *sets, timeout=timeout)
+    return sets
+
+
+def whole_and_resumed(job: str, out: Path, *variants: str, steps: int = 4, stop: int = 2,
+                      timeout: float = 900) -> list[tuple[dict, dict]]:
+    """`resume_sets`, all in one launch. -> [(uninterrupted history, resumed history)] per
+    variant (`history`'s metric -> {step: value})."""
+    run_jobs(job, out, *resume_sets(*variants, steps=steps, stop=stop), timeout=timeout)
     return [(history(out / f"whole{i}"), history(out / f"resumed{i}")) for i in range(len(variants))]
 
 
