@@ -33,14 +33,14 @@ class Teacher:
     vocab_size: int         # the teacher's tokenizer vocabulary (its hf config)
     tokenizer: object = None          # the teacher's, where it differs from the student's (else None)
     student_tokenizer: object = None  # the student's, with `tokenizer`
-    tp_group: object = JOB_GROUP           # its vocabulary's tensor-parallel group: the job's, None (whole), or its own
+    tp_group: object = JOB_GROUP      # its vocabulary's tensor-parallel group: the job's, None (whole), or its own
     copies: int = 1                   # job TP / teacher TP: the student's vocabulary shard is 1/copies of this rank's
 
 
 def teacher_process_groups(tensor: int):
-    """(megatron `ProcessGroupCollection` for a teacher split over `tensor` ranks, its
-    tensor-parallel group: None at 1) inside the job's tensor-parallel groups of `T` ranks, or
-    None where `tensor == T` (the job's groups).
+    """(megatron `ProcessGroupCollection`, tensor-parallel group) of a teacher split over `tensor`
+    ranks inside the job's tensor-parallel groups of `T` ranks: the group is None at `tensor = 1`
+    (whole on each rank); `(None, JOB_GROUP)` where `tensor == T` (the job's own groups).
 
     Each TP group of the job holds `k = T / tensor` copies: the teacher's group of job TP rank
     `r` is the ranks `r' = r mod k` of its job group (strided), in which `r` is teacher rank
