@@ -57,11 +57,11 @@ def token_ends(tok, ids: Sequence[int]) -> tuple[str, list[Optional[int]]]:
         ends[k], start = len(text), k + 1
     full = _decode(tok, ids)
     if not full.startswith(text):   # a tokenizer whose windowed decode differs: every prefix whole
-        ends, text = [None] * len(ids), ""
+        ends = [None] * len(ids)
         for k in range(len(ids)):
             prefix = _decode(tok, ids[:k + 1])
             if full.startswith(prefix) and not prefix.endswith("\ufffd"):
-                ends[k], text = len(prefix), prefix
+                ends[k] = len(prefix)
     return full, ends
 
 
