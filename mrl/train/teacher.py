@@ -133,7 +133,7 @@ def teacher_problems(spec, tokenizer=None, student_vocab=None) -> list[tuple[str
     one: the sampled estimator aligns the two tokenizations by them); another vocabulary size
     with `"full"`. `tokenizer` and `student_vocab` are the student's (loaded from `spec.model`
     when not given)."""
-    from mrl.models.facts import has_hf_weights
+    from mrl.models.facts import facts_from_hf_config, has_hf_weights
     from mrl.models.megatron import hf_config
     from mrl.models.tokenizer import load_tokenizer
 
@@ -146,7 +146,7 @@ def teacher_problems(spec, tokenizer=None, student_vocab=None) -> list[tuple[str
     if tp is not None and job % tp:
         problems.append(("distill.parallel.tensor", f"{tp} does not divide parallel.tensor = {job} (the teacher is split "
                                                     "inside the job's tensor-parallel groups)"))
-    elif tp is not None and tp != job and (hf_config(teacher).get("num_experts") or hf_config(teacher).get("num_local_experts")):
+    elif tp is not None and tp != job and facts_from_hf_config(hf_config(teacher), "teacher").num_experts:
         problems.append(("distill.parallel.tensor", f"a mixture-of-experts teacher takes the job's tensor parallelism "
                                                     f"({job}, not {tp}): its expert layers use the job's groups"))
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec.model)

@@ -162,3 +162,8 @@ def test_the_teachers_tensor_parallel_size_must_divide_the_jobs(tmp_path):
         load(job[0], job[1] + ["distill.parallel.tensor=3"])
     for tp in (1, 2):
         assert load(job[0], job[1] + [f"distill.parallel.tensor={tp}"])[0].distill.parallel.tensor == tp
+    moe = tmp_path / "moe"   # a mixture-of-experts teacher: its expert layers use the job's groups
+    make_hf_model("qwen3_moe", moe, seed=3, vocab_size=512)
+    byte_tokenizer().save_pretrained(moe)
+    with pytest.raises(SpecError, match=r"distill.parallel.tensor: a mixture-of-experts teacher takes the job's tensor "):
+        load(REPO_JOB, ["algorithm.advantage=distill", f"distill.model_path={moe}", "distill.parallel.tensor=1"])
