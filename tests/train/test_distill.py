@@ -103,13 +103,15 @@ def test_full_vocabulary_reverse_kl_distils_too(tmp_path, teacher):
 
 def test_full_vocabulary_distillation_at_tp2(tmp_path, teacher):
     """The student split over two tensor-parallel ranks, the teacher whole on each
-    (`distill.parallel.tensor = 1`, giving each rank the student's half of its vocabulary): the
-    KL is reduced over the student's vocabulary shards."""
+    (`distill.parallel.tensor = 1`, giving each rank the student's half of its vocabulary), in
+    bf16 (fp32 at this layout: tests/train/test_teacher.py): the KL is reduced over the
+    student's vocabulary shards."""
     from tests.dist_util import run_torchrun
 
     path, _ = teacher
     run_torchrun("-m mrl train", "jobs/quickstart_cpu.toml", "algorithm.advantage=distill", f"distill.model_path={path}",
-                 "distill.estimator=full", "distill.parallel.tensor=1", "rollout.responses_per_prompt=4", "trainer.total_steps=2",
+                 "distill.estimator=full", "distill.parallel.tensor=1", "model.dtype=bfloat16", "rollout.responses_per_prompt=4",
+                 "trainer.total_steps=2",
                  f"job.output_dir={tmp_path}", "tracking.backends=[\"mlflow\"]", "checkpoint.every_steps=0", timeout=600)
     h = history(tmp_path / "quickstart-cpu")
     assert h["actor/distill_kl"][1] > 1 and h["actor/updated"][2] == 1
