@@ -258,7 +258,7 @@ def check(spec: JobSpec, report) -> None:
             else f"distill.model_path names a teacher, read only by algorithm.advantage = 'distill', not {alg.advantage!r}")
     elif alg.advantage == "distill":
         from mrl.train.teacher import teacher_problems   # what mrl train refuses when it builds the teacher
-        [err("distill.model_path", problem) for problem in teacher_problems(spec)]
+        [err(key, problem) for key, problem in teacher_problems(spec)]
     if alg.advantage == "distill" and spec.distill.estimator == "full" and (spec.parallel.pipeline > 1
                                                                           or spec.parallel.virtual_pipeline):
         err("distill.estimator", "'full' runs the teacher inside the student's last pipeline stage; needs "

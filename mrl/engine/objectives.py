@@ -32,19 +32,23 @@ def _tp_group():
     return ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
 
 
+JOB_GROUP = object()   # a `group` default: the job's tensor-parallel group (`_tp_group()`)
+
+
 def response_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float = 1.0,
                       entropy: bool = True, vocab_size: Optional[int] = None,
-                      kernels: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                      kernels: str = "auto", group=JOB_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """`(logp [N], entropy [N])` of the response tokens of `mb` from logits `[1, T, V/tp]`.
 
     `vocab_size`: the tokenizer's vocabulary; Megatron's padding columns beyond it are masked
     out so they take no probability mass (None: no padding to mask). `kernels`: "auto" (Triton
-    on CUDA) or "torch" (the twins; `model.use_fused_kernels = false`).
+    on CUDA) or "torch" (the twins; `model.use_fused_kernels = false`). `group`: the vocabulary's
+    tensor-parallel group (default the job's; None: whole on this rank; a teacher's of its own).
     """
     import mrl_kernels
 
     rows = mb.take(logits)  # [N, V/tp]
-    group = _tp_group()
+    group = _tp_group() if group is JOB_GROUP else group
     if vocab_size is not None:
         from mrl.models.roles import mask_padded_vocab
 
@@ -77,12 +81,12 @@ def sum_pi_squared(logits: torch.Tensor, mb: MicroBatch, temperature: float = 1.
 
 
 def actor_outputs(temperature: float = 1.0, entropy: bool = False, vocab_size: Optional[int] = None,
-                  kernels: str = "auto", pi_squared: bool = False):
+                  kernels: str = "auto", pi_squared: bool = False, group=JOB_GROUP):
     """An `OutputFn` giving `logprobs` (and `entropy`, and `sum_pi_squared` for the optimal token
-    baselines) per response token (old-policy and reference passes)."""
+    baselines) per response token (old-policy and reference passes); `group` as `response_logprobs`'."""
 
     def fn(logits: torch.Tensor, mb: MicroBatch) -> dict[str, torch.Tensor]:
-        logp, ent = response_logprobs(logits, mb, temperature, vocab_size=vocab_size, kernels=kernels)
+        logp, ent = response_logprobs(logits, mb, temperature, vocab_size=vocab_size, kernels=kernels, group=group)
         out = {"logprobs": logp, "entropy": ent} if entropy else {"logprobs": logp}
         if pi_squared:
             out["sum_pi_squared"] = sum_pi_squared(logits, mb, temperature, vocab_size)

@@ -347,12 +347,14 @@ def deepseek_v3_fields(hf: dict[str, Any]) -> dict[str, Any]:
 
 def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_multiple: int = 128,
               max_sequence_length: int | None = None, pre_process: bool | None = None,
-              post_process: bool | None = None, attention: str = "auto"):
+              post_process: bool | None = None, attention: str = "auto", pg_collection=None):
     """This rank's GPTModel shard (one virtual-pipeline chunk) for `hf` with `config`.
 
     The vocabulary is padded to a multiple of `vocab_multiple x TP`; pre/post-processing (embedding,
     output layer) default to this rank's place in the pipeline. `attention` is a `model.attention`
-    value (`mrl.models.attention`), resolved for the config's device.
+    value (`mrl.models.attention`), resolved for the config's device. `pg_collection`: the model's own
+    process groups (megatron's `ProcessGroupCollection`; default the job's), e.g. a tensor-parallel
+    group of its own for a model laid out unlike the job (`mrl.train.teacher_layout`).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -376,6 +378,7 @@ def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_
         rotary_percent=rotary_fraction(hf),
         rotary_base=int(float(rope_parameters(hf)["rope_theta"])),
         vp_stage=vp_stage,
+        **({"pg_collection": pg_collection} if pg_collection is not None else {}),
     )
     if getattr(model, "rotary_pos_emb", None) is not None:
         model.rotary_pos_emb.inv_freq = hf_inv_freq(hf).to(model.rotary_pos_emb.inv_freq.device)

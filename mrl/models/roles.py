@@ -46,11 +46,13 @@ class ValueHead(torch.nn.Module):
 
 def build_role_model(role: Role, hf: dict[str, Any], parallel: ParallelConfig, *, dtype: str, device: str,
                      recompute: str = "none", vp_stage: Optional[int] = None, vocab_multiple: int = 128,
-                     attention: str = "auto", fused: bool = True, **config_overrides) -> torch.nn.Module:
+                     attention: str = "auto", fused: bool = True, pg_collection=None,
+                     **config_overrides) -> torch.nn.Module:
     """This rank's GPTModel shard for `role` (one virtual-pipeline chunk).
 
     Critic and reward models never tie the embedding to an output layer: their head is a value head.
-    `attention` and `fused` are the job's `model.attention` and `model.use_fused_kernels`.
+    `attention` and `fused` are the job's `model.attention` and `model.use_fused_kernels`;
+    `pg_collection` the model's own process groups (`mrl.models.megatron.build_gpt`).
     """
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}")
@@ -58,7 +60,8 @@ def build_role_model(role: Role, hf: dict[str, Any], parallel: ParallelConfig, *
     cfg = dict(hf, tie_word_embeddings=False) if valued else hf
     config = transformer_config(cfg, dtype=dtype, parallel=parallel, device=device, recompute=recompute,
                                 attention=attention, fused=fused, **config_overrides)
-    model = build_gpt(cfg, config, vp_stage=vp_stage, vocab_multiple=vocab_multiple, attention=attention)
+    model = build_gpt(cfg, config, vp_stage=vp_stage, vocab_multiple=vocab_multiple, attention=attention,
+                      pg_collection=pg_collection)
     if valued and model.post_process:
         model.output_layer = ValueHead(config)
     if role == "ref":

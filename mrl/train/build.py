@@ -306,8 +306,8 @@ def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_mo
 
 
 def build_teacher(spec: JobSpec, device: str, tokenizer, student_vocab: int):
-    """`mrl.train.teacher.Teacher`: this rank's shard of the teacher, with its weights loaded; a `UserError` naming
-    `distill.model_path` when it has no weights or another tokenizer."""
+    """`mrl.train.teacher.Teacher`: this rank's shard of the teacher, with its weights loaded (and its tokenizer
+    where it differs from the student's); a `UserError` naming `distill.model_path` for what `teacher_problems` finds."""
     import dataclasses
 
     from mrl.engine import Engine
@@ -315,20 +315,30 @@ def build_teacher(spec: JobSpec, device: str, tokenizer, student_vocab: int):
     from mrl.models.roles import build_role_model
     from mrl.errors import UserError
     from mrl.models.tokenizer import load_tokenizer
-    from mrl.train.teacher import Teacher, teacher_problems
+    from mrl.train.teacher import Teacher, teacher_problems, teacher_process_groups
 
     cfg = spec.distill
     model = dataclasses.replace(spec.model, path=cfg.model_path, tokenizer=None)
     problems = teacher_problems(spec, tokenizer, student_vocab)
     if problems:
-        raise UserError(f"distill.model_path: {problems[0]}")
+        raise UserError(f"{problems[0][0]}: {problems[0][1]}")
     hf = hf_config(model)
     vpp = spec.parallel.virtual_pipeline
-    chunks = [build_role_model("ref", hf, spec.parallel, dtype=cfg.dtype, device=device, vp_stage=i if vpp else None,
-                               attention=spec.model.attention, fused=spec.model.use_fused_kernels)
+    tp = cfg.parallel.tensor or spec.parallel.tensor
+    groups, tp_group = teacher_process_groups(tp)   # its own tensor-parallel layout (None: the job's)
+    parallel = dataclasses.replace(spec.parallel, tensor=tp, sequence_parallel=spec.parallel.sequence_parallel and groups is None,
+                                   expert_tensor=spec.parallel.expert_tensor or spec.parallel.tensor)
+    copies = spec.parallel.tensor // tp
+    chunks = [build_role_model("ref", hf, parallel, dtype=cfg.dtype, device=device, vp_stage=i if vpp else None,
+                               attention=spec.model.attention, fused=spec.model.use_fused_kernels,
+                               vocab_multiple=128 * copies, pg_collection=groups)
               for i in range(vpp or 1)]
     load_weights(chunks, cfg.model_path, hf, "ref")
-    return Teacher(engine=Engine(chunks, name="teacher"), vocab_size=int(hf["vocab_size"]))
+    theirs = load_tokenizer(model)
+    other = theirs.get_vocab() != tokenizer.get_vocab()   # read through mrl.train.retokenize
+    return Teacher(engine=Engine(chunks, name="teacher"), vocab_size=int(hf["vocab_size"]),
+                   tokenizer=theirs if other else None, student_tokenizer=tokenizer if other else None,
+                   tp_group=tp_group, copies=copies)
 
 
 def build_reward_model(spec: JobSpec, hf: dict, device: str):

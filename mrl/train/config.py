@@ -67,17 +67,29 @@ class RefConfig:
 
 
 @section
+class TeacherParallelConfig:
+    """The teacher's own layout within the job's ranks (`mrl.train.teacher.teacher_process_groups`)."""
+
+    tensor: Optional[int] = option(None, ge=1, help="the teacher's tensor-parallel size, a divisor of parallel.tensor "
+                                                    "(default: parallel.tensor); each tensor-parallel group of the job "
+                                                    "holds parallel.tensor / this copies of the teacher")
+
+
+@section
 class DistillConfig:
     """On-policy distillation (`algorithm.advantage = "distill"`): a frozen teacher scores the
     student's own tokens; the advantage is the per-token reverse KL to it (docs/algorithms.md)."""
 
     model_path: Optional[str] = option(None, help="the teacher's checkpoint (a Hugging Face directory or builtin preset); "
-                                                  "it must share the student's tokenizer (checked at start)")
+                                                  "another tokenizer than the student's is read through its re-encoding of the "
+                                                  "response (estimator 'sampled' only; docs/algorithms.md)")
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = option(None, help="the teacher's dtype (default: model.dtype)")
     micro_batch_tokens: Optional[int] = option(None, ge=1, help="token budget per teacher forward (default: actor.micro_batch_tokens)")
     estimator: Literal["sampled", "full"] = option("sampled", help="sampled: the advantage coef * (lp_teacher - lp_old) "
                                                                    "at the student's token; full: coef * the reverse KL over "
                                                                    "the whole vocabulary as a loss term (pipeline 1)")
+    parallel: TeacherParallelConfig = option(factory=TeacherParallelConfig, help="the teacher's own parallel layout "
+                                                                                 "(pipeline: the job's)")
     coef: float = option(1.0, gt=0, help="weight of the distillation term")
     task_weight: float = option(0.0, ge=0, help="weight of the task reward's GRPO advantage added to it (0: distillation only)")
 

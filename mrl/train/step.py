@@ -65,8 +65,10 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
         from mrl.train.teacher import teacher_logprobs
 
         with t("teacher_logprobs"):
-            batch = batch.add(teacher_logprobs=teacher_logprobs(learner.teacher, batch, spec.distill.micro_batch_tokens,
-                                                                spec.rollout.temperature, kernel_backend(run)))
+            lq, m = teacher_logprobs(learner.teacher, batch, spec.distill.micro_batch_tokens, spec.rollout.temperature,
+                                     kernel_backend(run))
+            batch = batch.add(teacher_logprobs=lq)
+            metrics.update(m)
     if learner.critic is not None:
         with t("values"):
             batch = batch.add(values=values_of(run, learner.critic, batch))

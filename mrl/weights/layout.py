@@ -75,12 +75,20 @@ class Placement:
         return (-1 if self.rule.megatron.startswith("embedding") else _LAST, 0, self.row)
 
 
-def _groups(expert: bool):
+def _groups(expert: bool, model: torch.nn.Module):
+    """(group, size, rank) the parameter is split over: the model's own tensor-parallel group
+    (megatron's `model.pg_collection.tp`: the job's, or a teacher's of its own layout), the job's
+    expert tensor-parallel group for experts."""
     from megatron.core import parallel_state as ps
 
     if expert:
         return (ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size(),
                 ps.get_expert_tensor_parallel_rank())
+    own = getattr(getattr(model, "pg_collection", None), "tp", None)
+    if own is not None:
+        import torch.distributed as dist
+
+        return own, dist.get_world_size(own), dist.get_rank(own)
     return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
 
 
@@ -119,7 +127,7 @@ def local_placements(chunks: Iterable[torch.nn.Module], hf: dict[str, Any], *,
             layer = layer_numbers[int(m["L"])] if "L" in m else None
             expert = ep_rank * local_experts + int(m["E"]) if "E" in m else None
             fmt = {k: v for k, v in (("L", layer), ("E", expert)) if v is not None}
-            group, size, rank = _groups(expert is not None)
+            group, size, rank = _groups(expert is not None, model)
             tp_split = getattr(param, "tensor_model_parallel", False) and size > 1
             out.append(Placement(
                 name=f"{c}/{name}", param=param, rule=rule, row=row,

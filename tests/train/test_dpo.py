@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.train.resume import assert_resumed_exactly, whole_and_resumed
 from tests.train.test_train import ONE_RANK, history, run_jobs
 
 pytestmark = pytest.mark.slow
@@ -26,25 +27,19 @@ def test_online_dpo_raises_the_quickstart_reward_in_fp32_and_bf16(tmp_path):
         assert h["dpo/pairs"][1] >= 1 and 0 <= h["dpo/reward_accuracy"][1] <= 1
 
 
-@pytest.mark.parametrize("dtype,variant", [
-    ("float32", ""),   # 2 mini-batches: the old log-prob pass gives the audit
-    ("bfloat16", "algorithm.dpo.loss=ipo algorithm.dpo.pairs=margin algorithm.dpo.margin=0.1 "
-                 "actor.mini_batch_prompts=8"),   # on-policy: the first pass gives the audit
-])
-def test_dpo_stopped_and_resumed_equals_uninterrupted(tmp_path, dtype, variant):
-    base = f"{ONE_RANK} {DPO} model.dtype={dtype} checkpoint.every_steps=2 {variant}"
-    run_jobs("jobs/quickstart_cpu.toml", tmp_path / "whole", f"{base} trainer.total_steps=4")
-    resumed = tmp_path / "resumed"
-    run_jobs("jobs/quickstart_cpu.toml", resumed, f"{base} trainer.total_steps=2")
-    run_jobs("jobs/quickstart_cpu.toml", resumed, f"{base} trainer.total_steps=4")   # picks up at step 3
-    whole, again = history(tmp_path / "whole/run0"), history(resumed / "run0")
-    keys = [k for k in whole if not k.startswith(("time/", "throughput/", "memory/", "weight_sync/"))]
-    assert "dpo/loss" in keys and "actor/grad_norm" in keys and set(keys) <= set(again)
-    for k in keys:
-        assert sorted(again[k]) == [1, 2, 3, 4], k
-        assert again[k] == whole[k], (k, whole[k], again[k])
-    assert max(whole["rollout/logprob_abs_diff_max"].values()) < (1e-4 if dtype == "float32" else 0.1)
-    assert all(whole["actor/pass_drift"][s] < 1e-3 for s in whole["actor/pass_drift"])
+def test_dpo_stopped_and_resumed_equals_uninterrupted_in_fp32_and_bf16(tmp_path):
+    """One launch, both dtypes: fp32 with 2 mini-batches (the old log-prob pass gives the audit);
+    bf16 with IPO, margin pairs and one mini-batch (on-policy: the first pass gives the audit)."""
+    variants = {"float32": "", "bfloat16": "algorithm.dpo.loss=ipo algorithm.dpo.pairs=margin "
+                                           "algorithm.dpo.margin=0.1 actor.mini_batch_prompts=8"}
+    base = f"{ONE_RANK} {DPO} checkpoint.every_steps=2"
+    runs = whole_and_resumed("jobs/quickstart_cpu.toml", tmp_path,
+                             *(f"{base} model.dtype={dtype} {v}" for dtype, v in variants.items()))
+    for dtype, (whole, again) in zip(variants, runs):
+        keys = assert_resumed_exactly(whole, again)
+        assert "dpo/loss" in keys and "actor/grad_norm" in keys, dtype
+        assert max(whole["rollout/logprob_abs_diff_max"].values()) < (1e-4 if dtype == "float32" else 0.1), dtype
+        assert all(whole["actor/pass_drift"][s] < 1e-3 for s in whole["actor/pass_drift"]), dtype
 
 
 def test_simpo_runs_without_a_reference(tmp_path):
