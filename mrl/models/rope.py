@@ -18,6 +18,9 @@ instead of one per layer. Rows without `PackedSeqParams` take megatron's batched
 already one pass. Heads are untouched, so tensor parallelism (heads split over ranks) needs
 nothing; every pipeline stage builds its own tables.
 
+Multimodal RoPE (Qwen2.5-VL) hands every layer per-token angles (each token's three position
+ids, `[T, 1, 1, D]`): the same rotation takes row `i` for token `i`.
+
 Transformer Engine's layer spec is left alone: with `apply_rope_fusion` megatron calls TE's fused
 `thd` RoPE kernel, one launch for the whole row.
 """
@@ -68,8 +71,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
 
 
 def packed_rope_tables(packed_seq_params: Any, freqs: torch.Tensor, total: int, dtype: torch.dtype,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`rope_tables` for the row `packed_seq_params` describes, built once per micro-batch.
+
+    `per_token`: `freqs` already holds one row of angles per token of the row (multimodal RoPE:
+    megatron's `MultimodalRotaryEmbedding` turns each token's three position ids into its angles),
+    so token `i` takes row `i` instead of the row of its position in its sequence.
 
     The result is kept on the `PackedSeqParams` object itself (it lives exactly as long as the
     micro-batch), keyed by the RoPE table's memory (activation recompute hands each layer a
@@ -80,11 +87,14 @@ def packed_rope_tables(packed_seq_params: Any, freqs: torch.Tensor, total: int, 
           else packed_seq_params.cu_seqlens_q)
     cache = packed_seq_params.__dict__.setdefault(_CACHE_ATTR, {})
     key = (freqs.data_ptr(), freqs.device, tuple(freqs.shape), freqs.stride(), freqs.dtype, dtype,
-           torch.is_inference_mode_enabled())
+           torch.is_inference_mode_enabled(), per_token)
     hit = cache.get(key)
     if hit is not None:
         return hit[1]
-    tables = rope_tables(freqs, packed_positions(cu.to(freqs.device), total), dtype)
+    if per_token and freqs.shape[0] != total:
+        raise ValueError(f"multimodal RoPE gives {freqs.shape[0]} rows of angles for a packed row of {total} tokens")
+    positions = torch.arange(total, device=freqs.device) if per_token else packed_positions(cu.to(freqs.device), total)
+    tables = rope_tables(freqs, positions, dtype)
     cache[key] = (freqs, tables)   # holding `freqs` keeps its memory from being reused while cached
     return tables
 
@@ -138,5 +148,6 @@ class PackedRopeSelfAttention(SelfAttention):
             return out
         packed_seq_params, freqs = self._packed_rope
         query, key, *rest = out   # [T, 1, H, D]: the whole row (gathered under sequence parallelism)
-        cos, sin_signed = packed_rope_tables(packed_seq_params, freqs, query.shape[0], query.dtype)
+        cos, sin_signed = packed_rope_tables(packed_seq_params, freqs, query.shape[0], query.dtype,
+                                             per_token=bool(self.config.mrope_section))
         return (rotate(query, cos, sin_signed), rotate(key, cos, sin_signed), *rest)
