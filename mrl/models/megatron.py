@@ -331,7 +331,7 @@ def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_
     if is_vlm(hf):
         from mrl.models.vlm_gpt import VisionLanguageGPT as GPTModel   # noqa: F811 - mRoPE + vision tower
 
-        extra = dict(hf=hf)
+        extra = dict(hf=hf, inv_freq=hf_inv_freq(hf))
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

@@ -34,15 +34,14 @@ class VisionLanguageGPT(GPTModel):
 
     Built as a RoPE GPTModel, then switched to mRoPE: same layers, one rotary module swapped."""
 
-    def __init__(self, *, hf: dict[str, Any], **kwargs):
-        from mrl.models.megatron import hf_inv_freq
+    def __init__(self, *, hf: dict[str, Any], inv_freq: torch.Tensor, **kwargs):
         from mrl.models.vlm import mrope_section, vision_tower
 
         super().__init__(position_embedding_type="rope", **kwargs)
         device = self.rotary_pos_emb.inv_freq.device
         self.position_embedding_type = "mrope"
         self.mrope_section = mrope_section(hf)
-        self.rotary_pos_emb = HFMultimodalRotaryEmbedding(hf_inv_freq(hf).to(device))
+        self.rotary_pos_emb = HFMultimodalRotaryEmbedding(inv_freq.to(device))
         self.image_token_id = int(hf["image_token_id"])
         self.vision = None
         if self.pre_process:
