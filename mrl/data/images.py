@@ -34,6 +34,7 @@ class ImageInputs:
     pixel_values: Any        # torch.Tensor [patches, channels x temporal x patch x patch]
     image_grid_thw: Any      # torch.Tensor [images, 3]: the patch grid of each image
     tokens_per_image: tuple[int, ...]
+    prompt_positions: Any = None   # torch.Tensor [3, prompt tokens]: the model's mRoPE ids of the prompt
 
 
 @dataclass(frozen=True)
@@ -115,9 +116,23 @@ def placeholder_count(prompt: Any) -> int:
 class ImageProcessor:
     """A model's image processor plus its placeholder tokens: images -> `ImageInputs`, marks -> tokens."""
 
-    def __init__(self, processor: Any, tokens: VisionTokens = VisionTokens()):
+    def __init__(self, processor: Any, tokens: VisionTokens = VisionTokens(), positions: Any = None):
+        """`positions(ids [1, S], image_grid_thw) -> [3, 1, S]`: the model's mRoPE ids of a prompt
+        (`mrl.models.vlm.mrope_position_ids`), kept with its images for the trainer."""
         self.processor = processor
         self.tokens = tokens
+        self.positions = positions
+
+    def with_positions(self, images: ImageInputs, token_ids: list[int]) -> ImageInputs:
+        """`images` with the prompt's mRoPE ids (when this processor knows the model's)."""
+        if self.positions is None:
+            return images
+        import dataclasses
+
+        import torch
+
+        pos = self.positions(torch.tensor([token_ids]), images.image_grid_thw)[:, 0]
+        return dataclasses.replace(images, prompt_positions=pos)
 
     def process(self, cells: list, prompt: Any, base_dir: Optional[Path] = None) -> ImageInputs:
         """The processor's outputs for a row's image cells; `BadImage` when a cell cannot be

@@ -164,6 +164,6 @@ def tokenize_rows(rows: list[PromptRow], tokenizer: Any, *, max_prompt_tokens: i
             counts["prompts_truncated"] += 1
         items.append(PromptItem(index=len(items), token_ids=tuple(fitted), text=text, prompt=row.prompt,
                                 answer=row.answer, data_source=row.data_source, origin=row.origin, extra=extra,
-                                images=vision))
+                                images=images.with_positions(vision, fitted) if vision is not None else None))
     counts["prompts"] = len(items)
     return PromptDataset(items=items, stats=dict(counts))

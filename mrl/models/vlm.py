@@ -150,10 +150,15 @@ def image_processor(model_path: str, hf: dict[str, Any]):
     if not is_vlm(hf):
         return None
     merge = int(hf["vision_config"].get("spatial_merge_size", 2))
+
+    def positions(ids, grid):
+        return mrope_position_ids(hf, ids, grid)
+
     if model_path.startswith("builtin:"):   # a preset (`mrl.models.facts`) has no files
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        return ImageProcessor(Qwen2VLImageProcessorPil(**TINY_IMAGE_PROCESSOR), VisionTokens(merge_size=merge))
+        return ImageProcessor(Qwen2VLImageProcessorPil(**TINY_IMAGE_PROCESSOR), VisionTokens(merge_size=merge),
+                              positions)
     from transformers import AutoImageProcessor
 
     try:
@@ -161,4 +166,25 @@ def image_processor(model_path: str, hf: dict[str, Any]):
     except (OSError, ValueError) as e:
         raise UserError(f"model.path: no image processor in {model_path!r} ({str(e).splitlines()[0]}); a "
                         "vision-language checkpoint needs its preprocessor_config.json") from None
-    return ImageProcessor(proc, VisionTokens(merge_size=merge))
+    return ImageProcessor(proc, VisionTokens(merge_size=merge), positions)
+
+
+#: placeholder token fields of a VLM config: never sampled (`mrl.rollout.hf`), so the trainer's policy bans them too
+PLACEHOLDER_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def training_problem(spec: Any, hf: dict[str, Any]) -> str | None:
+    """One line on why `mrl train` cannot run this job with a vision-language model yet, or None.
+    What runs: the hf rollout engine in spmd mode, single-turn, whole responses, no context
+    parallelism. The rest is refused rather than run without its images."""
+    if not is_vlm(hf):
+        return None
+    roll = spec.rollout
+    for bad, what in ((roll.engine != "hf", f"rollout.engine = {roll.engine!r} (images reach the hf engine only)"),
+                      (roll.mode != "spmd", "rollout.mode = 'server'"),
+                      (roll.partial_rollout_tokens > 0, "partial rollouts (rollout.partial_rollout_tokens)"),
+                      (roll.multi_turn.enable, "rollout.multi_turn"),
+                      (spec.parallel.context > 1, "parallel.context > 1")):
+        if bad:
+            return f"model.path: {hf['model_type']} (vision-language) does not run with {what} yet"
+    return None

@@ -43,6 +43,9 @@ class VisionLanguageGPT(GPTModel):
         self.mrope_section = mrope_section(hf)
         self.rotary_pos_emb = HFMultimodalRotaryEmbedding(inv_freq.to(device))
         self.image_token_id = int(hf["image_token_id"])
+        from mrl.models.vlm import PLACEHOLDER_FIELDS
+
+        self.banned = sorted({int(hf[f]) for f in PLACEHOLDER_FIELDS if hf.get(f) is not None and hf[f] < hf["vocab_size"]})
         self.vision = None
         if self.pre_process:
             self.vision = vision_tower(hf, self.config.params_dtype).to(device)
@@ -54,7 +57,25 @@ class VisionLanguageGPT(GPTModel):
             position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
         if decoder_input is None and self.pre_process and pixel_values is not None:
             decoder_input = self.embed_with_images(input_ids, position_ids, pixel_values, image_grid_thw)
-        return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
+        out = super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
+        if self.post_process and kwargs.get("labels") is None and self.banned:
+            out = self.ban_placeholders(out)
+        return out
+
+    def ban_placeholders(self, logits: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel logits `[..., V / TP]` with the vision placeholders at -1e9: the policy the
+        rollout samples from never emits them (`mrl.rollout.hf`), so its log-probs are over the rest
+        (finite, so an entropy's p log p is 0 there, not NaN)."""
+        from megatron.core import parallel_state as ps
+
+        width = logits.shape[-1]
+        lo = ps.get_tensor_model_parallel_rank() * width
+        local = [t - lo for t in self.banned if lo <= t < lo + width]
+        if not local:
+            return logits
+        mask = torch.zeros(width, dtype=torch.bool, device=logits.device)
+        mask[local] = True
+        return logits.masked_fill(mask, -1e9)
 
     def embed_with_images(self, input_ids: torch.Tensor, position_ids: torch.Tensor, pixel_values: torch.Tensor,
                           image_grid_thw: torch.Tensor) -> torch.Tensor:

@@ -50,8 +50,9 @@ def test_rows_as_alone_and_placeholders_never_sampled(vlm):
 
 
 def test_rollout_logprobs_equal_megatron_trainer(vlm):
-    """Sampled responses (temperature 1, raw log-probs) re-scored by the megatron model on one
-    packed row with the same images and mRoPE ids: within 1e-4 (the step-1 audit bound)."""
+    """Sampled responses (temperature 1, log-probs of the sampled distribution: placeholders banned)
+    re-scored by the megatron model (whose policy bans them too) on one packed row with the same
+    images and mRoPE ids: within 1e-4 (the step-1 audit bound)."""
     from mrl import platform as plat
     from mrl.engine.packing import _thd_params
     from mrl.models.roles import build_role_model
@@ -61,8 +62,8 @@ def test_rollout_logprobs_equal_megatron_trainer(vlm):
 
     d, hf, prompts, inputs = vlm
     eng = HFEngine.from_pretrained(str(d), seed=0)
-    resp = eng.generate(prompts, Sampling(n=2, temperature=1.0, max_tokens=8, seed=5, ignore_eos=True,
-                                          logprobs_mode="raw_logprobs"), images=inputs)
+    resp = eng.generate(prompts, Sampling(n=2, temperature=1.0, max_tokens=8, seed=5, ignore_eos=True),
+                        images=inputs)
     plat.setup(PlatformConfig(device="cpu", ranks_per_node=1, cpu_threads=1), ParallelConfig(), seed=11)
     try:
         model = build_role_model("actor", hf, ParallelConfig(), dtype="float32", device="cpu")
