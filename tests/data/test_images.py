@@ -105,3 +105,29 @@ def test_text_models_leave_the_images_column_alone(tmp_path):
     path = _write(tmp_path, [dict(prompt="<image>a", images=[{"bytes": b"x", "path": None}], answer="1")])
     ds = load_prompts(DataConfig(train_files=(path,)), byte_tokenizer(), "train")
     assert ds.items[0].images is None and "images" in ds.items[0].extra
+
+
+def test_packed_row_carries_mrope_ids_and_images_by_hand():
+    """Two responses packed in one row (plus 2 padding tokens): the image prompt keeps its own
+    mRoPE ids and its response counts on from one past their largest; the text prompt gets the
+    same id thrice; the row's images are the image prompt's."""
+    from types import SimpleNamespace
+
+    from mrl.batch import Batch
+    from mrl.data.images import ImageInputs
+    from mrl.engine.packing import pack
+
+    pix, grid = torch.randn(16, 8), torch.tensor([[1, 4, 4]])
+    img = ImageInputs(pix, grid, (4,), prompt_positions=torch.tensor([[0, 1, 1, 1, 1, 3], [0, 1, 1, 2, 2, 3],
+                                                                      [0, 1, 2, 1, 2, 3]]))
+    items = [SimpleNamespace(images=img), SimpleNamespace(images=None)]
+    batch = Batch.from_sequences([[5, 9, 9, 9, 9, 6], [7, 8]], [[1, 2], [3]])
+    batch = Batch(batch.tensors, {"prompt_item": items})
+    mb = pack(batch, [0, 1], pad_to_multiple=4)
+    assert mb.position_ids.shape == (3, 1, 12)
+    assert mb.position_ids[:, 0].tolist() == [[0, 1, 1, 1, 1, 3, 4, 5, 0, 1, 2, 0],
+                                              [0, 1, 1, 2, 2, 3, 4, 5, 0, 1, 2, 0],
+                                              [0, 1, 2, 1, 2, 3, 4, 5, 0, 1, 2, 0]]
+    assert torch.equal(mb.vision["pixel_values"], pix) and mb.vision["image_grid_thw"].tolist() == [[1, 4, 4]]
+    text_only = Batch(batch.tensors, {"prompt_item": [SimpleNamespace(images=None)] * 2})
+    assert pack(text_only, [0, 1]).vision == {} and pack(text_only, [0, 1]).position_ids.dim() == 2
