@@ -188,3 +188,15 @@ def training_problem(spec: Any, hf: dict[str, Any]) -> str | None:
         if bad:
             return f"model.path: {hf['model_type']} (vision-language) does not run with {what} yet"
     return None
+
+
+def open_columns(hf: dict[str, Any]):
+    """A bool mask of the vocabulary without the banned placeholders (None for a text model): where
+    the trainer's logits are the checkpoint's own (`VisionLanguageGPT.ban_placeholders`)."""
+    if not is_vlm(hf):
+        return None
+    import torch
+
+    keep = torch.ones(hf["vocab_size"], dtype=torch.bool)
+    keep[[int(hf[f]) for f in PLACEHOLDER_FIELDS if hf.get(f) is not None and hf[f] < hf["vocab_size"]]] = False
+    return keep

@@ -167,6 +167,20 @@ def test_preset_builds_and_refusals(platform):
     with pytest.raises(UserError, match="model.attention: 'reference' cannot run qwen2_5_vl's multimodal RoPE"):
         model_backend(hf, "reference", "cpu")
 
+    from types import SimpleNamespace
+
+    from mrl.models.vlm import training_problem
+
+    def spec(**roll):
+        r = dict(engine="hf", mode="spmd", partial_rollout_tokens=0, multi_turn=SimpleNamespace(enable=False), **roll)
+        return SimpleNamespace(rollout=SimpleNamespace(**r), parallel=SimpleNamespace(context=1))
+
+    assert training_problem(spec(), hf) is None
+    assert training_problem(spec(engine="vllm"), hf) == ("model.path: qwen2_5_vl (vision-language) does not run with "
+                                                         "rollout.engine = 'vllm' (images reach the hf engine only) yet")
+    assert "rollout.multi_turn" in training_problem(spec(multi_turn=SimpleNamespace(enable=True)), hf)
+    assert training_problem(spec(engine="vllm"), {"model_type": "qwen2"}) is None
+
 
 @pytest.mark.slow
 def test_tp2_and_pp2_match_transformers(vlm_checkpoint):
