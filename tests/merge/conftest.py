@@ -42,7 +42,8 @@ def saved(tmp_path_factory):
              "moe_ep2": (moe, "actor", "ep2", "float32"),
              "q2moe_ep2": (q2moe, "actor", "ep2", "float32"),
              "dsv3_tp2": (dsv3, "actor", "tp2", "float32"),
-             "preset_bf16_tp2": ("builtin:tiny-qwen2", "actor", "tp2", "bfloat16")}
+             "preset_bf16_tp2": ("builtin:tiny-qwen2", "actor", "tp2", "bfloat16"),
+             "vl_preset_tp2": ("builtin:tiny-qwen2.5-vl", "actor", "tp2", "float32")}
     out = base / "ckpts"
     out.mkdir()
     run_torchrun(SCRIPT, "--out", str(out), *[f"{n}:{s}:{r}:{l}:{d}" for n, (s, r, l, d) in cases.items()],
