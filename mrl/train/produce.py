@@ -139,7 +139,7 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
             else:
                 responses = generate(run, gen, [list(g.item.token_ids) for g in c.active],
                                      sampling_from_config(roll, seed=seed), dp_rank=d,
-                                     images=[g.item.images for g in c.active])
+                                     images=[getattr(g.item, "images", None) for g in c.active])
                 for x in responses:
                     x.policy_version = gen.version
                 st["generated"] += len(responses)
@@ -208,5 +208,5 @@ def greedy_scores(run: Run, gen: Generation, items: list, step: int, dp_rank: in
     """ReMax's baseline: the score of one greedy (temperature 0) response per prompt."""
     greedy = replace(sampling_from_config(run.spec.rollout), n=1, temperature=0.0)
     responses = generate(run, gen, [list(it.token_ids) for it in items], greedy, dp_rank=dp_rank,
-                         images=[it.images for it in items])
+                         images=[getattr(it, "images", None) for it in items])
     return [float(s) for s in score(run, gen, items, responses, 1, step, reward_model=reward_model)["scores"]]
