@@ -309,6 +309,8 @@ class HFEngine(RolloutEngine):
         for seq in token_ids:   # one row at a time: no padding in the numbers
             ids = torch.tensor([list(seq)], device=self.device)
             logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1, :self.vocab_size].float()
+            if len(self.banned):   # the trainer's VLM policy: placeholders at -1e9 (`VisionLanguageGPT`)
+                logits = logits.index_fill(-1, self.banned, -1e9)
             out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist())
         return out
 
