@@ -176,7 +176,7 @@ PLACEHOLDER_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id
 def training_problem(spec: Any, hf: dict[str, Any]) -> str | None:
     """One line on why `mrl train` cannot run this job with a vision-language model yet, or None.
     What runs: the hf rollout engine in spmd mode, single-turn, whole responses, no context
-    parallelism. The rest is refused rather than run without its images."""
+    parallelism, no distillation teacher. The rest is refused rather than run without its images."""
     if not is_vlm(hf):
         return None
     roll = spec.rollout
@@ -184,7 +184,9 @@ def training_problem(spec: Any, hf: dict[str, Any]) -> str | None:
                       (roll.mode != "spmd", "rollout.mode = 'server'"),
                       (roll.partial_rollout_tokens > 0, "partial rollouts (rollout.partial_rollout_tokens)"),
                       (roll.multi_turn.enable, "rollout.multi_turn"),
-                      (spec.parallel.context > 1, "parallel.context > 1")):
+                      (spec.parallel.context > 1, "parallel.context > 1"),
+                      (getattr(spec, "distill", None) is not None and spec.distill.model_path is not None,
+                       "a distillation teacher (distill.model_path: the teacher's forward takes no images)")):
         if bad:
             return f"model.path: {hf['model_type']} (vision-language) does not run with {what} yet"
     return None
