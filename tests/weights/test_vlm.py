@@ -171,14 +171,16 @@ def test_preset_builds_and_refusals(platform):
 
     from mrl.models.vlm import training_problem
 
-    def spec(**roll):
-        r = dict(engine="hf", mode="spmd", partial_rollout_tokens=0, multi_turn=SimpleNamespace(enable=False), **roll)
-        return SimpleNamespace(rollout=SimpleNamespace(**r), parallel=SimpleNamespace(context=1))
+    def spec(teacher=None, **roll):
+        r = {**dict(engine="hf", mode="spmd", partial_rollout_tokens=0, multi_turn=SimpleNamespace(enable=False)), **roll}
+        return SimpleNamespace(rollout=SimpleNamespace(**r), parallel=SimpleNamespace(context=1),
+                               distill=SimpleNamespace(model_path=teacher))
 
     assert training_problem(spec(), hf) is None
     assert training_problem(spec(engine="vllm"), hf) == ("model.path: qwen2_5_vl (vision-language) does not run with "
                                                          "rollout.engine = 'vllm' (images reach the hf engine only) yet")
     assert "rollout.multi_turn" in training_problem(spec(multi_turn=SimpleNamespace(enable=True)), hf)
+    assert "distillation teacher" in training_problem(spec(teacher="builtin:tiny-qwen2"), hf)
     assert training_problem(spec(engine="vllm"), {"model_type": "qwen2"}) is None
 
 
