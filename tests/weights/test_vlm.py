@@ -188,5 +188,6 @@ def test_preset_builds_and_refusals(platform):
 def test_tp2_and_pp2_match_transformers(vlm_checkpoint):
     proc = run_torchrun(REPO / "tests/weights/scripts/vlm_layouts.py", "--dir", str(vlm_checkpoint), timeout=600)
     found = re.findall(r"^VLM (tp\d pp\d) roundtrip ok \d+ tensors \((\d+) tower\) logits (\S+)", proc.stdout, re.M)
+    print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("VLM ")))
     assert [f[0] for f in found] == ["tp2 pp1", "tp1 pp2"], proc.stdout
     assert all(int(t) > 0 and float(d) <= 1e-5 for _, t, d in found), proc.stdout
