@@ -3,6 +3,7 @@ alone, and its log-probs equal the megatron trainer's on the same image prompts 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -86,5 +87,26 @@ def test_rollout_logprobs_equal_megatron_trainer(vlm):
             start += len(s)
         print(f"AUDIT max |rollout - trainer| log-prob {worst:.3e}")
         assert worst <= 1e-4, worst
+
+        # the trainer's own path: a Batch whose prompt items carry their images, packed into
+        # micro-batches (mRoPE ids and images per row) and run by the Engine (entropy and all)
+        from types import SimpleNamespace
+
+        from mrl.batch import Batch
+        from mrl.engine.engine import Engine
+        from mrl.engine.objectives import actor_outputs
+        from mrl.models.vlm import mrope_position_ids
+
+        items = [SimpleNamespace(images=replace(x, prompt_positions=mrope_position_ids(
+            hf, torch.tensor([p]), x.image_grid_thw)[:, 0])) for p, x in zip(prompts, inputs)]
+        batch = Batch.from_sequences([prompts[r.prompt_index] for r in resp], [r.token_ids for r in resp],
+                                     pad_id=256)
+        batch = Batch(batch.tensors, {"prompt_item": [items[r.prompt_index] for r in resp]})
+        out = Engine([model], name="actor").forward_only(
+            batch, actor_outputs(1.0, entropy=True, vocab_size=hf["vocab_size"]), micro_batch_tokens=40)
+        for i, r in enumerate(resp):
+            n = len(r.token_ids)
+            assert (out["logprobs"][i, :n] - torch.tensor(r.logprobs)).abs().max().item() <= 1e-4
+        assert torch.isfinite(out["entropy"]).all()
     finally:
         plat.teardown()
