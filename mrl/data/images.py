@@ -156,3 +156,31 @@ class ImageProcessor:
         counts = iter(images.tokens_per_image)
         t = self.tokens
         return re.sub(re.escape(PLACEHOLDER), lambda _: t.start + t.pad * next(counts) + t.end, text)
+
+
+def model_image_processor(model_path: str, hf: dict[str, Any]) -> "ImageProcessor | None":
+    """The job's `mrl.data.images.ImageProcessor` for a VLM (None for a text model): the
+    checkpoint's own image processor (`preprocessor_config.json`), or the tiny preset's."""
+    from mrl.errors import UserError
+    from mrl.models.vlm import TINY_IMAGE_PROCESSOR, is_vlm, mrope_position_ids
+
+    if not is_vlm(hf):
+        return None
+    merge = int(hf["vision_config"].get("spatial_merge_size", 2))
+
+    def positions(ids, grid):
+        return mrope_position_ids(hf, ids, grid)
+
+    if model_path.startswith("builtin:"):   # a preset (`mrl.models.facts`) has no files
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        return ImageProcessor(Qwen2VLImageProcessorPil(**TINY_IMAGE_PROCESSOR), VisionTokens(merge_size=merge),
+                              positions)
+    from transformers import AutoImageProcessor
+
+    try:
+        proc = AutoImageProcessor.from_pretrained(model_path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"model.path: no image processor in {model_path!r} ({str(e).splitlines()[0]}); a "
+                        "vision-language checkpoint needs its preprocessor_config.json") from None
+    return ImageProcessor(proc, VisionTokens(merge_size=merge), positions)

@@ -64,7 +64,7 @@ def load_prompts(cfg: DataConfig, tokenizer: Any, split: Literal["train", "val"]
     `require_answer=False` when only a reward model scores (rows then need no answer column).
     Validation prompts are capped at `data.val_prompts`. `tools`: the multi-turn job's function
     schemas, listed by the chat template (`mrl.rollout.multi_turn.prompt_tools`, `JobTools.prompt_schemas`).
-    `images`: a vision-language model's `mrl.data.images.ImageProcessor` (`mrl.models.vlm.image_processor`).
+    `images`: a vision-language model's `mrl.data.images.ImageProcessor` (`mrl.data.images.model_image_processor`).
     """
     stats: Counter = Counter({"rows_read": 0, "rows_bad_prompt": 0, "rows_missing_answer": 0})
     rows = load_rows(cfg, split, require_answer=require_answer, stats=stats)

@@ -130,43 +130,9 @@ def packed_mrope_position_ids(hf: dict[str, Any], sequences: list[torch.Tensor],
     return torch.cat(parts, dim=1).unsqueeze(1) if parts else torch.zeros(3, 1, 0, dtype=torch.long)
 
 
-def image_token_count(grid_thw: torch.Tensor, spatial_merge_size: int) -> int:
-    """Placeholder tokens an image of patch grid `grid_thw` `[n, 3]` takes (after the 2x2 merge)."""
-    return int((grid_thw.prod(-1) // spatial_merge_size ** 2).sum())
-
-
-
 #: the tiny preset's image processor: 14-pixel patches, 2x2 merge, 56x56 to 112x112 pixels (4 to 16 tokens)
 TINY_IMAGE_PROCESSOR = dict(patch_size=14, merge_size=2, temporal_patch_size=2,
                             size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
-
-
-def image_processor(model_path: str, hf: dict[str, Any]):
-    """The job's `mrl.data.images.ImageProcessor` for a VLM (None for a text model): the
-    checkpoint's own image processor (`preprocessor_config.json`), or the tiny preset's."""
-    from mrl.data.images import ImageProcessor, VisionTokens
-    from mrl.errors import UserError
-
-    if not is_vlm(hf):
-        return None
-    merge = int(hf["vision_config"].get("spatial_merge_size", 2))
-
-    def positions(ids, grid):
-        return mrope_position_ids(hf, ids, grid)
-
-    if model_path.startswith("builtin:"):   # a preset (`mrl.models.facts`) has no files
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-        return ImageProcessor(Qwen2VLImageProcessorPil(**TINY_IMAGE_PROCESSOR), VisionTokens(merge_size=merge),
-                              positions)
-    from transformers import AutoImageProcessor
-
-    try:
-        proc = AutoImageProcessor.from_pretrained(model_path)
-    except (OSError, ValueError) as e:
-        raise UserError(f"model.path: no image processor in {model_path!r} ({str(e).splitlines()[0]}); a "
-                        "vision-language checkpoint needs its preprocessor_config.json") from None
-    return ImageProcessor(proc, VisionTokens(merge_size=merge), positions)
 
 
 #: placeholder token fields of a VLM config: never sampled (`mrl.rollout.hf`), so the trainer's policy bans them too

@@ -27,7 +27,7 @@ def vl():
     from mrl.models.config import ModelConfig
     from mrl.models.megatron import hf_config
     from mrl.models.tokenizer import load_tokenizer
-    from mrl.models.vlm import image_processor
+    from mrl.data.images import model_image_processor as image_processor
 
     model = ModelConfig(path="builtin:tiny-qwen2.5-vl")
     hf = hf_config(model)

@@ -19,7 +19,7 @@ def test_vlm_merge_loads_with_its_processor_and_answers_like_the_engine(saved, t
     from mrl.data.images import ImageProcessor
     from mrl.models.config import ModelConfig
     from mrl.models.megatron import hf_config
-    from mrl.models.vlm import image_processor
+    from mrl.data.images import model_image_processor as image_processor
     from mrl.rollout.hf import HFEngine
     from mrl.rollout.types import Sampling
 
