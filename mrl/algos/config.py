@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Literal, Optional, Union
 
 from mrl.algos.rejection_spec import PRESETS
-from mrl.config.schema import option, section
+from mrl.schema.section import option, section
 
 _KL_BASE = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 KL_ESTIMATORS = _KL_BASE + tuple(k + "+" for k in _KL_BASE)

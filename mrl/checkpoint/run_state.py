@@ -40,7 +40,7 @@ class ModelFacts:
 
     @classmethod
     def of(cls, spec, hf: dict) -> "ModelFacts":
-        from mrl.config.dump import to_toml
+        from mrl.schema.dump import to_toml
 
         return cls(hf_config=hf, model_path=spec.model.path, tokenizer=spec.model.tokenizer, dtype=spec.model.dtype,
                    spec_toml=to_toml(spec))

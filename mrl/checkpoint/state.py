@@ -23,15 +23,13 @@ import dataclasses
 import errno
 import logging
 import os
-import random
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-import numpy as np
 import torch
 
-from mrl.checkpoint import manifest, store, trust
+from mrl.checkpoint import manifest, rng, store, trust
 from mrl.errors import UserError
 from mrl.platform.collectives import broadcast_object, gather_objects
 
@@ -167,53 +165,6 @@ def _strategies(path: Path, loading: bool):
     return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"))
 
 
-def _rng_state() -> dict:
-    """This rank's RNG streams as tensors and plain numbers only (no pickled objects), so a
-    checkpoint's RNG file loads with `torch.load(weights_only=True)` and cannot run code."""
-    from megatron.core import tensor_parallel
-
-    version, words, gauss = random.getstate()
-    _, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": {"version": int(version), "state": torch.tensor(words, dtype=torch.int64),
-                        "gauss": None if gauss is None else float(gauss)},
-             "numpy": {"keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-             "torch": torch.get_rng_state(),
-             "tracker": {str(k): v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    from megatron.core import tensor_parallel
-
-    py = state["python"]
-    random.setstate((py["version"], tuple(int(w) for w in py["state"].tolist()), py["gauss"]))
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-def _read_rng_file(path: Path, ckpt: Path) -> dict:
-    """An RNG file, read as plain tensors and numbers (`weights_only=True`): a file holding any
-    other pickled object is refused, never executed."""
-    import pickle
-
-    try:
-        saved = torch.load(path, weights_only=True, map_location="cpu")
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"checkpoint {ckpt}: {path.relative_to(ckpt)} is not plain tensor data and was not loaded "
-                        f"(only tensors and numbers are read from checkpoints): {first[:200]}") from None
-    if not isinstance(saved, dict) or not isinstance(saved.get("rng"), dict) or not isinstance(saved.get("layout"), dict):
-        raise UserError(f"checkpoint {ckpt}: {path.relative_to(ckpt)} is not an mrl RNG state file")
-    return saved
-
-
 def _barrier() -> None:
     torch.distributed.barrier()
 
@@ -337,7 +288,7 @@ def _save(root: Path, tmp: Path, step: int, *, chunks, optimizer, scheduler, ext
                             content_metadata=OPTIM_METADATA)
     (tmp / "rng").mkdir(exist_ok=True)
     rng_file = tmp / "rng" / f"rank_{rank:05d}.pt"
-    torch.save({"layout": _layout(), "rng": _rng_state()}, rng_file)
+    torch.save({"layout": _layout(), "rng": rng.rng_state()}, rng_file)
     with open(rng_file, "rb+") as f:
         os.fsync(f.fileno())
     _barrier()
@@ -493,9 +444,9 @@ def load(path: str | Path, *, chunks: list, optimizer=None, scheduler=None, load
         if load_rng:
             rng_file = ckpt / "rng" / f"rank_{torch.distributed.get_rank():05d}.pt"
             if rng_file.is_file():
-                saved = _read_rng_file(rng_file, ckpt)
+                saved = rng.read_rng_file(rng_file, ckpt)
                 if saved["layout"] == _layout():
-                    _set_rng_state(saved["rng"])
+                    rng.set_rng_state(saved["rng"])
                     restored = True
             if not restored:
                 log.info("checkpoint %s: parallel layout differs from the saving one; RNG states not restored", ckpt)

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from mrl.algos.config import AlgorithmConfig
 from mrl.checkpoint.config import CheckpointConfig
-from mrl.config.schema import SEED_MAX, option, section
 from mrl.data.config import DataConfig
 from mrl.models.config import ModelConfig
 from mrl.platform.config import ParallelConfig, PlatformConfig
 from mrl.reward.config import RewardConfig
 from mrl.rollout.config import RolloutConfig
+from mrl.schema.section import SEED_MAX, option, section
 from mrl.tracking.config import TrackingConfig
 from mrl.train.config import ActorConfig, CriticConfig, DistillConfig, RefConfig, TrainerConfig
 

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mrl.config import schema
 from mrl.config.verl_table import verl_table
 from mrl.convert import rules
 from mrl.convert.verl_config import (COMMAND_LINE, DEFAULT, ENGINE_CONFIGS, NAMED_CONFIGS, VerlConfig, apply_override,
                                      named_config, read_script, read_yaml, resolve, start, verl_defaults, verl_version)
+from mrl.schema.section import fields_of, optional_inner, section_of
 
 
 @dataclass
@@ -53,8 +53,8 @@ def _mrl_defaults() -> dict[str, tuple[Any, Any]]:
 
     def walk(cls, prefix):
         for f in dataclasses.fields(cls):
-            info = schema.fields_of(cls)[f.name]
-            sub = schema.section_of(info.type)
+            info = fields_of(cls)[f.name]
+            sub = section_of(info.type)
             if sub is not None:
                 walk(sub, prefix + f.name + ".")
                 continue
@@ -68,9 +68,9 @@ def _mrl_defaults() -> dict[str, tuple[Any, Any]]:
 def _as_mrl(value: Any, tp: Any, mrl_key: str, base: Path) -> Any:
     """A verl value in the shape mrl declares: a single path becomes a list where mrl takes a list;
     paths are made absolute (verl reads them from its working directory, mrl from the job file)."""
-    from mrl.config.loader import PATH_KEYS, _resolve_path
+    from mrl.config.paths import PATH_KEYS, _resolve_path
 
-    inner = schema.optional_inner(tp) or tp
+    inner = optional_inner(tp) or tp
     if isinstance(value, str) and getattr(inner, "__origin__", None) is tuple:
         value = [value]
     kind = PATH_KEYS.get(mrl_key)
@@ -109,7 +109,7 @@ def convert(yaml_files: list[Path], overrides: list[str], base: Path | None = No
     """Convert verl's defaults (of the named config the inputs compose) + `yaml_files` +
     `overrides` (Hydra tokens) into mrl values. `describe` turns a value with unknown-value markers
     (a script's `$(...)`) into readable text."""
-    from mrl.config.loader import PATH_KEYS
+    from mrl.config.paths import PATH_KEYS
     from mrl.convert.reward_keys import migrate
     from mrl.convert.shell import MARK
 

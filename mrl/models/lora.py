@@ -35,7 +35,7 @@ from typing import Iterable, Iterator, Literal, Optional
 
 import torch
 
-from mrl.config.schema import option, section
+from mrl.schema.section import option, section
 
 HF_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 Target = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -351,18 +351,3 @@ def trainable_parameters(chunks: Iterable[torch.nn.Module]) -> int:
     from mrl.weights.layout import unwrap
 
     return sum(p.numel() for c in chunks for p in unwrap(c).parameters() if p.requires_grad)
-
-
-def reference_engine(actor):
-    """An eval-only engine over `actor`'s own modules whose passes run with every adapter off:
-    the reference model of a LoRA actor is its frozen base, so no second copy of the weights is
-    held (the KL is to the model the adapters started from)."""
-    from mrl.engine import Engine
-    from mrl.weights.layout import unwrap
-
-    class _Reference(Engine):
-        def forward_only(self, batch, output_fn, **kw):
-            with adapters_disabled(self.chunks):
-                return super().forward_only(batch, output_fn, **kw)
-
-    return _Reference([unwrap(c) for c in actor.chunks], name="ref")

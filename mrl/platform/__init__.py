@@ -23,15 +23,16 @@ from typing import TYPE_CHECKING
 _LAZY = {
     "Context": "mrl.platform.runtime", "setup": "mrl.platform.runtime", "teardown": "mrl.platform.runtime",
     "current": "mrl.platform.runtime",
-    "stage": "mrl.platform.dist", "current_stage": "mrl.platform.dist", "detect_launch": "mrl.platform.dist",
-    "expand_nodelist": "mrl.platform.dist", "LaunchEnv": "mrl.platform.dist",
+    "stage": "mrl.platform.dist", "current_stage": "mrl.platform.dist", "detect_launch": "mrl.platform.launch",
+    "expand_nodelist": "mrl.platform.launch", "LaunchEnv": "mrl.platform.launch",
     "ParallelLayout": "mrl.platform.parallel",
 }
 
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:
-    from mrl.platform.dist import LaunchEnv, current_stage, detect_launch, expand_nodelist, stage
+    from mrl.platform.dist import current_stage, stage
+    from mrl.platform.launch import LaunchEnv, detect_launch, expand_nodelist
     from mrl.platform.parallel import ParallelLayout
     from mrl.platform.runtime import Context, current, setup, teardown
 

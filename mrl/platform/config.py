@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from mrl.config.schema import option, section
+from mrl.schema.section import option, section
 
 
 @section

@@ -6,7 +6,8 @@ distributed optimizer, MoE with the alltoall dispatcher (EP) and dist_checkpoint
 It is called by `mrl.platform.setup` when `platform.device == 'cpu'`, never on cuda; it is
 idempotent, and `deactivate()` undoes every patch (tests use it).
 
-Mechanisms, narrowest first:
+Mechanisms, narrowest first (the view and the mode are built in `cpu_torch.py`, the CPU RNG
+tracker in `cpu_rng.py`; this module says where each applies and installs them):
 
 * **view** (torch view) - the module-global name `torch` of a listed megatron module is replaced by a
   view of the real torch module that differs in two ways only: `torch.cuda` answers
@@ -71,29 +72,26 @@ unless `MRL_CPU_COMPAT_FORCE=1` is set.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import importlib.metadata
 import logging
 import os
 import threading
-import types
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from mrl.errors import UserError
+from mrl.platform.cpu_rng import cpu_get_rng_state, cpu_model_parallel_manual_seed, cpu_set_rng_state
+from mrl.platform.cpu_torch import VIEW, in_mode
 
 log = logging.getLogger(__name__)
 
 TESTED_MEGATRON_VERSIONS = ("0.16.1",)
 FORCE_ENV = "MRL_CPU_COMPAT_FORCE"
-
-_CPU = torch.device("cpu")
 
 
 # --------------------------------------------------------------------------- version gate
@@ -120,152 +118,7 @@ def check_megatron_version() -> str:
     )
 
 
-# --------------------------------------------------------------------------- torch view
-
-def _is_cuda_device(dev: Any) -> bool:
-    if isinstance(dev, str):
-        return dev.startswith("cuda")
-    if isinstance(dev, torch.device):
-        return dev.type == "cuda"
-    # A bare int is a CUDA ordinal for torch factories.
-    return isinstance(dev, int) and not isinstance(dev, bool)
-
-
-class _NullEvent:
-    """Stand-in for `torch.cuda.Event` on cpu: work is synchronous, so everything is done."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record(self, stream=None):
-        pass
-
-    def wait(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, end) -> float:
-        return 0.0
-
-
-class _NullStream:
-    """Stand-in for `torch.cuda.Stream` on cpu (all work runs in order on the host)."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, stream):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def record_event(self, event=None):
-        return event if event is not None else _NullEvent()
-
-    def synchronize(self):
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-_DEFAULT_STREAM = _NullStream()
-
-
-class _NullNvtx:
-    @staticmethod
-    def range_push(msg):
-        pass
-
-    @staticmethod
-    def range_pop():
-        pass
-
-    @staticmethod
-    def range(msg, *args, **kwargs):
-        return contextlib.nullcontext()
-
-
-class _CpuCuda:
-    """What a patched megatron module sees as `torch.cuda`; unknown names go to the real one."""
-
-    Stream = _NullStream
-    Event = _NullEvent
-    nvtx = _NullNvtx
-
-    def __init__(self, real):
-        self._real = real
-
-    @staticmethod
-    def current_device() -> torch.device:
-        return _CPU
-
-    @staticmethod
-    def stream(stream=None):
-        return contextlib.nullcontext()
-
-    @staticmethod
-    def current_stream(device=None):
-        return _DEFAULT_STREAM
-
-    @staticmethod
-    def default_stream(device=None):
-        return _DEFAULT_STREAM
-
-    @staticmethod
-    def synchronize(device=None):
-        pass
-
-    @staticmethod
-    def empty_cache():
-        pass
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-
-_FACTORIES = frozenset({
-    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
-    "randperm", "eye", "linspace", "logspace", "zeros_like", "ones_like", "empty_like", "full_like",
-    "rand_like", "randn_like", "randint_like", "empty_strided", "scalar_tensor",
-})
-
-
-def _cpu_factory(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if _is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = _CPU
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
-class _TorchView(types.ModuleType):
-    """The `torch` module as seen by a patched megatron module (see the module docstring)."""
-
-    def __init__(self, real):
-        super().__init__("torch")
-        object.__setattr__(self, "_real", real)
-        object.__setattr__(self, "cuda", _CpuCuda(real.cuda))
-        for name in _FACTORIES:
-            if hasattr(real, name):
-                object.__setattr__(self, name, _cpu_factory(getattr(real, name)))
-
-    def __getattr__(self, name):
-        return getattr(object.__getattribute__(self, "_real"), name)
-
-    def __repr__(self):
-        return "<mrl cpu view of module 'torch'>"
-
-
-_VIEW = _TorchView(torch)
+# --------------------------------------------------------------------------- the view and the mode: which megatron modules
 
 # Megatron modules whose global `torch` is replaced by the view ("view" rows of the table).
 VIEW_MODULES = (
@@ -290,48 +143,6 @@ VIEW_MODULES = (
 )
 
 
-# --------------------------------------------------------------------------- tensor-method mode
-
-class _CudaMethodsOnCpu(TorchFunctionMode):
-    """Keeps tensors on cpu where megatron calls CUDA tensor methods (active only in scoped calls)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type:
-            if len(args) == 1 and not kwargs:
-                name = func(*args)
-                return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
-            args = tuple(a.replace("torch.cuda.", "torch.", 1) if isinstance(a, str) else a for a in args)
-        elif func is torch.Tensor.to:
-            args = tuple(_CPU if _is_cuda_device(a) and not isinstance(a, int) else a for a in args)
-        if _is_cuda_device(kwargs.get("device")):
-            kwargs = {**kwargs, "device": _CPU}
-        return func(*args, **kwargs)
-
-
-_MODE_DEPTH = threading.local()
-
-
-def _in_mode(fn: Callable) -> Callable:
-    """Wrap `fn` so that it runs under `_CudaMethodsOnCpu` (re-entrant)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        depth = getattr(_MODE_DEPTH, "n", 0)
-        if depth:
-            return fn(*args, **kwargs)
-        _MODE_DEPTH.n = 1
-        try:
-            with _CudaMethodsOnCpu():
-                return fn(*args, **kwargs)
-        finally:
-            _MODE_DEPTH.n = 0
-
-    wrapper.__mrl_cpu_compat__ = True
-    return wrapper
-
 
 # (module, qualified name, modules that imported the function by name) run under the mode ("mode" rows).
 MODE_SCOPED = (
@@ -343,95 +154,6 @@ MODE_SCOPED = (
     ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32", ("megatron.core.optimizer.optimizer",)),
     ("megatron.core.dist_checkpointing.exchange_utils", "exchange_loaded_tensors_broadcast", ()),
 )
-
-
-# --------------------------------------------------------------------------- RNG on the CPU generator
-
-def _tracker_base():
-    from megatron.core.tensor_parallel import random as mrandom
-
-    return mrandom.CudaRNGStatesTracker
-
-
-class _CpuTrackerMixin:
-    """RNG-states tracker on the CPU generator: megatron's named streams (data-parallel,
-    tensor-parallel, expert) with the same `add`/`fork` contract as `CudaRNGStatesTracker`."""
-
-    def add(self, name, seed):
-        self._is_initialized = True
-        if seed in self.seeds_:
-            raise Exception(f"seed {seed} already exists")
-        self.seeds_.add(seed)
-        if name in self.states_:
-            raise Exception(f"rng state {name} already exists")
-        orig = torch.get_rng_state()
-        torch.manual_seed(seed)
-        self.states_[name] = torch.get_rng_state()
-        torch.set_rng_state(orig)
-
-    @contextlib.contextmanager
-    def fork(self, name="model-parallel-rng"):
-        if name not in self.states_:
-            raise Exception(f"rng state {name} is not added")
-        orig_state = torch.get_rng_state()
-        orig_name = self._current_state_name
-        if orig_name != "default-rng":
-            self.states_[orig_name] = orig_state
-        torch.set_rng_state(self.states_[name])
-        self._current_state_name = name
-        try:
-            yield
-        finally:
-            self.states_[name] = torch.get_rng_state()
-            if orig_name != "default-rng":
-                orig_state = self.states_[orig_name]
-            torch.set_rng_state(orig_state)
-            self._current_state_name = orig_name
-
-
-_TRACKER_CLS = None
-
-
-def cpu_rng_tracker_class():
-    """`CpuRNGStatesTracker`: a subclass of megatron's tracker on the CPU generator."""
-    global _TRACKER_CLS
-    if _TRACKER_CLS is None:
-        _TRACKER_CLS = type("CpuRNGStatesTracker", (_CpuTrackerMixin, _tracker_base()), {})
-    return _TRACKER_CLS
-
-
-def cpu_model_parallel_manual_seed(seed: int, te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
-                                   use_cudagraphable_rng: bool = False, tp_rank: Optional[int] = None,
-                                   ep_rank: Optional[int] = None, etp_rank: Optional[int] = None,
-                                   force_reset_rng: bool = False) -> None:
-    """CPU twin of `model_parallel_cuda_manual_seed` (same signature and seed layout)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import random as mrandom
-
-    if te_rng_tracker or use_cudagraphable_rng:
-        raise UserError("the cpu platform has no Transformer Engine or CUDA-graph RNG tracker")
-    tp_rank = ps.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
-    ep_rank = ps.get_expert_model_parallel_rank() if ep_rank is None else ep_rank
-    etp_rank = ps.get_expert_tensor_parallel_rank() if etp_rank is None else etp_rank
-    if inference_rng_tracker:
-        mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    else:
-        mrandom._CUDA_RNG_STATE_TRACKER = cpu_rng_tracker_class()()
-        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    tracker = mrandom._CUDA_RNG_STATE_TRACKER
-    tracker.reset()
-    torch.manual_seed(seed)
-    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
-    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
-    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
-
-
-def _cpu_get_rng_state(device="cuda", clone=False, graph_safe=False):
-    return torch.get_rng_state()  # already a copy
-
-
-def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
-    torch.set_rng_state(new_state)
 
 
 # --------------------------------------------------------------------------- MoE
@@ -495,7 +217,7 @@ def _view_patch(modname: str) -> Patch:
         mod = importlib.import_module(modname)
         if getattr(mod, "torch", None) is not torch:
             raise AttributeError(f"{modname} has no global 'torch' module")
-        return _set_attr(mod, "torch", _VIEW)
+        return _set_attr(mod, "torch", VIEW)
 
     return Patch(f"view:{modname.removeprefix('megatron.core.')}", modname, apply)
 
@@ -509,10 +231,10 @@ def _mode_patch(modname: str, qualname: str, importers: tuple[str, ...]) -> Patc
             owner = getattr(owner, part)
         raw = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
         if isinstance(raw, (classmethod, staticmethod)):
-            wrapped = type(raw)(_in_mode(raw.__func__))
+            wrapped = type(raw)(in_mode(raw.__func__))
             orig_fn = raw.__func__
         else:
-            wrapped, orig_fn = _in_mode(raw), raw
+            wrapped, orig_fn = in_mode(raw), raw
         undos = [_set_attr(owner, attr, wrapped)]
         for imp in importers:
             imod = importlib.import_module(imp)
@@ -530,8 +252,8 @@ def _rng_patch() -> Callable[[], None]:
     undos = [
         _set_attr(mrandom, "model_parallel_cuda_manual_seed", cpu_model_parallel_manual_seed),
         _set_attr(tensor_parallel, "model_parallel_cuda_manual_seed", cpu_model_parallel_manual_seed),
-        _set_attr(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state),
-        _set_attr(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state),
+        _set_attr(mrandom, "_get_cuda_rng_state", cpu_get_rng_state),
+        _set_attr(mrandom, "_set_cuda_rng_state", cpu_set_rng_state),
     ]
     return lambda: [u() for u in reversed(undos)]
 

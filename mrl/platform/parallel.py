@@ -107,7 +107,7 @@ def seed_model_parallel(seed: int, device: str) -> None:
 
         model_parallel_cuda_manual_seed(seed)
     else:
-        from mrl.platform.cpu_compat import cpu_model_parallel_manual_seed
+        from mrl.platform.cpu_rng import cpu_model_parallel_manual_seed
 
         cpu_model_parallel_manual_seed(seed)
 

@@ -11,9 +11,10 @@ import torch
 from mrl.platform import device as _device
 from mrl.errors import UserError
 from mrl.platform import dist as _dist
+from mrl.platform import launch as _launch
 from mrl.platform.bridge import ROLLOUT, Bridge, RoleSplit
 from mrl.platform.config import ParallelConfig, PlatformConfig
-from mrl.platform.dist import detect_launch, stage
+from mrl.platform.dist import stage
 from mrl.platform.parallel import ParallelLayout
 from mrl.platform.quiet import quiet_known_warnings
 
@@ -92,8 +93,8 @@ def setup(platform: PlatformConfig, parallel: ParallelConfig, seed: int, *,
     if _CURRENT is not None:
         raise RuntimeError("mrl.platform.setup() was already called; call teardown() first")
     _device.check_platform(platform.device)
-    launch = detect_launch(env)
-    _dist.check_world_size(launch.world_size, platform.world_size, launch.launcher)
+    launch = _launch.detect_launch(env)
+    _launch.check_world_size(launch.world_size, platform.world_size, launch.launcher)
     split = RoleSplit(launch.world_size, rollout_ranks)
     role = split.role_of(launch.rank)
     role_rank, role_world = split.role_rank(launch.rank)
@@ -102,7 +103,7 @@ def setup(platform: PlatformConfig, parallel: ParallelConfig, seed: int, *,
     if split.separate and split.trainer_ranks < 1:
         raise UserError(f"rollout.ranks {rollout_ranks} of the world size {launch.world_size} leaves no rank to train")
     _parallel.check_layout(parallel, split.trainer_ranks, platform.device)
-    backend = _dist.resolve_backend(platform.backend, platform.device)
+    backend = _launch.resolve_backend(platform.backend, platform.device)
     dev = _device.rank_device(platform.device, launch.local_rank)
     _device.bind_device(dev)
     threads = None

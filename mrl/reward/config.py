@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from mrl.config.schema import option, section
+from mrl.schema.section import option, section
 
 Builtin = Literal["exact_match", "gsm8k", "math", "reasoning_gym", "format_boxed", "format_answer_tags",
                   "format_think_answer", "auto", "auto_mrl", "verl_gsm8k", "verl_math", "verl_math_dapo",

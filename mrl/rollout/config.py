@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from mrl.config.schema import SEED_MAX, option, section
+from mrl.schema.section import SEED_MAX, option, section
 
 
 @section

@@ -32,10 +32,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from mrl.rollout import vllm_engine as spmd
+from mrl.rollout import vllm_worker
 from mrl.rollout.async_engine import AsyncEngine, GenRequest, GenResult
 from mrl.rollout.engine import WeightStream, buckets
 from mrl.rollout.types import Sampling
-from mrl.rollout import vllm_engine as spmd
 
 
 def pack_tensor(name: str, t: torch.Tensor) -> tuple:
@@ -55,19 +56,19 @@ class MrlWorkerExtension:
     `collective_rpc`: the SPMD engine's weight-update and read-back functions (`self` is the worker)."""
 
     def mrl_start_weight_update(self) -> bool:
-        return spmd._start_weight_update(self)
+        return vllm_worker.start_weight_update(self)
 
     def mrl_load_weight_bucket(self, bucket) -> list[str]:
-        return spmd._load_weight_bucket(self, [unpack_tensor(*entry) for entry in bucket])
+        return vllm_worker.load_weight_bucket(self, [unpack_tensor(*entry) for entry in bucket])
 
     def mrl_finish_weight_update(self, loaded, partial):
-        return spmd._finish_weight_update(self, list(loaded), partial)
+        return vllm_worker.finish_weight_update(self, list(loaded), partial)
 
     def mrl_packed_modules(self):
-        return spmd._packed_modules(self)
+        return vllm_worker.packed_modules(self)
 
     def mrl_read_hf_tensor_packed(self, name, packed):
-        t = spmd._read_hf_tensor(self, name, {k: list(v) for k, v in packed.items()})
+        t = vllm_worker.read_hf_tensor(self, name, {k: list(v) for k, v in packed.items()})
         return None if t is None else pack_tensor(name, t)
 
 
@@ -187,7 +188,7 @@ class VLLMAsyncEngine(AsyncEngine):
         finally:
             finished = self._rpc("mrl_finish_weight_update", sorted(loaded), partial)
         self.loop.run(self.llm.reset_prefix_cache())
-        spmd.check_finished(finished, sent)
+        vllm_worker.check_finished(finished, sent)
         return sent
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mrl.config.dump import to_dict
+from mrl.schema.dump import to_dict
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 

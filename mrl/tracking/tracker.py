@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import IO, Any, Mapping
 
-from mrl.config.dump import to_toml
 from mrl.errors import UserError
+from mrl.schema.dump import to_toml
 from mrl.tracking.config import TrackingConfig
 from mrl.tracking.console import ConsoleProgress
 from mrl.tracking.journal import WriteGuard

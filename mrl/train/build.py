@@ -217,7 +217,7 @@ def build_learner(spec: JobSpec, plan: StepPlan, hf: dict, device: str, total: i
     attach(actor, hf)   # MoE: routing replay and the moe/* metrics
     ref = None
     if spec.ref.enable and spec.actor.lora.rank:
-        from mrl.models.lora import reference_engine
+        from mrl.engine.reference import reference_engine
 
         ref = reference_engine(actor)   # the actor's frozen base, adapters off: no second copy
     elif spec.ref.enable:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from mrl.config.schema import option, section
 from mrl.models.lora import LoraConfig
 from mrl.optim.config import OptimConfig, ScheduleConfig
+from mrl.schema.section import option, section
 
 
 @section

@@ -4,7 +4,7 @@ Every number a step's stages divide by is computed here and nowhere else: the da
 size, the prompts each trainer rank trains per step, each update's mini-batches and optimizer
 steps, the rollout engine groups and their leaders. The producer (`mrl.train.produce`), the
 update (`mrl.train.step`), evaluation (`mrl.train.evaluate`), the build (`mrl.train.build`),
-`mrl validate` (`plan_problems`) and the CLI summary (`mrl.cli.summary`) all read one `StepPlan`.
+`mrl validate` (`plan_problems`) and the CLI summary (`mrl.cli.common.summary`) all read one `StepPlan`.
 
 A plan that does not divide is an error at validate time (`plan_problems`, one line naming the
 key); `step_plan` refuses it the same way, so nothing downstream rounds a count.

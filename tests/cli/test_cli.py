@@ -102,7 +102,7 @@ def test_show_get_prints_values_for_scripts(cli):
 
 
 def test_every_subcommand_help_has_a_description_and_examples():
-    from mrl.cli import EXAMPLES, build_parser
+    from mrl.cli.parser import EXAMPLES, build_parser
 
     parser = build_parser()
     [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
@@ -118,7 +118,7 @@ def test_readme_job_is_the_shipped_grpo_recipe_and_its_commands_exist(tmp_path):
     commands are the Makefile's targets (CI runs the test command through .ci/run)."""
     import re
 
-    from mrl.config.dump import to_toml
+    from mrl.schema.dump import to_toml
     from mrl.config.loader import load
 
     readme = (REPO / "README.md").read_text()

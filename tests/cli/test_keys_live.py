@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mrl.config import schema
 from mrl.config.job import JobSpec
 from mrl.config.loader import load
 from mrl.errors import SpecError, UserError
+from mrl.schema.section import fields_of, section_of
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "jobs/quickstart_cpu.toml"
@@ -23,8 +23,8 @@ READ_ELSEWHERE: dict[str, str] = {}
 
 
 def _leaves(cls, prefix=""):
-    for name, f in schema.fields_of(cls).items():
-        sub = schema.section_of(f.type)
+    for name, f in fields_of(cls).items():
+        sub = section_of(f.type)
         if sub is not None:
             yield from _leaves(sub, f"{prefix}{name}.")
         else:

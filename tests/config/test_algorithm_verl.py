@@ -63,9 +63,9 @@ def test_keys_algorithm_lists_every_verl_name(cli):
 def test_rejection_threshold_is_a_number_or_a_spec(write_job):
     """verl's rollout_rs_threshold is a float or a string ("0.5_2.0"): both are accepted, in the file
     and on the command line, where only a plain decimal is a number (TOML would read 0.5_2 as 0.52)."""
-    from mrl.config.loader import _parse_override_value
+    from mrl.config.overrides import _parse_override_value
     from mrl.algos.config import CorrectionConfig
-    from mrl.config import schema
+    from mrl.schema.section import fields_of
     from mrl.errors import SpecError
     import pytest
 
@@ -76,7 +76,7 @@ def test_rejection_threshold_is_a_number_or_a_spec(write_job):
     spec, _ = load(write_job({"algorithm": {"correction": {"rejection": "seq_mean_k1"}}}),
                    ["algorithm.correction.rejection_threshold=0.5_2.0"])
     assert spec.algorithm.correction.rejection_threshold == "0.5_2.0"
-    tp = schema.fields_of(CorrectionConfig)["rejection_threshold"].type
+    tp = fields_of(CorrectionConfig)["rejection_threshold"].type
     assert _parse_override_value("0.01", tp) == 0.01 and _parse_override_value("1e-3", tp) == 0.001
     assert _parse_override_value("0.5_2", tp) == "0.5_2" and _parse_override_value("'0.5'", tp) == "0.5"
     assert _parse_override_value("none", tp) is None
@@ -93,14 +93,15 @@ def test_a_union_type_takes_its_first_fitting_member():
 
     import pytest
 
-    from mrl.config import schema
+    from mrl.schema.section import optional_inner, union_members
+    from mrl.schema.value import ValueProblem, convert
 
     tp = Optional[Union[float, str]]
-    assert schema.optional_inner(tp) == Union[float, str] and schema.union_members(Union[float, str]) == (float, str)
-    assert schema.convert(3, tp) == 3.0 and isinstance(schema.convert(3, tp), float)
-    assert schema.convert("a", tp) == "a" and schema.convert(None, tp) is None
-    with pytest.raises(schema.ValueProblem, match="must be a number or a string, got a list"):
-        schema.convert([1], Union[float, str])
+    assert optional_inner(tp) == Union[float, str] and union_members(Union[float, str]) == (float, str)
+    assert convert(3, tp) == 3.0 and isinstance(convert(3, tp), float)
+    assert convert("a", tp) == "a" and convert(None, tp) is None
+    with pytest.raises(ValueProblem, match="must be a number or a string, got a list"):
+        convert([1], Union[float, str])
 
 
 def test_icepop_presets_are_written_out(write_job, cli):

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from mrl.config import schema
-from mrl.config.dump import to_toml
 from mrl.config.job import JobSpec
 from mrl.config.loader import load
 from mrl.config.suggest import VERL_TO_MRL
+from mrl.schema.dump import to_toml
+from mrl.schema.section import all_keys, fields_of, optional_inner, section_of
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = sorted((REPO / "jobs").glob("*.toml"))
@@ -124,8 +124,8 @@ def test_sections_are_frozen(write_job):
 
 def _leaf_fields(cls, prefix=""):
     for f in dataclasses.fields(cls):
-        info = schema.fields_of(cls)[f.name]
-        sub = schema.section_of(info.type)
+        info = fields_of(cls)[f.name]
+        sub = section_of(info.type)
         if sub is not None:
             yield from _leaf_fields(sub, f"{prefix}{f.name}.")
         else:
@@ -134,7 +134,7 @@ def _leaf_fields(cls, prefix=""):
 
 def test_optional_fields_default_to_none():
     # TOML has no null: `mrl show` leaves None out, so an Optional must default to None to round-trip.
-    bad = [k for k, f, info in _leaf_fields(JobSpec) if schema.optional_inner(info.type) is not None and f.default is not None]
+    bad = [k for k, f, info in _leaf_fields(JobSpec) if optional_inner(info.type) is not None and f.default is not None]
     assert not bad
 
 
@@ -143,7 +143,7 @@ def test_every_field_has_help():
 
 
 def test_verl_migration_table_targets_exist():
-    valid = set(schema.all_keys(JobSpec))
+    valid = set(all_keys(JobSpec))
     assert not [v for v in VERL_TO_MRL.values() if v not in valid]
 
 
@@ -200,7 +200,8 @@ def test_a_child_file_unsets_a_key_its_base_set(tmp_path):
     base = (REPO / "jobs/quickstart_cpu.toml").read_text()
     assert "max_staleness" not in base
     (tmp_path / "base.toml").write_text(base.replace("[rollout]", "[rollout]\nmax_model_len = 4096\n", 1))
-    from mrl.config.loader import read_spec_file, Report
+    from mrl.config.files import read_spec_file
+    from mrl.config.report import Report
     raw = read_spec_file(tmp_path / "base.toml", Report(main_file="base.toml"))
     assert raw["rollout"]["max_model_len"] == 4096 and raw["job"]["description"].startswith("GRPO on CPU")
     (tmp_path / "child.toml").write_text('extends = "base.toml"\nunset = ["rollout.max_model_len", "job.description"]\n')

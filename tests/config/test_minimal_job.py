@@ -1,6 +1,6 @@
 """A minimal job (model, data, reward; everything else default) is valid: the defaults form a job.
 
-`rollout.responses_per_prompt` is derived once, in `mrl.config.validate.resolve`: a group of
+`rollout.responses_per_prompt` is derived once, in `mrl.config.defaults.resolve`: a group of
 `GROUP_RESPONSES` for an estimator that compares the responses of a prompt's group (GRPO's
 default advantage among them), one response otherwise; a value the job sets is kept.
 """
@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from mrl.config.loader import load
-from mrl.config.validate import GROUP_RESPONSES, resolve
+from mrl.config.defaults import GROUP_RESPONSES, resolve
 
 
 @pytest.fixture

@@ -12,13 +12,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mrl.config import schema
 from mrl.config.job import JobSpec
 from mrl.config.suggest import explain_unknown
 from mrl.config.verl_table import verl_table
 from mrl.convert import convert, render
 from mrl.convert.rules import RULES
 from mrl.convert.verl_config import verl_defaults
+from mrl.schema.section import all_keys
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -297,7 +297,7 @@ def test_critic_keys_of_a_grpo_job_are_listed_as_not_read():
 
 def test_every_table_entry_suggests_its_own_target():
     """Each verl key of the table, set in a job, is answered with its mrl key (or its reason)."""
-    valid = schema.all_keys(JobSpec)
+    valid = all_keys(JobSpec)
     table = verl_table()
     wrong = []
     for verl, entry in table.mapped.items():
@@ -327,7 +327,7 @@ def test_total_epochs_suggests_epochs_not_total_steps(write_job):
 
 
 def test_table_entries_are_well_formed():
-    valid = set(schema.all_keys(JobSpec))
+    valid = set(all_keys(JobSpec))
     table = verl_table()
     assert not [(k, t) for k, m in table.mapped.items() for t in m.targets if t not in valid]
     assert not [k for k, m in table.mapped.items() if m.rule not in RULES]

@@ -110,7 +110,7 @@ def test_packed_forward_matches_megatrons_dense_mask_path(cpu_platform):
     """One packed row through the model: mrl's sdpa backend vs megatron's unfused attention with
     the dense block-causal mask, logits and gradients (fp32)."""
     from mrl.models.megatron import build_gpt, transformer_config
-    from mrl.platform.tiny_model import block_causal_mask
+    from mrl.models.tiny_model import block_causal_mask
 
     hf = _tiny_hf()
     cfg = transformer_config(hf, dtype="float32", parallel=ParallelConfig(), device="cpu")

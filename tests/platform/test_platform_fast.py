@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from mrl.errors import CollectiveTimeout, UserError
 from mrl.platform import dist as mdist
+from mrl.platform import launch as mlaunch
 from mrl.platform import device as mdevice
 from mrl.platform import parallel as mparallel
 from mrl.platform.config import ParallelConfig, PlatformConfig
@@ -64,52 +65,52 @@ def test_cpu_threads_split_cores_between_ranks():
     ("dgx-[098-100]", ["dgx-098", "dgx-099", "dgx-100"]),
 ])
 def test_expand_slurm_nodelist(nodelist, hosts):
-    assert mdist.expand_nodelist(nodelist) == hosts
+    assert mlaunch.expand_nodelist(nodelist) == hosts
 
 
 @pytest.mark.parametrize("bad", ["node[1-", "node]1[", "node[3-1]", "node[a-b]", ""])
 def test_malformed_nodelist_is_rejected(bad):
     with pytest.raises(ValueError):
-        mdist.expand_nodelist(bad)
+        mlaunch.expand_nodelist(bad)
 
 
 def test_detect_slurm_launch():
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "123456",
            "SLURM_JOB_NODELIST": "gpu[07-08,11]", "SLURM_STEP_NODELIST": "gpu[08,11]",
            "SLURM_STEP_TASKS_PER_NODE": "8(x2)"}
-    launch = mdist.detect_launch(env)
-    assert launch == mdist.LaunchEnv(launcher="slurm", rank=5, world_size=16, local_rank=1, local_world_size=8,
+    launch = mlaunch.detect_launch(env)
+    assert launch == mlaunch.LaunchEnv(launcher="slurm", rank=5, world_size=16, local_rank=1, local_world_size=8,
                                      master_addr="gpu08", master_port=15000 + 123456 % 15000)
-    launch = mdist.detect_launch({**env, "MASTER_PORT": "29999", "MASTER_ADDR": "head"})
+    launch = mlaunch.detect_launch({**env, "MASTER_PORT": "29999", "MASTER_ADDR": "head"})
     assert (launch.master_addr, launch.master_port) == ("head", 29999)
 
 
 def test_torchrun_wins_over_slurm_and_single_is_the_fallback():
     env = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h",
            "MASTER_PORT": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_NODELIST": "x"}
-    launch = mdist.detect_launch(env)
+    launch = mlaunch.detect_launch(env)
     assert (launch.launcher, launch.rank, launch.world_size, launch.local_rank, launch.local_world_size,
             launch.master_addr, launch.master_port) == ("torchrun", 1, 4, 1, 2, "h", 1234)
-    assert mdist.detect_launch({}) == mdist.LaunchEnv("single", 0, 1, 0, 1)
+    assert mlaunch.detect_launch({}) == mlaunch.LaunchEnv("single", 0, 1, 0, 1)
     with pytest.raises(UserError, match="RANK='x' is not an integer"):
-        mdist.detect_launch({"RANK": "x", "WORLD_SIZE": "2"})
+        mlaunch.detect_launch({"RANK": "x", "WORLD_SIZE": "2"})
 
 
 def test_world_size_mismatch_message():
     with pytest.raises(UserError) as e:
-        mdist.check_world_size(2, 8, "torchrun")
+        mlaunch.check_world_size(2, 8, "torchrun")
     msg = str(e.value)
     assert "expects world size 8 (platform.nodes x platform.ranks_per_node)" in msg
     assert "torchrun started 2 rank(s)" in msg
-    mdist.check_world_size(8, 8, "slurm")
+    mlaunch.check_world_size(8, 8, "slurm")
 
 
 def test_backend_resolution():
-    assert mdist.resolve_backend("auto", "cuda") == "nccl"
-    assert mdist.resolve_backend("auto", "cpu") == "gloo"
-    assert mdist.resolve_backend("gloo", "cuda") == "gloo"
+    assert mlaunch.resolve_backend("auto", "cuda") == "nccl"
+    assert mlaunch.resolve_backend("auto", "cpu") == "gloo"
+    assert mlaunch.resolve_backend("gloo", "cuda") == "gloo"
     with pytest.raises(UserError, match="'nccl' needs platform.device = 'cuda'"):
-        mdist.resolve_backend("nccl", "cpu")
+        mlaunch.resolve_backend("nccl", "cpu")
 
 
 def test_layout_checks():
@@ -215,14 +216,16 @@ def test_compat_activate_deactivate_is_idempotent_and_reversible(compat):
 
 
 def test_torch_view_and_tensor_method_mode(compat):
-    view = compat._VIEW
+    from mrl.platform import cpu_torch
+
+    view = cpu_torch.VIEW
     assert view.zeros(2, device="cuda").device.type == "cpu"
     assert view.tensor([1.0], device=torch.device("cuda", 0)).device.type == "cpu"
     assert view.nn is torch.nn and view.float32 is torch.float32
     with view.cuda.stream(view.cuda.Stream()):
         view.cuda.current_stream().record_event().synchronize()
     t = torch.ones(2)
-    with compat._CudaMethodsOnCpu():
+    with cpu_torch.CudaMethodsOnCpu():
         assert t.cuda() is t
         assert t.type() == "torch.cuda.FloatTensor"
         assert t.to("cuda").device.type == "cpu"
@@ -236,7 +239,7 @@ def test_single_process_cpu_platform_runs_megatron_and_needs_compat():
     fails without it (so the layer is doing real work); teardown() restores everything."""
     from mrl import platform
     from mrl.platform import cpu_compat
-    from mrl.platform import tiny_model as tm
+    from mrl.models import tiny_model as tm
 
     spec = tm.TinyGPTSpec(num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=1,
                           ffn_hidden_size=32, vocab_size=32, seq_length=8)
@@ -298,7 +301,7 @@ def test_single_process_bf16_ddp_and_megatron_optimizer_step():
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from mrl import platform
-    from mrl.platform import tiny_model as tm
+    from mrl.models import tiny_model as tm
 
     spec = tm.TinyGPTSpec(num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=1,
                           ffn_hidden_size=32, vocab_size=32, seq_length=8)

@@ -152,12 +152,13 @@ def test_sft_spec_errors_name_the_key(tmp_path, tiny_hf, pairs_parquet):
 def test_verl_sft_tables_target_real_keys_are_documented_and_explained(tmp_path, tiny_hf, pairs_parquet):
     """Every verl SFT key maps to a key an SFT job has, or has a reason; CONTRIBUTING.md lists both
     tables; an SFT job using one gets the suggestion or the reason in one line."""
-    from mrl.config import schema
+    from mrl.schema.section import all_keys
     from mrl.config.loader import load
     from mrl.errors import SpecError
-    from mrl.sft.config import VERL_SFT_NOT_APPLICABLE, VERL_SFT_TO_MRL, SFTJobSpec
+    from mrl.config.sft_job import SFTJobSpec
+    from mrl.sft.config import VERL_SFT_NOT_APPLICABLE, VERL_SFT_TO_MRL
 
-    valid = set(schema.all_keys(SFTJobSpec))
+    valid = set(all_keys(SFTJobSpec))
     assert not [v for v in VERL_SFT_TO_MRL.values() if v not in valid]
     assert not set(VERL_SFT_NOT_APPLICABLE) & set(VERL_SFT_TO_MRL)
     text = (REPO / "CONTRIBUTING.md").read_text()

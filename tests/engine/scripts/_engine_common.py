@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "platform" / "scrip
 import _common as C  # noqa: E402  (platform test helpers: up/down/shard/perturb/report/check)
 
 from mrl.batch import Batch  # noqa: E402
-from mrl.platform import tiny_model as tm  # noqa: E402
+from mrl.models import tiny_model as tm  # noqa: E402
 
 SPEC = tm.TinyGPTSpec(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                       ffn_hidden_size=48, vocab_size=64, seq_length=64)

@@ -8,8 +8,8 @@ import sys
 import torch
 
 from mrl import checkpoint
+from mrl.models import tiny_model as tm
 from mrl.platform import setup, teardown
-from mrl.platform import tiny_model as tm
 from mrl.platform.config import ParallelConfig, PlatformConfig
 
 # ~7M parameters: a save takes long enough to be interrupted half-way

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from mrl.errors import CollectiveTimeout
+from mrl.models import tiny_model as tm
 from mrl.platform import setup, teardown
-from mrl.platform import tiny_model as tm
 from mrl.platform.config import ParallelConfig, PlatformConfig
 
 TIMEOUT_S = 4.0

@@ -40,7 +40,8 @@ def main():
     from mrl.engine import Engine
     from mrl.engine.objectives import actor_outputs
     from mrl.models.config import ModelConfig
-    from mrl.models.lora import LoraConfig, adapters_disabled, apply_lora, lora_linears, reference_engine
+    from mrl.engine.reference import reference_engine
+    from mrl.models.lora import LoraConfig, adapters_disabled, apply_lora, lora_linears
     from mrl.models.megatron import gather_vocab_parallel_logits, hf_config, position_ids
     from mrl.models.roles import build_role_model, freeze
     from mrl.platform import setup, teardown

@@ -10,7 +10,7 @@ import sys
 import torch
 
 import _common as C
-from mrl.platform import tiny_model as tm
+from mrl.models import tiny_model as tm
 
 SPEC = tm.TinyGPTSpec(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                       ffn_hidden_size=48, vocab_size=64, seq_length=8)

@@ -7,7 +7,7 @@ vocab-parallel output, and TP=2 gradients are compared with slices of the TP=1 g
 import torch
 
 import _common as C
-from mrl.platform import tiny_model as tm
+from mrl.models import tiny_model as tm
 
 SPEC = tm.TinyGPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                       ffn_hidden_size=96, vocab_size=128, seq_length=16)
