@@ -191,3 +191,12 @@ def test_tp2_and_pp2_match_transformers(vlm_checkpoint):
     print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("VLM ")))
     assert [f[0] for f in found] == ["tp2 pp1", "tp1 pp2"], proc.stdout
     assert all(int(t) > 0 and float(d) <= 1e-5 for _, t, d in found), proc.stdout
+
+
+def test_validate_refuses_a_vlm_job_train_would_refuse(capsys):
+    from mrl.cli import main
+
+    assert main(["validate", "jobs/quickstart_vlm_cpu.toml"]) == 0
+    capsys.readouterr()
+    assert main(["validate", "jobs/quickstart_vlm_cpu.toml", "rollout.engine=vllm"]) == 2
+    assert "qwen2_5_vl (vision-language) does not run with rollout.engine = 'vllm'" in capsys.readouterr().err
