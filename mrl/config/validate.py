@@ -155,6 +155,13 @@ def check(spec: JobSpec, report) -> None:
         if beyond:
             err("rollout.stop_token_ids", f"{', '.join(map(str, beyond))} outside the vocabulary of {facts.vocab_size} "
                                           f"tokens ({facts.source})")
+    from mrl.models.facts import find_hf_config
+    from mrl.models.vlm import training_problem
+
+    found = find_hf_config(spec.model.path)   # a vision-language model: what `mrl train` runs with images
+    vlm_problem = training_problem(spec, found[0]) if found is not None else None
+    if vlm_problem:
+        err("model.path", vlm_problem.split(": ", 1)[1])
 
     # --- batch arithmetic: prompts -> responses -> tokens
     n = roll.responses_per_prompt

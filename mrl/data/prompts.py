@@ -11,13 +11,17 @@ never tokenized. "error" refuses it naming the row; "drop" and "truncate_left" d
 """
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
+from mrl.data.images import IMAGE_COLUMN, BadImage, ImageInputs, ImageProcessor, image_cells, with_placeholders
 from mrl.data.rows import Prompt, PromptRow
 from mrl.data.template import encode_prompt, render_prompt
 from mrl.errors import UserError
+
+log = logging.getLogger(__name__)
 
 Overflow = Literal["error", "drop", "truncate_left"]
 
@@ -34,6 +38,7 @@ class PromptItem:
     data_source: str
     origin: str
     extra: dict = field(default_factory=dict)
+    images: Optional[ImageInputs] = None  # the processor's outputs for the prompt's images (VLMs)
 
 
 @dataclass
@@ -82,10 +87,16 @@ def fit_length(ids: list[int], max_tokens: int, overflow: Overflow, origin: str)
 def tokenize_rows(rows: list[PromptRow], tokenizer: Any, *, max_prompt_tokens: int, overflow: Overflow,
                   chat_template: bool, system_prompt: str | None = None,
                   stats: Counter | None = None, special_tokens_in_text: str = "escape",
-                  tools: list[dict] | None = None) -> PromptDataset:
+                  tools: list[dict] | None = None, images: ImageProcessor | None = None,
+                  bad_rows: Literal["warn", "error"] = "warn") -> PromptDataset:
     """Render and tokenize `rows`; `stats` (rows counters from loading) gains the prompt counters.
     `tools`: function schemas the chat template lists (multi-turn jobs).
-    Special-token text in a row follows `special_tokens_in_text` (`mrl.data.special`)."""
+    Special-token text in a row follows `special_tokens_in_text` (`mrl.data.special`).
+    `images` (a vision-language model's processor): a row's `images` cells are processed and its
+    `<image>` marks expanded (`mrl.data.images`); a row whose images cannot be used is dropped and
+    counted (`prompts_bad_image_dropped`) or, with `bad_rows = "error"`, stops the run in one line.
+    A prompt with images is never truncated (its image tokens would no longer match): over
+    `max_prompt_tokens` it is dropped (or refused)."""
     from mrl.data import special
 
     counts = Counter(stats or {})
@@ -99,8 +110,25 @@ def tokenize_rows(rows: list[PromptRow], tokenizer: Any, *, max_prompt_tokens: i
         held = sum(bool(special.special_in_tools([t], specials)) for t in tools)
         counts["tools_special_text_escaped" if special_tokens_in_text == "escape" else "tools_special_text_allowed"] = held
     items: list[PromptItem] = []
+    if images is not None:
+        counts["prompts_bad_image_dropped"] += 0
     for row in rows:
-        size = prompt_bytes(row.prompt)
+        vision: ImageInputs | None = None
+        prompt = row.prompt
+        extra = row.extra
+        if images is not None and (IMAGE_COLUMN in row.extra or "<image>" in str(row.prompt)):
+            try:
+                prompt = with_placeholders(row.prompt)
+                vision = images.process(image_cells(row.extra.get(IMAGE_COLUMN)), prompt)
+            except BadImage as e:
+                if bad_rows == "error":
+                    raise UserError(f"{row.origin}: {e} (set data.bad_rows = 'warn' to drop and count such rows)") from None
+                log.warning("%s: %s; row dropped", row.origin, e)
+                counts["prompts_bad_image_dropped"] += 1
+                continue
+            extra = {k: v for k, v in row.extra.items() if k != IMAGE_COLUMN}
+        expand = (lambda t: images.expand(t, vision)) if vision is not None else (lambda t: t)
+        size = prompt_bytes(prompt)
         if size > byte_limit:   # never tokenized: it cannot fit, and tokenizing it costs memory
             if overflow == "error":
                 raise UserError(f"{row.origin}: prompt has {size} bytes, more than {byte_limit} = "
@@ -108,7 +136,7 @@ def tokenize_rows(rows: list[PromptRow], tokenizer: Any, *, max_prompt_tokens: i
                                 "tokenized (set data.prompt_overflow = 'drop' to skip such rows)")
             counts["prompts_oversized_dropped"] += 1
             continue
-        found = special.special_in(row.prompt, specials) if specials else []
+        found = special.special_in(prompt, specials) if specials else []
         if found and special_tokens_in_text == "error":
             raise special.refuse(row.origin, found)
         if (found or in_tools) and special_tokens_in_text == "escape":
@@ -116,24 +144,26 @@ def tokenize_rows(rows: list[PromptRow], tokenizer: Any, *, max_prompt_tokens: i
                 counts["prompts_special_text_escaped"] += 1
             pieces: list[str] = []
             row_tools = special.mark_tools(tools, specials, pieces) if in_tools else tools
-            marked, pieces = special.mark(row.prompt, specials, pieces) if found else (row.prompt, pieces)
-            rendered = render_prompt(marked, tokenizer, chat_template=chat_template, system_prompt=system_prompt,
-                                     origin=row.origin, tools=row_tools)
+            marked, pieces = special.mark(prompt, specials, pieces) if found else (prompt, pieces)
+            rendered = expand(render_prompt(marked, tokenizer, chat_template=chat_template,
+                                            system_prompt=system_prompt, origin=row.origin, tools=row_tools))
             text = special.unmark(rendered, pieces)
             ids = special.encode_escaped(rendered, pieces, tokenizer, add_special_tokens=not chat_template)
         else:
             if found:
                 counts["prompts_special_text_allowed"] += 1
-            text = render_prompt(row.prompt, tokenizer, chat_template=chat_template, system_prompt=system_prompt,
-                                 origin=row.origin, tools=tools)
+            text = expand(render_prompt(prompt, tokenizer, chat_template=chat_template, system_prompt=system_prompt,
+                                        origin=row.origin, tools=tools))
             ids = encode_prompt(text, tokenizer, chat_template=chat_template)
-        fitted = fit_length(ids, max_prompt_tokens, overflow, row.origin)
+        fitted = fit_length(ids, max_prompt_tokens, "drop" if vision is not None and overflow != "error" else overflow,
+                            row.origin)
         if fitted is None:
             counts["prompts_overlong_dropped"] += 1
             continue
         if len(fitted) < len(ids):
             counts["prompts_truncated"] += 1
         items.append(PromptItem(index=len(items), token_ids=tuple(fitted), text=text, prompt=row.prompt,
-                                answer=row.answer, data_source=row.data_source, origin=row.origin, extra=row.extra))
+                                answer=row.answer, data_source=row.data_source, origin=row.origin, extra=extra,
+                                images=images.with_positions(vision, fitted) if vision is not None else None))
     counts["prompts"] = len(items)
     return PromptDataset(items=items, stats=dict(counts))

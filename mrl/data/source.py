@@ -58,12 +58,13 @@ def load_rows(cfg: DataConfig, split: Literal["train", "val"] = "train", *, requ
 
 
 def load_prompts(cfg: DataConfig, tokenizer: Any, split: Literal["train", "val"] = "train", *,
-                 require_answer: bool = True, tools: list[dict] | None = None) -> PromptDataset:
+                 require_answer: bool = True, tools: list[dict] | None = None, images: Any = None) -> PromptDataset:
     """Rows of `split`, rendered with the job's chat settings, tokenized and length-checked.
 
     `require_answer=False` when only a reward model scores (rows then need no answer column).
     Validation prompts are capped at `data.val_prompts`. `tools`: the multi-turn job's function
     schemas, listed by the chat template (`mrl.rollout.multi_turn.prompt_tools`, `JobTools.prompt_schemas`).
+    `images`: a vision-language model's `mrl.data.images.ImageProcessor` (`mrl.data.images.model_image_processor`).
     """
     stats: Counter = Counter({"rows_read": 0, "rows_bad_prompt": 0, "rows_missing_answer": 0})
     rows = load_rows(cfg, split, require_answer=require_answer, stats=stats)
@@ -71,7 +72,8 @@ def load_prompts(cfg: DataConfig, tokenizer: Any, split: Literal["train", "val"]
         rows = rows[:cfg.val_prompts]
     dataset = tokenize_rows(rows, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, overflow=cfg.prompt_overflow,
                             chat_template=cfg.chat_template, system_prompt=cfg.system_prompt, stats=stats,
-                            special_tokens_in_text=cfg.special_tokens_in_text, tools=tools)
+                            special_tokens_in_text=cfg.special_tokens_in_text, tools=tools, images=images,
+                            bad_rows=cfg.bad_rows)
     if not dataset.items:
         raise UserError(f"no {split} prompts left after filtering: {dataset.stats}")
     return dataset

@@ -139,7 +139,7 @@ class Engine:
             mb = next(data_iterator)
             if self.routing is not None:
                 self.routing.before(model, mb)
-            output = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
+            output = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **mb.vision)
             if self.routing is not None:
                 self.routing.after(model, mb)
             return output, step_fn(mb)

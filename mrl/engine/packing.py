@@ -100,7 +100,7 @@ class MicroBatch:
     index: torch.Tensor                  # [n] rows of the mini-batch this micro-batch holds
     batch: Batch                         # those responses, padded [n, R] as in the mini-batch
     tokens: torch.Tensor                 # [1, T] concatenated sequences (+ padding at the end)
-    position_ids: torch.Tensor           # [1, T] 0.. per sequence
+    position_ids: torch.Tensor           # [1, T] 0.. per sequence ([3, 1, T] mRoPE ids in a row with images)
     packed_seq_params: Any               # megatron PackedSeqParams (thd)
     response_positions: torch.Tensor     # [N] row positions whose next token is a response token
     response_labels: torch.Tensor        # [N] that next token (= response_ids)
@@ -111,6 +111,7 @@ class MicroBatch:
     routes: dict = dataclasses.field(default_factory=dict)   # source -> [T, L, k] MoE routes (`routing`)
     real: Optional[torch.Tensor] = None  # [T] bool: real tokens of the (local) row, padding False
     cp: Optional[CPShare] = None         # context parallelism: this rank's share
+    vision: dict = dataclasses.field(default_factory=dict)   # pixel_values / image_grid_thw of the row's images
 
     @property
     def row_tokens(self) -> int:
@@ -192,12 +193,37 @@ def pack(batch: Batch, index: Sequence[int], *, pad_to_multiple: int = 1,
     pos = torch.cat(positions).unsqueeze(0)
     routes = {src: pack_row(sub[f"{src}_prompt_routes"], sub[f"{src}_response_routes"], p_lens, r_lens, row).to(device)
               for src in ROUTE_SOURCES if f"{src}_prompt_routes" in sub}
+    vision = {}
+    items = sub.meta.get("prompt_item") or []
+    if any(getattr(it, "images", None) is not None for it in items):
+        pos, vision = _vision_row(items, p_lens, r_lens, row - used)
     packed = _thd_params(seq_lens + ([row - used] if row > used else []), device)
     return MicroBatch(index=idx, batch=sub.to(device), tokens=tokens.to(device), position_ids=pos.to(device),
                       packed_seq_params=packed, response_positions=flat_pos.to(device),
                       response_labels=labels.to(device), response_rows=rows.to(device),
                       response_cols=cols.to(device), sequence_tokens=used,
-                      loss_tokens=loss_tokens, routes=routes, real=(torch.arange(row) < used).to(device))
+                      loss_tokens=loss_tokens, routes=routes, real=(torch.arange(row) < used).to(device),
+                      vision={k: v.to(device) for k, v in vision.items()})
+
+
+def _vision_row(items, p_lens: list[int], r_lens: list[int], padding: int) -> tuple[torch.Tensor, dict]:
+    """A row with images (vision-language models): `[3, 1, T]` mRoPE ids (each prompt's own from its
+    `ImageInputs`, its response counting on from one past the prompt's largest id, text-only
+    prompts the same id thrice) and the row's images in row order."""
+    parts, pixels, grids = [], [], []
+    for it, p, r in zip(items, p_lens, r_lens):
+        img = getattr(it, "images", None)
+        prompt = img.prompt_positions if img is not None else torch.arange(p).expand(3, p)
+        if prompt.shape[1] != p:
+            raise ValueError(f"mRoPE ids for {prompt.shape[1]} prompt tokens, the prompt has {p}")
+        start = int(prompt.max()) + 1 if p else 0
+        parts += [prompt, (start + torch.arange(r)).expand(3, r)]
+        if img is not None:
+            pixels.append(img.pixel_values)
+            grids.append(img.image_grid_thw)
+    if padding:
+        parts.append(torch.arange(padding).expand(3, padding))
+    return torch.cat(parts, dim=1).unsqueeze(1), dict(pixel_values=torch.cat(pixels), image_grid_thw=torch.cat(grids))
 
 
 def _pack_cp(sub, idx, pieces, seq_lens, flat_pos, rows, cols, labels, loss_tokens, pad_to_multiple, device,

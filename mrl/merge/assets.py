@@ -3,6 +3,8 @@
 - `config.json`: the checkpoint's own HF config (as the training job read it), with the output
   dtype; a critic or reward model is described as its base model (`*Model`), because its head is
   a value head stored separately in `value_head.safetensors`, not an LM head.
+- a vision-language model's processor files (`preprocessor_config.json` ...), copied or, for the
+  tiny preset, written from its image processor;
 - tokenizer files and `generation_config.json`: copied from the job's `model.tokenizer` /
   `model.path` when that is a local Hugging Face directory; for `builtin:` presets the byte-level
   tokenizer mrl trains them with is written, and the config's special-token ids point into it.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -52,6 +55,15 @@ def write_config(out: Path, hf: dict[str, Any], *, dtype: torch.dtype, valued: b
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
     cfg = {k: v for k, v in hf.items() if k not in ("transformers_version", "torch_dtype", "dtype")}
+    from mrl.models.vlm import hf_config_object, is_vlm
+
+    if is_vlm(cfg):   # the nested config.json transformers and vLLM read, its text ids in the text config
+        cfg.update(special_ids or {})
+        config = hf_config_object(cfg)
+        config.architectures = [type(config).__name__.replace("Config", "ForConditionalGeneration")]
+        config.dtype = dtype
+        config.save_pretrained(out)
+        return
     model_type = cfg["model_type"]
     names = MODEL_MAPPING_NAMES if valued else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     cfg["architectures"] = [names[model_type]]
@@ -68,9 +80,10 @@ def write_config(out: Path, hf: dict[str, Any], *, dtype: torch.dtype, valued: b
 def write_tokenizer(out: Path, source: Optional[str]) -> list[str]:
     """Tokenizer files from `source` into `out`; returns what was written (empty when none found)."""
     if source and builtin_preset(source) is not None:
-        from mrl.models.tokenizer import byte_tokenizer
+        from mrl.models.tokenizer import load_tokenizer
 
-        return [Path(p).name for p in byte_tokenizer().save_pretrained(str(out))]
+        tok = load_tokenizer(SimpleNamespace(tokenizer=None, path=source))   # the preset's byte tokenizer
+        return [Path(p).name for p in tok.save_pretrained(str(out))]
     src = _local_dir(source) or _hub_snapshot(source, "tokenizer_config.json")
     if src is None:
         return []
@@ -83,6 +96,29 @@ def write_tokenizer(out: Path, source: Optional[str]) -> list[str]:
         for f in sorted(src.glob(pattern)):
             shutil.copy2(f, out / f.name)
             copied.append(f.name)
+    return copied
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+
+def write_processor(out: Path, model_path: Optional[str], hf: dict[str, Any]) -> list[str]:
+    """A vision-language model's processor files (verl #4498: a VL checkpoint merged without them
+    cannot be used): copied from the model directory, or the tiny preset's image processor."""
+    from mrl.models.vlm import TINY_IMAGE_PROCESSOR, is_vlm
+
+    if not is_vlm(hf):
+        return []
+    if model_path and builtin_preset(model_path) is not None:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        return [Path(p).name for p in Qwen2VLImageProcessorPil(**TINY_IMAGE_PROCESSOR).save_pretrained(str(out))]
+    src = _local_dir(model_path) or _hub_snapshot(model_path, PROCESSOR_FILES[0])
+    copied = []
+    for name in PROCESSOR_FILES:
+        if src is not None and (src / name).is_file():
+            shutil.copy2(src / name, out / name)
+            copied.append(name)
     return copied
 
 

@@ -172,6 +172,10 @@ def merge(checkpoint: str | Path, out: str | Path, *, max_shard_size: str | int 
             log.warning("merge: no tokenizer found at %r; the output has no tokenizer files",
                         info.tokenizer or info.model_path)
         generation = assets.write_generation_config(staging, info.model_path, special)
+        processor = assets.write_processor(staging, info.model_path, info.hf_config)
+        if not processor and info.hf_config.get("vision_config") is not None:
+            log.warning("merge: no processor files found at %r; the output has no preprocessor_config.json",
+                        info.model_path)
         verification = None
         if do_verify:
             verification = run_verify(staging, megatron, info, dtype=out_dtype, tolerance=tolerance)

@@ -75,6 +75,19 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
                           topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                           attention_bias=True, use_qk_norm=False, partial_rotary_factor=0.5,
                           num_nextn_predict_layers=0, max_position_embeddings=1024, tie_word_embeddings=False),
+    # Qwen2.5-VL: the tiny-qwen2 text model (mRoPE sections 4/6/6 of head dim 32's 16 frequencies)
+    # and a 2-block vision tower (14-pixel patches, 2x2 merge: a 56x56 image is 4 tokens). The
+    # placeholder ids are the byte tokenizer's vision specials (`mrl.models.tokenizer`).
+    "tiny-qwen2.5-vl": dict(
+        model_type="qwen2_5_vl", image_token_id=260, video_token_id=262, vision_start_token_id=259,
+        vision_end_token_id=261, tie_word_embeddings=True,
+        text_config=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024,
+                         rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[4, 6, 6]),
+                         bos_token_id=256, eos_token_id=256),
+        vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                           fullatt_block_indexes=[1], tokens_per_second=2)),
 }
 
 # Checkpoint model types that are another type's architecture under their own name: mrl reads
@@ -144,7 +157,7 @@ def find_hf_config(path: str) -> tuple[dict[str, Any], str] | None:
     preset = builtin_preset(path)
     if preset is not None:
         cfg = BUILTIN_PRESETS.get(preset)
-        return (canonical_config(dict(cfg)), f"builtin preset {preset!r}") if cfg else None
+        return (canonical_config(_flat(cfg)), f"builtin preset {preset!r}") if cfg else None
     config_json = Path(path) / "config.json"
     if not config_json.is_file() and "/" in path and not Path(path).exists():
         try:  # a Hub id already in the local Hugging Face cache (never downloads)
@@ -157,8 +170,16 @@ def find_hf_config(path: str) -> tuple[dict[str, Any], str] | None:
             config_json = Path(cached)
     if config_json.is_file():
         cfg = json.loads(config_json.read_text())
-        return canonical_config(cfg.get("text_config", cfg)), str(config_json)
+        return canonical_config(_flat(cfg)), str(config_json)
     return None
+
+
+def _flat(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config.json as mrl reads it: a VLM's flat form (`mrl.models.vlm.flatten`), another model's
+    text config."""
+    from mrl.models.vlm import flatten, is_vlm
+
+    return flatten(cfg) if is_vlm(cfg) else dict(cfg.get("text_config", cfg))
 
 
 def model_facts(path: str) -> ModelFacts | None:

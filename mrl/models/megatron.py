@@ -24,9 +24,11 @@ from mrl.models.config import ModelConfig
 from mrl.models.facts import (ARCHITECTURES, BUILTIN_PRESETS, MODEL_TYPE_ALIASES, builtin_preset, canonical_config,
                               find_hf_config)
 from mrl.models.sigmoid_moe import sigmoid_moe_fields
+from mrl.models.vlm import complete as complete_vlm
+from mrl.models.vlm import is_vlm, mrope_section
 from mrl.platform.config import ParallelConfig
 
-SUPPORTED_MODEL_TYPES = tuple(t for t in ARCHITECTURES if t not in MODEL_TYPE_ALIASES)
+SUPPORTED_MODEL_TYPES = tuple(t for t in ARCHITECTURES if t not in MODEL_TYPE_ALIASES) + ("qwen2_5_vl",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Model types transformers builds that mrl does not map yet, and what is missing (issue 40).
 UNMAPPED_MODEL_TYPES = {
@@ -72,6 +74,8 @@ def complete_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         raise UserError(f"model.path: quantized checkpoint (quantization_config {method!r}) is not supported; mrl trains "
                         "unquantized weights (dequantize the checkpoint to bf16 first)")
+    if is_vlm(cfg):
+        return complete_vlm(cfg)
     rest = {k: v for k, v in cfg.items() if k != "model_type"}
     full = AutoConfig.for_model(model_type, **rest).to_dict()
     return {**full, "model_type": model_type}
@@ -208,8 +212,6 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from mrl.models.attention import resolve_backend
-
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(f"model.path: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
@@ -217,7 +219,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
     _check_sliding_window(hf)
     torch_dtype = _DTYPES[dtype]
     heads = hf["num_attention_heads"]
-    te = resolve_backend(attention, device, parallel.context) == "te"
+    te = model_backend(hf, attention, device, parallel.context) == "te"
     kwargs: dict[str, Any] = dict(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
@@ -230,7 +232,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=(model_type == "qwen2" or bool(hf.get("attention_bias", False))
+        add_qkv_bias=(model_type in ("qwen2", "qwen2_5_vl") or bool(hf.get("attention_bias", False))
                       or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)))),
         qk_layernorm=model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(hf.get("use_qk_norm"))),
         hidden_dropout=0.0,
@@ -246,6 +248,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=te,
+        mrope_section=mrope_section(hf) if is_vlm(hf) else None,
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
         tensor_model_parallel_size=parallel.tensor,
@@ -345,6 +348,21 @@ def deepseek_v3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def model_backend(hf: dict[str, Any], attention: str, device: str, context: int = 1) -> str:
+    """The core-attention backend for `hf` (`mrl.models.attention.resolve_backend`). Vision-language
+    models take mrl's packed RoPE (per-token multimodal angles): Transformer Engine's `thd` RoPE, fused
+    or not, and megatron's own (`reference`) index one table by position in the sequence."""
+    from mrl.models import attention as attn
+
+    backend = attn.resolve_backend(attention, device, context)
+    if is_vlm(hf) and backend in ("te", attn.REFERENCE):
+        if attention != "auto":
+            raise UserError(f"model.attention: {attention!r} cannot run {hf['model_type']}'s multimodal RoPE on "
+                            "packed rows (varlen or sdpa can)")
+        backend = "varlen" if device == "cuda" else "sdpa"
+    return backend
+
+
 def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_multiple: int = 128,
               max_sequence_length: int | None = None, pre_process: bool | None = None,
               post_process: bool | None = None, attention: str = "auto", pg_collection=None):
@@ -362,8 +380,13 @@ def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_
     from mrl.models import attention as attn
 
     on_cuda = torch.cuda.is_available() and not config.use_cpu_initialization
-    backend = attn.resolve_backend(attention, "cuda" if on_cuda else "cpu", config.context_parallel_size)
+    backend = model_backend(hf, attention, "cuda" if on_cuda else "cpu", config.context_parallel_size)
     layer_spec = attn.layer_specs(config, backend, vp_stage=vp_stage)
+    extra: dict[str, Any] = dict(position_embedding_type="rope")
+    if is_vlm(hf):
+        from mrl.models.vlm_gpt import VisionLanguageGPT as GPTModel   # noqa: F811 - mRoPE + vision tower
+
+        extra = dict(hf=hf, inv_freq=hf_inv_freq(hf))
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -374,13 +397,13 @@ def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_
         post_process=(ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
                       if post_process is None else post_process),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
-        position_embedding_type="rope",
+        **extra,
         rotary_percent=rotary_fraction(hf),
         rotary_base=int(float(rope_parameters(hf)["rope_theta"])),
         vp_stage=vp_stage,
         **({"pg_collection": pg_collection} if pg_collection is not None else {}),
     )
-    if getattr(model, "rotary_pos_emb", None) is not None:
+    if getattr(model, "rotary_pos_emb", None) is not None and not is_vlm(hf):
         model.rotary_pos_emb.inv_freq = hf_inv_freq(hf).to(model.rotary_pos_emb.inv_freq.device)
     model.mrl_attention = backend
     return model

@@ -21,6 +21,9 @@ nothing; every pipeline stage builds its own tables.
 Under context parallelism (`mrl.models.context_parallel`) a rank's row holds chunks from the
 front and back of each sequence; their positions come from the micro-batch's CP layout.
 
+Multimodal RoPE (Qwen2.5-VL) hands every layer per-token angles (each token's three position
+ids, `[T, 1, 1, D]`): the same rotation takes row `i` for token `i`.
+
 Transformer Engine's layer spec is left alone: with `apply_rope_fusion` megatron calls TE's fused
 `thd` RoPE kernel, one launch for the whole row.
 """
@@ -81,8 +84,12 @@ def rotate_part(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) ->
 
 
 def packed_rope_tables(packed_seq_params: Any, freqs: torch.Tensor, total: int, dtype: torch.dtype,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`rope_tables` for the row `packed_seq_params` describes, built once per micro-batch.
+
+    `per_token`: `freqs` already holds one row of angles per token of the row (multimodal RoPE:
+    megatron's `MultimodalRotaryEmbedding` turns each token's three position ids into its angles),
+    so token `i` takes row `i` instead of the row of its position in its sequence.
 
     The result is kept on the `PackedSeqParams` object itself (it lives exactly as long as the
     micro-batch), keyed by the RoPE table's memory (activation recompute hands each layer a
@@ -93,12 +100,19 @@ def packed_rope_tables(packed_seq_params: Any, freqs: torch.Tensor, total: int, 
           else packed_seq_params.cu_seqlens_q)
     cache = packed_seq_params.__dict__.setdefault(_CACHE_ATTR, {})
     key = (freqs.data_ptr(), freqs.device, tuple(freqs.shape), freqs.stride(), freqs.dtype, dtype,
-           torch.is_inference_mode_enabled())
+           torch.is_inference_mode_enabled(), per_token)
     hit = cache.get(key)
     if hit is not None:
         return hit[1]
     cp = getattr(packed_seq_params, "mrl_cp", None)   # context parallelism: positions of this rank's chunks
-    positions = cp.positions.to(freqs.device) if cp is not None else packed_positions(cu.to(freqs.device), total)
+    if per_token and freqs.shape[0] != total:
+        raise ValueError(f"multimodal RoPE gives {freqs.shape[0]} rows of angles for a packed row of {total} tokens")
+    if per_token:
+        positions = torch.arange(total, device=freqs.device)
+    elif cp is not None:
+        positions = cp.positions.to(freqs.device)
+    else:
+        positions = packed_positions(cu.to(freqs.device), total)
     tables = rope_tables(freqs, positions, dtype)
     cache[key] = (freqs, tables)   # holding `freqs` keeps its memory from being reused while cached
     return tables
@@ -152,5 +166,6 @@ class PackedRopeSelfAttention(SelfAttention):
             return out
         packed_seq_params, freqs = self._packed_rope
         query, key, *rest = out   # [T, 1, H, D]: the whole row (gathered under sequence parallelism)
-        cos, sin_signed = packed_rope_tables(packed_seq_params, freqs, query.shape[0], query.dtype)
+        cos, sin_signed = packed_rope_tables(packed_seq_params, freqs, query.shape[0], query.dtype,
+                                             per_token=bool(self.config.mrope_section))
         return (rotate_part(query, cos, sin_signed), rotate_part(key, cos, sin_signed), *rest)

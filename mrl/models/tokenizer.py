@@ -15,6 +15,8 @@ from mrl.models.config import ModelConfig
 from mrl.models.facts import builtin_preset
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+#: ids 259.. of the byte tokenizer of a vision-language preset (Qwen2.5-VL's placeholder specials)
+VISION_SPECIALS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 # ChatML; with tools (transformers renders with trim_blocks, hence {{ '\\n' }} after a tag), Qwen2.5's Hermes tool turns (a system block listing them, <tool_call> in
 # assistant turns, consecutive tool messages in one user turn of <tool_response> blocks)
 CHATML = (
@@ -36,20 +38,22 @@ CHATML = (
 
 
 @lru_cache(maxsize=None)
-def byte_tokenizer():
-    """A byte-level `PreTrainedTokenizerFast` (259 ids) for the builtin presets."""
+def byte_tokenizer(vision: bool = False):
+    """A byte-level `PreTrainedTokenizerFast` (259 ids) for the builtin presets; with `vision`,
+    Qwen-VL's placeholder specials follow (ids 259-262, `VISION_SPECIALS`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     vocab = {ch: byte for byte, ch in bytes_to_unicode().items()}
-    for s in SPECIALS:
+    specials = SPECIALS + (VISION_SPECIALS if vision else ())
+    for s in specials:
         vocab[s] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0], pad_token=SPECIALS[0],
-                                   additional_special_tokens=list(SPECIALS[1:]))
+                                   additional_special_tokens=list(specials[1:]))
     fast.chat_template = CHATML
     return fast
 
@@ -58,7 +62,10 @@ def load_tokenizer(model: ModelConfig) -> Any:
     """`model.tokenizer`, else the checkpoint at `model.path`, else the byte tokenizer for presets."""
     source = model.tokenizer or model.path
     if builtin_preset(source) is not None:
-        return byte_tokenizer()
+        from mrl.models.facts import BUILTIN_PRESETS
+        from mrl.models.vlm import VLM_MODEL_TYPES
+
+        return byte_tokenizer(BUILTIN_PRESETS.get(builtin_preset(source), {}).get("model_type") in VLM_MODEL_TYPES)
     from transformers import AutoTokenizer
 
     try:

@@ -67,6 +67,10 @@ def session(target: Target) -> Iterator[tuple]:
         try:
             run = Run(spec=spec, ctx=ctx, hf=hf_config(spec.model), tokenizer=tokenizer, total_steps=target.step,
                       plan=step_plan(spec))
+            if run.hf.get("vision_config") is not None:   # its prompts would lose their images (docs/vlm.md)
+                from mrl.errors import UserError
+
+                raise UserError(f"{run.hf['model_type']} (vision-language): mrl generate does not carry images yet")
             reward_model = build_reward_model(spec, run.hf, ctx.platform)   # when a reward source is a model
             gen = build_generation(spec, run.plan, ctx, tokenizer, reward_model=reward_model)
             gen.version = target.step

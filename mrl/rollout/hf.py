@@ -11,6 +11,13 @@ held as sent and the parameters get their dequantization (`mrl.rollout.hf_fp8`).
 The n responses of a prompt share its prefill: each distinct prompt of a batch is run through
 the model once and its KV cache (and last-position logits) copied to its n rows before decoding
 (`share_prefill`; with 8 responses per prompt the prefill does an eighth of the work).
+Vision-language models (Qwen2.5-VL) take each prompt's `ImageInputs` (`mrl.data.images`): the
+prefill runs the tower on them, positions are the model's own 3-D mRoPE ids (`get_rope_index`,
+left padding masked) and decoding continues from each row's largest id. Vision placeholder tokens
+are never sampled (their logits are -inf in the sampled distribution): a sampled placeholder
+would leave the next forward with more image tokens than image features (verl #3469, #7038).
+`raw_logprobs` stay the model's own, over the whole vocabulary.
+
 `stage_seconds`, when set to a dict, accumulates the wall time of each stage of `generate`
 (`prefill`, `decode` forward calls, `sampling`, `logprobs`, `bookkeeping`) for benchmarks.
 """
@@ -58,6 +65,11 @@ class HFEngine(RolloutEngine):
         # block-FP8 weights of the stream (rollout.quantization = "fp8"), run as FP8 GEMMs or dequantized
         self._fp8 = Fp8Held(scaled_mm=fp8_matmul == "scaled_mm" or fp8_matmul == "auto" and scaled_mm_default(self.device))
         self._asleep = False
+        self.vision = getattr(model.config, "vision_config", None) is not None
+        names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        banned = [getattr(model.config, n, None) for n in names] if self.vision else []
+        self.banned = torch.tensor([b for b in banned if b is not None and b < self.vocab_size], dtype=torch.long,
+                                   device=self.device)
         from mrl.rollout.hf_routes import RouteCapture
 
         self._capture = RouteCapture(self.model)   # MoE models: every response carries its routes
@@ -85,15 +97,19 @@ class HFEngine(RolloutEngine):
                         trust_remote_code: bool = False, hf_config: Optional[dict[str, Any]] = None,
                         **kw) -> "HFEngine":
         """Load a local Hugging Face model directory; `hf_config` (a config dict) replaces its
-        config.json (a Kimi-K2 directory is built as transformers' DeepSeek-V3)."""
-        from transformers import AutoConfig, AutoModelForCausalLM
+        config.json (a Kimi-K2 directory is built as transformers' DeepSeek-V3). A config with a
+        vision tower loads as transformers' image-text model."""
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         extra = {}
         if hf_config is not None:
             cfg = dict(hf_config)
             extra["config"] = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code,
-                                                     **extra)
+        auto = AutoModelForCausalLM
+        if hf_config is None and getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
+                                         "vision_config", None):
+            auto = AutoModelForImageTextToText
+        model = auto.from_pretrained(path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code, **extra)
         return cls(model.to(device), **kw)
 
     @classmethod
@@ -101,10 +117,14 @@ class HFEngine(RolloutEngine):
                     **kw) -> "HFEngine":
         """Build the architecture from an HF config dict (e.g. a builtin preset); weights come from
         `update_weights` (until then they are transformers' random initialisation)."""
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         from mrl.models.facts import canonical_config
+        from mrl.models.vlm import hf_config_object, is_vlm
 
+        if is_vlm(hf_config):
+            model = AutoModelForImageTextToText.from_config(hf_config_object(hf_config), dtype=_DTYPES[dtype])
+            return cls(model.to(device), **kw)
         cfg = canonical_config(dict(hf_config))   # kimi_k2 -> transformers' deepseek_v3
         config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
         model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[dtype])
@@ -112,10 +132,14 @@ class HFEngine(RolloutEngine):
 
     # --- generation ----------------------------------------------------------------------------
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling,
-                 prompt_seeds: Optional[Sequence[int]] = None) -> list[Response]:
+                 prompt_seeds: Optional[Sequence[int]] = None, images: Optional[Sequence[Any]] = None) -> list[Response]:
+        """`images[i]`: prompt i's `mrl.data.images.ImageInputs` or None (vision-language models)."""
         if self._asleep:
             raise RuntimeError("hf engine: generate() while asleep; call wake() first")
         self._fp8.flush(self._targets)   # sparse FP8 updates applied outside update_weights
+        if images is not None and any(x is not None for x in images) and not self.vision:
+            raise UserError("rollout: prompts carry images but the model has no vision tower")
+        images = list(images) if images is not None else [None] * len(prompt_token_ids)
         per_prompt = resolve_prompt_seeds(sampling, len(prompt_token_ids), prompt_seeds)
         rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(sampling.n)]
         seeds = [self._row_seed(per_prompt[i], j) for i, j in rows]
@@ -123,7 +147,7 @@ class HFEngine(RolloutEngine):
         for lo in range(0, len(rows), self.max_num_seqs):
             chunk = rows[lo:lo + self.max_num_seqs]
             out += self._generate_batch([list(prompt_token_ids[i]) for i, _ in chunk], [i for i, _ in chunk],
-                                        seeds[lo:lo + self.max_num_seqs], sampling)
+                                        seeds[lo:lo + self.max_num_seqs], sampling, [images[i] for i, _ in chunk])
         return out
 
     def _row_seed(self, seed: Optional[int], sample_index: int) -> int:
@@ -133,7 +157,7 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def _generate_batch(self, prompts: list[list[int]], prompt_index: list[int], seeds: list[int],
-                        sampling: Sampling) -> list[Response]:
+                        sampling: Sampling, images: Optional[list] = None) -> list[Response]:
         dev, B = self.device, len(prompts)
         if any(len(p) == 0 for p in prompts):
             raise UserError("rollout: a prompt has no tokens")
@@ -144,6 +168,8 @@ class HFEngine(RolloutEngine):
             ids[r, width - len(p):] = torch.tensor(p, device=dev)
             mask[r, width - len(p):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        if self.vision:   # [3, B, width]: the model's own mRoPE ids (text-only rows: the same id thrice)
+            positions = self._mrope_positions(ids, mask, images or [None] * B)
         gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
         seen = None
         if sampling.repetition_penalty != 1.0:
@@ -154,7 +180,8 @@ class HFEngine(RolloutEngine):
 
         routes = self._capture.__enter__() if self._capture else None
         try:
-            return self._decode(ids, mask, positions, prompts, prompt_index, gens, seen, stop, sampling, routes)
+            return self._decode(ids, mask, positions, prompts, prompt_index, gens, seen, stop, sampling, routes,
+                                images or [None] * B)
         finally:
             if routes is not None:
                 routes.__exit__(None, None, None)
@@ -175,7 +202,27 @@ class HFEngine(RolloutEngine):
                 torch.cuda.synchronize(self.device)
             self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + time.perf_counter() - t0
 
-    def _prefill(self, ids, mask, positions, prompt_index, routes):
+    def _mrope_positions(self, ids, mask, images):
+        grids = [x.image_grid_thw for x in images if x is not None]
+        types = (ids == self.model.config.image_token_id).to(torch.int32)
+        pos, _ = self.model.model.get_rope_index(ids, types, image_grid_thw=torch.cat(grids).to(ids.device)
+                                                 if grids else None, attention_mask=mask)
+        return pos
+
+    def _vision_kwargs(self, images, rows) -> dict:
+        """The model's image inputs for batch rows `rows`, in row order (none when no row has images)."""
+        chosen = [images[r] for r in rows if images[r] is not None]
+        if not chosen:
+            return {}
+        dtype = next(self.model.model.visual.parameters()).dtype
+        return dict(pixel_values=torch.cat([x.pixel_values for x in chosen]).to(self.device, dtype),
+                    image_grid_thw=torch.cat([x.image_grid_thw for x in chosen]).to(self.device))
+
+    def _position_arg(self, pos):
+        """`pos` [B, S] (or [3, B, S] already) as the model takes it."""
+        return pos.unsqueeze(0).expand(3, -1, -1) if self.vision and pos.dim() == 2 else pos
+
+    def _prefill(self, ids, mask, positions, prompt_index, routes, images):
         """The prompts' forward pass: (last-position logits [B, 1, V], KV cache, prefill routes or
         None). With `share_prefill`, each distinct prompt runs once and its cache rows are copied to
         the rows that share it (a row's numbers are those of its prompt alone either way: left
@@ -185,18 +232,18 @@ class HFEngine(RolloutEngine):
         inverse = [first.setdefault(i, len(first)) for i in prompt_index]
         if not self.share_prefill or len(first) == B:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                             logits_to_keep=1)
+                             logits_to_keep=1, **self._vision_kwargs(images, range(B)))
             return out.logits, out.past_key_values, (routes.take(B, width) if routes is not None else None)
         rows = torch.tensor([inverse.index(u) for u in range(len(first))], device=ids.device)
         expand = torch.tensor(inverse, device=ids.device)
-        out = self.model(input_ids=ids[rows], attention_mask=mask[rows], position_ids=positions[rows],
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids[rows], attention_mask=mask[rows], position_ids=positions[..., rows, :],
+                         use_cache=True, logits_to_keep=1, **self._vision_kwargs(images, rows.tolist()))
         cache = out.past_key_values
         cache.reorder_cache(expand)   # index_select on the batch dimension: row r gets its prompt's cache
         taken = routes.take(len(first), width) if routes is not None else None
         return out.logits[expand], cache, (taken[expand.to(taken.device)] if taken is not None else None)
 
-    def _decode(self, ids, mask, positions, prompts, prompt_index, gens, seen, stop, sampling, routes):
+    def _decode(self, ids, mask, positions, prompts, prompt_index, gens, seen, stop, sampling, routes, images):
         """The decoding loop of `_generate_batch`; with `routes` (a `RouteCapture`) each response
         gets the experts of its prompt tokens (prefill) and of each response token (the call that
         fed it; one extra call feeds the last sampled tokens)."""
@@ -208,13 +255,16 @@ class HFEngine(RolloutEngine):
         stopped = torch.zeros(B, dtype=torch.bool, device=dev)
 
         with self._stage("prefill"):
-            last_logits, cache, prefill_routes = self._prefill(ids, mask, positions, prompt_index, routes)
+            last_logits, cache, prefill_routes = self._prefill(ids, mask, positions, prompt_index, routes, images)
         fed = [prefill_routes] if routes is not None else []   # [B, tokens, L, k] per call
-        next_pos = positions[:, -1] + 1
+        # the next id: one past the row's largest (mRoPE: an image's ids do not count its tokens)
+        next_pos = positions.amax(dim=(0, 2)) + 1 if positions.dim() == 3 else positions[:, -1] + 1
         for t in range(sampling.max_tokens):
             with self._stage("sampling"):
                 logits = last_logits[:, -1, :self.vocab_size]
                 z = process_logits(logits, sampling, seen)
+                if len(self.banned):   # vision placeholders are never sampled
+                    z = z.index_fill(-1, self.banned, float("-inf"))
                 logp_all = torch.log_softmax(z, dim=-1)
                 if sampling.greedy:
                     tok = z.argmax(dim=-1)
@@ -234,14 +284,14 @@ class HFEngine(RolloutEngine):
                 seen[torch.arange(B, device=dev), tok] = True
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=dev)], dim=1)
             with self._stage("decode"):
-                out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                                 past_key_values=cache, use_cache=True)
+                out = self.model(input_ids=tok[:, None], attention_mask=mask,
+                                 position_ids=self._position_arg(next_pos[:, None]), past_key_values=cache, use_cache=True)
             if routes is not None:
                 fed.append(routes.take(B, 1))
             last_logits, cache, next_pos = out.logits, out.past_key_values, next_pos + 1
         if routes is not None:   # the last sampled tokens, fed once for their routes alone
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=dev)], dim=1)
-            self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+            self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=self._position_arg(next_pos[:, None]),
                        past_key_values=cache, use_cache=True, logits_to_keep=1)
             fed.append(routes.take(B, 1))
         decoded = torch.cat(fed[1:], dim=1) if routes is not None else None   # [B, calls, L, k]
@@ -275,6 +325,8 @@ class HFEngine(RolloutEngine):
         for seq in token_ids:   # one row at a time: no padding in the numbers
             ids = torch.tensor([list(seq)], device=self.device)
             logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1, :self.vocab_size].float()
+            if len(self.banned):   # the trainer's VLM policy: placeholders at -1e9 (`VisionLanguageGPT`)
+                logits = logits.index_fill(-1, self.banned, -1e9)
             out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist())
         return out
 

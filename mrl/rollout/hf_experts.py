@@ -14,14 +14,17 @@ import torch
 
 # per-expert HF names (gate, up, down) by checkpoint model_type; Qwen / DeepSeek names otherwise
 _NAMES = {"mixtral": ("w1", "w3", "w2")}
-# (in-memory module path piece, checkpoint's) by model_type
-_RENAMES = {"mixtral": (".mlp.", ".block_sparse_moe.")}
+# (in-memory module path piece, checkpoint's) pairs by model_type
+_RENAMES = {"mixtral": ((".mlp.", ".block_sparse_moe."),),
+            # Qwen2.5-VL: transformers 5 nests the language model and the tower; checkpoints do not
+            "qwen2_5_vl": (("model.language_model.", "model."), ("model.visual.", "visual."))}
 
 
 def checkpoint_name(name: str, model_type: str) -> str:
     """The checkpoint's name for the in-memory name `name` (the same for most architectures)."""
-    rename = _RENAMES.get(model_type)
-    return name.replace(*rename) if rename else name
+    for old, new in _RENAMES.get(model_type, ()):
+        name = name.replace(old, new, 1)
+    return name
 
 
 def fused_expert_views(model: torch.nn.Module, model_type: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

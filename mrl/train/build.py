@@ -172,9 +172,16 @@ def build(spec: JobSpec) -> tuple[Run, Optional[Learner], Optional[Generation], 
 
     generates = not separate or ctx.role == "rollout"
     tools = job_tools(spec, calls_tools=generates and calls_tools(spec, plan, ctx, is_leader=_leads(plan, ctx)))
-    dataset = load_prompts(spec.data, tokenizer, "train", tools=tools.prompt_schemas)
+    from mrl.data.images import model_image_processor
+    from mrl.models.vlm import training_problem
+
+    problem = training_problem(spec, hf)
+    if problem:
+        raise UserError(problem)
+    images = model_image_processor(spec.model.path, hf)
+    dataset = load_prompts(spec.data, tokenizer, "train", tools=tools.prompt_schemas, images=images)
     total = steps_planned(spec, len(dataset))
-    run = Run(spec=spec, ctx=ctx, hf=hf, tokenizer=tokenizer, total_steps=total, plan=plan)
+    run = Run(spec=spec, ctx=ctx, hf=hf, tokenizer=tokenizer, total_steps=total, plan=plan, images=images)
     STARTUP.say(f"prompts: {len(dataset)} training prompts, tokenizer of {spec.model.tokenizer}", timed=True)
 
     learner = None

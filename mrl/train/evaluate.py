@@ -33,7 +33,7 @@ def validation_set(run: Run, prompts: Prompts):
     from mrl.rollout.multi_turn import prompt_tools
 
     if prompts.val_dataset is None:   # the tools as listed at build (`Prompts.tool_schemas`): no second listing
-        prompts.val_dataset = load_prompts(run.spec.data, run.tokenizer, "val",
+        prompts.val_dataset = load_prompts(run.spec.data, run.tokenizer, "val", images=run.images,
                                            tools=prompt_tools(run.spec, prompts.tool_schemas))
     return prompts.val_dataset
 
@@ -65,7 +65,8 @@ def evaluate(run: Run, gen: Generation, prompts: Prompts, step: int, samples: Op
     items = [dataset[i] for i in range(share, len(dataset), shares)]
     sampling = sampling_from_config(run.spec.rollout, validation=True, seed=run.spec.job.seed)
     # vllm engine groups generate collectively: every rank takes part, with or without prompts
-    responses = generate(run, gen, [list(it.token_ids) for it in items], sampling)
+    responses = generate(run, gen, [list(it.token_ids) for it in items], sampling,
+                         images=[getattr(it, "images", None) for it in items])
     scores = score(run, gen, items, responses, sampling.n, step, reward_model=reward_model)["scores"]
     lengths = [len(r.token_ids) for r in responses]
     first = ctx.rank == 0 if on_rollout_ranks else ctx.is_main   # whose share the table shows

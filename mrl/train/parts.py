@@ -16,7 +16,7 @@ holds `Generation` and `Prompts` (no `Learner`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Any, TYPE_CHECKING, Optional, Union
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -49,6 +49,7 @@ class Run:
     tokenizer: "PreTrainedTokenizerBase"
     total_steps: int
     plan: "StepPlan"                # the step's layout and batch arithmetic (`mrl.train.plan`)
+    images: Any = None              # a vision-language model's `mrl.data.images.ImageProcessor`
 
     @property
     def dp(self) -> int:

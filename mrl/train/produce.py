@@ -145,7 +145,8 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
                 advance(run, gen, c.active, chunk, seed, d, st)
             else:
                 responses = generate(run, gen, [list(g.item.token_ids) for g in c.active],
-                                     sampling_from_config(roll, seed=seed), dp_rank=d)
+                                     sampling_from_config(roll, seed=seed), dp_rank=d,
+                                     images=[getattr(g.item, "images", None) for g in c.active])
                 for x in responses:
                     x.policy_version = gen.version
                 st["generated"] += len(responses)
@@ -257,5 +258,6 @@ def _in_flight_filter(run: Run, gen: Generation, prompts: Prompts, d: int, waiti
 def greedy_scores(run: Run, gen: Generation, items: list, step: int, dp_rank: int, reward_model=None) -> list[float]:
     """ReMax's baseline: the score of one greedy (temperature 0) response per prompt."""
     greedy = replace(sampling_from_config(run.spec.rollout), n=1, temperature=0.0)
-    responses = generate(run, gen, [list(it.token_ids) for it in items], greedy, dp_rank=dp_rank)
+    responses = generate(run, gen, [list(it.token_ids) for it in items], greedy, dp_rank=dp_rank,
+                         images=[getattr(it, "images", None) for it in items])
     return [float(s) for s in score(run, gen, items, responses, 1, step, reward_model=reward_model)["scores"]]

@@ -52,10 +52,18 @@ def release_engine(gen: Generation, sleep_level: int) -> None:
 
 
 def generate(run: Run, gen: Generation, prompt_ids: list[list[int]], sampling: Sampling,
-             dp_rank: Optional[int] = None) -> list[Response]:
+             dp_rank: Optional[int] = None, images: Optional[list] = None) -> list[Response]:
     """Responses to `prompt_ids` (prompt-major, `sampling.n` each), equal on the leader's group.
-    Colocated vllm: collective over the world, `dp_rank` naming whose prompts these are."""
+    Colocated vllm: collective over the world, `dp_rank` naming whose prompts these are.
+    `images[i]`: prompt i's `ImageInputs` (vision-language models; the hf engine takes them)."""
     timeout = run.spec.rollout.generate_timeout_s
+    if images is not None and any(x is not None for x in images):
+        if gen.groups is not None:
+            raise UserError("rollout: prompts with images run on rollout.engine = 'hf' only (vLLM's multi_modal_data "
+                            "is not wired yet)")
+        out = (generate_within(lambda: gen.generator.generate(prompt_ids, sampling, images=images), timeout,
+                               len(prompt_ids), sampling.n) if gen.is_leader else None)
+        return from_leader(out, gen.mp_group, gen.is_leader, "rollout generation")
     if gen.groups is not None and not run.separate:
         from mrl.train.engine_groups import generate_on_groups
 

@@ -36,7 +36,8 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 @lru_cache(maxsize=None)
 def _compiled(pattern: str) -> re.Pattern:
-    rx = re.escape(pattern).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
+    rx = (re.escape(pattern).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
+          .replace(r"\{R\}", r"(?P<R>.+)"))
     return re.compile(rx + r"\Z")
 
 
@@ -72,7 +73,7 @@ class Placement:
         """Sort key giving HF order: embedding, layers (ascending, experts inside), final norm, head."""
         if self.layer is not None:
             return (self.layer, -1 if self.expert is None else self.expert, self.row)
-        return (-1 if self.rule.megatron.startswith("embedding") else _LAST, 0, self.row)
+        return (-1 if self.rule.megatron.startswith(("embedding", "vision")) else _LAST, 0, self.row)
 
 
 def _groups(expert: bool, model: torch.nn.Module):
@@ -126,7 +127,7 @@ def local_placements(chunks: Iterable[torch.nn.Module], hf: dict[str, Any], *,
             rule = rules[row]
             layer = layer_numbers[int(m["L"])] if "L" in m else None
             expert = ep_rank * local_experts + int(m["E"]) if "E" in m else None
-            fmt = {k: v for k, v in (("L", layer), ("E", expert)) if v is not None}
+            fmt = {k: v for k, v in (("L", layer), ("E", expert), ("R", m.get("R"))) if v is not None}
             group, size, rank = _groups(expert is not None, model)
             tp_split = getattr(param, "tensor_model_parallel", False) and size > 1
             out.append(Placement(

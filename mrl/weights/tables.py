@@ -1,7 +1,8 @@
 """Megatron <-> Hugging Face name tables, one per architecture.
 
 Each row is `(megatron pattern, HF name or names, transform)`. `{L}` is the global layer index,
-`{E}` the global expert index. Rows for parameters a given model does not have (Transformer
+`{E}` the global expert index, `{R}` any rest of a name (a whole Hugging Face
+module kept as it is: a VLM's vision tower). Rows for parameters a given model does not have (Transformer
 Engine's fused norm names when running the local spec, dense MLPs in an all-MoE model) simply
 never match. Adding an architecture means adding a table here, not a code path.
 """
@@ -119,6 +120,10 @@ DEEPSEEK_MOE_EXTRAS = _rules(
     (f"{_M}.shared_experts.linear_fc2.weight", f"{_HM}.shared_experts.down_proj.weight"),
 )
 
+# A VLM's Hugging Face vision tower (`mrl.models.vlm_gpt`), replicated, under its checkpoint names:
+# `{R}` is the rest of the name, the same on both sides.
+VISION_TOWER = _rules(("vision.{R}", "visual.{R}"))
+
 # HF checkpoint model_type -> its table.
 TABLES: dict[str, tuple[Rule, ...]] = {
     "llama": EMBEDDINGS + ATTENTION + DENSE_MLP,
@@ -131,6 +136,8 @@ TABLES: dict[str, tuple[Rule, ...]] = {
     # MLPs where `mlp_only_layers` / `decoder_sparse_step` say so.
     "qwen2_moe": EMBEDDINGS + ATTENTION + QKV_BIAS + DENSE_MLP + QWEN_MOE_EXPERTS + QWEN2_MOE_SHARED,
     "mixtral": EMBEDDINGS + ATTENTION + MIXTRAL_EXPERTS,
+    # Qwen2.5-VL: the Qwen2 language model (its checkpoint keeps the `model.` names) and the tower.
+    "qwen2_5_vl": EMBEDDINGS + ATTENTION + QKV_BIAS + DENSE_MLP + VISION_TOWER,
     # DeepSeek-V3 / R1 (and Kimi-K2): MLA, dense MLPs in the first `first_k_dense_replace` layers,
     # then routed experts (Qwen-MoE names) with shared experts and the router's correction bias.
     "deepseek_v3": EMBEDDINGS + MLA + DENSE_MLP + QWEN_MOE_EXPERTS + DEEPSEEK_MOE_EXTRAS,

@@ -27,6 +27,9 @@ SCRIPTS = Path(__file__).with_name("verl_scripts")
 # line), or ("invalid", words of the validation error: a limit of mrl's layout the job breaks).
 EXPECTED: dict[str, object] = {
     "v090__grpo_trainer_run_qwen3_8b_fsdp.sh": "valid",
+    # verl's Qwen2.5-VL GRPO example (geo3k images): converts and validates; `mrl train` runs it with
+    # rollout.engine = "hf" only (docs/vlm.md), so with its vllm engine it stops at start-up in one line
+    "verl_main__grpo_trainer_run_qwen2_5_vl-7b.sh": "valid",
     "v090__grpo_trainer_run_qwen3_8b_megatron.sh": "valid",
     "v090__grpo_trainer_run_mistral_nemo_12b_skyworkrm_fsdp.sh": "valid",
     "v090__gdpo_trainer_run_qwen3_8b_fsdp.sh": "valid",

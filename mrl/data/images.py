@@ -1,0 +1,186 @@
+"""Images of a prompt (verl's multimodal layout) -> the model's processor outputs and its placeholder tokens.
+
+verl's multimodal parquet keeps a row's images in an `images` column: a list whose cells are
+`{"bytes": ..., "path": ...}` tables (either set), raw bytes, or a path (relative paths against
+the parquet file's folder). The prompt marks where each goes: `<image>` in the text, or an
+`{"type": "image"}` part in a chat message's content list. The k-th mark takes the k-th image.
+
+The model's image processor (`transformers`: resize to its pixel budget, patchify, normalise)
+gives `pixel_values` and `image_grid_thw` once, at load time; they travel with the prompt to
+the rollout engine and to the trainer unchanged, so an image is never processed twice
+differently. Each mark becomes `<|vision_start|>` + `<|image_pad|>` x (patches / merge^2) +
+`<|vision_end|>` in the rendered text (as Qwen2.5-VL's processor expands it), after special-token
+escaping, so these are the only vision tokens a prompt can hold.
+
+A row whose images cannot be used is one line naming the row and the reason (undecodable bytes,
+a missing file, marks and images that do not pair up), counted in `prompts_bad_image_dropped`.
+"""
+from __future__ import annotations
+
+import io
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+IMAGE_COLUMN = "images"
+PLACEHOLDER = "<image>"
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """A prompt's images as the model's processor gives them, in prompt order."""
+
+    pixel_values: Any        # torch.Tensor [patches, channels x temporal x patch x patch]
+    image_grid_thw: Any      # torch.Tensor [images, 3]: the patch grid of each image
+    tokens_per_image: tuple[int, ...]
+    prompt_positions: Any = None   # torch.Tensor [3, prompt tokens]: the model's mRoPE ids of the prompt
+
+
+@dataclass(frozen=True)
+class VisionTokens:
+    """The placeholder tokens' text (a Qwen-VL tokenizer's specials) and the tower's patch merge."""
+
+    start: str = "<|vision_start|>"
+    pad: str = "<|image_pad|>"
+    end: str = "<|vision_end|>"
+    merge_size: int = 2
+
+
+class BadImage(ValueError):
+    """One line: why a row's images cannot be used."""
+
+
+def image_cells(value: Any) -> list:
+    """The image cells of an `images` column value (None / empty: no images)."""
+    if value is None:
+        return []
+    if isinstance(value, (bytes, str, dict)):
+        return [value]
+    return list(value)
+
+
+def decode_image(cell: Any, base_dir: Optional[Path] = None):
+    """An RGB `PIL.Image` from one cell (`{"bytes", "path"}`, bytes, or a path); `BadImage` otherwise."""
+    from PIL import Image, UnidentifiedImageError
+
+    if hasattr(cell, "convert") and hasattr(cell, "size"):   # already an image (generators)
+        return cell.convert("RGB")
+    data, path = (cell.get("bytes"), cell.get("path")) if isinstance(cell, dict) else (
+        (cell, None) if isinstance(cell, (bytes, bytearray)) else (None, cell))
+    if data is None and not path:
+        raise BadImage("an image cell has neither bytes nor a path")
+    if data is None:
+        p = Path(str(path))
+        if not p.is_absolute() and base_dir is not None:
+            p = base_dir / p
+        if not p.is_file():
+            raise BadImage(f"image file {str(path)!r} not found")
+        data = p.read_bytes()
+    try:
+        with Image.open(io.BytesIO(bytes(data))) as im:
+            return im.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise BadImage(f"image bytes cannot be decoded ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
+def with_placeholders(prompt: Any) -> Any:
+    """`prompt` with chat image parts as `<image>` text: a message whose content is a list of
+    parts (`{"type": "text", "text": ...}`, `{"type": "image"}`) becomes one string."""
+    if isinstance(prompt, str):
+        return prompt
+    out = []
+    for m in prompt:
+        content = m.get("content")
+        if isinstance(content, (list, tuple)):
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in ("image", "image_url"):
+                    parts.append(PLACEHOLDER)
+                elif kind == "text":
+                    parts.append(str(part.get("text", "")))
+                else:
+                    raise BadImage(f"a content part of type {kind!r} (text and image parts are read)")
+            m = {**m, "content": "".join(parts)}
+        out.append(m)
+    return out
+
+
+def placeholder_count(prompt: Any) -> int:
+    if isinstance(prompt, str):
+        return prompt.count(PLACEHOLDER)
+    return sum(str(m.get("content", "")).count(PLACEHOLDER) for m in prompt)
+
+
+class ImageProcessor:
+    """A model's image processor plus its placeholder tokens: images -> `ImageInputs`, marks -> tokens."""
+
+    def __init__(self, processor: Any, tokens: VisionTokens = VisionTokens(), positions: Any = None):
+        """`positions(ids [1, S], image_grid_thw) -> [3, 1, S]`: the model's mRoPE ids of a prompt
+        (`mrl.models.vlm.mrope_position_ids`), kept with its images for the trainer."""
+        self.processor = processor
+        self.tokens = tokens
+        self.positions = positions
+
+    def with_positions(self, images: ImageInputs, token_ids: list[int]) -> ImageInputs:
+        """`images` with the prompt's mRoPE ids (when this processor knows the model's)."""
+        if self.positions is None:
+            return images
+        import dataclasses
+
+        import torch
+
+        pos = self.positions(torch.tensor([token_ids]), images.image_grid_thw)[:, 0]
+        return dataclasses.replace(images, prompt_positions=pos)
+
+    def process(self, cells: list, prompt: Any, base_dir: Optional[Path] = None) -> ImageInputs:
+        """The processor's outputs for a row's image cells; `BadImage` when a cell cannot be
+        decoded or the prompt's marks do not pair up with the images."""
+        marks = placeholder_count(prompt)
+        if marks != len(cells):
+            raise BadImage(f"{marks} {PLACEHOLDER} mark(s) for {len(cells)} image(s)")
+        images = [decode_image(c, base_dir) for c in cells]
+        out = self.processor(images=images, return_tensors="pt")
+        grid = out["image_grid_thw"]
+        per = tuple(int(n) for n in (grid.prod(-1) // self.tokens.merge_size ** 2).tolist())
+        return ImageInputs(pixel_values=out["pixel_values"], image_grid_thw=grid, tokens_per_image=per)
+
+    def expand(self, text: str, images: ImageInputs) -> str:
+        """`text` with its k-th `<image>` mark as image k's vision tokens (start, pads, end)."""
+        if text.count(PLACEHOLDER) != len(images.tokens_per_image):
+            from mrl.errors import UserError
+
+            raise UserError(f"the rendered prompt holds {text.count(PLACEHOLDER)} {PLACEHOLDER} marks for "
+                            f"{len(images.tokens_per_image)} image(s) (a system prompt or chat template with {PLACEHOLDER}?)")
+        counts = iter(images.tokens_per_image)
+        t = self.tokens
+        return re.sub(re.escape(PLACEHOLDER), lambda _: t.start + t.pad * next(counts) + t.end, text)
+
+
+def model_image_processor(model_path: str, hf: dict[str, Any]) -> "ImageProcessor | None":
+    """The job's `mrl.data.images.ImageProcessor` for a VLM (None for a text model): the
+    checkpoint's own image processor (`preprocessor_config.json`), or the tiny preset's."""
+    from mrl.errors import UserError
+    from mrl.models.vlm import TINY_IMAGE_PROCESSOR, is_vlm, mrope_position_ids
+
+    if not is_vlm(hf):
+        return None
+    merge = int(hf["vision_config"].get("spatial_merge_size", 2))
+
+    def positions(ids, grid):
+        return mrope_position_ids(hf, ids, grid)
+
+    if model_path.startswith("builtin:"):   # a preset (`mrl.models.facts`) has no files
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        return ImageProcessor(Qwen2VLImageProcessorPil(**TINY_IMAGE_PROCESSOR), VisionTokens(merge_size=merge),
+                              positions)
+    from transformers import AutoImageProcessor
+
+    try:
+        proc = AutoImageProcessor.from_pretrained(model_path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"model.path: no image processor in {model_path!r} ({str(e).splitlines()[0]}); a "
+                        "vision-language checkpoint needs its preprocessor_config.json") from None
+    return ImageProcessor(proc, VisionTokens(merge_size=merge), positions)

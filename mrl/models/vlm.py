@@ -1,0 +1,170 @@
+"""Vision-language models (Qwen2.5-VL): megatron-core's GPTModel with mRoPE plus the Hugging Face
+vision tower on the first pipeline stage (slime's native path).
+
+The language model is megatron-core's `GPTModel` with multimodal RoPE: every token has three
+position ids (temporal, height, width), computed by the checkpoint's own `get_rope_index`
+(`transformers`), and the rotary angles of the head dimension's three sections (`mrope_section`)
+follow one id each. Text-only rows take the same id three times, which is plain RoPE.
+
+The vision tower is `transformers`' own module (megatron-core has no Qwen-VL tower), replicated
+on every tensor-parallel rank of the first pipeline stage and frozen (run without autograd). Its
+merged patch features replace the word embeddings of the image placeholder tokens, and the row
+enters the decoder as megatron's embedding output (sequence-parallel scatter included), so the
+rest of the model is megatron's unchanged.
+
+mrl's config form of a VLM (`hf` everywhere in mrl) is flat: the text config's fields at the top
+level (so every text-model code path reads them as for Qwen2), the VLM's `model_type`, its
+`vision_config` and placeholder token ids. `nested` gives back the Hugging Face `config.json` form.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+VLM_MODEL_TYPES = ("qwen2_5_vl",)
+#: top-level fields of a VLM config.json that are not the text model's
+_TOP = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "tie_word_embeddings")
+#: what `flatten` adds on top of the text fields; `nested` moves it back out
+_VISION = "vision_config"
+
+
+def is_vlm(hf: dict[str, Any]) -> bool:
+    return hf.get("model_type") in VLM_MODEL_TYPES
+
+
+def flatten(cfg: dict[str, Any]) -> dict[str, Any]:
+    """mrl's flat form of a VLM `config.json` (nested `text_config`, or the older flat Hub layout).
+    The text model's `rope_scaling` / `rope_parameters` of type `mrope` become `default` with their
+    `mrope_section` (as `transformers` reads them)."""
+    text = dict(cfg.get("text_config") or {k: v for k, v in cfg.items() if k not in _TOP + (_VISION,)})
+    rope = dict(text.pop("rope_parameters", None) or text.pop("rope_scaling", None) or cfg.get("rope_scaling") or {})
+    text.pop("rope_scaling", None)
+    rope.setdefault("rope_theta", text.pop("rope_theta", cfg.get("rope_theta", 1000000.0)))
+    if rope.get("rope_type", rope.pop("type", "default")) == "mrope":
+        rope["rope_type"] = "default"
+    rope.setdefault("rope_type", "default")
+    out = {**text, "rope_parameters": rope, **{k: cfg[k] for k in _TOP if k in cfg},
+           "model_type": cfg["model_type"], _VISION: dict(cfg.get(_VISION) or {})}
+    return out
+
+
+def nested(hf: dict[str, Any]) -> dict[str, Any]:
+    """The Hugging Face `config.json` form of mrl's flat VLM config."""
+    text = {k: v for k, v in hf.items() if k not in _TOP + (_VISION, "model_type")}
+    return {"model_type": hf["model_type"], "text_config": {**text, "model_type": f"{hf['model_type']}_text"},
+            _VISION: dict(hf[_VISION]), **{k: hf[k] for k in _TOP if k in hf}}
+
+
+def complete(hf: dict[str, Any]) -> dict[str, Any]:
+    """`hf` (flat or `config.json` form) flat, with every default `transformers`' config classes give it."""
+    return flatten(hf_config_object(flatten(hf)).to_dict())
+
+
+def hf_config_object(hf: dict[str, Any]):
+    """The `transformers` config object of a flat VLM config."""
+    from transformers import AutoConfig
+
+    n = nested(hf)
+    n["text_config"] = {k: v for k, v in n["text_config"].items() if k != "model_type"}
+    n[_VISION] = {k: v for k, v in n[_VISION].items() if k != "model_type"}
+    return AutoConfig.for_model(n.pop("model_type"), **n)
+
+
+def mrope_section(hf: dict[str, Any]) -> list[int]:
+    """The rotary half-dimension's split over (temporal, height, width); Qwen2.5-VL's default is [16, 24, 24]."""
+    return list(hf.get("rope_parameters", {}).get("mrope_section") or [16, 24, 24])
+
+
+def vision_tower(hf: dict[str, Any], dtype: "torch.dtype") -> "torch.nn.Module":
+    """`transformers`' Qwen2.5-VL vision tower for `hf`, random (the checkpoint import fills it).
+
+    Drawn from the current torch seed in a forked RNG, so every rank builds the same tower and
+    megatron's RNG streams are untouched."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    import torch
+
+    cfg = hf_config_object(hf).vision_config
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch.initial_seed())
+        tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(cfg, dtype=dtype)
+    return tower
+
+
+class _RopeIndex:
+    """What `Qwen2_5_VLModel.get_rope_index` reads of its model: the config and `get_vision_position_ids`."""
+
+    def __init__(self, config):
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+        self.config = config
+        self.get_vision_position_ids = lambda *a, **k: Qwen2_5_VLModel.get_vision_position_ids(self, *a, **k)
+
+
+_ROPE_INDEX: dict[int, _RopeIndex] = {}
+
+
+def mrope_position_ids(hf: dict[str, Any], input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None = None,
+                       attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`[3, B, S]` position ids of `input_ids` `[B, S]` by the checkpoint's own `get_rope_index`
+    (`transformers`): text positions count on, an image's tokens take (start, row, column) ids.
+    `image_grid_thw` lists the row's images in order; padding (`attention_mask` 0) gets 0."""
+    import torch
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    key = id(hf)
+    if key not in _ROPE_INDEX:
+        _ROPE_INDEX.clear()
+        _ROPE_INDEX[key] = _RopeIndex(hf_config_object(hf))
+    types = (input_ids == hf["image_token_id"]).to(torch.int32)
+    pos, _ = Qwen2_5_VLModel.get_rope_index(_ROPE_INDEX[key], input_ids, types, image_grid_thw=image_grid_thw,
+                                            attention_mask=attention_mask)
+    return pos
+
+
+def packed_mrope_position_ids(hf: dict[str, Any], sequences: list[torch.Tensor],
+                              grids: list[torch.Tensor | None]) -> torch.Tensor:
+    """`[3, 1, T]` ids for sequences packed into one row: each sequence's own ids, restarting at 0."""
+    import torch
+
+    parts = [mrope_position_ids(hf, s.unsqueeze(0), g)[:, 0] for s, g in zip(sequences, grids)]
+    return torch.cat(parts, dim=1).unsqueeze(1) if parts else torch.zeros(3, 1, 0, dtype=torch.long)
+
+
+#: the tiny preset's image processor: 14-pixel patches, 2x2 merge, 56x56 to 112x112 pixels (4 to 16 tokens)
+TINY_IMAGE_PROCESSOR = dict(patch_size=14, merge_size=2, temporal_patch_size=2,
+                            size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
+
+
+#: placeholder token fields of a VLM config: never sampled (`mrl.rollout.hf`), so the trainer's policy bans them too
+PLACEHOLDER_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def training_problem(spec: Any, hf: dict[str, Any]) -> str | None:
+    """One line on why `mrl train` cannot run this job with a vision-language model yet, or None.
+    What runs: the hf rollout engine in spmd mode, single-turn, whole responses, no context
+    parallelism, no distillation teacher. The rest is refused rather than run without its images."""
+    if not is_vlm(hf):
+        return None
+    roll = spec.rollout
+    for bad, what in ((roll.engine != "hf", f"rollout.engine = {roll.engine!r} (images reach the hf engine only)"),
+                      (roll.mode != "spmd", "rollout.mode = 'server'"),
+                      (roll.partial_rollout_tokens > 0, "partial rollouts (rollout.partial_rollout_tokens)"),
+                      (roll.multi_turn.enable, "rollout.multi_turn"),
+                      (spec.parallel.context > 1, "parallel.context > 1"),
+                      (getattr(spec, "distill", None) is not None and spec.distill.model_path is not None,
+                       "a distillation teacher (distill.model_path: the teacher's forward takes no images)")):
+        if bad:
+            return f"model.path: {hf['model_type']} (vision-language) does not run with {what} yet"
+    return None
+
+
+def open_columns(hf: dict[str, Any]):
+    """A bool mask of the vocabulary without the banned placeholders (None for a text model): where
+    the trainer's logits are the checkpoint's own (`VisionLanguageGPT.ban_placeholders`)."""
+    if not is_vlm(hf):
+        return None
+    import torch
+
+    keep = torch.ones(hf["vocab_size"], dtype=torch.bool)
+    keep[[int(hf[f]) for f in PLACEHOLDER_FIELDS if hf.get(f) is not None and hf[f] < hf["vocab_size"]]] = False
+    return keep

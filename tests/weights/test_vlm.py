@@ -1,0 +1,202 @@
+"""Qwen2.5-VL on megatron (mRoPE language model + Hugging Face vision tower) against `transformers`:
+logits on image prompts (packed and batched rows, fp32 and bf16), export round trip, the preset,
+and TP=2 / PP=2 in one 2-rank launch (slow)."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.dist_util import REPO, run_torchrun
+from tests.weights.vlm_archs import image_prompts, make_vlm
+
+
+@pytest.fixture(scope="module")
+def platform():
+    from mrl import platform as plat
+    from mrl.platform.config import ParallelConfig, PlatformConfig
+
+    ctx = plat.setup(PlatformConfig(device="cpu", ranks_per_node=1, cpu_threads=1), ParallelConfig(), seed=11)
+    yield ctx
+    plat.teardown()
+
+
+@pytest.fixture(scope="module")
+def vlm_checkpoint(tmp_path_factory):
+    """A saved tiny Qwen2.5-VL and `reference.pt`: one packed row of two image prompts (3 images),
+    its mRoPE ids from `get_rope_index`, and `transformers`' logits for its real tokens."""
+    from mrl.models.megatron import complete_hf_config
+    from mrl.models.vlm import mrope_position_ids
+
+    d = tmp_path_factory.mktemp("qwen2_5_vl")
+    model = make_vlm(d)
+    hf = complete_hf_config(json.loads((d / "config.json").read_text()))
+    ids, mask, pixels, grids = image_prompts(hf)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grids,
+                       mm_token_type_ids=(ids == hf["image_token_id"]).int()).logits
+    lens = mask.sum(1).tolist()
+    pos = mrope_position_ids(hf, ids, grids, mask)
+    torch.save(dict(ids=ids, mask=mask, batched_logits=logits, lengths=lens, pixel_values=pixels,
+                    image_grid_thw=grids, row=torch.cat([ids[i, :n] for i, n in enumerate(lens)]).unsqueeze(0),
+                    position_ids=torch.cat([pos[:, i, :n] for i, n in enumerate(lens)], 1).unsqueeze(1),
+                    logits=torch.cat([logits[i, :n] for i, n in enumerate(lens)])), d / "reference.pt")
+    return d
+
+
+def _open(hf):
+    """Vocabulary columns other than the vision placeholders (which the model's policy bans: -1e9)."""
+    from mrl.models.vlm import PLACEHOLDER_FIELDS
+
+    keep = torch.ones(hf["vocab_size"], dtype=torch.bool)
+    keep[[hf[f] for f in PLACEHOLDER_FIELDS]] = False
+    return keep
+
+
+def _megatron(d, dtype="float32"):
+    from mrl.models.megatron import complete_hf_config
+    from mrl.models.roles import build_role_model
+    from mrl.platform.config import ParallelConfig
+    from mrl.weights import load_hf_checkpoint
+
+    hf = complete_hf_config(json.loads((d / "config.json").read_text()))
+    model = build_role_model("actor", hf, ParallelConfig(), dtype=dtype, device="cpu")
+    load_hf_checkpoint([model], d, hf)
+    return hf, model.eval()
+
+
+def _packed(model, ref, dtype=torch.float32):
+    from mrl.engine.packing import _thd_params
+
+    with torch.no_grad():
+        return model(ref["row"], ref["position_ids"], None, packed_seq_params=_thd_params(ref["lengths"], "cpu"),
+                     pixel_values=ref["pixel_values"].to(dtype), image_grid_thw=ref["image_grid_thw"])[0]
+
+
+def test_rope_index_by_hand():
+    """Text counts on; a 4x6-patch image (2x3 tokens after the 2x2 merge) after 3 tokens takes
+    (3, 3+row, 3+col); text resumes at 3 + max(2, 3) = 6."""
+    from mrl.models.facts import find_hf_config
+    from mrl.models.vlm import mrope_position_ids
+
+    hf = find_hf_config("builtin:tiny-qwen2.5-vl")[0]
+    pad = hf["image_token_id"]
+    ids = torch.tensor([[1, 2, hf["vision_start_token_id"]] + [pad] * 6 + [hf["vision_end_token_id"], 5]])
+    pos = mrope_position_ids(hf, ids, torch.tensor([[1, 4, 6]]))[:, 0]
+    assert pos[0].tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3, 6, 7]
+    assert pos[1].tolist() == [0, 1, 2, 3, 3, 3, 4, 4, 4, 6, 7]
+    assert pos[2].tolist() == [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7]
+
+
+def test_packed_and_batched_logits_equal_transformers(platform, vlm_checkpoint):
+    """Two image prompts packed in one `thd` row (mRoPE per token, restarting per prompt) and the
+    same prompts as a right-padded batch: transformers' logits within 1e-5 (fp32)."""
+    from mrl.models.vlm import mrope_position_ids
+
+    hf, model = _megatron(vlm_checkpoint)
+    ref = torch.load(vlm_checkpoint / "reference.pt")
+    keep = _open(hf)
+    got = _packed(model, ref)[:, : hf["vocab_size"]]
+    assert (got[:, keep] - ref["logits"][:, keep]).abs().max().item() <= 1e-5
+    assert (got[:, ~keep] == -1e9).all()
+    pos = mrope_position_ids(hf, ref["ids"], ref["image_grid_thw"], ref["mask"])
+    with torch.no_grad():
+        batched = model(ref["ids"], pos, None, pixel_values=ref["pixel_values"],
+                        image_grid_thw=ref["image_grid_thw"])[..., : hf["vocab_size"]]
+    for i, n in enumerate(ref["lengths"]):
+        assert (batched[i, :n, keep] - ref["batched_logits"][i, :n, keep]).abs().max().item() <= 1e-5
+    # the tower is frozen and sits on this (first) stage; the images matter
+    assert model.vision is not None and not any(p.requires_grad for p in model.vision.parameters())
+    blank = dict(ref, pixel_values=torch.zeros_like(ref["pixel_values"]))
+    assert (_packed(model, blank)[:, : hf["vocab_size"]][:, keep] - ref["logits"][:, keep]).abs().max().item() > 1e-2
+
+
+def test_bf16_logits_close_to_transformers(platform, vlm_checkpoint):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    hf, model = _megatron(vlm_checkpoint, dtype="bfloat16")
+    ref = torch.load(vlm_checkpoint / "reference.pt")
+    keep = _open(hf)
+    got = _packed(model, ref, torch.bfloat16)[:, : hf["vocab_size"]][:, keep].float()
+    hf_bf16 = Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm_checkpoint, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        want = hf_bf16(input_ids=ref["ids"], attention_mask=ref["mask"], pixel_values=ref["pixel_values"].bfloat16(),
+                       image_grid_thw=ref["image_grid_thw"],
+                       mm_token_type_ids=(ref["ids"] == hf["image_token_id"]).int()).logits.float()
+    want = torch.cat([want[i, :n] for i, n in enumerate(ref["lengths"])])[:, keep]
+    scale = ref["logits"].abs().max().item()
+    # bf16 both sides: each within bf16 rounding of the fp32 logits, and of each other
+    assert (got - ref["logits"][:, keep]).abs().max().item() <= 0.05 * scale
+    assert (got - want).abs().max().item() <= 0.05 * scale
+
+
+def test_export_loads_in_transformers_with_the_same_logits(platform, vlm_checkpoint, tmp_path):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from mrl.weights import Exporter
+
+    hf, model = _megatron(vlm_checkpoint)
+    stream = dict(Exporter([model], hf).stream())
+    assert any(n.startswith("visual.blocks.1.") for n in stream)
+    save_file(stream, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(vlm_checkpoint / "config.json", tmp_path / "config.json")
+    ref = torch.load(vlm_checkpoint / "reference.pt")
+    reloaded = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = reloaded(input_ids=ref["ids"], attention_mask=ref["mask"], pixel_values=ref["pixel_values"],
+                       image_grid_thw=ref["image_grid_thw"],
+                       mm_token_type_ids=(ref["ids"] == hf["image_token_id"]).int()).logits
+    assert torch.equal(got, ref["batched_logits"])
+
+
+def test_preset_builds_and_refusals(platform):
+    from mrl.errors import UserError
+    from mrl.models.config import ModelConfig
+    from mrl.models.facts import model_facts
+    from mrl.models.megatron import hf_config, model_backend
+
+    hf = hf_config(ModelConfig(path="builtin:tiny-qwen2.5-vl"))
+    assert hf["model_type"] == "qwen2_5_vl" and hf["hidden_size"] == 128 and hf["vision_config"]["depth"] == 2
+    facts = model_facts("builtin:tiny-qwen2.5-vl")
+    assert (facts.num_layers, facts.num_attention_heads, facts.vocab_size) == (2, 4, 512)
+    assert model_backend(hf, "auto", "cpu") == "sdpa"
+    with pytest.raises(UserError, match="model.attention: 'reference' cannot run qwen2_5_vl's multimodal RoPE"):
+        model_backend(hf, "reference", "cpu")
+
+    from types import SimpleNamespace
+
+    from mrl.models.vlm import training_problem
+
+    def spec(teacher=None, **roll):
+        r = {**dict(engine="hf", mode="spmd", partial_rollout_tokens=0, multi_turn=SimpleNamespace(enable=False)), **roll}
+        return SimpleNamespace(rollout=SimpleNamespace(**r), parallel=SimpleNamespace(context=1),
+                               distill=SimpleNamespace(model_path=teacher))
+
+    assert training_problem(spec(), hf) is None
+    assert training_problem(spec(engine="vllm"), hf) == ("model.path: qwen2_5_vl (vision-language) does not run with "
+                                                         "rollout.engine = 'vllm' (images reach the hf engine only) yet")
+    assert "rollout.multi_turn" in training_problem(spec(multi_turn=SimpleNamespace(enable=True)), hf)
+    assert "distillation teacher" in training_problem(spec(teacher="builtin:tiny-qwen2"), hf)
+    assert training_problem(spec(engine="vllm"), {"model_type": "qwen2"}) is None
+
+
+@pytest.mark.slow
+def test_tp2_and_pp2_match_transformers(vlm_checkpoint):
+    proc = run_torchrun(REPO / "tests/weights/scripts/vlm_layouts.py", "--dir", str(vlm_checkpoint), timeout=600)
+    found = re.findall(r"^VLM (tp\d pp\d) roundtrip ok \d+ tensors \((\d+) tower\) logits (\S+)", proc.stdout, re.M)
+    print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("VLM ")))
+    assert [f[0] for f in found] == ["tp2 pp1", "tp1 pp2"], proc.stdout
+    assert all(int(t) > 0 and float(d) <= 1e-5 for _, t, d in found), proc.stdout
+
+
+def test_validate_refuses_a_vlm_job_train_would_refuse(capsys):
+    from mrl.cli import main
+
+    assert main(["validate", "jobs/quickstart_vlm_cpu.toml"]) == 0
+    capsys.readouterr()
+    assert main(["validate", "jobs/quickstart_vlm_cpu.toml", "rollout.engine=vllm"]) == 2
+    assert "qwen2_5_vl (vision-language) does not run with rollout.engine = 'vllm'" in capsys.readouterr().err

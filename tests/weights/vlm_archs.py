@@ -1,0 +1,54 @@
+"""A tiny random Qwen2.5-VL (the `builtin:tiny-qwen2.5-vl` shapes) saved as safetensors, and image prompts."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mrl.models.facts import BUILTIN_PRESETS
+
+
+def make_vlm(out_dir: str | Path, seed: int = 0):
+    """The preset's architecture with random weights (norms and biases perturbed), saved; the model."""
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    cfg = {k: v for k, v in BUILTIN_PRESETS["tiny-qwen2.5-vl"].items() if k != "model_type"}
+    config = AutoConfig.for_model("qwen2_5_vl", **cfg)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+            else:
+                p.normal_(0.0, 0.08, generator=g)
+    model.save_pretrained(out_dir)
+    return model
+
+
+def image_prompts(hf: dict, seed: int = 3):
+    """Two prompts `[2, S]` (the second right-padded) with 1 and 2 images of different grids:
+    (input_ids, attention_mask, pixel_values, image_grid_thw), the images in prompt order."""
+    g = torch.Generator().manual_seed(seed)
+    merge = hf["vision_config"]["spatial_merge_size"]
+    grids = torch.tensor([[1, 4, 4], [1, 4, 6], [1, 2, 4]])
+    patch_dim = 3 * hf["vision_config"]["temporal_patch_size"] * hf["vision_config"]["patch_size"] ** 2
+    pixels = torch.randn(int(grids.prod(-1).sum()), patch_dim, generator=g)
+    start, pad, end = hf["vision_start_token_id"], hf["image_token_id"], hf["vision_end_token_id"]
+
+    def image(grid):
+        return [start] + [pad] * int(grid.prod() // merge ** 2) + [end]
+
+    def text(n):
+        return torch.randint(0, 256, (n,), generator=g).tolist()
+
+    rows = [text(3) + image(grids[0]) + text(5),
+            text(2) + image(grids[1]) + text(4) + image(grids[2]) + text(3)]
+    width = max(map(len, rows))
+    ids = torch.full((2, width), 256)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+        mask[i, :len(r)] = 1
+    return ids, mask, pixels, grids
