@@ -64,8 +64,9 @@ def hf_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
     architecture), in checkpoint order. Experts by Qwen / DeepSeek names (Mixtral's sizes are the
     same)."""
     from mrl.models.facts import canonical_config
+    from mrl.models.vlm import flatten, is_vlm
 
-    cfg = canonical_config(cfg)
+    cfg = canonical_config(flatten(cfg) if is_vlm(cfg) else cfg)
     h = cfg["hidden_size"]
     inter = cfg.get("intermediate_size")
     vocab = cfg["vocab_size"]
@@ -102,7 +103,21 @@ def hf_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
     out.append(HFTensor("model.norm.weight", (h,)))
     if not cfg.get("tie_word_embeddings", False):
         out.append(HFTensor("lm_head.weight", (vocab, h), tp_sharded=True))
-    return out
+    return out + (_vision_tensors(cfg) if is_vlm(cfg) else [])
+
+
+def _vision_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
+    """A vision-language model's tower (replicated on the trainer, exported under its checkpoint
+    names `visual.*`, `mrl.weights.tables.VISION_TOWER`), sized by `transformers`' own module built
+    on the meta device (no memory, no arithmetic of ours to drift from it)."""
+    import torch
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    from mrl.models.vlm import hf_config_object
+
+    with torch.device("meta"):
+        tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(hf_config_object(cfg).vision_config)
+    return [HFTensor(f"visual.{n}", tuple(t.shape)) for n, t in tower.state_dict().items()]
 
 
 def _attention_tensors(cfg: dict[str, Any], layer: int) -> list[HFTensor]:

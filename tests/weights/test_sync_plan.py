@@ -39,8 +39,18 @@ def test_tensor_list_matches_a_transformers_model_of_the_config(preset):
     import transformers
 
     from mrl.models.facts import canonical_config
+    from mrl.models.vlm import hf_config_object, is_vlm
 
     cfg = dict(BUILTIN_PRESETS[preset])
+    if is_vlm(cfg):   # an image-text model: the language model under its own prefix, the tower as `visual.*`
+        model = transformers.AutoModelForImageTextToText.from_config(hf_config_object(cfg))
+        want = sorted(tuple(t.shape) for n, t in model.state_dict().items()
+                      if not (cfg.get("tie_word_embeddings") and n == "lm_head.weight"))
+        got = hf_tensors(cfg)
+        assert sorted(t.shape for t in got) == want
+        tower = {n.removeprefix("model.visual.") for n in model.state_dict() if n.startswith("model.visual.")}
+        assert {t.name.removeprefix("visual.") for t in got if t.name.startswith("visual.")} == tower
+        return
     hf_cfg = transformers.AutoConfig.for_model(**canonical_config(cfg))   # tiny-kimi-k2 as deepseek_v3
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
     want = {n: tuple(t.shape) for n, t in model.state_dict().items()
