@@ -126,7 +126,7 @@ def _attention_tensors(cfg: dict[str, Any], layer: int) -> list[HFTensor]:
     kv = cfg.get("num_key_value_heads") or heads
     hd = cfg.get("head_dim") or h // heads
     model_type = cfg.get("model_type", "llama")
-    bias = model_type == "qwen2" or bool(cfg.get("attention_bias"))
+    bias = model_type in ("qwen2", "qwen2_5_vl") or bool(cfg.get("attention_bias"))
     qk_norm = model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm")))
     a = f"model.layers.{layer}.self_attn"
     out = [HFTensor(f"{a}.q_proj.weight", (heads * hd, h), True), HFTensor(f"{a}.k_proj.weight", (kv * hd, h), True),

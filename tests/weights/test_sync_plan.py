@@ -39,11 +39,11 @@ def test_tensor_list_matches_a_transformers_model_of_the_config(preset):
     import transformers
 
     from mrl.models.facts import canonical_config
-    from mrl.models.vlm import hf_config_object, is_vlm
+    from mrl.models.vlm import flatten, hf_config_object, is_vlm
 
     cfg = dict(BUILTIN_PRESETS[preset])
     if is_vlm(cfg):   # an image-text model: the language model under its own prefix, the tower as `visual.*`
-        model = transformers.AutoModelForImageTextToText.from_config(hf_config_object(cfg))
+        model = transformers.AutoModelForImageTextToText.from_config(hf_config_object(flatten(cfg)))
         want = sorted(tuple(t.shape) for n, t in model.state_dict().items()
                       if not (cfg.get("tie_word_embeddings") and n == "lm_head.weight"))
         got = hf_tensors(cfg)
