@@ -43,7 +43,32 @@ def build_optimizer(ddp_chunks: list, optim: OptimConfig, *, distributed_optimiz
         use_distributed_optimizer=distributed_optimizer, bf16=dtype is torch.bfloat16, fp16=False,
         params_dtype=dtype, optimizer_cpu_offload=optim.offload,
         optimizer_offload_fraction=1.0 if optim.offload else 0.0)
-    return get_megatron_optimizer(config, ddp_chunks)
+    optimizer = get_megatron_optimizer(config, ddp_chunks)
+    fuse_torch_adam(optimizer)
+    return optimizer
+
+
+def fuse_torch_adam(optimizer) -> int:
+    """Switch megatron's fallback `torch.optim.AdamW` to torch's fused CUDA kernel; returns the
+    parameter groups switched.
+
+    Without Transformer Engine or apex, megatron-core builds `torch.optim.AdamW` with its default
+    `foreach` implementation: on an H200 at the Qwen2.5-1.5B shape that step took 3.7% of the train
+    step (tools/bench/train_step.py), a dozen multi-tensor passes over the fp32 state. The fused
+    kernel is one pass per parameter chunk. A group is switched only when every parameter in it
+    is a floating CUDA tensor (the fused kernel's own condition); CPU (and offloaded) groups keep
+    `foreach`, so CPU runs are unchanged."""
+    inner = [getattr(o, "optimizer", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    switched = 0
+    for opt in inner:
+        if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in opt.param_groups:
+            params = group["params"]
+            if params and all(p.is_cuda and p.is_floating_point() for p in params) and not group.get("fused"):
+                group["fused"], group["foreach"] = True, False
+                switched += 1
+    return switched
 
 
 def warmup_steps(schedule: ScheduleConfig, total_steps: int) -> int:

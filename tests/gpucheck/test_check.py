@@ -124,6 +124,27 @@ def test_an_empty_wheel_folder_is_an_install_error(tmp_path):
     assert entry["error"] == f"no .whl files in {tmp_path}" and not entry["installed"]
 
 
+def test_a_wheel_goes_in_unless_its_version_is_already_there(tmp_path):
+    """A wheel at the installed version is left alone; another version is installed into the site
+    folder (which comes first on the children's path) and listed as replacing the machine's."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "torch", torch.__version__, "torch")      # the same version: left alone
+    _wheel(wheels, "pytest", "0.0.1", "pytest_probe_other")   # another version of an installed one
+    entry = check.install_wheels(wheels, tmp_path / "site", sys.executable)
+    assert entry["present"] == [f"torch {torch.__version__}"] and not entry["error"], entry
+    assert entry["installed"] == ["pytest-0.0.1-py3-none-any.whl"]
+    assert entry["replaced"] == [f"pytest {pytest.__version__} -> 0.0.1"]
+    again = check.install_wheels(wheels, tmp_path / "site", sys.executable)   # the site folder is read first
+    assert not again["installed"] and "pytest 0.0.1" in again["present"], again
+
+
+def test_the_steps_put_the_judged_figures_first():
+    assert check.ORDER[:3] == ("train_step_qwen2.5-1.5b", "kernels", "weights")
+    assert check.ORDER.index("tests/gpu") < check.ORDER.index("tests/kernels")
+    assert [b.name for b in check.BENCHES] == [n for n in check.ORDER if n not in check.TESTS]
+
+
 def test_headlines_pick_the_figures_worth_a_glance():
     train = dict(params=1.5e9, tokens_per_step=58000, step_ms=1800.0, tokens_per_s=32222.0, mfu=0.291,
                  share_outside_model_math=0.031, peak_memory_gib=61.2)
@@ -168,7 +189,7 @@ def test_quick_check_on_cpu_installs_wheels_skips_what_needs_cuda_and_reports(tm
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     _wheel(wheels, "mrl_check_probe", "0.1", "mrl_check_probe")
-    _wheel(wheels, "torch", "0.0.1", "torch")  # already installed: must be left alone
+    _wheel(wheels, "torch", torch.__version__, "torch")  # already installed at this version: left alone
     site = tmp_path / "site"
     proc, r = _run_check(tmp_path, "--wheels", str(wheels), "--site", str(site))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -90,14 +90,15 @@ def plan_7b(dtype: str) -> dict:
             "seconds_delta": plan.seconds_delta, "changed_fraction": plan.changed_fraction}
 
 
-def run(dtype_name: str, repeat: int, cfg: dict = SMOLLM2) -> dict:
+def run(dtype_name: str, repeat: int, cfg: dict = SMOLLM2, device: str | None = None) -> dict:
+    """`device`: "cuda" adds the CUDA rows (the default when a GPU is present), "cpu" leaves them out."""
     from mrl.weights.verify import checksum
 
     dtype = getattr(torch, dtype_name)
     cases = [("before", "cpu", before_checksum),
              ("xxh3", "cpu", lambda t: checksum(t, algorithm="xxh3")),
              ("wsum32 (torch)", "cpu", lambda t: checksum(t, algorithm="wsum32"))]
-    if torch.cuda.is_available():
+    if (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda":
         cases += [("before (cuda)", "cuda", before_checksum),
                   ("wsum32 (cuda)", "cuda", lambda t: checksum(t, algorithm="wsum32"))]
     out = {"model": "SmolLM2-135M" if cfg is SMOLLM2 else "a small model", "dtype": dtype_name, "repeat": repeat, "load_average": os.getloadavg(), "cases": {}}
@@ -147,8 +148,9 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--device", choices=["cpu", "cuda"], help="cuda: also the CUDA rows (default: when a GPU is present)")
     args = ap.parse_args(argv)
-    r = run(args.dtype, args.repeat)
+    r = run(args.dtype, args.repeat, device=args.device)
     print(report(r))
     if args.json:
         args.json.write_text(json.dumps(r, indent=2))

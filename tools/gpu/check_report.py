@@ -204,6 +204,8 @@ def headline(name: str, figures: dict | None) -> str:
     if name == "weights":
         return (f"export {_num(f.get('export_gbps'), '.1f', ' GB/s')}, copy {_num(f.get('copy_gbps'), '.1f', ' GB/s')}, "
                 f"ratio {_num(f.get('export_over_copy'), '.2f')}")
+    if name == "checksum":
+        return ", ".join(f"{k} {_num(c.get('gbps'), '.1f', ' GB/s')}" for k, c in (f.get("cases") or {}).items())
     if name == "rope":
         return (f"megatron/mrl {_num(f.get('megatron_over_mrl_with_tables'), '.1f', 'x')} with tables, "
                 f"{_num(f.get('megatron_over_mrl_rotate'), '.1f', 'x')} rotate only")
@@ -232,6 +234,7 @@ def markdown(report: dict) -> str:
         lines += ["", f"Wheels from `{inst['wheels_dir']}` into `{inst['site']}`: installed "
                       f"{', '.join(inst['installed']) or 'none'}; already present "
                       f"{', '.join(inst['present']) or 'none'}"
+                      + (f"; in place of the machine's own {', '.join(inst['replaced'])}" if inst.get("replaced") else "")
                       + (f"; error: {inst['error']}" if inst["error"] else "")]
     lines += ["", "## Targets", "", "| target | wanted | measured | status | note |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {_cell(t['description'])} | {_cell(t['wanted'])} | {_cell(t['shown'])} | **{t['status']}** | "
@@ -240,7 +243,7 @@ def markdown(report: dict) -> str:
     lines += ["", "## Tests", ""]
     if tests["results"] or tests["ran"]:
         c = ", ".join(f"{v} {k}" for k, v in sorted(tests["counts"].items())) or "none collected"
-        lines += [f"`{' '.join(tests['command'])}`: {c} in {tests['wall_s']:.0f} s"
+        lines += [f"{', '.join('`' + ' '.join(cmd) + '`' for cmd in tests['command'])}: {c} in {tests['wall_s']:.0f} s"
                   + (" (stopped at its time budget)" if tests["timed_out"] else "") + ".", "",
                   "| test | outcome | s | message |", "| --- | --- | --- | --- |"]
         lines += [f"| `{r['nodeid']}` | {r['outcome']} | {r['duration_s']:.1f} | {_cell(r['message'][:200])} |"
