@@ -162,7 +162,6 @@ def run_one(path: Path, tmp: Path) -> tuple[str, str]:
 INVALID_KINDS = (
     ("needs the sglang engine (branch sglang)", "'sglang' is not one of"),
     ("each data-parallel rank trains whole prompts", "do not split evenly over data-parallel size"),
-    ("no context parallelism in training yet", "context parallelism is not supported"),
     ("a generative reward model: judge prompt or server to supply", "reward.judge"),
 )
 

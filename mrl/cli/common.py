@@ -73,7 +73,9 @@ def summary(spec) -> str:
             + f"; {plan.prompts_per_step} prompts x {plan.responses_per_prompt} = {plan.responses_per_step} responses/step"
             + f"; {actor.mini_batches} optimizer step(s) of {actor.prompts} prompts x {actor.epochs} epoch(s)"
             + f"; {_objective(spec.algorithm)} on {r.engine}"
-            + (f", max staleness {r.max_staleness}" if plan.separate else ""))
+            + (f", max staleness {r.max_staleness}" if plan.separate else "")
+            + (f"; CP {plan.context}: a {plan.longest_sequence}-token sequence in {2 * plan.context} chunks, "
+               f"{plan.tokens_per_rank} tokens per rank" if plan.context > 1 else ""))
 
 
 def _objective(alg) -> str:

@@ -64,10 +64,13 @@ def check(spec: SFTJobSpec, report) -> None:
     dp, facts = check_shared(spec, report)
     if dp and sft.examples_per_step % dp:
         err("sft.examples_per_step", f"{sft.examples_per_step} examples do not split evenly over data-parallel size {dp} "
-                                     f"(world size {world} / (tensor {par.tensor} x pipeline {par.pipeline}))")
-    if sft.micro_batch_tokens < sft.max_tokens:
+                                     f"(world size {world} / (tensor {par.tensor} x pipeline {par.pipeline} x context {par.context}))")
+    from mrl.models.context_parallel import tokens_per_rank   # the engine's CP chunking
+
+    if sft.micro_batch_tokens < tokens_per_rank(sft.max_tokens, par.context):
         err("sft.micro_batch_tokens", f"{sft.micro_batch_tokens} tokens cannot hold one example of sft.max_tokens "
-                                      f"{sft.max_tokens}")
+                                      f"{sft.max_tokens}" + (f" ({tokens_per_rank(sft.max_tokens, par.context)} per rank "
+                                                             f"of parallel.context {par.context})" if par.context > 1 else ""))
     defaults = DataConfig()
     for key in RL_ONLY_DATA_KEYS:
         if getattr(data, key) != getattr(defaults, key):

@@ -83,7 +83,7 @@ def check_shared(spec, report):
     if plat.device == "cpu" and par.sequence_parallel:
         err("parallel.sequence_parallel", "needs Transformer Engine or apex norms, which the cpu platform does not have")
     try:
-        resolve_backend(spec.model.attention, plat.device)
+        resolve_backend(spec.model.attention, plat.device, par.context)
     except UserError as e:
         err("model.attention", str(e).removeprefix("model.attention: "))
 
@@ -104,8 +104,6 @@ def check_shared(spec, report):
                                f"world / pipeline = {world} / {par.pipeline} = {world // par.pipeline}")
     if par.virtual_pipeline is not None and par.pipeline == 1:
         err("parallel.virtual_pipeline", f"needs parallel.pipeline > 1 (it is 1), got virtual_pipeline {par.virtual_pipeline}")
-    if par.context > 1:  # the engine refuses it (packed sequences would need per-sequence CP splitting)
-        err("parallel.context", f"{par.context}: context parallelism is not supported by the training engine yet; set it to 1")
 
     # --- model facts
     facts = model_facts(spec.model.path)
@@ -157,19 +155,10 @@ def check(spec: JobSpec, report) -> None:
     n = roll.responses_per_prompt
     prompts = data.prompts_per_step
     seq_tokens = data.max_prompt_tokens + roll.max_response_tokens
-    budgets = [("actor.micro_batch_tokens", spec.actor.micro_batch_tokens),
-               ("actor.logprob_micro_batch_tokens", spec.actor.logprob_micro_batch_tokens),
-               ("ref.micro_batch_tokens", spec.ref.micro_batch_tokens)]
-    if spec.critic.enable:
-        budgets.append(("critic.micro_batch_tokens", spec.critic.micro_batch_tokens))
-    from mrl.train.plan import plan_problems   # the step plan mrl train resolves
+    from mrl.train.plan import budget_problems, plan_problems   # the step plan mrl train resolves
 
-    for key, message in plan_problems(spec):
+    for key, message in plan_problems(spec) + budget_problems(spec):
         err(key, message)
-    for key, tokens in budgets:
-        if tokens is not None and tokens * par.context < seq_tokens:
-            err(key, f"{tokens} tokens x context {par.context} cannot hold one sequence of data.max_prompt_tokens "
-                     f"{data.max_prompt_tokens} + rollout.max_response_tokens {roll.max_response_tokens} = {seq_tokens} tokens")
 
     # --- rollout engine layout and lengths
     from mrl.rollout.layout import rollout_layout_problems   # the rule mrl train applies

@@ -65,12 +65,13 @@ def token_budget(m: Mapping, key: str, cfg: dict) -> Translation:
         tokens = cfg.get(m.params["tokens"])
         if tokens is None:
             return _skip(f"{m.params['tokens']} is null")
-        # verl's budget is per GPU of a Ulysses group: a micro-batch holds tokens x sp (seqlen_balancing);
-        # mrl has no sequence parallelism, so one rank takes the group's micro-batch
+        # verl's budget is per GPU of a Ulysses group (a micro-batch holds tokens x sp); Ulysses maps to
+        # parallel.context, whose budget is per rank too: the same number
         sp = max([int(cfg.get(k) or 1) for k in m.params.get("sp", [])] or [1])
         if sp > 1:
-            return Translation({m.target: int(tokens) * sp},
-                               note=f"token budget ({m.params['dynamic']} = true): {tokens} per GPU x Ulysses {sp}")
+            return Translation({m.target: int(tokens)},
+                               note=f"token budget ({m.params['dynamic']} = true): {tokens} per GPU of a Ulysses group "
+                                    f"of {sp} = per rank of parallel.context {sp}")
         return Translation({m.target: int(tokens)}, note=f"token budget ({m.params['dynamic']} = true)")
     sequences = cfg.get(m.params["sequences"])
     if sequences is None:

@@ -10,10 +10,19 @@ Role-agnostic: a role supplies callbacks on the model output of one packed micro
   micro-batch's valid response tokens (0-dim tensors or floats).
 - `OutputFn(output, mb) -> {name: [N]}`: per-response-token values (log-probs, entropy, values).
 
-Scaling. megatron's schedule divides each micro-batch loss by the number of micro-batches and
-DDP averages gradients over DP; the engine backpropagates `loss * micro_batches * dp` to cancel
-both, so gradients are those of the mini-batch loss whatever the split (docs/algorithms.md,
-token-mean). `calculate_per_token_loss` stays off (it would only serve token-mean).
+Scaling. megatron's schedule divides each micro-batch loss by the number of micro-batches (and
+multiplies it by the CP size) and DDP averages gradients over DP x CP; the engine backpropagates
+`loss * micro_batches * dp` to cancel both, so gradients are those of the mini-batch loss
+whatever the split (docs/algorithms.md, token-mean). `calculate_per_token_loss` stays off (it
+would only serve token-mean).
+
+Context parallelism (`parallel.context = N`, `mrl.models.context_parallel`): every CP rank of a
+DP rank gets the same batch and packs the same micro-batches, each keeping its chunks of every
+sequence. Callbacks take this rank's response tokens (`mb.take`) and make per-token values
+whole with `mb.gather` (an all-gather over CP), so every CP rank computes the whole
+micro-batch's loss with whole-batch token counts; a rank's gradient is that loss's gradient
+through its own tokens, and the sum over CP ranks (the DDP reduction, times the N above) is the
+whole gradient (megatron's CP factor in the schedule cancels DDP's average over CP).
 """
 from __future__ import annotations
 
@@ -73,11 +82,9 @@ class Engine:
         self.dp_group = ps.get_data_parallel_group()
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.tp = ps.get_tensor_model_parallel_world_size()
-        if ps.get_context_parallel_world_size() > 1:
-            from mrl.errors import UserError
-
-            raise UserError("parallel.context > 1 is not supported by the training engine yet (packed "
-                            "sequences would need per-sequence CP splitting); set parallel.context = 1")
+        self.cp = ps.get_context_parallel_world_size()
+        self.cp_rank = ps.get_context_parallel_rank()
+        self.cp_group = ps.get_context_parallel_group() if self.cp > 1 else None
         self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
@@ -104,8 +111,15 @@ class Engine:
 
     def micro_batches(self, batch: Batch, budget: int, budget_name: str) -> list[MicroBatch]:
         """Token-balanced packed micro-batches of this rank's `batch`; every DP rank gets the same
-        number (the largest any rank needs), which keeps their work balanced."""
+        number (the largest any rank needs), which keeps their work balanced. `budget` is tokens
+        per rank: under CP a micro-batch holds up to `budget x N` tokens of sequences padded to
+        2N chunks, `budget` on each CP rank."""
         lengths = batch.sequence_lengths.tolist()
+        if self.cp > 1:   # the budget is per CP rank; every sequence is padded to 2N chunks
+            from mrl.models.context_parallel import padded_length
+
+            lengths = [padded_length(n, self.cp) for n in lengths]
+            budget, budget_name = budget * self.cp, f"{budget_name} x parallel.context {self.cp}"
         plan = packing.plan(lengths, budget, min_micro_batches=1, budget_name=budget_name)
         count = torch.tensor([len(plan), self.pp if self.pp > 1 else 1], dtype=torch.long, device=self.device)
         if self.dp > 1:
@@ -113,8 +127,8 @@ class Engine:
         want = min(int(count.max()), len(lengths))
         if want > len(plan):
             plan = packing.plan(lengths, budget, min_micro_batches=want, budget_name=budget_name)
-        return [packing.pack(batch, idx, pad_to_multiple=self.pad_multiple, device=self.device)
-                for idx in plan]
+        return [packing.pack(batch, idx, pad_to_multiple=self.pad_multiple, device=self.device, cp_size=self.cp,
+                             cp_rank=self.cp_rank, cp_group=self.cp_group) for idx in plan]
 
     # ---------------------------------------------------------------- schedule
 
@@ -165,7 +179,7 @@ class Engine:
         self.optimizer.zero_grad()
         mbs = self.micro_batches(batch, micro_batch_tokens, f"{self.name}.{budget_name}")
         totals = self.totals(batch)
-        scale = len(mbs) * self.dp
+        scale = len(mbs) * self.dp   # megatron's schedule multiplies by CP itself (see the module docstring)
 
         def step_fn(mb):
             def loss_func(output):

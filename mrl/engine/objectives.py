@@ -3,7 +3,9 @@ per-token values. Algorithms come from `mrl.algos`; only the plumbing lives here
 
 - `actor_outputs`: log-probs (and entropy) of the response tokens from TP-sharded logits
   through `mrl_kernels.logprob_entropy` (vocabulary-parallel with `group=`; the vocabulary is
-  never gathered).
+  never gathered). Under context parallelism the kernel runs on this rank's tokens and the
+  `[N]` results are all-gathered over CP (`MicroBatch.gather`): vocabulary- and
+  context-parallel at once, and every loss below sees whole responses.
 - `PolicyObjective`: policy loss (`mrl.algos.config.POLICY_LOSSES`) aggregated with the global counts,
   plus the optional KL loss to the reference and entropy bonus.
 - `PairwiseObjective`: a loss over pairs of responses (online DPO, `mrl.algos.dpo`) from
@@ -48,7 +50,7 @@ def response_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float =
 
         rows = mask_padded_vocab(rows, vocab_size, tp_rank=torch.distributed.get_rank(group) if group else 0)
     logp, ent = mrl_kernels.logprob_entropy(rows, mb.response_labels, temperature, group=group, backend=kernels)
-    return logp, ent
+    return mb.gather(logp), mb.gather(ent)
 
 
 def sum_pi_squared(logits: torch.Tensor, mb: MicroBatch, temperature: float = 1.0,
@@ -71,7 +73,7 @@ def sum_pi_squared(logits: torch.Tensor, mb: MicroBatch, temperature: float = 1.
         sums = torch.stack([e.sum(-1), (e * e).sum(-1)])
         if group is not None:
             torch.distributed.all_reduce(sums, group=group)
-        return sums[1] / sums[0].square()
+        return mb.gather(sums[1] / sums[0].square())
 
 
 def actor_outputs(temperature: float = 1.0, entropy: bool = False, vocab_size: Optional[int] = None,
@@ -185,7 +187,7 @@ class PolicyObjective:
             from mrl.models.roles import mask_padded_vocab
 
             rows = mask_padded_vocab(rows, self.vocab_size, tp_rank=torch.distributed.get_rank(group) if group else 0)
-        kl_tok = mb.to_padded(reverse_kl(rows, self.teacher_rows(mb), self.temperature, group))
+        kl_tok = mb.to_padded(mb.gather(reverse_kl(rows, self.teacher_rows(mb), self.temperature, group)))
         metrics["distill_kl"] = (kl_tok.detach() * valid).sum() / valid.sum().clamp(min=1)
         return kl_tok
 
@@ -271,7 +273,7 @@ def values_output():
     """An `OutputFn` giving `values` per response token from a value head `[1, T, 1]`."""
 
     def fn(output: torch.Tensor, mb: MicroBatch) -> dict[str, torch.Tensor]:
-        return {"values": mb.take(output)[..., 0]}
+        return {"values": mb.gather(mb.take(output)[..., 0])}
 
     return fn
 
@@ -288,7 +290,7 @@ class ValueObjective:
     def __call__(self, output: torch.Tensor, mb: MicroBatch, totals: Totals):
         from mrl.algos import losses
 
-        v = mb.to_padded(mb.take(output)[..., 0].float())
+        v = mb.to_padded(mb.gather(mb.take(output)[..., 0].float()))
         b = mb.batch
         loss, metrics = losses.value(v, b["values"], b["returns"], b["response_mask"], self.clip_eps,
                                      self.aggregation, norm=self.norm, global_tokens=totals.tokens,

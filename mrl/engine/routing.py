@@ -220,7 +220,7 @@ class RouterHooks:
         if torch.is_grad_enabled():
             self._train_calls += len(hooks)
         start = self.tp_rank * (mb.row_tokens // self.tp) if self.sp and self.tp > 1 else 0
-        real = (torch.arange(start, start + hooks[0][1].natural.shape[0]) < mb.sequence_tokens)
+        real = mb.real[start:start + hooks[0][1].natural.shape[0]].cpu()   # padding excluded (under CP too)
         rollout = mb.routes.get("rollout")
         rollout = self._local(rollout) if rollout is not None else None
         for layer, hook in hooks:
@@ -239,7 +239,7 @@ class RouterHooks:
         """This chunk's own routes of `mb`, whole row (gathered over TP under sequence parallelism),
         unpacked to the micro-batch's responses; layers of other pipeline stages stay -1."""
         L, T = len(self.layers), mb.row_tokens
-        row = torch.full((T, L, self.topk), -1, dtype=ROUTE_DTYPE)
+        row = torch.full((T, L, self.topk), -1, dtype=ROUTE_DTYPE)   # the local row (this CP rank's chunks)
         for layer, hook in hooks:
             local = hook.natural.sort(-1).values.to(ROUTE_DTYPE)
             if self.sp and self.tp > 1:
@@ -247,6 +247,8 @@ class RouterHooks:
                 torch.distributed.all_gather(parts, local.contiguous(), group=self.tp_group)
                 local = torch.cat(parts)
             row[:, layer] = local.cpu()
+        # sequences back to back (gathered over CP; int32 on the wire, which every backend takes)
+        row = mb.whole_row(row.to(mb.tokens.device, torch.int32)).to(ROUTE_DTYPE).cpu()
         sub = mb.batch
         prompt, response = unpack_row(row, sub.prompt_lengths.tolist(), sub["response_lengths"].tolist(),
                                       sub["prompt_ids"].shape[1], sub.response_width)

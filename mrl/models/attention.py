@@ -22,6 +22,10 @@ Backends (`model.attention`):
   backward on CPU.
 - `auto`: `te` if importable on CUDA, else `varlen` on CUDA, else `sdpa`.
 
+Context parallelism (`parallel.context > 1`, `mrl.models.context_parallel`): `sdpa` (CPU) and
+`varlen` (CUDA) all-gather K/V over the CP group and attend locally; `auto` picks `varlen` on
+CUDA; `te` and `flex` are refused (mrl's CP layout is its own, not Transformer Engine's).
+
 Measured (the reasons for `auto`): packed causal attention, 16 sequences / 19k tokens, 16 heads
 (4 KV), head dim 64, bf16, fwd+bwd on one H100: `varlen` 1.37 ms, compiled `flex` 2.08 ms, a
 per-sequence SDPA loop 7.1 ms. On CPU, `sdpa` runs torch's flash kernel per sequence (memory
@@ -57,13 +61,23 @@ def te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def resolve_backend(requested: str, device: str) -> str:
-    """The concrete backend for `model.attention = requested` on `device` ("cpu" | "cuda").
+def resolve_backend(requested: str, device: str, context: int = 1) -> str:
+    """The concrete backend for `model.attention = requested` on `device` ("cpu" | "cuda") with
+    `context` context-parallel ranks.
 
     A backend the device cannot run is a `UserError` naming the key (`mrl validate` calls this).
     """
     if requested == REFERENCE:
         return REFERENCE
+    if context > 1:
+        if requested in ("te", "flex"):
+            raise UserError(f"model.attention: {requested!r} does not take parallel.context = {context}; "
+                            "use 'auto' (sdpa on cpu, varlen on cuda)")
+        if requested == "sdpa" and device == "cuda":
+            raise UserError(f"model.attention: 'sdpa' with parallel.context = {context} runs on CPU only "
+                            "(torch's CPU flash kernel); use 'varlen' or 'auto' on cuda")
+        if requested == "auto":
+            return "varlen" if device == "cuda" else "sdpa"
     if requested not in BACKENDS:
         raise UserError(f"model.attention: unknown backend {requested!r} (one of {', '.join(BACKENDS)})")
     if requested == "auto":
@@ -181,10 +195,18 @@ class PackedCoreAttention(torch.nn.Module):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             if attention_mask is not None:
                 raise ValueError("packed (thd) attention takes no attention_mask: sequences come from cu_seqlens")
+            cp = getattr(packed_seq_params, "mrl_cp", None)
+            if cp is not None:   # context parallelism: K/V all-gathered, local chunks attend (context_parallel)
+                from mrl.models import context_parallel
+
+                out = context_parallel.attention(query, key, value, cp, self.scale, self.backend)
+                return out.reshape(out.shape[0], -1)
             cu = (packed_seq_params.cu_seqlens_q_padded if packed_seq_params.cu_seqlens_q_padded is not None
                   else packed_seq_params.cu_seqlens_q)
             out = self._packed(query, key, value, cu, int(packed_seq_params.max_seqlen_q))
             return out.reshape(out.shape[0], -1)
+        if self.config.context_parallel_size > 1:
+            raise ValueError("context parallelism needs packed rows (mrl.engine.packing.pack)")
         if attention_mask is not None:
             raise ValueError("mrl's attention is causal per sequence and takes no dense attention_mask; pass "
                              "attention_mask=None (unpacked rows) or PackedSeqParams (packed rows)")
@@ -241,6 +263,9 @@ def layer_specs(config, backend: str, *, vp_stage: Optional[int] = None):
         return specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
                                                 vp_stage=vp_stage)
     mla = bool(getattr(config, "multi_latent_attention", False))
+    if mla and config.context_parallel_size > 1:
+        raise UserError("parallel.context > 1 does not take multi-latent attention (DeepSeek-V3) yet: its RoPE is "
+                        "megatron's per-sequence one, which knows no mrl CP layout")
     if mla:   # megatron's local MLA spec asks its backend for a `linear()` the local backend lacks:
         config = copy.copy(config)   # build the plain local spec, then put MLA in (`_mla_attention`)
         config.multi_latent_attention = False

@@ -137,7 +137,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
         raise UserError(f"model.path: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
     torch_dtype = _DTYPES[dtype]
     heads = hf["num_attention_heads"]
-    te = resolve_backend(attention, device) == "te"
+    te = resolve_backend(attention, device, parallel.context) == "te"
     kwargs: dict[str, Any] = dict(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
@@ -306,7 +306,7 @@ def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_
     from mrl.models import attention as attn
 
     on_cuda = torch.cuda.is_available() and not config.use_cpu_initialization
-    backend = attn.resolve_backend(attention, "cuda" if on_cuda else "cpu")
+    backend = attn.resolve_backend(attention, "cuda" if on_cuda else "cpu", config.context_parallel_size)
     layer_spec = attn.layer_specs(config, backend, vp_stage=vp_stage)
     model = GPTModel(
         config=config,

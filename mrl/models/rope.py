@@ -18,6 +18,9 @@ instead of one per layer. Rows without `PackedSeqParams` take megatron's batched
 already one pass. Heads are untouched, so tensor parallelism (heads split over ranks) needs
 nothing; every pipeline stage builds its own tables.
 
+Under context parallelism (`mrl.models.context_parallel`) a rank's row holds chunks from the
+front and back of each sequence; their positions come from the micro-batch's CP layout.
+
 Transformer Engine's layer spec is left alone: with `apply_rope_fusion` megatron calls TE's fused
 `thd` RoPE kernel, one launch for the whole row.
 """
@@ -84,7 +87,9 @@ def packed_rope_tables(packed_seq_params: Any, freqs: torch.Tensor, total: int, 
     hit = cache.get(key)
     if hit is not None:
         return hit[1]
-    tables = rope_tables(freqs, packed_positions(cu.to(freqs.device), total), dtype)
+    cp = getattr(packed_seq_params, "mrl_cp", None)   # context parallelism: positions of this rank's chunks
+    positions = cp.positions.to(freqs.device) if cp is not None else packed_positions(cu.to(freqs.device), total)
+    tables = rope_tables(freqs, positions, dtype)
     cache[key] = (freqs, tables)   # holding `freqs` keeps its memory from being reused while cached
     return tables
 
@@ -115,8 +120,8 @@ class PackedRopeSelfAttention(SelfAttention):
         if not thd or rotary_pos_emb is None or no_rope or self.config.apply_rope_fusion:
             return super().forward(hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb,
                                    packed_seq_params=packed_seq_params, **kwargs)
-        if self.config.context_parallel_size > 1:
-            raise ValueError("packed RoPE runs without context parallelism (parallel.context = 1)")
+        if self.config.context_parallel_size > 1 and getattr(packed_seq_params, "mrl_cp", None) is None:
+            raise ValueError("packed RoPE under context parallelism needs the CP layout of mrl.engine.packing.pack")
         if self.config.rotary_interleaved:
             raise ValueError("packed RoPE takes the rotate_half convention (rotary_interleaved = False)")
         freqs = rotary_pos_emb[0] if isinstance(rotary_pos_emb, tuple) else rotary_pos_emb

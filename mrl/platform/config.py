@@ -30,7 +30,8 @@ class ParallelConfig:
     tensor: int = option(1, ge=1, help="tensor-parallel size (TP)")
     pipeline: int = option(1, ge=1, help="pipeline-parallel size (PP)")
     virtual_pipeline: Optional[int] = option(None, ge=1, help="virtual pipeline stages per PP rank (interleaved schedule)")
-    context: int = option(1, ge=1, help="context-parallel size (CP)")
+    context: int = option(1, ge=1, help="context-parallel size (CP): each packed sequence in 2 x CP chunks, two per rank; "
+                                           "micro-batch token budgets are per rank")
     expert: int = option(1, ge=1, help="expert-parallel size (EP) inside MoE layers")
     expert_tensor: Optional[int] = option(None, ge=1, help="tensor-parallel size of expert layers (default: tensor)")
     sequence_parallel: bool = option(False, help="Megatron sequence parallelism (needs TP > 1 and TE/apex norms)")

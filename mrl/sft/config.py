@@ -63,6 +63,7 @@ VERL_SFT_TO_MRL: dict[str, str] = {
     "trainer.resume_path": "checkpoint.load_from",
     "trainer.resume_from_path": "checkpoint.load_from",
     "trainer.device": "platform.device",
+    "ulysses_sequence_parallel_size": "parallel.context",
 }
 
 _SFT_TOKEN_BUDGET = "always on: every micro-batch is a packed token budget (sft.micro_batch_tokens), no padding"
@@ -74,7 +75,6 @@ VERL_SFT_NOT_APPLICABLE: dict[str, str] = {
     "data.pad_mode": _SFT_TOKEN_BUDGET,
     "use_remove_padding": _SFT_TOKEN_BUDGET,
     "data.balance_dp_token": "each DP rank packs its own share of the step's examples into token-budget micro-batches",
-    "ulysses_sequence_parallel_size": "context parallelism is not in the engine yet",
 }
 
 

@@ -77,7 +77,8 @@ def build(spec) -> SFTRun:
 
     ctx = setup(spec.platform, spec.parallel, seed=spec.job.seed)
     par = spec.parallel
-    STARTUP.say(f"process groups: world {spec.platform.world_size}, TP {par.tensor} x PP {par.pipeline} x DP {ctx.dp}",
+    STARTUP.say(f"process groups: world {spec.platform.world_size}, TP {par.tensor} x PP {par.pipeline}"
+                + (f" x CP {par.context}" if par.context > 1 else "") + f" x DP {ctx.dp}",
                 timed=True)
     hf = hf_config(spec.model)
     tokenizer = load_tokenizer(spec.model)

@@ -160,7 +160,8 @@ def build(spec: JobSpec) -> tuple[Run, Optional[Learner], Optional[Generation], 
     from mrl.tracking.startup import STARTUP
 
     par = spec.parallel
-    STARTUP.say(f"process groups: world {spec.platform.world_size}, TP {par.tensor} x PP {par.pipeline} x DP {dp}"
+    STARTUP.say(f"process groups: world {spec.platform.world_size}, TP {par.tensor} x PP {par.pipeline}"
+                + (f" x CP {par.context}" if par.context > 1 else "") + f" x DP {dp}"
                 + (f" + {spec.rollout.ranks} rollout rank(s)" if separate else ""), timed=True)
 
     hf = hf_config(spec.model)

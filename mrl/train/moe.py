@@ -118,8 +118,13 @@ def step_metrics(actor) -> dict[str, float]:
     aux = sum(float(v["values"].sum()) for v in get_moe_layer_wise_logging_tracker().values())
     clear_aux_losses_tracker()
     calls = hooks.take_train_calls()
+    from megatron.core import parallel_state as ps
+
+    # under context parallelism a rank's aux loss is its chunks' share (megatron's router counts the
+    # experts' tokens over the CP group): the CP group's shares add up to the sequence's loss
+    share = 1.0 / ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1.0
     flat = torch.cat([stats.agree, stats.compared, stats.load.reshape(-1),
-                      torch.tensor([aux / calls if calls else 0.0, 1.0 if calls else 0.0], dtype=torch.float64)])
+                      torch.tensor([aux / calls if calls else 0.0, share if calls else 0.0], dtype=torch.float64)])
     device = actor.device if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl" else "cpu"
     flat = world_reduce(flat.to(device), "moe metrics").cpu()
     L, E = len(hooks.layers), hooks.experts

@@ -58,6 +58,15 @@ class StepPlan:
     actor: Updates
     critic: Optional[Updates]    # None without a critic
     on_policy: bool = False      # see `on_policy`: old log-probs come from the update's own forward
+    context: int = 1             # context-parallel ranks (parallel.context): each sequence in 2N chunks
+    longest_sequence: int = 0    # data.max_prompt_tokens + rollout.max_response_tokens
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens of the longest sequence on one context-parallel rank (two of its 2N chunks)."""
+        from mrl.models.context_parallel import tokens_per_rank
+
+        return tokens_per_rank(self.longest_sequence, self.context)
 
     @property
     def responses_per_step(self) -> int:
@@ -114,6 +123,26 @@ def plan_problems(spec) -> list[tuple[str, str]]:
     return out
 
 
+def budget_problems(spec) -> list[tuple[str, str]]:
+    """(dotted key, message) for every token budget (per rank) that cannot hold the longest
+    sequence: under context parallelism two of its 2N chunks (`mrl.models.context_parallel`)."""
+    from mrl.models.context_parallel import tokens_per_rank   # the engine's CP chunking
+
+    data, roll, cp = spec.data, spec.rollout, spec.parallel.context
+    seq_tokens = data.max_prompt_tokens + roll.max_response_tokens
+    per_rank = tokens_per_rank(seq_tokens, cp)
+    budgets = [("actor.micro_batch_tokens", spec.actor.micro_batch_tokens),
+               ("actor.logprob_micro_batch_tokens", spec.actor.logprob_micro_batch_tokens),
+               ("ref.micro_batch_tokens", spec.ref.micro_batch_tokens)]
+    if spec.critic.enable:
+        budgets.append(("critic.micro_batch_tokens", spec.critic.micro_batch_tokens))
+    how = (f", in {2 * cp} chunks of which each of the {cp} context-parallel ranks holds 2: {per_rank} tokens per rank"
+           if cp > 1 else "")
+    return [(key, f"{tokens} tokens per rank cannot hold one sequence of data.max_prompt_tokens {data.max_prompt_tokens} "
+                  f"+ rollout.max_response_tokens {roll.max_response_tokens} = {seq_tokens} tokens{how}")
+            for key, tokens in budgets if tokens is not None and tokens < per_rank]
+
+
 def on_policy(spec, actor: Updates) -> bool:
     """Whether a step's actor update is one optimizer step on the weights that generated its
     responses, with nothing before the update needing the trainer's log-probs: one mini-batch,
@@ -155,4 +184,5 @@ def step_plan(spec) -> StepPlan:
                     prompts_per_rank=prompts // dp, responses_per_prompt=roll.responses_per_prompt,
                     engine_ranks=1 if roll.mode == "server" else roll.tensor_parallel * roll.pipeline_parallel, separate=roll.placement == "separate",
                     actor=actor, critic=updates(spec.critic) if spec.critic.enable else None,
-                    on_policy=on_policy(spec, actor))
+                    on_policy=on_policy(spec, actor), context=par.context,
+                    longest_sequence=data.max_prompt_tokens + roll.max_response_tokens)

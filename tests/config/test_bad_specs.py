@@ -62,8 +62,12 @@ CASES = [
      "critic.micro_batch_tokens", "cannot hold one sequence"),
     ("model-split-not-dividing-world", {"parallel": {"tensor": 2, "pipeline": 2}},
      "parallel", "tensor 2 x pipeline 2 x context 1 = 4 does not divide the world size 2"),
-    ("context-parallel-refused-like-the-engine", {"parallel": {"tensor": 1, "context": 2}},
-     "parallel.context", "context parallelism is not supported by the training engine"),
+    ("context-parallel-budget-is-per-rank", {"parallel": {"context": 2}, "actor": {"micro_batch_tokens": 40}},
+     "actor.micro_batch_tokens", "96 tokens, in 4 chunks of which each of the 2 context-parallel ranks holds 2: 48 tokens"),
+    ("context-parallel-attention-backend", {"parallel": {"context": 2}, "model": {"attention": "flex"}},
+     "model.attention", "'flex' does not take parallel.context = 2"),
+    ("context-not-dividing-world", {"parallel": {"context": 3}},
+     "parallel", "tensor 1 x pipeline 1 x context 3 = 3 does not divide"),
     ("tp-not-dividing-heads", {"platform": {"ranks_per_node": 3}, "parallel": {"tensor": 3}},
      "parallel.tensor", "3 does not divide the 4 attention heads"),
     ("tp-not-dividing-query-groups", {"platform": {"ranks_per_node": 4}, "parallel": {"tensor": 4}},
@@ -362,3 +366,12 @@ def test_a_vllm_judge_where_vllm_is_not_importable_is_one_line(write_job, cli):
     assert rc == 2 and "Traceback" not in err
     [line] = [line for line in err.splitlines() if line.startswith("error:")]
     assert ": reward.judge.engine: " in line and "vllm is not importable here" in line, err
+
+
+def test_context_parallel_job_validates_and_shows_its_chunks(write_job, cli):
+    """parallel.context = 2 on 2 ranks: valid with a per-rank budget that holds half of the longest
+    sequence (64 + 32 = 96 tokens -> 4 chunks of 24, 48 per rank), and the summary says so."""
+    rc, out, err = cli("validate", write_job({"parallel": {"context": 2}, "actor": {"micro_batch_tokens": 48}}))
+    assert rc == 0, err
+    assert "DP 1 x TP 1 x PP 1 x CP 2" in out
+    assert "CP 2: a 96-token sequence in 4 chunks, 48 tokens per rank" in out

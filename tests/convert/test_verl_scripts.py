@@ -53,8 +53,8 @@ EXPECTED: dict[str, object] = {
     "v090__on_policy_distillation_trainer_run_qwen3_8b_fsdp.sh": ("invalid", "distill.model_path"),
     "v090__mtp_trainer_run_mimo_7b_mtp_fully_async_megatron_multinode.sh": ("refused", "fully asynchronous trainer"),
     "v090__ascend_extras_grpo_trainer_run_qwen3_30b_a3b_megatron.sh": ("refused", "Ascend NPUs"),
-    "recipe__dapo_test_dapo_7b_math.sh": ("invalid", "each data-parallel rank trains whole prompts"),
-    "recipe__dapo_run_dapo_qwen2.5_32b.sh": ("invalid", "each data-parallel rank trains whole prompts"),
+    "recipe__dapo_test_dapo_7b_math.sh": "valid",   # Ulysses sp_size 4 -> parallel.context 4
+    "recipe__dapo_run_dapo_qwen2.5_32b.sh": "valid",   # Ulysses sp_size 8 -> parallel.context 8
     "recipe__dapo_test_dapo_7b_math_megatron.sh": "valid",
     "recipe__retool_run_qwen2_7b_dapo.sh": "valid",
     "recipe__fapo_run_fapo_7b.sh": ("invalid", "reward.judge.url"),
@@ -161,9 +161,11 @@ def test_dapo_recipe_arithmetic(monkeypatch):
     monkeypatch.setenv("HOME", "/home/user")
     conv, v = _converted("recipe__dapo_test_dapo_7b_math.sh")
     assert v["rollout.max_response_tokens"] == 8192 and v["data.max_prompt_tokens"] == 2048
-    # $(((max_prompt_length + max_response_length) * 2)) per GPU, x Ulysses sp_size 4 per micro-batch
-    assert v["actor.micro_batch_tokens"] == (2048 + 8192) * 2 * 4
-    assert v["actor.logprob_micro_batch_tokens"] == (2048 + 8192) * 3 * 4
+    # $(((max_prompt_length + max_response_length) * 2)) per GPU of a Ulysses group of sp_size 4:
+    # per rank of parallel.context 4
+    assert v["actor.micro_batch_tokens"] == (2048 + 8192) * 2
+    assert v["actor.logprob_micro_batch_tokens"] == (2048 + 8192) * 3
+    assert v["parallel.context"] == 4
     assert (v["algorithm.overlong.enable"], v["algorithm.overlong.buffer_tokens"], v["algorithm.overlong.penalty_factor"]) \
         == (True, 4096, 1.0)
     # the model's max_position_embeddings override is listed with what to do, not dropped
@@ -178,6 +180,7 @@ def test_dapo_entry_point_composes_the_recipe_config(monkeypatch):
     conv, v = _converted("recipe__dapo_run_dapo_qwen2.5_32b.sh")
     assert "dapo_trainer defaults" in " ".join(conv.notes)
     assert v["algorithm.overlong.enable"] is True and v["algorithm.overlong.buffer_tokens"] == 4096
+    assert v["parallel.context"] == 8   # Ulysses sp_size 8
     assert v["algorithm.dynamic_sampling.enable"] is True
 
 
@@ -328,15 +331,16 @@ def test_every_key_of_verl_0_9_1_is_mapped_or_explained():
     assert not [k for k, _, why in dumped.not_converted if "no known counterpart" in why]
 
 
-def test_a_ulysses_group_s_token_budget_is_one_rank_s_in_mrl():
+def test_ulysses_maps_to_context_parallelism_with_the_per_rank_budget():
     """verl's ppo_max_token_len_per_gpu is per GPU of a Ulysses group: a micro-batch holds budget x
-    sp tokens (the DAPO NPU scripts set (prompt + response) / sp). mrl has no sequence parallelism:
-    one rank takes the group's micro-batch."""
+    sp tokens (the DAPO NPU scripts set (prompt + response) / sp). Ulysses becomes parallel.context,
+    whose token budgets are per rank as well: the same numbers."""
     conv = convert([], ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2816",
                         "actor_rollout_ref.actor.ulysses_sequence_parallel_size=8",
                         "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
                         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=2816"])
     v = {k: c.value for k, c in conv.values.items()}
-    assert v["actor.micro_batch_tokens"] == 2816 * 8
-    assert v["ref.micro_batch_tokens"] == 2816 * 8      # the reference follows the actor's Ulysses size
-    assert "Ulysses 8" in conv.values["actor.micro_batch_tokens"].note
+    assert v["actor.micro_batch_tokens"] == 2816
+    assert v["ref.micro_batch_tokens"] == 2816      # the reference follows the actor's Ulysses size
+    assert v["parallel.context"] == 8
+    assert "Ulysses group of 8" in conv.values["actor.micro_batch_tokens"].note

@@ -25,4 +25,5 @@ def test_dpo_ipo_simpo_do_not_depend_on_split_padding_or_layout():
             for pad in (0, 5):
                 for what in ("grads", "loss"):
                     expect[f"tp2_{name}_mb{k}_pad{pad}_{what}"] = naive[name]
+    expect.update({f"cp2_dpo_mb{k}_{what}": naive["dpo"] for k in (1, 3) for what in ("grads", "loss")})
     _run("dpo_equivalence.py", expect=expect)

@@ -36,7 +36,7 @@ def _run(script: str, *args: str, expect: dict[str, float], timeout: float = 300
 def test_engine_equivalences_in_one_launch():
     """One 2-rank launch (`engine_checks.py`), each check bringing the platform up and down:
     gradients do not depend on the micro-batch split, DP, TP or PP; the critic's value-head
-    gradients match a naive computation at DP2 and TP2; packed RoPE with heads split over TP2 on a
+    gradients match a naive computation at DP2, TP2 and CP2; packed RoPE with heads split over TP2 on a
     QK-norm model; update epochs, mini-batches and shuffling equal the steps by hand; MoE expert
     parallel 2 equals 1."""
     g = 1e-6  # absolute for gradients/losses, relative for grad norms
@@ -48,6 +48,7 @@ def test_engine_equivalences_in_one_launch():
         "pp2_grads": g, "pp2_loss": g, "pp2_grad_norm": g,
         # critic_equivalence.py
         "critic_packed_vs_unpacked_values": 1e-5, "critic_tp2_grads": 1e-6, "critic_tp2_loss": 1e-6,
+        "critic_cp2_values": 1e-5, "critic_cp2_grads": 1e-6, "critic_cp2_loss": 1e-6,
         **{f"critic_dp2_mb{k}_{what}": 1e-6 for k in (1, 2, 4) for what in ("grads", "loss")},
         # rope_tp_equivalence.py
         "rope_tp2_qwen3_logits": 1e-6, "rope_tp2_qwen3_grads": 1e-6,
@@ -55,6 +56,23 @@ def test_engine_equivalences_in_one_launch():
         "update_vs_by_hand": 0.0,
         # moe_equivalence.py
         "moe_ep2_loss": 1e-6, "moe_ep2_grad_norm": 1e-6, "moe_ep2_params": 1e-6})
+
+
+def test_context_parallel_2_equals_1_grads_grpo_bf16_and_resume(tmp_path):
+    """One launch: CP2 == CP1 (loss, gradients, eval log-probs; token-mean PPO and seq-mean GSPO)
+    on packed uneven batches, two GRPO updates, a CP2 -> CP1 resume, and bf16 (scripts/cp_equivalence.py)."""
+    g = 1e-6
+    informational = 1e-1   # bf16 differences: printed; the ratios below are the criteria
+    _run("cp_equivalence.py", str(tmp_path / "ckpt"), expect={
+        "cp2_eval_logprobs": 1e-5, "cp1_fp32_vs_naive_grads": g,
+        **{f"cp2_{loss}_mb{k}_{what}": g for loss in ("ppo", "gspo") for k in (1, 3) for what in ("loss", "grads")},
+        **{f"grpo_cp2_vs_cp1_{what}": g for what in ("loss", "grad_norm", "params")},
+        **{f"resume_cp2_to_cp1_{what}": g for what in ("loss", "grad_norm", "lr", "params")},
+        **{f"bf16_{what}": informational for what in ("noise_floor_loss", "noise_floor_grads", "cp2_vs_cp1_loss",
+                                                     "cp2_vs_cp1_grads", "cp1_vs_fp32_loss", "cp1_vs_fp32_grads",
+                                                     "cp2_vs_fp32_loss", "cp2_vs_fp32_grads")},
+        "bf16_cp2_error_over_cp1_error_grads": 1.25, "bf16_cp2_error_over_cp1_error_loss": 1.25,
+        "bf16_cp2_vs_cp1_over_cp1_error_grads": 2.0})
 
 
 def test_checkpoints_at_tp2_resume_like_continuing(tmp_path):

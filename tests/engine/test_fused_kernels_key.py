@@ -38,7 +38,7 @@ def test_the_job_key_reaches_the_actor_objective_and_eval_outputs(monkeypatch):
         assert step.policy_objective(c).kernels == want
         from mrl.engine.objectives import response_logprobs
 
-        mb = type("MB", (), {"take": lambda self, x: x[0], "response_labels": torch.tensor([1, 2])})()
+        mb = type("MB", (), {"take": lambda self, x: x[0], "gather": lambda self, x: x, "response_labels": torch.tensor([1, 2])})()
         response_logprobs(torch.randn(1, 2, 8), mb, kernels=step.kernel_backend(c))
         assert seen[-1] == want
 

@@ -54,6 +54,19 @@ def test_routes_follow_the_tokens_through_packing_and_the_micro_batch_split():
         assert torch.equal(mb.routes["rollout"][:mb.sequence_tokens, 0, 0].long(), mb.tokens[0, :mb.sequence_tokens])
 
 
+def test_routes_follow_the_tokens_onto_context_parallel_ranks():
+    """Under CP2 each rank's routes are those of its chunks: on every real token its own route,
+    -1 on the padding of each sequence (2N chunks) and of the row."""
+    batch = small_batch()
+    for rank in range(2):
+        mb = packing.pack(batch, [0, 1, 2], cp_size=2, cp_rank=rank)
+        row = mb.routes["rollout"]
+        assert row.shape == (mb.row_tokens, 2, 2)
+        assert torch.equal(row[mb.real, 0, 0].long(), mb.tokens[0, mb.real])
+        assert torch.equal(row[mb.real, 1, 1].long(), mb.tokens[0, mb.real] + 1100)
+        assert (row[~mb.real] == -1).all() and (~mb.real).any()
+
+
 def test_unpack_row_inverts_pack_row():
     batch = small_batch()
     p_lens, r_lens = batch.prompt_lengths.tolist(), batch["response_lengths"].tolist()

@@ -142,6 +142,55 @@ def quickstart_job(out: Path, device: str = "cuda") -> list[str]:
             "checkpoint.keep_last=2", f"job.output_dir={out}", "job.name=run"]
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 4e-3), (torch.bfloat16, 3e-2)])
+def test_context_parallel_varlen_attention_matches_causal_attention_on_cuda(dtype, tol):
+    """The CUDA kernel of context parallelism (`varlen` with each query chunk against its key
+    prefix: flash's causal mask bottom-right aligned), every CP rank of N = 2 and 4 simulated
+    with the whole K/V: rows and gradients equal causal attention per sequence (fp32 dense SDPA)."""
+    from mrl.models import context_parallel as CP
+
+    torch.manual_seed(0)
+    for n in (2, 4):
+        lengths = [CP.padded_length(x, n) for x in (40, 333, 7, 1024)]
+        total = sum(lengths)
+        q = torch.randn(total, 8, 64, device="cuda", dtype=dtype)
+        k = torch.randn(total, 2, 64, device="cuda", dtype=dtype)
+        v = torch.randn(total, 2, 64, device="cuda", dtype=dtype)
+        q32, k32, v32 = (x.float().requires_grad_() for x in (q, k, v))
+        ref = CP.reference_attention(q32, k32, v32, lengths, 0.125)
+        g = torch.randn_like(ref)
+        dq, dk, dv = torch.autograd.grad((ref * g).sum(), (q32, k32, v32))
+        out, gq = torch.zeros_like(ref), torch.zeros_like(q32)
+        gk, gv = torch.zeros_like(k32), torch.zeros_like(v32)
+        for r in range(n):
+            lay = CP.layout(lengths, n, r).to("cuda")
+            qs = q[lay.index].detach().requires_grad_()
+            ks, vs = k.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()
+            o = CP._varlen_cp(qs, ks, vs, lay, 0.125)
+            out[lay.index] = o.detach().float()
+            a, b, c = torch.autograd.grad((o.float() * g[lay.index]).sum(), (qs, ks, vs))
+            gq[lay.index] = a.float()
+            gk += b.float()
+            gv += c.float()
+        for name, got, want in (("out", out, ref), ("dq", gq, dq), ("dk", gk, dk), ("dv", gv, dv)):
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            assert err <= tol, (n, name, err)
+
+
+def test_tensor_2_x_context_2_on_four_ranks_equals_one_naive_call():
+    """TP2 x CP2 (4 gloo ranks on the GPU machine's CPU cores; the CPU CI machine has 2): eval
+    log-probs, loss and every gradient shard equal one naive whole-batch call (scripts/cp_tp_equivalence.py)."""
+    import re
+
+    from tests.dist_util import run_torchrun
+
+    proc = run_torchrun(REPO / "tests" / "engine" / "scripts" / "cp_tp_equivalence.py", nproc=4, timeout=600)
+    diffs = {m.group(1): float(m.group(2)) for m in re.finditer(r"^MAXDIFF (\S+) (\S+)$", proc.stdout, re.M)}
+    expect = {"tp2_cp2_eval_logprobs": 1e-5, **{f"tp2_cp2_mb{k}_{w}": 1e-6 for k in (1, 3) for w in ("grads", "loss")}}
+    assert set(diffs) == set(expect), proc.stdout
+    assert all(diffs[k] <= v for k, v in expect.items()), diffs
+
+
 def test_quickstart_trains_20_bf16_steps_on_cuda_resumes_and_merges(tmp_path):
     """20 bf16 steps on cuda with the HF engine, uninterrupted and stopped at 10 + resumed: the
     resumed run logs the same headline metrics at every step (the console's; no MLflow on a bare

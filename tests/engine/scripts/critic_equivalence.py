@@ -4,7 +4,8 @@ Reference: one naive call over the whole mini-batch on a bare TP=1 critic (unpac
 positions from 0, clipped token-mean value loss). Compared with it:
 - the packed values pass (`forward_only` + `values_output`) = the unpacked forward's values;
 - DP=2 with 1, 2 and 4 micro-batches per rank: loss and every gradient;
-- TP=2 (DP=1): loss and every gradient (the value head is replicated over TP).
+- TP=2 (DP=1): loss and every gradient (the value head is replicated over TP);
+- CP=2 (DP=1): the values pass, loss and every gradient (values gathered over CP).
 """
 import torch
 
@@ -116,6 +117,21 @@ def main():
                 for n, g_ in grads_of(eng).items())
     C.report("critic_tp2_grads", worst)
     C.report("critic_tp2_loss", abs(m["loss"] - want_loss))
+    C.down()
+
+    from cp_equivalence import budget_for   # per-rank budgets of 2N-chunked sequences
+
+    C.up(context=2)  # DP = 1
+    eng = critic_engine(params0)
+    got = eng.forward_only(batch, values_output(), micro_batch_tokens=budget_for(batch, 2))["values"]
+    with torch.no_grad():
+        exp = naive_values(ref, batch)
+    C.report("critic_cp2_values", C.check("cp2 values", got, exp, tol=1e-5))
+    m = eng.forward_backward(batch, OBJ, micro_batch_tokens=budget_for(batch, 2))
+    assert m["micro_batches"] == 2, m
+    C.report("critic_cp2_grads", max(C.check(f"critic grad {n} (cp2)", g_, want[n], tol=TOL)
+                                     for n, g_ in grads_of(eng).items()))
+    C.report("critic_cp2_loss", abs(m["loss"] - want_loss))
     C.down()
 
 

@@ -5,7 +5,8 @@ Reference: unpacked log-probs (one forward per sequence, torch log-softmax) of e
 mini-batch, sequence sums, the pairs of `mrl.algos.dpo.preference_pairs`, the mean pair loss,
 autograd. Compared with it: `mrl.train.dpo.mini_batch` (no-grad pass, coefficients, engine
 forward/backward with `PairwiseObjective`) at DP=2 (1, 2 and 4 micro-batches per rank) and at
-TP=2 x DP=1 (1 and 3 micro-batches), each on the batch as built and with extra padding.
+TP=2 x DP=1 (1 and 3 micro-batches), each on the batch as built and with extra padding, and at
+CP=2 x DP=1 (1 and 3 micro-batches: a response's sequence log-prob adds tokens of both CP ranks).
 """
 import types
 
@@ -126,6 +127,15 @@ def main():
                 eng, m = engine_pass(widen(batch, extra), params0, CFGS[name],
                                      E.budget_for([batch.sequence_lengths.tolist()], k), k)
                 compare(f"tp2_{name}_mb{k}_pad{extra}", eng, m, want_loss, want, NAIVE_TOL[name], tp=2, tp_rank=tp_rank)
+    C.down()
+
+    from cp_equivalence import budget_for   # per-rank budgets of 2N-chunked sequences
+
+    C.up(context=2)  # DP = 1
+    want_loss, want = wants["dpo"]
+    for k in (1, 3):
+        eng, m = engine_pass(batch, params0, CFGS["dpo"], budget_for(batch, k), k)
+        compare(f"cp2_dpo_mb{k}", eng, m, want_loss, want, NAIVE_TOL["dpo"])
     C.down()
 
 
