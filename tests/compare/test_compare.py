@@ -162,13 +162,13 @@ def test_cli_user_errors_are_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_two_short_trainings_with_different_lr(tmp_path):
-    """The acceptance run: two 3-step CPU trainings that differ only in actor.optim.lr."""
-    for name, lr in (("a", "3e-3"), ("b", "1e-3")):
-        proc = subprocess.run([sys.executable, "-m", "mrl", "train", "jobs/quickstart_cpu.toml",
-                               "platform.ranks_per_node=1", "parallel.tensor=1", "trainer.total_steps=3",
-                               f"job.output_dir={tmp_path}", f"job.name={name}", f"actor.optim.lr={lr}"],
-                              cwd=REPO, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    """The acceptance run: two 3-step CPU trainings that differ only in actor.optim.lr (one
+    process, `run_jobs.py`: one `train()` after the other)."""
+    from tests.train.test_train import run_jobs
+
+    run_jobs("jobs/quickstart_cpu.toml", tmp_path, *(f"platform.ranks_per_node=1 parallel.tensor=1 trainer.total_steps=3 "
+                                                    f"job.name={name} actor.optim.lr={lr}"
+                                                    for name, lr in (("a", "3e-3"), ("b", "1e-3"))))
     out = tmp_path / "plots"
     proc = subprocess.run([sys.executable, "-m", "mrl", "compare", str(tmp_path / "a"), str(tmp_path / "b"),
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -23,8 +23,8 @@ def _maxdiffs(stdout: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^MAXDIFF (\S+) (\S+)$", stdout, re.M)}
 
 
-def _run(script: str, *args: str, expect: dict[str, float]) -> dict[str, float]:
-    proc = run_torchrun(SCRIPTS / script, *args, nproc=2, timeout=300)
+def _run(script: str, *args: str, expect: dict[str, float], timeout: float = 300) -> dict[str, float]:
+    proc = run_torchrun(SCRIPTS / script, *args, nproc=2, timeout=timeout)
     diffs = _maxdiffs(proc.stdout)
     assert set(diffs) == set(expect), f"expected reports {sorted(expect)}, got {diffs}\n{proc.stdout}"
     for name, value in diffs.items():
@@ -33,28 +33,29 @@ def _run(script: str, *args: str, expect: dict[str, float]) -> dict[str, float]:
     return diffs
 
 
-def test_gradients_do_not_depend_on_micro_batch_split_dp_tp_or_pp():
+def test_engine_equivalences_in_one_launch():
+    """One 2-rank launch (`engine_checks.py`), each check bringing the platform up and down:
+    gradients do not depend on the micro-batch split, DP, TP or PP; the critic's value-head
+    gradients match a naive computation at DP2, TP2 and CP2; packed RoPE with heads split over TP2 on a
+    QK-norm model; update epochs, mini-batches and shuffling equal the steps by hand; MoE expert
+    parallel 2 equals 1."""
     g = 1e-6  # absolute for gradients/losses, relative for grad norms
-    _run("engine_equivalence.py", expect={
+    _run("engine_checks.py", timeout=900, expect={
+        # engine_equivalence.py
         "packed_vs_unpacked_logprobs": 1e-5, "pp2_eval_logprobs": 1e-5, "nan_policies": 0.0,
         **{f"dp2_mb{k}_{what}": g for k in (1, 2, 4) for what in ("grads", "loss", "grad_norm")},
         "dp2_distributed_optimizer_grad_norm": g, "tp2_grads": g, "tp2_loss": g, "tp2_grad_norm": g, "tp2_sum_pi_squared": 1e-5,
-        "pp2_grads": g, "pp2_loss": g, "pp2_grad_norm": g})
-
-
-def test_critic_value_head_gradients_match_naive_at_dp2_tp2_and_cp2():
-    _run("critic_equivalence.py", expect={
+        "pp2_grads": g, "pp2_loss": g, "pp2_grad_norm": g,
+        # critic_equivalence.py
         "critic_packed_vs_unpacked_values": 1e-5, "critic_tp2_grads": 1e-6, "critic_tp2_loss": 1e-6,
         "critic_cp2_values": 1e-5, "critic_cp2_grads": 1e-6, "critic_cp2_loss": 1e-6,
-        **{f"critic_dp2_mb{k}_{what}": 1e-6 for k in (1, 2, 4) for what in ("grads", "loss")}})
-
-
-def test_packed_rope_with_heads_split_over_tp2_on_a_qk_norm_model():
-    _run("rope_tp_equivalence.py", expect={"rope_tp2_qwen3_logits": 1e-6, "rope_tp2_qwen3_grads": 1e-6})
-
-
-def test_update_epochs_mini_batches_shuffle_equal_steps_by_hand():
-    _run("update_equivalence.py", expect={"update_vs_by_hand": 0.0})
+        **{f"critic_dp2_mb{k}_{what}": 1e-6 for k in (1, 2, 4) for what in ("grads", "loss")},
+        # rope_tp_equivalence.py
+        "rope_tp2_qwen3_logits": 1e-6, "rope_tp2_qwen3_grads": 1e-6,
+        # update_equivalence.py
+        "update_vs_by_hand": 0.0,
+        # moe_equivalence.py
+        "moe_ep2_loss": 1e-6, "moe_ep2_grad_norm": 1e-6, "moe_ep2_params": 1e-6})
 
 
 def test_context_parallel_2_equals_1_grads_grpo_bf16_and_resume(tmp_path):
@@ -74,19 +75,14 @@ def test_context_parallel_2_equals_1_grads_grpo_bf16_and_resume(tmp_path):
         "bf16_cp2_vs_cp1_over_cp1_error_grads": 2.0})
 
 
-def test_moe_expert_parallel_2_equals_1():
-    _run("moe_equivalence.py", expect={"moe_ep2_loss": 1e-6, "moe_ep2_grad_norm": 1e-6, "moe_ep2_params": 1e-6})
-
-
-def test_checkpoint_at_tp2_resumes_at_tp1_like_continuing(tmp_path):
-    _run("ckpt_resume.py", str(tmp_path / "ckpt"), "plain",
-         expect={f"resume_plain_tp2_to_tp1_{k}": 1e-6 for k in ("loss", "grad_norm", "lr", "params")})
-
-
-def test_distributed_optimizer_checkpoint_resumes_like_continuing(tmp_path):
-    # same layout exactly; TP=2 -> TP=1 x DP=2 up to float rounding of the resharded forward
-    _run("ckpt_resume.py", str(tmp_path / "ckpt"), "distributed",
-         expect={"resume_distributed_before_first_update": 0.0,
+def test_checkpoints_at_tp2_resume_like_continuing(tmp_path):
+    """One launch, both optimizers (`ckpt_resume.py`): megatron's plain optimizer saved at TP2
+    resumes at TP1 like continuing; the distributed optimizer resumes like continuing at the same
+    layout exactly (also from a checkpoint written before the first update), and TP=2 -> TP=1 x
+    DP=2 up to float rounding of the resharded forward."""
+    _run("ckpt_resume.py", str(tmp_path / "ckpt"), "plain", "distributed", timeout=600,
+         expect={**{f"resume_plain_tp2_to_tp1_{k}": 1e-6 for k in ("loss", "grad_norm", "lr", "params")},
+                 "resume_distributed_before_first_update": 0.0,
                  **{f"resume_distributed_tp2_to_tp2_{k}": 0.0 for k in ("loss", "grad_norm", "lr", "params")},
                  **{f"resume_distributed_tp2_to_tp1_{k}": 1e-6 for k in ("loss", "grad_norm", "lr", "params")}})
 

@@ -12,6 +12,7 @@ import torch
 
 from tests.dist_util import REPO, run_torchrun
 from tests.sft.conftest import CHATS, sft_job
+from tests.train.test_train import run_jobs
 
 ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
 
@@ -294,14 +295,12 @@ def test_pp2_trains_like_pp1_full_and_lora(tmp_path, tiny_hf, chats_parquet):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_resume_continues_exactly(tmp_path, tiny_hf, pairs_parquet, dtype):
-    """4 steps straight = 2 steps, a checkpoint, then a resumed run to 4 (loss, grad norm, val loss)."""
+    """4 steps straight = 2 steps, a checkpoint, then a resumed run to 4 (loss, grad norm, val loss).
+    The three runs share one process (`run_jobs.py`: one `sft()` after another)."""
     job = sft_job(tmp_path, str(tiny_hf), pairs_parquet, val=pairs_parquet, name="straight")
-    common = [f"model.dtype={dtype}", "sft.val_every_steps=2", "checkpoint.every_steps=2"]
-    assert mrl("sft", job, *common, "sft.total_steps=4").returncode == 0
-    first = mrl("sft", job, *common, "sft.total_steps=2", "job.name=resumed")
-    assert first.returncode == 0, first.stderr[-3000:]
-    again = mrl("sft", job, *common, "sft.total_steps=4", "job.name=resumed")
-    assert again.returncode == 0, again.stderr[-3000:]
+    common = f"model.dtype={dtype} sft.val_every_steps=2 checkpoint.every_steps=2"
+    run_jobs(str(job), tmp_path / "runs", f"{common} sft.total_steps=4 job.name=straight",
+             f"{common} sft.total_steps=2 job.name=resumed", f"{common} sft.total_steps=4 job.name=resumed")
     straight, resumed = history(tmp_path / "runs/straight"), history(tmp_path / "runs/resumed")
     for key in ("train/loss", "train/grad_norm", "val/loss"):
         assert straight[key] == resumed[key], key

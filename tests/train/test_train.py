@@ -244,11 +244,14 @@ def test_new_architecture_presets_train_five_grpo_steps(tmp_path):
 
 @pytest.mark.slow
 def test_stopped_and_resumed_run_matches_uninterrupted_run_exactly(tmp_path):
-    base = f"{ONE_RANK} tracking.backends=[\"mlflow\"] checkpoint.every_steps=2"
-    run_jobs("jobs/ppo_cpu.toml", tmp_path / "whole", f"{base} trainer.total_steps=4")
+    """The four runs share one process (`run_jobs.py`: one `train()` after another): the whole
+    4-step run; a run stopped at step 2; the same run resumed to step 4; and once more, finished."""
+    base = f"{ONE_RANK} tracking.backends=[\"mlflow\"] checkpoint.every_steps=2 job.name=run0"
     resumed = tmp_path / "resumed"
-    run_jobs("jobs/ppo_cpu.toml", resumed, f"{base} trainer.total_steps=2")
-    run_jobs("jobs/ppo_cpu.toml", resumed, f"{base} trainer.total_steps=4")   # picks up at step 3
+    *_, m = run_jobs("jobs/ppo_cpu.toml", tmp_path, f"{base} job.output_dir={tmp_path / 'whole'} trainer.total_steps=4",
+                     f"{base} job.output_dir={resumed} trainer.total_steps=2",
+                     f"{base} job.output_dir={resumed} trainer.total_steps=4",   # picks up at step 3
+                     f"{base} job.output_dir={resumed} trainer.total_steps=4")   # already finished
     whole, again = history(tmp_path / "whole/run0"), history(resumed / "run0")
     # wall-clock readings (stage times, throughput, memory) differ between any two runs
     keys = [k for k in whole if not k.startswith(("time/", "throughput/", "memory/"))]
@@ -257,7 +260,6 @@ def test_stopped_and_resumed_run_matches_uninterrupted_run_exactly(tmp_path):
         assert sorted(again[k]) == [1, 2, 3, 4], k
         assert again[k] == whole[k], (k, whole[k], again[k])
     # Resuming a finished run says so and trains nothing.
-    [m] = run_jobs("jobs/ppo_cpu.toml", resumed, f"{base} trainer.total_steps=4")
     assert m == {}
 
 

@@ -45,21 +45,23 @@ def _same_metrics(whole: dict, again: dict, steps: list[int]) -> None:
 def test_bf16_quickstart_trains_20_steps_with_two_checkpoints_and_resumes_exactly(tmp_path):
     """The one-rank bf16 quickstart (distributed optimizer) saves at 10 and 20; stopping at 10 and
     resuming gives every non-time metric of steps 1-20 equal to the uninterrupted run, with delta
-    weight syncs in the resumed run and full ones in the uninterrupted run."""
-    base = f"{ONE_RANK} {BF16} checkpoint.every_steps=10 checkpoint.keep_last=2"
-    [m] = run_jobs("jobs/quickstart_cpu.toml", tmp_path / "whole", f"{base} trainer.total_steps=20")
-    assert m["actor/updated"] == 1 and all(v == v for v in m.values())
-    ckpts = sorted(p.name for p in (tmp_path / "whole/run0/checkpoints/actor").glob("step_*"))
-    assert ckpts == ["step_00000010", "step_00000020"], ckpts
+    weight syncs in the resumed run and full ones in the uninterrupted run. The three runs share
+    one process (`run_jobs.py`: one `train()` after another)."""
+    base = f"{ONE_RANK} {BF16} checkpoint.every_steps=10 checkpoint.keep_last=2 job.name=run0"
     # the resumed run syncs deltas, verifying the engine's weights against the trainer's every step:
     # its rollouts, audit and updates equal the full-sync run's bit for bit, so its metrics do
     delta = "rollout.weight_sync.mode=delta rollout.weight_sync.verify_every_steps=1"
     resumed = tmp_path / "resumed"
-    run_jobs("jobs/quickstart_cpu.toml", resumed, f"{base} {delta} trainer.total_steps=10")
-    run_jobs("jobs/quickstart_cpu.toml", resumed, f"{base} {delta} trainer.total_steps=20")
+    m, *_ = run_jobs("jobs/quickstart_cpu.toml", tmp_path,
+                     f"{base} job.output_dir={tmp_path / 'whole'} trainer.total_steps=20",
+                     f"{base} {delta} job.output_dir={resumed} trainer.total_steps=10",
+                     f"{base} {delta} job.output_dir={resumed} trainer.total_steps=20")
+    assert m["actor/updated"] == 1 and all(v == v for v in m.values())
+    ckpts = sorted(p.name for p in (tmp_path / "whole/run0/checkpoints/actor").glob("step_*"))
+    assert ckpts == ["step_00000010", "step_00000020"], ckpts
     again = _history(resumed)
     _same_metrics(_history(tmp_path / "whole"), again, list(range(1, 21)))
-    # full on the first sync and after the resume (a new process holds no copy), delta otherwise
+    # full on the first sync and after the resume (a resumed run holds no copy), delta otherwise
     assert [s for s, v in sorted(again["weight_sync/full"].items()) if v] == [1, 11], again["weight_sync/full"]
     # every other step compared the export with the host copy (at lr 3e-3 almost every bf16 element moves)
     assert sorted(again["weight_sync/changed_fraction"]) == [s for s in range(1, 21) if s not in (1, 11)]
@@ -74,14 +76,17 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_bf16_two_rank_layouts_checkpoint_and_resume_exactly(tmp_path, layout):
-    """2 ranks in bf16: a run stopped at step 2 and resumed equals the uninterrupted 3-step run.
-    The three runs share one 2-rank launch (`run_jobs.py`: one `train()` after another, each
-    bringing the platform up and down)."""
-    args = f"checkpoint.every_steps=2 {BF16} {LAYOUTS[layout]} job.name=run"
-    run_torchrun("tests/train/scripts/run_jobs.py", "jobs/quickstart_cpu.toml", str(tmp_path),
-                 f"{args} job.output_dir={tmp_path / 'whole'} trainer.total_steps=3",
-                 f"{args} job.output_dir={tmp_path / 'resumed'} trainer.total_steps=2",
-                 f"{args} job.output_dir={tmp_path / 'resumed'} trainer.total_steps=3", timeout=900)
-    _same_metrics(_history(tmp_path / "whole"), _history(tmp_path / "resumed"), [1, 2, 3])
+def test_bf16_two_rank_layouts_checkpoint_and_resume_exactly(tmp_path):
+    """2 ranks in bf16, at each layout: a run stopped at step 2 and resumed equals the
+    uninterrupted 3-step run. All twelve runs share one 2-rank launch (`run_jobs.py`: one
+    `train()` after another, each bringing the platform up and down at its own layout)."""
+    runs = []
+    for layout, sizes in LAYOUTS.items():
+        args = f"checkpoint.every_steps=2 {BF16} {sizes} job.name=run"
+        out = tmp_path / layout
+        runs += [f"{args} job.output_dir={out / 'whole'} trainer.total_steps=3",
+                 f"{args} job.output_dir={out / 'resumed'} trainer.total_steps=2",
+                 f"{args} job.output_dir={out / 'resumed'} trainer.total_steps=3"]
+    run_torchrun("tests/train/scripts/run_jobs.py", "jobs/quickstart_cpu.toml", str(tmp_path), *runs, timeout=2400)
+    for layout in LAYOUTS:
+        _same_metrics(_history(tmp_path / layout / "whole"), _history(tmp_path / layout / "resumed"), [1, 2, 3])

@@ -1,6 +1,7 @@
 """Checkpoint at TP=2, load at other layouts: the next step equals continuing without the checkpoint.
 
-Usage: ckpt_resume.py DIR plain|distributed. `plain` (megatron's fp32 optimizer) loads at
+Usage: ckpt_resume.py DIR KIND [KIND ...], KIND plain or distributed, each checkpointing under
+DIR/KIND, one after another in this launch. `plain` (megatron's fp32 optimizer) loads at
 TP=1 x DP=2. `distributed` (the distributed optimizer) loads at TP=2 x DP=1 (the saving layout)
 and at TP=1 x DP=2, each into a fresh process group and model; at the saving layout it first
 loads a checkpoint written before the first update (the optimizer had no state yet) and checks
@@ -17,9 +18,6 @@ from mrl import checkpoint
 from mrl.engine.objectives import PolicyObjective
 
 OBJ = PolicyObjective(loss="ppo", eps_low=0.2, eps_high=0.28, clip_c=3.0)
-KIND = sys.argv[2]
-DIST = KIND == "distributed"
-LOAD_TPS = (2, 1) if DIST else (1,)
 EXTRA = {"sampler": {"epoch": 1, "cursor": 17}, "kl_coef": 0.002}
 
 
@@ -37,7 +35,8 @@ def compare_params(eng, want: dict, load_tp: int, save_tp_rank: int, what: str) 
     return worst
 
 
-def main(root):
+def main(root, kind: str):
+    dist_optim = kind == "distributed"
     ctx = C.up(tensor=1)
     torch.manual_seed(42)
     ref = tm.build_tiny_gpt(SPEC)
@@ -48,8 +47,8 @@ def main(root):
     C.down()
 
     ctx = C.up(tensor=2)  # DP = 1
-    eng = E.actor_engine(params0, distributed=DIST, warmup=2, total_steps=6, clip=1.0)
-    if DIST:
+    eng = E.actor_engine(params0, distributed=dist_optim, warmup=2, total_steps=6, clip=1.0)
+    if dist_optim:
         checkpoint.save(root, 0, chunks=eng.chunks, optimizer=eng.optimizer, scheduler=eng.scheduler)
     first = eng.train_mini_batch(batch_a, OBJ, micro_batch_tokens=64)
     after_a = params_of(eng)
@@ -59,11 +58,11 @@ def main(root):
     tp_rank = ctx.layout.tp_rank
     C.down()
 
-    for load_tp in LOAD_TPS:
-        mode = f"{KIND}_tp2_to_tp{load_tp}"
+    for load_tp in (2, 1) if dist_optim else (1,):
+        mode = f"{kind}_tp2_to_tp{load_tp}"
         ctx = C.up(seed=999, tensor=load_tp)  # a different initialisation that the load must overwrite
-        eng = E.actor_engine(None, distributed=DIST, warmup=2, total_steps=6, clip=1.0)
-        if DIST and load_tp == 2:  # the checkpoint from before the first update
+        eng = E.actor_engine(None, distributed=dist_optim, warmup=2, total_steps=6, clip=1.0)
+        if dist_optim and load_tp == 2:  # the checkpoint from before the first update
             got = checkpoint.load(root / "step_00000000", chunks=eng.chunks, optimizer=eng.optimizer,
                                   scheduler=eng.scheduler)
             assert got.step == 0 and eng.scheduler.num_steps == 0, (got.step, eng.scheduler.num_steps)
@@ -88,4 +87,4 @@ def main(root):
 if __name__ == "__main__":
     from pathlib import Path
 
-    C.main_guard(lambda: main(Path(sys.argv[1])))
+    C.main_guard(lambda: [main(Path(sys.argv[1]) / kind, kind) for kind in sys.argv[2:]])

@@ -1,4 +1,5 @@
-"""Run one job several times in this process, each with its own overrides (one `train()` each).
+"""Run one job several times in this process, each with its own overrides (one `train()` each, or
+one `sft()` for an SFT job).
 
     python run_jobs.py JOB OUT_DIR 'key=value key=value' ['key=value ...' ...]
 
@@ -13,13 +14,14 @@ import sys
 
 def main() -> None:
     from mrl.config.loader import load
+    from mrl.sft.loop import sft
     from mrl.train.loop import train
 
     job, out = sys.argv[1], sys.argv[2]
     for i, overrides in enumerate(sys.argv[3:]):
         extra = [f"job.output_dir={out}", f"job.name=run{i}"] + overrides.split()
         spec, _ = load(job, extra)
-        metrics = train(spec)
+        metrics = sft(spec) if hasattr(spec, "sft") else train(spec)
         print(f"RESULT {i} {json.dumps(metrics, sort_keys=True)}", flush=True)
 
 
