@@ -81,6 +81,21 @@ def import_cycles() -> list[list[str]]:
     return cycles
 
 
+
+class _FakeSource:
+    """A module source for the checkers' self-tests: a name and a text instead of a file."""
+
+    def __init__(self, text: str):
+        self.name, self.text = "x.py", text
+
+    def read_text(self) -> str:
+        return self.text
+
+
+def _fake_modules(fake: dict[str, str]):
+    """A stand-in for `_modules`: module name -> source, from `fake` (name -> text)."""
+    return lambda: {n: _FakeSource(t) for n, t in fake.items()}
+
 def test_a_cycle_is_found():
     """The checker itself: modules importing one another inside functions, or only for type
     checking, are a cycle; a one-way import is not."""
@@ -91,14 +106,7 @@ def test_a_cycle_is_found():
             "mrl.c": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from mrl.d import f\n",
             "mrl.d": "import mrl.c\n", "mrl.e": "from mrl.a import f\n"}
 
-    class Src:
-        def __init__(self, name):
-            self.name, self.text = "x.py", fake[name]
-
-        def read_text(self):
-            return self.text
-
-    me._modules = lambda: {n: Src(n) for n in fake}
+    me._modules = _fake_modules(fake)
     try:
         assert sorted(sorted(c) for c in me.import_cycles()) == [["mrl.a", "mrl.b"], ["mrl.c", "mrl.d"]]
     finally:
@@ -162,14 +170,7 @@ def test_an_up_import_is_found():
             "mrl.config.job": "from mrl.schema.x import f\nfrom mrl.config import loader\n",
             "mrl.config.loader": "", "mrl.train.loop": "import mrl.platform\n", "mrl.platform": ""}
 
-    class Src:
-        def __init__(self, name):
-            self.name, self.text = "x.py", fake[name]
-
-        def read_text(self):
-            return self.text
-
-    me._modules = lambda: {n: Src(n) for n in fake}
+    me._modules = _fake_modules(fake)
     try:
         assert me.up_imports() == [("mrl.schema.x", "mrl.config.job")]
     finally:
