@@ -441,9 +441,13 @@ def test_sum_pi_squared_of_the_logits(monkeypatch):
 
     monkeypatch.setattr(objectives, "_tp_group", lambda: None)
 
-    class Rows:   # a micro-batch whose response rows are the logits themselves
+    class Rows:   # a micro-batch (no context parallelism) whose response rows are the logits themselves
         @staticmethod
         def take(x):
+            return x
+
+        @staticmethod
+        def gather(x):
             return x
 
     logits = torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]])
