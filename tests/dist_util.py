@@ -35,3 +35,23 @@ def run_torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float 
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script} exited {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
     return proc
+
+
+def kill_process_group(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGKILL every process of `proc`'s session (started with `start_new_session=True`) and wait
+    until none is left: waiting for the launcher alone is not enough, its ranks can still exist
+    (dying, or zombies waiting to be reaped) when a resumed run checks the run directory's lock
+    owner, and a loaded machine widens that window to seconds."""
+    import signal
+    import time
+
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"processes of the killed group {proc.pid} still exist after {timeout:.0f} s")

@@ -3,6 +3,8 @@
 builtin student learns from it; a stopped distillation run resumes exactly."""
 from __future__ import annotations
 
+import copy
+
 import json
 import subprocess
 import sys
@@ -72,8 +74,8 @@ def test_distillation_with_a_task_reward_resumes_exactly(tmp_path, teacher):
     path, _ = teacher
     other = tmp_path / "other_tokenizer"
     shutil.copytree(path, other)
-    tokenizer = byte_tokenizer()
-    tokenizer.add_tokens(["<think>"])   # (a fresh instance: never change a shared one in place)
+    tokenizer = copy.deepcopy(byte_tokenizer())   # byte_tokenizer() is one cached instance: never change it in place
+    tokenizer.add_tokens(["<think>"])
     tokenizer.save_pretrained(other)
     base = (f"{ONE_RANK} tracking.backends=[\"mlflow\"] checkpoint.every_steps=2 algorithm.advantage=distill "
             f"distill.task_weight=0.5 rollout.responses_per_prompt=4")

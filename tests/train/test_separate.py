@@ -3,7 +3,6 @@ with gloo: 3 ranks = 1 rollout rank + 2 trainer ranks (TP 2) on the quickstart j
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_util import REPO, free_port, run_torchrun
+from tests.dist_util import REPO, free_port, kill_process_group, run_torchrun
 from tests.train.test_train_bf16 import _history
 
 pytestmark = pytest.mark.slow
@@ -92,8 +91,7 @@ def test_killed_async_run_resumes_exactly(tmp_path):
     deadline = time.monotonic() + 300
     while not ckpt.is_dir() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_process_group(proc)
     assert ckpt.is_dir(), "the run never reached its step-2 checkpoint"
 
     resumed = _train(out, *args, nproc=3)

@@ -5,7 +5,6 @@ them, so two uninterrupted vLLM runs already differ and exact resume cannot be s
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_util import REPO
+from tests.dist_util import REPO, kill_process_group
 from tests.train.test_train_bf16 import _history
 
 pytestmark = pytest.mark.slow
@@ -63,8 +62,7 @@ def test_killed_server_mode_run_with_partial_trajectories_resumes_exactly(tmp_pa
     while killed and time.monotonic() < deadline:
         for d, proc in list(killed.items()):
             if (ckpt[d] / "step_00000002").is_dir() or proc.poll() is not None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                kill_process_group(proc)
                 del killed[d]
         time.sleep(0.1)
     for d in dtypes:
