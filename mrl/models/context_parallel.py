@@ -153,14 +153,9 @@ class _GatherRows(torch.autograd.Function):
         return grad.chunk(size)[rank].contiguous(), None
 
 
-class _GatherTokens(torch.autograd.Function):
-    """All-gather along dim 0 whose backward keeps this rank's own slice: for values every rank
+class _GatherTokens(_GatherRows):
+    """`_GatherRows`' all-gather whose backward keeps this rank's own slice: for values every rank
     feeds into the same (replicated) loss, so each rank's copy of the gradient is already whole."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, group)
 
     @staticmethod
     def backward(ctx, grad):
