@@ -60,8 +60,16 @@ def image_cells(value: Any) -> list:
     return list(value)
 
 
+# Untrusted images are bounded before they are decoded: the encoded size (a file is not read past
+# it) and the pixel count read from the header (a small file can declare a huge canvas).
+# Qwen2.5-VL's processor resizes to at most 12,845,056 pixels; 40M leaves room for any source.
+MAX_IMAGE_BYTES = 64 * 2**20
+MAX_IMAGE_PIXELS = 40_000_000
+
+
 def decode_image(cell: Any, base_dir: Optional[Path] = None):
-    """An RGB `PIL.Image` from one cell (`{"bytes", "path"}`, bytes, or a path); `BadImage` otherwise."""
+    """An RGB `PIL.Image` from one cell (`{"bytes", "path"}`, bytes, or a path); `BadImage` otherwise,
+    also for more than `MAX_IMAGE_BYTES` encoded or `MAX_IMAGE_PIXELS` declared."""
     from PIL import Image, UnidentifiedImageError
 
     if hasattr(cell, "convert") and hasattr(cell, "size"):   # already an image (generators)
@@ -76,11 +84,18 @@ def decode_image(cell: Any, base_dir: Optional[Path] = None):
             p = base_dir / p
         if not p.is_file():
             raise BadImage(f"image file {str(path)!r} not found")
-        data = p.read_bytes()
+        with open(p, "rb") as f:
+            data = f.read(MAX_IMAGE_BYTES + 1)
+    if len(data) > MAX_IMAGE_BYTES:
+        raise BadImage(f"image of more than {MAX_IMAGE_BYTES // 2**20} MiB")
     try:
         with Image.open(io.BytesIO(bytes(data))) as im:
+            if im.size[0] * im.size[1] > MAX_IMAGE_PIXELS:
+                raise BadImage(f"image of {im.size[0]}x{im.size[1]} pixels, more than {MAX_IMAGE_PIXELS:,}")
             return im.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except BadImage:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
         raise BadImage(f"image bytes cannot be decoded ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
 

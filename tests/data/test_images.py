@@ -131,3 +131,26 @@ def test_packed_row_carries_mrope_ids_and_images_by_hand():
     assert torch.equal(mb.vision["pixel_values"], pix) and mb.vision["image_grid_thw"].tolist() == [[1, 4, 4]]
     text_only = Batch(batch.tensors, {"prompt_item": [SimpleNamespace(images=None)] * 2})
     assert pack(text_only, [0, 1]).vision == {} and pack(text_only, [0, 1]).position_ids.dim() == 2
+
+
+def test_an_image_is_bounded_in_bytes_and_declared_pixels_before_it_is_decoded(tmp_path, monkeypatch):
+    """A small PNG declaring a canvas over the pixel cap, and a file over the byte cap, are each a
+    `BadImage` naming the bound (nothing decoded, the file not read past the cap)."""
+    import io
+
+    from PIL import Image
+
+    from mrl.data import images
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, format="PNG")
+    monkeypatch.setattr(images, "MAX_IMAGE_PIXELS", 63)
+    with pytest.raises(images.BadImage, match="8x8 pixels, more than 63"):
+        images.decode_image(buf.getvalue())
+    monkeypatch.setattr(images, "MAX_IMAGE_PIXELS", 64)
+    assert images.decode_image(buf.getvalue()).size == (8, 8)
+    big = tmp_path / "big.png"
+    big.write_bytes(buf.getvalue() + b"\0" * 100)
+    monkeypatch.setattr(images, "MAX_IMAGE_BYTES", len(buf.getvalue()) + 99)
+    with pytest.raises(images.BadImage, match="image of more than"):
+        images.decode_image({"path": str(big)})
