@@ -31,6 +31,7 @@ import torch
 
 from mrl.checkpoint import manifest, rng, store, trust
 from mrl.errors import UserError
+from mrl.optim.step import inner_optimizers
 from mrl.platform.collectives import broadcast_object, gather_objects
 
 log = logging.getLogger(__name__)
@@ -66,16 +67,12 @@ OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_o
                   "distrib_optim_fully_reshardable_mem_efficient": True}
 
 
-def _inner_optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-
-
 def _ensure_optimizer_state(optimizer) -> None:
     """Give an optimizer that never stepped its state tensors (Adam moments, step), equal to a fresh
     optimizer's: one step on zero gradients with lr and weight decay 0 (the weights stay, the
     moments stay 0), then every per-parameter `step` back to 0, so the next real update is still
     the first. megatron's distributed optimizer can neither save nor load without this state."""
-    for opt in _inner_optimizers(optimizer):
+    for opt in inner_optimizers(optimizer):
         inner = opt.optimizer
         if inner is None or len(inner.state) > 0:
             continue
@@ -102,7 +99,7 @@ def _unshare_steps(optimizer) -> None:
     increments it in place once per parameter, so after the first resumed update the step is
     `saved + number of parameters` instead of `saved + 1` and every parameter gets the wrong bias
     correction."""
-    for opt in _inner_optimizers(optimizer):
+    for opt in inner_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
             continue
@@ -122,7 +119,7 @@ def _load_optimizer(optimizer, state: dict) -> None:
     the copy fails on 'step'. While loading, each main param's 'step' is set aside around that
     copy. With TE's FusedAdam there is no per-parameter step and this changes nothing."""
     patched = []
-    for opt in _inner_optimizers(optimizer):
+    for opt in inner_optimizers(optimizer):
         if not hasattr(opt, "_set_main_param_and_optimizer_states"):
             continue
 

@@ -58,9 +58,10 @@ def fuse_torch_adam(optimizer) -> int:
     kernel is one pass per parameter chunk. A group is switched only when every parameter in it
     is a floating CUDA tensor (the fused kernel's own condition); CPU (and offloaded) groups keep
     `foreach`, so CPU runs are unchanged."""
-    inner = [getattr(o, "optimizer", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    from mrl.optim.step import inner_optimizers
+
     switched = 0
-    for opt in inner:
+    for opt in (getattr(o, "optimizer", None) for o in inner_optimizers(optimizer)):
         if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
             continue
         for group in opt.param_groups:

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import math
 
-__all__ = ["NonFiniteError", "StepOutcome", "guarded_step"]
+__all__ = ["NonFiniteError", "StepOutcome", "guarded_step", "inner_optimizers"]
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,8 @@ class StepOutcome:
     lr: float              # learning rate the update used
 
 
-def _inner(optimizer) -> list:
+def inner_optimizers(optimizer) -> list:
+    """The megatron optimizers inside `optimizer` (a `ChainedOptimizer`'s parts, else itself)."""
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
@@ -55,7 +56,7 @@ def guarded_step(optimizer, scheduler, *, loss: float, clip: float, policy: str,
         optimizer.zero_grad()
         return StepOutcome(updated=False, grad_norm=grad_norm, lr=lr)
     if clip > 0:
-        for opt in _inner(optimizer):
+        for opt in inner_optimizers(optimizer):
             params = opt.get_parameters()
             if params and not getattr(opt, "is_stub_optimizer", False):
                 clip_grad_by_total_norm_fp32(params, max_norm=clip, total_norm=grad_norm,
