@@ -138,3 +138,42 @@ def test_attention_backends_under_context_parallelism():
     for bad in ("te", "flex"):
         with pytest.raises(UserError, match=f"'{bad}' does not take parallel.context = 2"):
             resolve_backend(bad, "cuda", 2)
+
+
+def test_bf16_cp_attention_rounds_as_the_whole_sequence_call():
+    """CP2's split softmax (each query chunk against its earlier chunks and its own, merged) in
+    bf16 gives CP1's `sdpa` output and q/K/V gradients up to float32 order: both run the float32
+    flash kernel and round once (`mrl.models.flash_cpu`), the K/V gradients of the chunks and
+    ranks summed in float32. Elements that differ are float32 sums landing on the other side of a
+    bf16 rounding boundary: one bf16 ulp, in well under 1% of the elements (the kernel that merged
+    two bf16 outputs differed in 45% of the outputs and 97% of dK: tools/bench/cp_bf16_rounding.py)."""
+    from mrl.models.attention import sdpa_packed
+
+    torch.manual_seed(0)
+    n, dt = 2, torch.bfloat16
+    lengths = [CP.padded_length(x, n) for x in (130, 41, 8)]
+    total = sum(lengths)
+    q = torch.randn(total, 4, 16, dtype=dt, requires_grad=True)
+    k = torch.randn(total, 2, 16, dtype=dt, requires_grad=True)
+    v = torch.randn(total, 2, 16, dtype=dt, requires_grad=True)
+    cp1 = sdpa_packed(q, k, v, torch.tensor([0] + lengths).cumsum(0), 0.25)
+    g = torch.randn_like(cp1)
+    want = [cp1.detach(), *torch.autograd.grad((cp1 * g).sum(), (q, k, v))]
+    out, dq = torch.zeros_like(q), torch.zeros_like(q)
+    dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)   # the ranks' sum (the all-reduce) in float32
+    for r in range(n):
+        lay = CP.layout(lengths, n, r)
+        qs = q.detach()[lay.index].requires_grad_()
+        ks, vs = k.detach().float().requires_grad_(), v.detach().float().requires_grad_()
+        o = CP._sdpa_cp(qs, ks, vs, lay, 0.25)
+        assert o.dtype == dt
+        out[lay.index] = o.detach()
+        a, b_, c = torch.autograd.grad((o * g[lay.index]).sum(), (qs, ks, vs))
+        dq[lay.index] = a
+        dk += b_
+        dv += c
+    for name, got, w in zip(("out", "dq", "dk", "dv"), (out, dq, dk.to(dt), dv.to(dt)), want):
+        differ = got != w
+        assert differ.float().mean().item() < 0.01, name
+        ulp = torch.ldexp(torch.ones(()), torch.frexp(w[differ].float().abs())[1] - 8)
+        assert ((got[differ].float() - w[differ].float()).abs() <= ulp).all(), name
