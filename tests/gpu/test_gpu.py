@@ -177,16 +177,18 @@ def test_context_parallel_varlen_attention_matches_causal_attention_on_cuda(dtyp
             assert err <= tol, (n, name, err)
 
 
-def test_tensor_2_x_context_2_on_four_ranks_equals_one_naive_call():
-    """TP2 x CP2 (4 gloo ranks on the GPU machine's CPU cores; the CPU CI machine has 2): eval
-    log-probs, loss and every gradient shard equal one naive whole-batch call (scripts/cp_tp_equivalence.py)."""
+def test_tensor_2_x_context_2_and_pipeline_2_x_context_2_on_four_ranks_equal_one_naive_call():
+    """TP2 x CP2 and PP2 x CP2 (4 gloo ranks on the GPU machine's CPU cores; the CPU CI machine has
+    2, where the launch took 42 s): eval log-probs, loss and every gradient shard equal one naive
+    whole-batch call (scripts/cp_tp_equivalence.py)."""
     import re
 
     from tests.dist_util import run_torchrun
 
     proc = run_torchrun(REPO / "tests" / "engine" / "scripts" / "cp_tp_equivalence.py", nproc=4, timeout=600)
     diffs = {m.group(1): float(m.group(2)) for m in re.finditer(r"^MAXDIFF (\S+) (\S+)$", proc.stdout, re.M)}
-    expect = {"tp2_cp2_eval_logprobs": 1e-5, **{f"tp2_cp2_mb{k}_{w}": 1e-6 for k in (1, 3) for w in ("grads", "loss")}}
+    expect = {f"{layout}_cp2_eval_logprobs": 1e-5 for layout in ("tp2", "pp2")}
+    expect.update({f"{layout}_cp2_mb{k}_{w}": 1e-6 for layout in ("tp2", "pp2") for k in (1, 3) for w in ("grads", "loss")})
     assert set(diffs) == set(expect), proc.stdout
     assert all(diffs[k] <= v for k, v in expect.items()), diffs
 
