@@ -9,18 +9,20 @@ of its sequence, a second flash call merged with the first by log-sum-exp (ring 
 merge; its backward is each block's flash backward with the merged output and log-sum-exp).
 
 Why float32 inside. torch's CPU flash kernel on bf16 inputs rounds the softmax probabilities to
-bf16 before its P @ V product, and normalises by the row maximum of the keys it sees: a split
-softmax (two calls with their own maxima, two bf16 outputs merged) rounds differently from one
-call over the same keys, so bf16 CP2 drifted from bf16 CP1 by more than CP1's own
-packing-to-packing noise (tools/bench/cp_bf16_rounding.py). In float32 each block is exact to
-float32 rounding, the merge is in float32, and the output is rounded to the input dtype once:
-CP2's attention output is then CP1's bit for bit (measured), and both are the correctly rounded
-result more often than the bf16 kernel (whose output differed from it in a quarter of the
-elements). The gradients are likewise accumulated in float32 (over query heads of a KV group,
-both blocks, and by the caller over query chunks and CP ranks) and rounded once. Saved for the
-backward: q, K, V and the output in the input dtype (as the bf16 kernel saves them) and the
-float32 log-sum-exp; the float32 copies live only inside one call. Measured cost: fwd+bwd of 8
-heads x 4096 tokens x 64, 1.82 s in float32 against 1.60 s in bf16 on this CPU.
+bf16 before its P @ V product, normalised by the row maximum of the keys it sees: a split
+softmax (two calls with their own maxima, two bf16 outputs merged and rounded again) rounds
+differently from one call over the same keys, and K/V gradients summed over query chunks and CP
+ranks in bf16 round once per sum. bf16 CP2 drifted from bf16 CP1 by more than CP1's own
+packing-to-packing noise (tools/bench/cp_bf16_rounding.py attributes it: 31% of the outputs and
+57% of dK differed). In float32 each block is exact to float32 rounding, the merge is float32,
+and the output is rounded to the input dtype once, as are the gradients (summed over a KV
+group's query heads and both blocks here, over chunks and ranks by the caller in float32):
+CP2 and CP1 then differ only where float32 order flips a bf16 rounding (0.02% of the outputs,
+0.15% of dK, one ulp), and both are nearer float64 attention than torch's bf16 kernel (output
+rms 2.6e-4 against 3.2e-4, dK 4.9e-4 against 1.1e-3). Saved for the backward: q, K, V and the
+output in the input dtype (as the bf16 kernel saves them) and the float32 log-sum-exp; the
+float32 copies live only inside one call. Measured cost: fwd+bwd of 8 heads x 4096 tokens x 64,
+1.82 s in float32 against 1.60 s in bf16 on this CPU.
 
 The kernel needs equal query/key and value head sizes; `mrl.models.attention.sdpa_packed`
 keeps torch's SDPA for the others (multi-latent attention).

@@ -8,9 +8,10 @@ one flash call per sequence) in the same dtype: the fraction of attention output
 gradient elements that differ and the largest difference, and each one's root-mean-square
 distance to float64 attention. Variants of CP2's kernel:
 
-- `bf16-blocks`: the two flash blocks of a query chunk (earlier chunks, own chunk) in bf16, their
-  bf16 outputs merged by log-sum-exp in float32 and rounded again (the kernel before
-  `mrl.models.flash_cpu`); K/V gradients summed over chunks and ranks in bf16;
+- `bf16-blocks`: the kernel before `mrl.models.flash_cpu` (a copy): the two flash blocks of a
+  query chunk (earlier chunks, own chunk) in bf16, their bf16 outputs merged by log-sum-exp in
+  float32 and rounded again, the backward each block's bf16 flash backward with the merged
+  output and log-sum-exp; K/V gradients summed over chunks and ranks in bf16;
 - `fp32-blocks, bf16 K/V sums`: blocks in float32, merged in float32, rounded once; the K/V
   gradients of the chunks and ranks still summed in bf16;
 - `fp32 (mrl)`: `mrl.models.context_parallel._sdpa_cp` with K/V rows in float32 (the kernel and
@@ -30,20 +31,42 @@ from mrl.models import flash_cpu
 from mrl.models.attention import sdpa_packed
 
 
+class _OldBlockCausal(torch.autograd.Function):
+    """The kernel before flash_cpu: two bf16 flash blocks merged in float32 and rounded again;
+    the backward is each block's bf16 flash backward with the merged output and log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        f = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        c = q.shape[2]
+        p = k.shape[2] - c
+        out, lse = f(q, k[:, :, p:], v[:, :, p:], 0.0, True, scale=scale)
+        if p > 0:
+            o0, lse0 = f(q, k[:, :, :p], v[:, :, :p], 0.0, False, scale=scale)
+            m = torch.logaddexp(lse, lse0)
+            out = (out.float() * torch.exp(lse - m).unsqueeze(-1) + o0.float() * torch.exp(lse0 - m).unsqueeze(-1)).to(q.dtype)
+            lse = m
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.prefix = scale, p
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        p, scale = ctx.prefix, ctx.scale
+        bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        grad = grad.contiguous()
+        dq, dk1, dv1 = bwd(grad, q, k[:, :, p:], v[:, :, p:], out, lse, 0.0, True, scale=scale)
+        if p == 0:
+            return dq, dk1, dv1, None
+        dq0, dk0, dv0 = bwd(grad, q, k[:, :, :p], v[:, :, :p], out, lse, 0.0, False, scale=scale)
+        return dq + dq0, torch.cat([dk0, dk1], 2), torch.cat([dv0, dv1], 2), None
+
+
 def _old_block(q, k, v, scale):
-    """The kernel before flash_cpu: bf16 flash blocks, merged in float32, rounded twice."""
     rep = q.shape[1] // k.shape[1]
-    c = q.shape[0]
-    qg = flash_cpu.grouped(q, rep)
     kg, vg = (x.transpose(0, 1).unsqueeze(0).expand(rep, -1, -1, -1) for x in (k, v))
-    p = kg.shape[2] - c
-    f = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    out, lse = f(qg, kg[:, :, p:], vg[:, :, p:], 0.0, True, scale=scale)
-    if p:
-        o0, lse0 = f(qg, kg[:, :, :p], vg[:, :, :p], 0.0, False, scale=scale)
-        m = torch.logaddexp(lse, lse0)
-        out = (out.float() * torch.exp(lse - m).unsqueeze(-1) + o0.float() * torch.exp(lse0 - m).unsqueeze(-1)).to(q.dtype)
-    return flash_cpu.ungrouped(out)
+    return flash_cpu.ungrouped(_OldBlockCausal.apply(flash_cpu.grouped(q, rep), kg, vg, scale))
 
 
 def _cp2(q, k, v, lengths, n, scale, g, variant):
