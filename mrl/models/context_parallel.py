@@ -30,7 +30,10 @@ Kernels (no `[T, T]` or `[C, L]` score matrix is built):
   then rounds as bf16 CP1 does (up to float32 order: one ulp in 0.02% of the outputs).
 - CUDA (`varlen`): torch's packed flash attention with each query chunk as its own "sequence"
   and the prefix of its keys as the matching key "sequence" (flash's causal mask with fewer
-  queries than keys is bottom-right aligned, which is exactly this). Untested without a GPU.
+  queries than keys is bottom-right aligned, which is exactly this). The key prefixes are cut
+  from the float32 rows and cast for the kernel, so K/V gradients sum in float32 here too (the
+  backward's reduce-scatter moves float32: twice the bytes of the K/V). Tested in the GPU tier
+  only (tests/gpu/test_gpu.py).
 
 Per-token outputs (log-probs, entropy, values) are computed on the rank's own tokens and
 all-gathered over the CP group (`gather_tokens`) so every CP rank holds the whole micro-batch's
@@ -240,11 +243,13 @@ def _varlen_cp(q, k_row, v_row, cp: CPLayout, scale: float) -> torch.Tensor:
         cu = lambda ls: torch.tensor([0] + ls, dtype=torch.int32).cumsum(0).to(torch.int32).to(q.device)
         cp._cache[key] = (cu(q_len), cu(k_len), torch.cat(k_idx).to(q.device), max(q_len), max(k_len))
     cu_q, cu_k, k_idx, max_q, max_k = cp._cache[key]
+    # selected and repeated per query head in the rows' dtype (float32 from `attention`), cast for
+    # the kernel: the gradients of a key's query chunks and query heads are summed in float32
     k, v = k_row.index_select(0, k_idx), v_row.index_select(0, k_idx)
     if q.shape[1] != k.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
+    return varlen_attn(q, k.to(q.dtype), v.to(q.dtype), cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPLayout, scale: float,
@@ -252,13 +257,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPLayout, s
     """Causal attention of this CP rank's queries `[T / N, Hq, D]` over the whole sequences:
     K/V `[T / N, Hkv, D]` are all-gathered over the CP group, then each local query chunk
     attends to its sequence's keys up to the end of the chunk. Returns `[T / N, Hq, D]`."""
+    # K/V travel in their dtype and are upcast: the K/V gradients of every query chunk and CP rank
+    # are summed in float32 and rounded once, as one whole-sequence call rounds them
+    k_row, v_row = gather_rows(k, cp, torch.float32), gather_rows(v, cp, torch.float32)
     if backend == "varlen":
-        return _varlen_cp(q, gather_rows(k, cp), gather_rows(v, cp), cp, scale)
+        return _varlen_cp(q, k_row, v_row, cp, scale)
     if q.device.type != "cpu":
         raise ValueError(f"context-parallel attention with backend {backend!r} runs on CPU only; use 'varlen' on CUDA")
-    # float32 rows: the CPU kernel attends in float32, and the K/V gradients of every query chunk
-    # and CP rank are summed in float32 and rounded once, as one whole-sequence call rounds them
-    return _sdpa_cp(q, gather_rows(k, cp, torch.float32), gather_rows(v, cp, torch.float32), cp, scale)
+    return _sdpa_cp(q, k_row, v_row, cp, scale)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int],

@@ -177,6 +177,43 @@ def test_context_parallel_varlen_attention_matches_causal_attention_on_cuda(dtyp
             assert err <= tol, (n, name, err)
 
 
+def test_bf16_context_parallel_varlen_rounds_as_the_whole_sequence_call_on_cuda():
+    """The CUDA twin of tests/engine/test_context_parallel.py's bf16 rounding test: CP2's `varlen`
+    kernel (each query chunk against its key prefix, K/V rows in float32 cast for the kernel, so a
+    key's gradients from its chunks and query heads sum in float32) gives CP1's `varlen_packed`
+    output and q/K/V gradients up to float32 order: under 1% of the elements differ, by at most
+    two bf16 ulps (flash's dq is summed with float32 atomics, in no fixed order)."""
+    from mrl.models import context_parallel as CP
+    from mrl.models.attention import varlen_packed
+
+    torch.manual_seed(0)
+    n, dt = 2, torch.bfloat16
+    lengths = [CP.padded_length(x, n) for x in (40, 333, 7, 1024)]
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, h, 64, device="cuda", dtype=dt, requires_grad=True) for h in (8, 2, 2))
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
+    cp1 = varlen_packed(q, k, v, cu, max(lengths), 0.125)
+    g = torch.randn_like(cp1)
+    want = [cp1.detach(), *torch.autograd.grad((cp1 * g).sum(), (q, k, v))]
+    out, dq = torch.zeros_like(q), torch.zeros_like(q)
+    dk, dv = torch.zeros(k.shape, device="cuda"), torch.zeros(v.shape, device="cuda")   # the ranks' float32 sum
+    for r in range(n):
+        lay = CP.layout(lengths, n, r).to("cuda")
+        qs = q.detach()[lay.index].requires_grad_()
+        ks, vs = k.detach().float().requires_grad_(), v.detach().float().requires_grad_()
+        o = CP._varlen_cp(qs, ks, vs, lay, 0.125)
+        out[lay.index] = o.detach()
+        a, b, c = torch.autograd.grad((o * g[lay.index]).sum(), (qs, ks, vs))
+        dq[lay.index] = a
+        dk += b
+        dv += c
+    for name, got, w in zip(("out", "dq", "dk", "dv"), (out, dq, dk.to(dt), dv.to(dt)), want):
+        differ = got != w
+        assert differ.float().mean().item() < 0.01, (name, differ.float().mean().item())
+        ulp = torch.ldexp(torch.ones((), device="cuda"), torch.frexp(w[differ].float().abs())[1] - 8)
+        assert ((got[differ].float() - w[differ].float()).abs() <= 2 * ulp).all(), name
+
+
 def test_tensor_2_x_context_2_and_pipeline_2_x_context_2_on_four_ranks_equal_one_naive_call():
     """TP2 x CP2 and PP2 x CP2 (4 gloo ranks on the GPU machine's CPU cores; the CPU CI machine has
     2, where the launch took 42 s): eval log-probs, loss and every gradient shard equal one naive
