@@ -22,7 +22,9 @@ CP2 and CP1 then differ only where float32 order flips a bf16 rounding (0.02% of
 rms 2.6e-4 against 3.2e-4, dK 4.9e-4 against 1.1e-3). Saved for the backward: q, K, V and the
 output in the input dtype (as the bf16 kernel saves them) and the float32 log-sum-exp; the
 float32 copies live only inside one call. Measured cost: fwd+bwd of 8 heads x 4096 tokens x 64,
-1.82 s in float32 against 1.60 s in bf16 on this CPU.
+1.82 s in float32 against 1.60 s in bf16 on this CPU; the peak memory of a bf16 16k-token step
+(tools/bench/cp_memory.py --dtype bfloat16) rose 3-5% (CP1 709 -> 727-738 MB, CP2 378-389 ->
+399-404 MB: under CP each query chunk keeps its own bf16 copy of its key prefix).
 
 The kernel needs equal query/key and value head sizes; `mrl.models.attention.sdpa_packed`
 keeps torch's SDPA for the others (multi-latent attention).
