@@ -32,8 +32,9 @@ Kernels (no `[T, T]` or `[C, L]` score matrix is built):
   and the prefix of its keys as the matching key "sequence" (flash's causal mask with fewer
   queries than keys is bottom-right aligned, which is exactly this). The key prefixes are cut
   from the float32 rows and cast for the kernel, so K/V gradients sum in float32 here too (the
-  backward's reduce-scatter moves float32: twice the bytes of the K/V). Tested in the GPU tier
-  only (tests/gpu/test_gpu.py).
+  backward's reduce-scatter moves float32: twice the bytes of the K/V; the cut prefixes are
+  float32 until the cast). The bookkeeping is tested on CPU with a stand-in kernel
+  (tests/engine/test_context_parallel.py), the kernel itself in the GPU tier (tests/gpu).
 
 Per-token outputs (log-probs, entropy, values) are computed on the rank's own tokens and
 all-gathered over the CP group (`gather_tokens`) so every CP rank holds the whole micro-batch's
@@ -45,6 +46,7 @@ undo megatron's gradient average over the data x context group.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Optional, Sequence
 
 import torch
@@ -243,13 +245,18 @@ def _varlen_cp(q, k_row, v_row, cp: CPLayout, scale: float) -> torch.Tensor:
         cu = lambda ls: torch.tensor([0] + ls, dtype=torch.int32).cumsum(0).to(torch.int32).to(q.device)
         cp._cache[key] = (cu(q_len), cu(k_len), torch.cat(k_idx).to(q.device), max(q_len), max(k_len))
     cu_q, cu_k, k_idx, max_q, max_k = cp._cache[key]
-    # selected and repeated per query head in the rows' dtype (float32 from `attention`), cast for
-    # the kernel: the gradients of a key's query chunks and query heads are summed in float32
+    # cut from the rows in their dtype (float32 from `attention`) and cast for the kernel: a key's
+    # gradients from its query chunks are summed in float32 (those of a KV group's query heads
+    # inside the kernel with `enable_gqa`, else in float32 by `repeat_interleave`'s backward)
     k, v = k_row.index_select(0, k_idx), v_row.index_select(0, k_idx)
+    kwargs = dict(scale=scale, window_size=(-1, 0))
     if q.shape[1] != k.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return varlen_attn(q, k.to(q.dtype), v.to(q.dtype), cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
+        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+            kwargs["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return varlen_attn(q, k.to(q.dtype), v.to(q.dtype), cu_q, cu_k, max_q, max_k, **kwargs)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPLayout, scale: float,
