@@ -31,9 +31,11 @@ Kernels (no `[T, T]` or `[C, L]` score matrix is built):
 - CUDA (`varlen`): torch's packed flash attention with each query chunk as its own "sequence"
   and the prefix of its keys as the matching key "sequence" (flash's causal mask with fewer
   queries than keys is bottom-right aligned, which is exactly this). The key prefixes are cut
-  from the float32 rows and cast for the kernel, so K/V gradients sum in float32 here too (the
-  backward's reduce-scatter moves float32: twice the bytes of the K/V; the cut prefixes are
-  float32 until the cast). The bookkeeping is tested on CPU with a stand-in kernel
+  from the float32 rows and cast for the kernel, so K/V gradients sum over chunks and ranks in
+  float32 here too (the backward's reduce-scatter moves float32: twice the bytes of the K/V; the
+  cut prefixes are float32 until the cast), but each chunk's dK/dV leave the bf16-only flash
+  kernel rounded, a rounding one whole-sequence call does not have (the GPU tier bounds their
+  error at 1.5x CP1's; output and dq round as CP1's). The bookkeeping is tested on CPU with a stand-in kernel
   (tests/engine/test_context_parallel.py), the kernel itself in the GPU tier (tests/gpu).
 
 Per-token outputs (log-probs, entropy, values) are computed on the rank's own tokens and

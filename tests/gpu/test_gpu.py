@@ -178,11 +178,13 @@ def test_context_parallel_varlen_attention_matches_causal_attention_on_cuda(dtyp
 
 
 def test_bf16_context_parallel_varlen_rounds_as_the_whole_sequence_call_on_cuda():
-    """The CUDA twin of tests/engine/test_context_parallel.py's bf16 rounding test: CP2's `varlen`
-    kernel (each query chunk against its key prefix, K/V rows in float32 cast for the kernel, so a
-    key's gradients from its chunks and query heads sum in float32) gives CP1's `varlen_packed`
-    output and q/K/V gradients up to float32 order: under 1% of the elements differ, by at most
-    two bf16 ulps (flash's dq is summed with float32 atomics, in no fixed order)."""
+    """The CUDA counterpart of tests/engine/test_context_parallel.py's bf16 rounding test. CP2's
+    `varlen` kernel (each query chunk against its key prefix, K/V rows in float32 cast for the
+    kernel) against CP1's `varlen_packed`: the output and dq come from the same flash kernel over
+    the same keys, so under 1% of them differ (flash sums dq with float32 atomics, in no fixed
+    order), by at most one bf16 ulp of the largest value. dK/dV leave the bf16-only kernel rounded once per query chunk
+    before the float32 sum over chunks and ranks, a rounding CP1 does not have: their distance to
+    float32 attention is bounded at 1.5x CP1's instead."""
     from mrl.models import context_parallel as CP
     from mrl.models.attention import varlen_packed
 
@@ -195,6 +197,9 @@ def test_bf16_context_parallel_varlen_rounds_as_the_whole_sequence_call_on_cuda(
     cp1 = varlen_packed(q, k, v, cu, max(lengths), 0.125)
     g = torch.randn_like(cp1)
     want = [cp1.detach(), *torch.autograd.grad((cp1 * g).sum(), (q, k, v))]
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = CP.reference_attention(q32, k32, v32, lengths, 0.125)
+    exact = [ref.detach(), *torch.autograd.grad((ref * g.float()).sum(), (q32, k32, v32))]
     out, dq = torch.zeros_like(q), torch.zeros_like(q)
     dk, dv = torch.zeros(k.shape, device="cuda"), torch.zeros(v.shape, device="cuda")   # the ranks' float32 sum
     for r in range(n):
@@ -207,11 +212,14 @@ def test_bf16_context_parallel_varlen_rounds_as_the_whole_sequence_call_on_cuda(
         dq[lay.index] = a
         dk += b
         dv += c
-    for name, got, w in zip(("out", "dq", "dk", "dv"), (out, dq, dk.to(dt), dv.to(dt)), want):
-        differ = got != w
-        assert differ.float().mean().item() < 0.01, (name, differ.float().mean().item())
-        ulp = torch.ldexp(torch.ones((), device="cuda"), torch.frexp(w[differ].float().abs())[1] - 8)
-        assert ((got[differ].float() - w[differ].float()).abs() <= 2 * ulp).all(), name
+    got = [out, dq, dk.to(dt), dv.to(dt)]
+    for name, x, w in list(zip(("out", "dq"), got, want)):
+        differ = (x != w).float().mean().item()
+        worst = ((x.float() - w.float()).abs().max() / w.float().abs().max()).item()
+        assert differ < 0.01 and worst <= 2 ** -7, (name, differ, worst)   # one ulp at the largest value
+    rms = lambda a, b: ((a.float() - b) ** 2).mean().sqrt().item()   # noqa: E731
+    for name, x, w, e in list(zip(("out", "dq", "dk", "dv"), got, want, exact))[2:]:
+        assert rms(x, e) <= 1.5 * rms(w, e), (name, rms(x, e), rms(w, e))
 
 
 def test_tensor_2_x_context_2_and_pipeline_2_x_context_2_on_four_ranks_equal_one_naive_call():
