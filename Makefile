@@ -17,7 +17,6 @@ STAMP  := $(VENV)/.mrl-installed-$(HASH)
 # unit a worker takes whole is a test file (tests/conftest.py: its module fixtures are built once),
 # and the files holding slow tests go first, so the short ones balance the end.
 TEST_WORKERS ?= 2
-XDIST  := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 .PHONY: setup demo test test-fast test-vllm test-gpu gpu-check lint clean
 
@@ -39,7 +38,7 @@ demo: setup
 # Every tier: fast unit tests plus the slow tier (torchrun/gloo, and Slurm when a cluster is up:
 # `bash .ci/slurm-setup.sh` starts a one-node cluster as root; without it those tests skip).
 test: setup
-	$(VENV)/bin/python -m pytest -m '' -q $(XDIST) --durations=15
+	$(VENV)/bin/python -m pytest -m '' -q -n $(TEST_WORKERS) --durations=15
 
 # The fast tier only (the default `pytest` run).
 test-fast: setup

@@ -18,20 +18,33 @@ def xdist_unit(nodeid: str) -> str:
     return next((d for d in SHARED_DIRS if path.startswith(d)), path)
 
 
-def xdist_schedule(items: list) -> None:
-    """Mark each item with its unit as an xdist group and put the units holding slow tests first
-    (in place; a stable sort, so files and tests keep their order otherwise)."""
+def slow_units_first(items: list) -> None:
+    """Put the units holding slow tests first (in place; a stable sort, so files and tests keep
+    their order otherwise)."""
     slow = {xdist_unit(i.nodeid) for i in items if i.get_closest_marker("slow")}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_unit(item.nodeid)))
     items.sort(key=lambda i: xdist_unit(i.nodeid) not in slow)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Balance `make test` (`pytest -n 2 --dist loadgroup --no-loadscope-reorder`): each unit is an
-    xdist group, and the units holding slow tests (long launches) come first, so the two workers
-    start with them and the many short files fill in behind; a long launch handed out last would
-    leave one worker idle while it runs. Without xdist the groups are inert and only the order
-    changes (slow files first)."""
-    xdist_schedule(items)
+    """Units holding slow tests (long launches) run first: under `make test` (`pytest -n 2`) the
+    two workers start with them and the many short files fill in behind; a long launch handed out
+    last would leave one worker idle while it runs."""
+    slow_units_first(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`pytest -n N` (`--dist load`, xdist's default): hand out whole units (`xdist_unit`) in
+    collection order. (xdist's own `loadgroup` marks cannot do this under pytest 9: it renames
+    node ids through an attribute pytest 9 no longer reads.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_unit(nodeid)
+
+    config.option.loadscopereorder = False   # keep the collection order: slow units first
+    return UnitScheduling(config, log)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import xdist_schedule, xdist_unit
+from tests.conftest import slow_units_first, xdist_unit
 
 
 class Item:
@@ -13,13 +13,6 @@ class Item:
 
     def get_closest_marker(self, name):
         return next((m for m in self.marks if m.name == name), None)
-
-    def add_marker(self, mark):
-        self.marks.append(mark.mark)
-
-    def group(self) -> str:
-        [g] = [m.args[0] for m in self.marks if m.name == "xdist_group"]
-        return g
 
 
 def test_a_file_is_a_unit_and_shared_fixture_directories_are_one():
@@ -34,10 +27,8 @@ def test_units_holding_slow_tests_go_first_and_keep_their_order():
              Item("tests/a/test_mixed.py::t2", slow=True), Item("tests/merge/test_m.py::t1"),
              Item("tests/b/test_fast.py::t1"), Item("tests/merge/test_n.py::t1", slow=True),
              Item("tests/a/test_mixed.py::t3")]
-    xdist_schedule(items)
+    slow_units_first(items)
     assert [i.nodeid for i in items] == [
         "tests/a/test_mixed.py::t1", "tests/a/test_mixed.py::t2", "tests/merge/test_m.py::t1",
         "tests/merge/test_n.py::t1", "tests/a/test_mixed.py::t3", "tests/a/test_fast.py::t1",
         "tests/b/test_fast.py::t1"]
-    assert [i.group() for i in items] == ["tests/a/test_mixed.py"] * 2 + ["tests/merge/"] * 2 + [
-        "tests/a/test_mixed.py", "tests/a/test_fast.py", "tests/b/test_fast.py"]
