@@ -38,7 +38,7 @@ demo: setup
 # Every tier: fast unit tests plus the slow tier (torchrun/gloo, and Slurm when a cluster is up:
 # `bash .ci/slurm-setup.sh` starts a one-node cluster as root; without it those tests skip).
 test: setup
-	$(VENV)/bin/python -m pytest -m '' -q -n $(TEST_WORKERS) --durations=15
+	$(VENV)/bin/python -m pytest -m '' -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # The fast tier only (the default `pytest` run).
 test-fast: setup

@@ -27,7 +27,7 @@ def slow_units_first(items: list) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Units holding slow tests (long launches) run first: under `make test` (`pytest -n 2`) the
+    """Units holding slow tests (long launches) run first: under `make test` (`pytest -n 2`), the
     two workers start with them and the many short files fill in behind; a long launch handed out
     last would leave one worker idle while it runs."""
     slow_units_first(items)
@@ -35,14 +35,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`pytest -n N` (`--dist load`, xdist's default): hand out whole units (`xdist_unit`) in
-    collection order. (xdist's own `loadgroup` marks cannot do this under pytest 9: it renames
-    node ids through an attribute pytest 9 no longer reads.)"""
-    if config.getvalue("dist") != "load":
+    """`make test` (`pytest -n 2 --dist loadfile`): xdist's file units, widened to `xdist_unit`,
+    handed out in collection order (slow units first) instead of largest-file-first. Other modes
+    (`-n N` alone: test by test, as `make gpu-check` runs) are xdist's own. (xdist's `loadgroup`
+    marks cannot group here: under pytest 9 the node-id rename they rely on is not read.)"""
+    if config.getvalue("dist") != "loadfile":
         return None
-    from xdist.scheduler import LoadScopeScheduling
+    from xdist.scheduler import LoadFileScheduling
 
-    class UnitScheduling(LoadScopeScheduling):
+    class UnitScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return xdist_unit(nodeid)
 
