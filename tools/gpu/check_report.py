@@ -201,9 +201,21 @@ def headline(name: str, figures: dict | None) -> str:
                 f"{_num(lp.get('liger_over_mrl_fwd_bwd'), '.2f', 'x')}; fused linear liger/mrl time "
                 f"{_num(ln.get('liger_over_fused_fwd_bwd'), '.2f', 'x')}, mrl/liger memory "
                 f"{_num(ln.get('peak_fused_over_liger'), '.2f', 'x')} ({f.get('backend')})")
-    if name == "weights":
-        return (f"export {_num(f.get('export_gbps'), '.1f', ' GB/s')}, copy {_num(f.get('copy_gbps'), '.1f', ' GB/s')}, "
-                f"ratio {_num(f.get('export_over_copy'), '.2f')}")
+    if name.startswith("weights"):
+        prof = f.get("profile") or {}
+        return (f"{_num(f.get('params', 0) / 1e6, '.0f')}M params: export {_num(f.get('export_gbps'), '.1f', ' GB/s')}, "
+                f"copy {_num(f.get('copy_gbps'), '.1f', ' GB/s')}, ratio {_num(f.get('export_over_copy'), '.2f')}"
+                + (f"; profile: {prof.get('tensors')} tensors, {prof.get('device_kernels')} kernels, "
+                   f"{_num(prof.get('device_ms'), '.2f', ' ms')} device" if prof else ""))
+    if name == "kernels_sweep":
+        rows = [r for r in f.get("sweep") or [] if "fwd_pct_hbm" in r]
+        if not rows:
+            return "no sweep rows"
+        fwd = max(rows, key=lambda r: r["fwd_pct_hbm"])
+        bwd = max(rows, key=lambda r: r["bwd_pct_hbm"])
+        return (f"best fwd {fwd['block_v']}x{fwd['num_warps']}w {fwd['fwd_pct_hbm']:.1f}% HBM; best bwd "
+                f"{bwd['block_v']}x{bwd['num_warps']}w {bwd['bwd_pct_hbm']:.1f}% HBM; default fwd "
+                f"{_num((f.get('logprob') or {}).get('fwd_pct_hbm'), '.1f', '%')}")
     if name == "checksum":
         return ", ".join(f"{k} {_num(c.get('gbps'), '.1f', ' GB/s')}" for k, c in (f.get("cases") or {}).items())
     if name == "rope":
