@@ -44,8 +44,8 @@ class PathTrace:
         if event == "call":
             where, at = place_of(frame)
             if where is not None and where != self.current:
-                caller, _ = place_of(at.f_back)
-                site = f"{short(caller)}:{at.f_back.f_lineno}" if caller else "-"
+                caller, by = place_of(at.f_back)   # the calling stage frame (through contextlib & co.)
+                site = f"{short(caller)}:{by.f_lineno}" if caller else "-"
                 self.entries.append((site, short(where)))
                 self.current = where
         elif event == "return":
