@@ -5,8 +5,8 @@ file changes along the call trace").
     python tools/step_path.py [JOB] [key=value ...]    (default: the quickstart, one plain process)
 
 The place of a moment is the innermost frame's file in `mrl/train/`, leaving out the bookkeeping
-every stage touches (`timer.py`, `parts.py`); what a stage calls outside `mrl/train/` (the engine,
-the rewards, `Batch`) stays in its place. An entry is a call that moves to another place (a return
+every stage touches (`timer.py`; `parts.py` and `groups.py`, plain data); what a stage calls
+outside `mrl/train/` (the engine, the rewards, `Batch`) stays in its place. An entry is a call that moves to another place (a return
 to the caller is not one); a re-entry enters a place entered before. A loop that enters a place
 once per prompt is one entry site (the calling line), so the path a reader follows is the list of
 entry sites. Prints each entry (`caller:line -> place`) in order, then
@@ -20,7 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "mrl" / "train") + "/"
-BOOKKEEPING = {TRAIN + "timer.py", TRAIN + "parts.py"}
+BOOKKEEPING = {TRAIN + "timer.py", TRAIN + "parts.py", TRAIN + "groups.py"}
 
 
 def place_of(frame):
