@@ -48,7 +48,8 @@ def build_engine(rollout, model, *, seed: int, device: torch.device | str, max_m
             return HFEngine.from_config(found[0], dtype=dtype, device=device, seed=seed, max_num_seqs=rollout.max_num_seqs,
                                         fp8_matmul=rollout.fp8.matmul)
         raw = json.loads(Path(found[1]).read_text())   # found[1]: the config.json read
-        aliased = raw.get("text_config", raw).get("model_type") != found[0]["model_type"]   # kimi_k2 -> deepseek_v3
+        # kimi_k2 -> deepseek_v3; a VLM's own type is the top-level one (its text_config says qwen2_5_vl_text)
+        aliased = (raw.get("model_type") or raw.get("text_config", {}).get("model_type")) != found[0]["model_type"]
         return HFEngine.from_pretrained(model.path, dtype=dtype, device=device, seed=seed,
                                         trust_remote_code=model.trust_remote_code, max_num_seqs=rollout.max_num_seqs,
                                         hf_config=found[0] if aliased else None, fp8_matmul=rollout.fp8.matmul)
