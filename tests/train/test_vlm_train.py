@@ -3,6 +3,8 @@ as a CI test on one rank, made small: 4 prompts x 4 responses a step, partial ro
 still generating when a step's batch is full are carried over, through the checkpoint too, and
 continue with their prompt's images), and a reward with a spread from step 1
 (`vlm_first_byte.py`: the colour task scores ~0 for the first steps, which would train nothing).
+The learning rate is constant: the first leg stops through `trainer.total_steps = 2`, and the
+job's cosine schedule would decay over that leg's 2 steps instead of 3.
 
 fp32: a run stopped at step 2 and resumed equals the uninterrupted 3-step run in every non-time
 metric (a step that trains only groups scored earlier logs no reward keys, in both). bf16: the
@@ -21,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 SMALL = (f"{ONE_RANK} reward.workers=1 data.prompts_per_step=4 rollout.responses_per_prompt=4 actor.mini_batch_prompts=4 "
          "rollout.partial_rollout_tokens=2 rollout.max_staleness=1 algorithm.dynamic_sampling.generation_batch_prompts=6 "
-         "checkpoint.every_steps=2 tracking.backends=[\"mlflow\"] job.name=run "
+         "checkpoint.every_steps=2 tracking.backends=[\"mlflow\"] job.name=run actor.schedule.decay=constant "
          f"reward.function={Path(__file__).parent / 'vlm_first_byte.py'}:score")
 
 
