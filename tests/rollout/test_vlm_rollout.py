@@ -9,6 +9,8 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+import torch
+
 from mrl.errors import UserError
 from mrl.rollout.types import Sampling
 from mrl.rollout.vision import allowed_token_ids, check_expanded, collapse_image_pads, vllm_prompt
@@ -129,3 +131,29 @@ def test_multi_turn_sends_the_prompts_images_with_every_assistant_turn():
                       Sampling(n=1, max_tokens=400), images=[marker, None])
     assert out[0].info["tool_turns"] == 1 and out[0].info["assistant_turns"] == 2
     assert seen == [[marker, None], [marker, None]]
+
+
+def test_engine_groups_send_each_prompts_kept_images_with_it():
+    """Colocated vLLM (`generate_on_groups`, one rank): each prompt's images reach the engine with
+    it, without the pixel values and mRoPE ids (vLLM computes its own); a text prompt gets None."""
+    from mrl.data.images import ImageInputs
+    from mrl.rollout.plan import EngineGroups
+    from mrl.rollout.types import Response
+    from mrl.train.engine_groups import generate_on_groups
+
+    seen = {}
+
+    class Generator:
+        def generate(self, prompts, sampling, prompt_seeds=None, images=None):
+            seen["images"] = images
+            return [Response(i, [5], [-1.0], "length") for i in range(len(prompts)) for _ in range(sampling.n)]
+
+    picture = object()
+    x = ImageInputs(pixel_values=torch.ones(4, 2), image_grid_thw=torch.tensor([[1, 2, 2]]), tokens_per_image=(1,),
+                    prompt_positions=torch.zeros(3, 4), images=(picture,))
+    out = generate_on_groups(Generator(), EngineGroups(1, 1), 0, 1, [[1, 2], [3]], Sampling(n=2, max_tokens=1),
+                             images=[x, None])
+    sent = seen["images"]
+    assert sent[1] is None and sent[0].images == (picture,) and sent[0].tokens_per_image == (1,)
+    assert sent[0].pixel_values is None and sent[0].prompt_positions is None
+    assert [r.prompt_index for r in out] == [0, 0, 1, 1]
