@@ -157,3 +157,21 @@ def test_engine_groups_send_each_prompts_kept_images_with_it():
     assert sent[1] is None and sent[0].images == (picture,) and sent[0].tokens_per_image == (1,)
     assert sent[0].pixel_values is None and sent[0].prompt_positions is None
     assert [r.prompt_index for r in out] == [0, 0, 1, 1]
+
+
+def test_a_vlm_presets_vllm_directory_has_what_vllms_processor_reads():
+    """vLLM with a builtin VLM preset (`load_format = "dummy"`, weights from the trainer): the
+    directory holds the nested config (transformers' image-text class), the preset's image
+    processor and its byte tokenizer with the vision specials; `vlm_facts` reads the placeholders."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+    from mrl.rollout.factory import engine_model_path
+    from mrl.rollout.vision import vlm_facts
+
+    d = engine_model_path(SimpleNamespace(load_format="dummy"), SimpleNamespace(path="builtin:tiny-qwen2.5-vl"))
+    cfg = AutoConfig.from_pretrained(d)
+    assert cfg.architectures == ["Qwen2_5_VLForConditionalGeneration"] and cfg.vision_config.spatial_merge_size == 2
+    assert cfg.get_text_config().hidden_size == 128 and cfg.image_token_id == PAD
+    assert AutoImageProcessor.from_pretrained(d).patch_size == 14
+    assert AutoTokenizer.from_pretrained(d).convert_tokens_to_ids("<|image_pad|>") == PAD
+    assert vlm_facts(d) == {"pad_id": PAD, "banned": [PAD, 262, START, END], "vocab_size": 512}
