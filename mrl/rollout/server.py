@@ -47,13 +47,16 @@ class ServerRollout(RolloutEngine):
         return self.last
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling,
-                 prompt_seeds: Optional[Sequence[int]] = None) -> list[Response]:
+                 prompt_seeds: Optional[Sequence[int]] = None, images: Optional[Sequence] = None) -> list[Response]:
+        """`images[i]`: prompt i's `ImageInputs` or None (VLMs), carried by each of its trajectories."""
         from mrl.rollout.types import prompt_seed
 
         seeds = resolve_prompt_seeds(sampling, len(prompt_token_ids), prompt_seeds)
+        images = list(images) if images is not None else [None] * len(prompt_token_ids)
         n = sampling.n
         self.calls += 1   # request ids stay unique across calls
-        specs = [TrajectorySpec(f"c{self.calls}p{i}r{j}", i, list(p), seed=None if seeds[i] is None else prompt_seed(seeds[i], j))
+        specs = [TrajectorySpec(f"c{self.calls}p{i}r{j}", i, list(p), seed=None if seeds[i] is None else prompt_seed(seeds[i], j),
+                                images=images[i])
                  for i, p in enumerate(prompt_token_ids) for j in range(n)]
         one = Sampling(**{**sampling.__dict__, "n": 1})
         result = self.run_groups(specs, one)

@@ -65,7 +65,8 @@ def server_round(run, gen, active: list[GroupInProgress], need: int, seed: int, 
                                     list(g.masks[j]) if g.masks else [1] * len(g.tokens[j]),
                                     info=dict(g.infos[j]) if g.infos else {})
             return TrajectorySpec(f"s{seed}d{dp_rank}g{gi}r{j}", gi, list(g.item.token_ids),
-                                  seed=prompt_seed(seed, gi * n + j) % 2**31, resume=resume)
+                                  seed=prompt_seed(seed, gi * n + j) % 2**31, resume=resume,
+                                  images=getattr(g.item, "images", None))   # a resumed one keeps its prompt's images
 
         prescored: dict[int, tuple] = {}
 
