@@ -10,6 +10,11 @@ thread (`LoopThread`), a `Router` over them and an `AgentRunner`. The trainer's 
   by `more`), the rest aborted (`agent_loop.AgentRunner.run`);
 - `update_weights(stream)`: pause generation -> load the verified stream -> resume, on every
   engine (the stream is replayed per engine from one host copy when there are several).
+
+`engines` are the engines this process holds (weights, sleep, wake); `route_to(remotes)` adds
+other leaders' engines (`remote.RemoteEngine`) to the router only (`rollout.router = "driver"`):
+their trajectories run here, their weights are loaded by their own leaders. `serve(host)` puts
+this leader's engine behind the channel for a driver elsewhere (`remote.EngineServer`).
 """
 from __future__ import annotations
 
@@ -29,6 +34,24 @@ class ServerRollout(RolloutEngine):
         self.timeout_s = timeout_s
         self.last: Optional[RunResult] = None   # the last call's result (its counts for the metrics)
         self.calls = 0
+        self.remotes: list = []          # other leaders' engines this router also routes over
+        self.server = None               # this leader's channel (`serve`)
+
+    # --- across processes ------------------------------------------------------------------------
+    def serve(self, token: str, *, host: str = "127.0.0.1", advertise: Optional[str] = None) -> str:
+        """Serve this leader's engine over the channel on its loop; the URL a driver reaches it at."""
+        from mrl.rollout.remote import EngineServer
+
+        if len(self.engines) != 1:
+            raise ValueError(f"a leader serves one engine, this one holds {len(self.engines)}")
+        self.server = EngineServer(self.engines[0], token)
+        return self.loop.run(self.server.start(host, 0, advertise))
+
+    def route_to(self, remotes: Sequence) -> None:
+        """Route trajectories over these engines of other leaders too (after the local ones)."""
+        for remote in remotes:
+            self.router.add(remote)
+            self.remotes.append(remote)
 
     # --- generation ------------------------------------------------------------------------------
     def run_groups(self, specs: Sequence[TrajectorySpec], sampling: Sampling,
@@ -98,6 +121,10 @@ class ServerRollout(RolloutEngine):
             engine.wake(tags)
 
     def shutdown(self) -> None:
+        for remote in self.remotes:
+            self.loop.run(remote.close(), timeout=30)
+        if self.server is not None:
+            self.loop.run(self.server.stop(), timeout=30)
         for engine in self.engines:
             engine.shutdown()
         if self.runner.tools is not None:
