@@ -124,6 +124,11 @@ class ServerRollout(RolloutEngine):
         for remote in self.remotes:
             self.loop.run(remote.close(), timeout=30)
         if self.server is not None:
+            import sys
+
+            log = self.server.log
+            print(f"mrl router: this leader's engine served {len(log.received)} requests for the driver "
+                  f"({len(log.aborted)} aborted)", file=sys.stderr, flush=True)
             self.loop.run(self.server.stop(), timeout=30)
         for engine in self.engines:
             engine.shutdown()

@@ -12,8 +12,9 @@ while a step waits for it:
   submit, abort, pause, resume over HTTP) and the driver reaches it through a `RemoteEngine`;
   token ids, log-probs and finish reasons cross the channel exactly;
 - weights, sleep and wake stay with each leader, as with one router per leader (the colocated
-  channel or the separate bridge loads each engine in its own process); the driver's step ends
-  only when every trajectory it started has returned, so no leader loads weights under a request;
+  channel or the separate bridge loads each engine in its own process); the driver starts a step
+  only once every leader has loaded its weights, and ends it only when every trajectory it started
+  has returned, so no request runs on weights of another version;
 - the driver's producer holds every shard's sampler and carried groups (so they are in its
   checkpoint), produces the step (`mrl.train.produce`, every shard on this rank) and the others
   wait for it (`wait_for_peers`, whose timeout covers a leader's work); colocated, each rank then
@@ -26,7 +27,7 @@ import secrets
 from typing import Optional
 
 from mrl.platform.collectives import broadcast_object, gather_objects
-from mrl.platform.dist import wait_for_peers
+from mrl.platform.dist import wait_for_peers, waits_within
 
 
 def driver_routes(spec) -> bool:
@@ -82,11 +83,22 @@ def connect_leaders(spec, ctx, gen) -> Optional[str]:
         host = "127.0.0.1" if spec.platform.nodes == 1 else "0.0.0.0"
         advertise = reachable_host(os.environ.get("MASTER_ADDR")) if spec.platform.nodes > 1 else None
         url = gen.generator.serve(token, host=host, advertise=advertise)
-    urls = gather_objects((ctx.global_rank, url), "router channel addresses")
+    urls = gather_objects((ctx.global_rank, url, gen.leader), "router channel addresses")
+    # the producer's waits (`from_leader`) are the driver group's: the ranks whose leader is the driver
+    group = [i for i, (_, _, leader) in enumerate(urls) if leader == urls[0][2]]
+    if len(group) > 1:   # every rank creates it; its timeout is the wait group's (a leader's work)
+        import datetime
+
+        import torch.distributed as dist
+
+        from mrl.platform.dist import wait_timeout_s
+
+        made = dist.new_group(group, backend="gloo", timeout=datetime.timedelta(seconds=wait_timeout_s()))
+        gen.driver_group = made if ctx.rank in group else None
     if not driver:
         return f"router: rank {ctx.global_rank} serves its engine at {url}" if url else None
     remotes = [RemoteEngine(u, token, f"the engine of rank {r}", timeout_s=spec.rollout.generate_timeout_s)
-               for r, u in urls if u is not None]
+               for r, u, _ in urls if u is not None]
     gen.generator.route_to(remotes)
     return f"router: one router on rank {ctx.global_rank} over {1 + len(remotes)} engine groups"
 
@@ -94,16 +106,26 @@ def connect_leaders(spec, ctx, gen) -> Optional[str]:
 def driven_step(run, gen, prompts, step: int, reward_model=None):
     """Step `step`'s rollouts (`produce.StepRollout`) with a driver (see the module docstring): the
     driver's group produces every shard, the other ranks wait for it; colocated, every rank gets
-    the result (and moves its sampler to the driver's position); separate, only the driver holds it
-    (None elsewhere)."""
+    the result (and takes the driver's data position and groups in hand, so every rank saves the
+    same state); separate, only the driver holds it (None elsewhere)."""
     from mrl.train.produce import produce
 
     mine = produces(run.spec, run.ctx, gen)
-    rollout = produce(run, gen, prompts, step, lambda count: count, reward_model=reward_model) if mine else None
+    # every leader has loaded the step's weights before the driver sends it a request (each loads
+    # its own, in its own time: without this a remote engine can serve the first requests with the
+    # weights it held before)
+    wait_for_peers("every leader's weights before the driver's rollouts")
+    rollout = None
+    if mine:
+        with waits_within(gen.driver_group):   # the driver group's waits; the other ranks wait below
+            rollout = produce(run, gen, prompts, step, lambda count: count, reward_model=reward_model)
     wait_for_peers("the driver's rollouts")
     if run.ctx.role == "rollout":
         return rollout
     rollout = broadcast_object(rollout, "the driver's rollouts")
-    if not mine:
+    if not mine:   # every rank holds the driver's data position and groups in hand (its checkpoint state)
+        from mrl.train.carry import decode_carry
+
         prompts.load_position(rollout.position)
+        prompts.carry = decode_carry(rollout.carry, prompts.dataset)
     return rollout

@@ -96,7 +96,8 @@ def server_round(run, gen, active: list[GroupInProgress], need: int, seed: int, 
                                           accept=accept if judge is not None else None,
                                           more=more if judge is not None and supply is not None else None)
         outcome = ([(t.token_ids, t.logprobs, t.loss_mask, t.finish_reason, t.info) for t in result.trajectories],
-                   result.aborted, result.engine_busy, result.finished_groups, len(groups) - len(active),
+                   result.aborted, result.engine_busy, result.finished_groups if budgeted else list(range(len(groups))),
+                   len(groups) - len(active),
                    [prescored.get(gi) for gi in range(len(groups))])
     trajectories, aborted, busy, order, supplied, scored = from_leader(outcome, gen.mp_group, gen.is_leader,
                                                                        "server-mode rollouts")
@@ -118,7 +119,9 @@ def server_round(run, gen, active: list[GroupInProgress], need: int, seed: int, 
             st["generated"] += 1
     for g, pre in zip(groups, scored):
         g.prescored = pre
-    # the groups that finished first come first (they make the batch; the producer scores in this order)
+    # with a budget the groups that finished first come first (they make the batch; the producer scores
+    # in this order); without one every group is kept, in the order submitted (finishing order depends
+    # on timing once engines run in other processes, rollout.router = "driver")
     rank = {gi: k for k, gi in enumerate(order)}
     active.sort(key=lambda g: rank.get(position[id(g)], len(order)))
     st["aborted"] = st.get("aborted", 0.0) + aborted

@@ -137,9 +137,11 @@ def part1(out: Path, dtype: str) -> None:
 
 def part2(out: Path, runs: list[str]) -> None:
     from mrl.config.loader import load
+    from mrl.tracking.startup import STARTUP
     from mrl.train.loop import train
 
     for i, overrides in enumerate(runs):
+        STARTUP.start()   # its lines, as `mrl train` prints them (rank 0)
         spec, _ = load("jobs/quickstart_cpu.toml", [f"job.output_dir={out}", f"job.name=run{i}", *overrides.split()])
         metrics = train(spec)
         print(f"RESULT {i} {json.dumps(metrics, sort_keys=True)}", flush=True)
@@ -149,9 +151,14 @@ def main() -> None:
     out = Path(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    # part 1 rendezvous through a file: no second TCP port beside the one mrl train's runs use
-    dist.init_process_group("gloo", store=dist.FileStore(str(out / "part1.store"), world), rank=rank, world_size=world)
-    for dtype in ("float32", "bfloat16"):
+    # part 1's group on torchrun's own store (its agent hosts it), under a prefix of its own: mrl train's
+    # later inits use theirs
+    import datetime
+
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                         timeout=datetime.timedelta(seconds=120), multi_tenant=True)
+    dist.init_process_group("gloo", store=dist.PrefixStore("driver-router-part1", base), rank=rank, world_size=world)
+    for dtype in ("float32", "bfloat16") if not os.environ.get("SKIP_PART1") else ():
         part1(out, dtype)
     dist.destroy_process_group()
     part2(out, sys.argv[2:])
