@@ -56,18 +56,27 @@ class ServerRollout(RolloutEngine):
     # --- generation ------------------------------------------------------------------------------
     def run_groups(self, specs: Sequence[TrajectorySpec], sampling: Sampling,
                    needed: Optional[int] = None, accept=None, more=None) -> RunResult:
+        return self.run_many([(specs, sampling, needed, accept, more)])[0]
+
+    def run_many(self, calls: Sequence[tuple]) -> list[RunResult]:
+        """Several `run_groups` calls (their arguments) at once over the router, each with its own
+        budget: the shards of one producer round (`mrl.train.server_round.server_rounds`)."""
         import asyncio
         import concurrent.futures
 
-        future = asyncio.run_coroutine_threadsafe(self.runner.run(specs, sampling, needed, accept, more),
-                                                  self.loop.loop)
+        async def every():
+            return await asyncio.gather(*(self.runner.run(*call) for call in calls))
+
+        future = asyncio.run_coroutine_threadsafe(every(), self.loop.loop)
         try:
-            self.last = future.result(self.timeout_s)
+            results = future.result(self.timeout_s)
         except concurrent.futures.TimeoutError:
-            future.cancel()   # the runner's tasks are cancelled, their requests aborted
-            raise UserError(f"rollout: {len(specs)} trajectories ran longer than rollout.generate_timeout_s = "
+            future.cancel()   # the runners' tasks are cancelled, their requests aborted
+            count = sum(len(call[0]) for call in calls)
+            raise UserError(f"rollout: {count} trajectories ran longer than rollout.generate_timeout_s = "
                             f"{self.timeout_s:g} s; raise it or lower rollout.max_response_tokens") from None
-        return self.last
+        self.last = results[-1]
+        return results
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling,
                  prompt_seeds: Optional[Sequence[int]] = None) -> list[Response]:
