@@ -132,10 +132,10 @@ class EngineServer:
         tasks = {}
         for r in reqs:   # created in order: the engine enqueues them in the client's order
             tasks[asyncio.ensure_future(self._one(r))] = r.request_id
-        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await response.prepare(request)
         pending = set(tasks)
         try:
+            response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await response.prepare(request)
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 lines = []
@@ -223,7 +223,7 @@ class RemoteEngine:
         try:
             return await future
         except asyncio.CancelledError:   # its trajectory was cancelled: stop it on the leader
-            self._spawn(self._post("/abort", {"ids": [request.request_id]}))
+            self._spawn(self._abort_quietly(request.request_id))
             raise
 
     def _spawn(self, coro) -> None:
@@ -266,6 +266,14 @@ class RemoteEngine:
             for f in futures.values():
                 if not f.done():
                     f.set_exception(err)
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        """Best effort for a cancelled caller: nobody waits for the answer (a leader that is gone
+        fails the step through its other requests)."""
+        try:
+            await self._post("/abort", {"ids": [request_id]})
+        except Exception:
+            pass
 
     async def _post(self, path: str, body: dict) -> None:
         async with self._client().post(self.url + path, json=body) as resp:

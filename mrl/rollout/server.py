@@ -12,8 +12,9 @@ thread (`LoopThread`), a `Router` over them and an `AgentRunner`. The trainer's 
   engine (the stream is replayed per engine from one host copy when there are several).
 
 `engines` are the engines this process holds (weights, sleep, wake); `route_to(remotes)` adds
-other leaders' engines (`remote.RemoteEngine`) to the router only (`rollout.router = "driver"`):
-their trajectories run here, their weights are loaded by their own leaders. `serve(host)` puts
+other leaders' engines (`remote.RemoteEngine`) to the router of `run_groups` only (`rollout.router
+= "driver"`): their trajectories run here, their weights are loaded by their own leaders;
+`generate` (validation, ReMax's baseline) keeps to this process's engines. `serve(host)` puts
 this leader's engine behind the channel for a driver elsewhere (`remote.EngineServer`).
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ class ServerRollout(RolloutEngine):
     def __init__(self, engines: Sequence, loop, runner: AgentRunner, *, timeout_s: Optional[float] = None):
         self.engines, self.loop, self.runner = list(engines), loop, runner
         self.router: Router = runner.router
+        self.local = runner              # over this process's engines only (`generate`)
         self.timeout_s = timeout_s
         self.last: Optional[RunResult] = None   # the last call's result (its counts for the metrics)
         self.calls = 0
@@ -48,7 +50,14 @@ class ServerRollout(RolloutEngine):
         return self.loop.run(self.server.start(host, 0, advertise))
 
     def route_to(self, remotes: Sequence) -> None:
-        """Route trajectories over these engines of other leaders too (after the local ones)."""
+        """Route `run_groups` trajectories over these engines of other leaders too (after the local
+        ones). `generate` (validation, ReMax's greedy baseline) stays on this process's engines: the
+        other leaders validate their own share, with weights they may still be loading."""
+        import copy
+
+        if self.runner is self.local:
+            self.runner = copy.copy(self.local)
+            self.runner.router = self.router = Router(list(self.engines))
         for remote in remotes:
             self.router.add(remote)
             self.remotes.append(remote)
@@ -58,14 +67,17 @@ class ServerRollout(RolloutEngine):
                    needed: Optional[int] = None, accept=None, more=None) -> RunResult:
         return self.run_many([(specs, sampling, needed, accept, more)])[0]
 
-    def run_many(self, calls: Sequence[tuple]) -> list[RunResult]:
+    def run_many(self, calls: Sequence[tuple], *, local: bool = False) -> list[RunResult]:
         """Several `run_groups` calls (their arguments) at once over the router, each with its own
-        budget: the shards of one producer round (`mrl.train.server_round.server_rounds`)."""
+        budget: the shards of one producer round (`mrl.train.server_round.server_rounds`). `local`:
+        over this process's engines only."""
         import asyncio
         import concurrent.futures
 
+        runner = self.local if local else self.runner
+
         async def every():
-            return await asyncio.gather(*(self.runner.run(*call) for call in calls))
+            return await asyncio.gather(*(runner.run(*call) for call in calls))
 
         future = asyncio.run_coroutine_threadsafe(every(), self.loop.loop)
         try:
@@ -88,7 +100,7 @@ class ServerRollout(RolloutEngine):
         specs = [TrajectorySpec(f"c{self.calls}p{i}r{j}", i, list(p), seed=None if seeds[i] is None else prompt_seed(seeds[i], j))
                  for i, p in enumerate(prompt_token_ids) for j in range(n)]
         one = Sampling(**{**sampling.__dict__, "n": 1})
-        result = self.run_groups(specs, one)
+        result = self.run_many([(specs, one)], local=True)[0]
         return [to_response(spec.group, t) for spec, t in zip(specs, result.trajectories)]
 
     def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
