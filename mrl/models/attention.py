@@ -122,12 +122,13 @@ def _varlen_has_gqa() -> bool:
 
 
 def varlen_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                  max_seqlen: int, scale: float) -> torch.Tensor:
-    """torch's packed flash attention, causal (`window_size=(-1, 0)`)."""
+                  max_seqlen: int, scale: float, window: Optional[int] = None) -> torch.Tensor:
+    """torch's packed flash attention, causal (`window_size=(-1, 0)`), or over the `window` keys
+    before each query (`(window, 0)`)."""
     from torch.nn.attention.varlen import varlen_attn
 
     cu = cu_seqlens.to(torch.int32)
-    kwargs = dict(scale=scale, window_size=(-1, 0))
+    kwargs = dict(scale=scale, window_size=(-1 if window is None else window, 0))
     if q.shape[1] != k.shape[1]:
         if _varlen_has_gqa():
             kwargs["enable_gqa"] = True
@@ -167,6 +168,10 @@ def flex_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
 class PackedCoreAttention(torch.nn.Module):
     """megatron's `core_attention` submodule, computed by one of mrl's backends.
 
+    Layers with a sliding window (`config.window_size` where `window_attn_skip_freq` says so) or
+    attention sinks (`softmax_type = "learnable"`: gpt-oss) take `sink_attention.eager_packed`
+    (windows without sinks take `varlen`'s own window on CUDA).
+
     Takes megatron's core-attention call: with `packed_seq_params` (thd) q `[T, Hq, D]` and k/v
     `[T, Hkv, D]` (this TP rank's heads), returning `[T, Hq * D]`; without it, q/k/v
     `[S, B, H, D]` are B independent causal sequences of length S (`[S, B, Hq * D]` out). A
@@ -187,6 +192,26 @@ class PackedCoreAttention(torch.nn.Module):
                             "runs without dropout)")
         self.scale = softmax_scale if softmax_scale is not None else (
             config.softmax_scale if config.softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels))
+        from megatron.core.transformer.utils import is_layer_window_attention
+
+        # gpt-oss: this layer's window (megatron's window_size[0]) and the heads' learned sinks
+        self.window = (config.window_size[0] if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None)
+        if config.softmax_type == "learnable":
+            from megatron.core import parallel_state as ps
+            from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+            tp = (pg_collection.tp.size() if pg_collection is not None
+                  else ps.get_tensor_model_parallel_world_size())
+            # Transformer Engine's name (core_attention.softmax_offset), this rank's heads; zeros
+            # at every TP size (the checkpoint's sinks are loaded over them)
+            self.softmax_offset = torch.nn.Parameter(
+                torch.zeros(config.num_attention_heads // tp, dtype=config.params_dtype))
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+        elif config.softmax_type != "vanilla":
+            raise ValueError(f"mrl's packed attention has no softmax_type {config.softmax_type!r}")
+        else:
+            self.softmax_offset = None
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -196,6 +221,8 @@ class PackedCoreAttention(torch.nn.Module):
             if attention_mask is not None:
                 raise ValueError("packed (thd) attention takes no attention_mask: sequences come from cu_seqlens")
             cp = getattr(packed_seq_params, "mrl_cp", None)
+            if cp is not None and (self.window is not None or self.softmax_offset is not None):
+                raise ValueError("context parallelism takes no sliding window or attention sinks")
             if cp is not None:   # context parallelism: K/V all-gathered, local chunks attend (context_parallel)
                 from mrl.models import context_parallel
 
@@ -217,7 +244,12 @@ class PackedCoreAttention(torch.nn.Module):
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
     def _packed(self, q, k, v, cu, max_seqlen):
+        if self.softmax_offset is not None or (self.window is not None and self.backend != "varlen"):
+            from mrl.models.sink_attention import eager_packed
+
+            return eager_packed(q, k, v, cu, self.scale, self.window, self.softmax_offset)
         if self.backend == "varlen":
+            return varlen_packed(q, k, v, cu, max_seqlen, self.scale, self.window)
             return varlen_packed(q, k, v, cu, max_seqlen, self.scale)
         if self.backend == "flex":
             return flex_packed(q, k, v, cu, self.scale)

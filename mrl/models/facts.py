@@ -31,7 +31,7 @@ _DENSE, _MOE = "TP1 TP2 PP2 DP2", "TP1 TP2 PP2 DP2 EP2"
 ARCHITECTURES: dict[str, str] = {
     "llama": _DENSE, "mistral": "llama's table and translation, no test of its own", "qwen2": _DENSE,
     "qwen3": _DENSE, "qwen3_moe": _MOE, "qwen2_moe": _MOE, "mixtral": _MOE, "deepseek_v3": _MOE,
-    "kimi_k2": _MOE + " (read as deepseek_v3)", "glm4_moe": _MOE,
+    "kimi_k2": _MOE + " (read as deepseek_v3)", "glm4_moe": _MOE, "gpt_oss": _MOE + " (MXFP4 checkpoints dequantized)",
 }
 
 
@@ -75,6 +75,16 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
                           topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                           attention_bias=True, use_qk_norm=False, partial_rotary_factor=0.5,
                           num_nextn_predict_layers=0, max_position_embeddings=1024, tie_word_embeddings=False),
+    # gpt-oss' shape: attention sinks, q/k/v/o biases, a sliding window (16 tokens) in layer 0 and
+    # full attention in layer 1, yarn RoPE with its attention factor, 4 experts with biases and
+    # the clamped SwiGLU (top 2, softmax over the 2), the router with its bias.
+    "tiny-gpt-oss": dict(model_type="gpt_oss", hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+                         num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                         layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1024,
+                         rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                                              beta_slow=1.0, truncate=False, original_max_position_embeddings=256),
+                         tie_word_embeddings=False),
     # Qwen2.5-VL: the tiny-qwen2 text model (mRoPE sections 4/6/6 of head dim 32's 16 frequencies)
     # and a 2-block vision tower (14-pixel patches, 2x2 merge: a 56x56 image is 4 tokens). The
     # placeholder ids are the byte tokenizer's vision specials (`mrl.models.tokenizer`).

@@ -5,15 +5,18 @@ Qwen3 (plus QK-norm), Qwen3-MoE (plus routed experts, softmax router, top-k opti
 renormalised, dense MLPs in `mlp_only_layers`), Qwen2-MoE (Qwen2 attention with QKV bias, the
 Qwen3-MoE router, plus a shared expert scaled by a sigmoid gate), Mixtral (routed experts,
 renormalised top-k), DeepSeek-V3 (multi-latent attention, `models.sigmoid_moe`; Kimi-K2 is read
-as it) and GLM-4.5 (`glm4_moe`: GQA with QKV bias, RoPE on half of each head, `models.sigmoid_moe`).
+as it), GLM-4.5 (`glm4_moe`: GQA with QKV bias, RoPE on half of each head, `models.sigmoid_moe`)
+and gpt-oss (`gpt_oss`: attention sinks, sliding-window layers, the clamped SwiGLU, `models.gpt_oss`).
 RoPE uses the checkpoint's inverse frequencies as `transformers` computes them (default,
-linear and llama3 scaling; partial rotation per `partial_rotary_factor`).
+linear, llama3 and yarn scaling, yarn's attention factor in the softmax scale; partial rotation
+per `partial_rotary_factor`).
 `architecture_problems` lists, one line each, what a config asks that mrl does not build.
 Weights here are random (megatron's init); loading Hugging Face weights is the weight-mapping
 layer's job.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -23,19 +26,20 @@ from mrl.errors import UserError
 from mrl.models.config import ModelConfig
 from mrl.models.facts import (ARCHITECTURES, BUILTIN_PRESETS, MODEL_TYPE_ALIASES, builtin_preset, canonical_config,
                               find_hf_config)
+from mrl.models.gpt_oss import gpt_oss_fields, sliding_window_fields
 from mrl.models.sigmoid_moe import sigmoid_moe_fields
 from mrl.models.vlm import complete as complete_vlm
 from mrl.models.vlm import is_vlm, mrope_section
 from mrl.platform.config import ParallelConfig
 
 SUPPORTED_MODEL_TYPES = tuple(t for t in ARCHITECTURES if t not in MODEL_TYPE_ALIASES) + ("qwen2_5_vl",)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Quantized checkpoints mrl dequantizes on load (`mrl.weights.stacked`), by model type.
+DEQUANTIZED_ON_LOAD = {"gpt_oss": ("mxfp4",)}
 # Model types transformers builds that mrl does not map yet, and what is missing (issue 40).
 UNMAPPED_MODEL_TYPES = {
     "gemma3_text": "sliding-window layers with their own RoPE base, Gemma's (1 + w) RMSNorms, the post-attention "
                    "and post-feed-forward norms, the embedding scale and the GELU-tanh MLP are not built",
-    "gpt_oss": "attention sinks, alternating sliding-window layers, the clamped SwiGLU with biases and MXFP4 "
-               "checkpoint weights are not built",
     "qwen3_next": "gated DeltaNet linear-attention layers and gated full attention are not built",
     "qwen3_5_text": "gated DeltaNet linear-attention layers and gated full attention are not built",
     "qwen3_5_moe_text": "gated DeltaNet linear-attention layers and gated full attention are not built",
@@ -70,6 +74,8 @@ def complete_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
         raise UserError(f"model.path: model_type {model_type!r} is not supported{why} (supported: "
                         f"{', '.join(SUPPORTED_MODEL_TYPES)}, and {', '.join(f'{a} as {t}' for a, t in MODEL_TYPE_ALIASES.items())})")
     quant = cfg.get("quantization_config")
+    if quant and isinstance(quant, dict) and quant.get("quant_method") in DEQUANTIZED_ON_LOAD.get(model_type, ()):
+        quant = None   # its weights are dequantized as they are read; training is in the job's dtype
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         raise UserError(f"model.path: quantized checkpoint (quantization_config {method!r}) is not supported; mrl trains "
@@ -81,7 +87,7 @@ def complete_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**full, "model_type": model_type}
 
 
-def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1) -> list[str]:
+def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1, context_parallel: int = 1) -> list[str]:
     """Every reason mrl cannot build the checkpoint config `cfg` exactly, one `"key: reason"` line
     each: what `mrl validate` reports, from the checks `mrl train` refuses with (model type,
     quantization, activation, RoPE type, each architecture's own refusals)."""
@@ -96,6 +102,10 @@ def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1) -> list
         checks.append(hf_inv_freq)
     if hf["model_type"] == "glm4_moe":
         checks.append(lambda h: sigmoid_moe_fields(h, "glm4_moe"))
+    if hf["model_type"] == "gpt_oss":
+        checks.append(gpt_oss_fields)
+    if _builds_windows(hf) or hf["model_type"] == "gpt_oss":
+        checks.append(lambda h: _check_context_parallel(h, context_parallel))
     problems = []
     for check in checks:
         try:
@@ -105,16 +115,34 @@ def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1) -> list
     return problems
 
 
-def model_problems(path: str, tensor_parallel: int = 1) -> list[str]:
+def model_problems(path: str, tensor_parallel: int = 1, context_parallel: int = 1) -> list[str]:
     """`architecture_problems` of the config at `model.path` (none when it cannot be read here)."""
     found = find_hf_config(path)
-    return [] if found is None else architecture_problems(found[0], tensor_parallel)
+    return [] if found is None else architecture_problems(found[0], tensor_parallel, context_parallel)
+
+
+# Model types whose sliding-window layers mrl builds (`models.gpt_oss.sliding_window_fields`).
+WINDOWED_TYPES = ("gpt_oss",)
+
+
+def _builds_windows(hf: dict[str, Any]) -> bool:
+    return hf.get("model_type") in WINDOWED_TYPES and bool(sliding_window_fields(hf))
+
+
+def _check_context_parallel(hf: dict[str, Any], context: int) -> None:
+    """Sliding windows and attention sinks are computed on whole sequences: mrl's context-
+    parallel attention (`models.context_parallel`) has neither."""
+    if context > 1:
+        raise UserError(f"parallel.context: {context} does not take {hf['model_type']}'s sliding-window layers or "
+                        "attention sinks (mrl's context-parallel attention has neither); use parallel.context = 1")
 
 
 def _check_sliding_window(hf: dict[str, Any]) -> None:
-    """Sliding-window attention is not built: refuse a window that masks anything (Mistral's
-    `sliding_window`, which transformers defaults to 4096; Qwen's `use_sliding_window` layers),
-    unless it is at least `max_position_embeddings` long."""
+    """Sliding-window attention is built for `WINDOWED_TYPES` only: for the others refuse a window
+    that masks anything (Mistral's `sliding_window`, which transformers defaults to 4096; Qwen's
+    `use_sliding_window` layers), unless it is at least `max_position_embeddings` long."""
+    if hf.get("model_type") in WINDOWED_TYPES:
+        return
     window = hf.get("sliding_window")
     layer_types = hf.get("layer_types")
     active = ("sliding_attention" in layer_types if layer_types
@@ -155,10 +183,30 @@ def hf_inv_freq(hf: dict[str, Any]) -> torch.Tensor:
         base = float(params["rope_theta"])
         dim = int((hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) * rotary_fraction(hf))
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
-    if attention_factor != 1.0:
-        raise UserError(f"model.path: RoPE type {rope_type!r} with attention factor {attention_factor} is not supported")
+    inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+    rope_attention_factor(hf)   # its refusals
     return inv_freq.float()
+
+
+def rope_attention_factor(hf: dict[str, Any]) -> float:
+    """The factor `transformers` multiplies RoPE's cos and sin by (yarn's `attention_factor`; 1 for
+    the other types). Rotating q and k each by `m` scales every attention logit by `m^2`, so mrl
+    folds it into the softmax scale (`transformer_config`). With partial RoPE the unrotated channels
+    are not scaled: refused."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = rope_parameters(hf)["rope_type"]
+    if rope_type in ("default", "linear", "llama3") or rope_type not in SUPPORTED_ROPE_TYPES:
+        return 1.0
+    _, factor = ROPE_INIT_FUNCTIONS[rope_type](AutoConfig.for_model(**hf), torch.device("cpu"))
+    if factor != 1.0 and rotary_fraction(hf) != 1.0:
+        raise UserError(f"model.path: RoPE type {rope_type!r} with attention factor {factor} on part of each head "
+                        "(partial_rotary_factor) is not supported")
+    if factor != 1.0 and is_vlm(hf):
+        raise UserError(f"model.path: RoPE type {rope_type!r} with attention factor {factor} is not supported for "
+                        "vision-language models")
+    return float(factor)
 
 
 def rotary_fraction(hf: dict[str, Any]) -> float:
@@ -264,7 +312,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
     elif recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     experts = hf.get("num_experts") or hf.get("num_local_experts")
-    if experts and model_type not in ("deepseek_v3", "glm4_moe"):
+    if experts and model_type not in ("deepseek_v3", "glm4_moe", "gpt_oss"):
         pattern = moe_layer_pattern(hf)
         if pattern is not None:
             kwargs.update(moe_layer_freq=pattern)
@@ -282,6 +330,13 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
             moe_permute_fusion=False,
         )
         kwargs.update(shared_experts(hf))
+    if model_type == "gpt_oss":   # sinks, clamped SwiGLU with biases, sliding-window layers (models.gpt_oss)
+        _check_context_parallel(hf, parallel.context)
+        kwargs.update(gpt_oss_fields(hf), moe_grouped_gemm=te)
+    if model_type != "deepseek_v3":   # yarn's attention factor on both q and k: the logits' scale times m^2
+        factor = rope_attention_factor(hf)
+        if factor != 1.0:
+            kwargs.update(softmax_scale=factor ** 2 / math.sqrt(kwargs["kv_channels"]))
     if model_type == "glm4_moe":   # GLM-4.5: GQA attention, DeepSeek-V3's router and shared experts
         kwargs.update(sigmoid_moe_fields(hf, "glm4_moe"), moe_grouped_gemm=te, moe_permute_fusion=False)
     if model_type == "deepseek_v3":
