@@ -138,7 +138,7 @@ def check_shared(spec, report):
     if facts is not None:   # the architecture refusals mrl train raises, one line each
         from mrl.models.megatron import model_problems
 
-        for line in model_problems(spec.model.path, par.tensor, par.context):
+        for line in model_problems(spec.model.path, par.tensor, par.context, par.expert_tensor):
             err(*line.split(": ", 1))
 
     return dp, facts

@@ -304,7 +304,7 @@ def layer_specs(config, backend: str, *, vp_stage: Optional[int] = None):
     block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                              vp_stage=vp_stage)
     attention = None if backend == REFERENCE else core_attention_class(backend)
-    layers = [_own_layer(spec, attention, mla=mla) for spec in block.layer_specs]
+    layers = [_own_layer(spec, attention, mla=mla, expert_bias=config.add_bias_linear) for spec in block.layer_specs]
     return dataclasses.replace(block, layer_specs=layers, layer_norm=RMSNorm)
 
 
@@ -328,7 +328,27 @@ def _mla_attention(attention):
                           linear_proj=RowParallelLinear, q_layernorm=RMSNorm, kv_layernorm=RMSNorm))
 
 
-def _own_layer(spec, attention, *, mla: bool = False):
+@functools.lru_cache(maxsize=1)
+def _expert_fc2_class() -> type:
+    """megatron's `RowParallelLinear` returning an output of its own for experts with biases.
+
+    megatron-core 0.16.1's `MLP.forward` adds an expert's scaled `linear_fc2` bias in place to the
+    layer's output, which at expert-tensor size 1 is the input of `reduce_from_tensor_model_parallel_region`
+    returned as is by a custom autograd function: autograd refuses that in-place write in training
+    (gpt-oss, `SequentialMLP`; Transformer Engine's grouped experts add it elsewhere). One copy of
+    the expert's output makes it writable."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    class ExpertRowParallelLinear(RowParallelLinear):
+        def forward(self, *args, **kwargs):
+            output, bias = super().forward(*args, **kwargs)
+            return (output.clone() if bias is not None else output), bias
+
+    return ExpertRowParallelLinear
+
+
+def _own_layer(spec, attention, *, mla: bool = False, expert_bias: bool = False):
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.identity_op import IdentityOp
 
@@ -338,6 +358,9 @@ def _own_layer(spec, attention, *, mla: bool = False):
     sub = spec.submodules
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
+    experts = getattr(getattr(getattr(sub.mlp, "submodules", None), "experts", None), "submodules", None)
+    if expert_bias and getattr(experts, "linear_fc2", None) is RowParallelLinear:
+        experts.linear_fc2 = _expert_fc2_class()
     if mla:
         sub.self_attention = _mla_attention(attention)
         return spec

@@ -87,7 +87,8 @@ def complete_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**full, "model_type": model_type}
 
 
-def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1, context_parallel: int = 1) -> list[str]:
+def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1, context_parallel: int = 1,
+                          expert_tensor: int | None = None) -> list[str]:
     """Every reason mrl cannot build the checkpoint config `cfg` exactly, one `"key: reason"` line
     each: what `mrl validate` reports, from the checks `mrl train` refuses with (model type,
     quantization, activation, RoPE type, each architecture's own refusals)."""
@@ -103,7 +104,7 @@ def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1, context
     if hf["model_type"] == "glm4_moe":
         checks.append(lambda h: sigmoid_moe_fields(h, "glm4_moe"))
     if hf["model_type"] == "gpt_oss":
-        checks.append(gpt_oss_fields)
+        checks += [gpt_oss_fields, lambda h: _check_expert_bias(expert_tensor or tensor_parallel)]
     if _builds_windows(hf) or hf["model_type"] == "gpt_oss":
         checks.append(lambda h: _check_context_parallel(h, context_parallel))
     problems = []
@@ -115,10 +116,19 @@ def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1, context
     return problems
 
 
-def model_problems(path: str, tensor_parallel: int = 1, context_parallel: int = 1) -> list[str]:
+def model_problems(path: str, tensor_parallel: int = 1, context_parallel: int = 1,
+                   expert_tensor: int | None = None) -> list[str]:
     """`architecture_problems` of the config at `model.path` (none when it cannot be read here)."""
     found = find_hf_config(path)
-    return [] if found is None else architecture_problems(found[0], tensor_parallel, context_parallel)
+    return [] if found is None else architecture_problems(found[0], tensor_parallel, context_parallel, expert_tensor)
+
+
+def _check_expert_bias(expert_tensor: int) -> None:
+    """megatron-core builds experts with biases (gpt-oss) unsplit only."""
+    if expert_tensor != 1:
+        raise UserError(f"parallel.expert_tensor: {expert_tensor}: gpt_oss's expert biases need expert_tensor = 1 "
+                        "(megatron-core splits biased experts over no tensor-parallel ranks); set "
+                        "parallel.expert_tensor = 1 with parallel.tensor > 1")
 
 
 # Model types whose sliding-window layers mrl builds (`models.gpt_oss.sliding_window_fields`).
@@ -332,6 +342,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
         kwargs.update(shared_experts(hf))
     if model_type == "gpt_oss":   # sinks, clamped SwiGLU with biases, sliding-window layers (models.gpt_oss)
         _check_context_parallel(hf, parallel.context)
+        _check_expert_bias(parallel.expert_tensor or parallel.tensor)
         kwargs.update(gpt_oss_fields(hf), moe_grouped_gemm=te)
     if model_type != "deepseek_v3":   # yarn's attention factor on both q and k: the logits' scale times m^2
         factor = rope_attention_factor(hf)

@@ -15,8 +15,8 @@ from tests.weights.archs import copy_config
 from tests.weights.conftest import ALL_ARCHS
 
 SCRIPT = REPO / "tests/weights/scripts/roundtrip.py"
-MOE = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "kimi_k2", "glm4_moe", "mixtral")
-LAUNCHES = [(a,) for a in ALL_ARCHS if a not in MOE[:5]] + [MOE[:5]]
+MOE = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "kimi_k2", "glm4_moe", "gpt_oss", "mixtral")
+LAUNCHES = [(a,) for a in ALL_ARCHS if a not in MOE[:6]] + [MOE[:6]]
 
 
 @pytest.mark.slow
