@@ -35,6 +35,20 @@ ARCHITECTURES: dict[str, str] = {
 }
 
 
+# Model types only the hf rollout engine loads: gpt-oss' weight stream names one expert's row of
+# each stacked tensor (`mrl.weights.stacked`), which the hf engine views and vLLM / SGLang's
+# loaders (stacked or MXFP4 tensors) do not take.
+HF_ENGINE_ONLY = ("gpt_oss",)
+
+
+def engine_problem(model_type: str | None, engine: str) -> str | None:
+    """Why `engine` cannot serve `model_type` under mrl's weight sync (None when it can)."""
+    if model_type in HF_ENGINE_ONLY and engine != "hf":
+        return (f"{engine!r} does not load {model_type}'s per-expert weight stream (mrl syncs one expert row of "
+                "each stacked tensor); use rollout.engine = 'hf'")
+    return None
+
+
 def architectures_help() -> str:
     """The supported model types and their tested layouts, one phrase (`mrl keys model`)."""
     return "; ".join(f"{t}: {layouts}" for t, layouts in ARCHITECTURES.items())

