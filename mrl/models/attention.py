@@ -267,15 +267,27 @@ class RMSNorm(torch.nn.RMSNorm):
 
     Under sequence parallelism the weight is marked `sequence_parallel`, so megatron all-reduces
     its gradient over the tensor-parallel group (each rank sees a slice of the sequence).
+    With megatron's `layernorm_zero_centered_gamma` (Gemma's norms) the weight is stored as `w`
+    (zeros at init) and scales by `1 + w`, computed in float32 and cast back, as `Gemma3RMSNorm`.
     """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
                  zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
-        if config.normalization != "RMSNorm" or zero_centered_gamma or config.layernorm_zero_centered_gamma:
-            raise ValueError("mrl's norm is RMSNorm without zero-centred gamma")
+        if config.normalization != "RMSNorm":
+            raise ValueError("mrl's norm is RMSNorm")
         # built on the host like megatron's own torch norm; the model is moved to its device whole
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.zero_centered = bool(zero_centered_gamma or config.layernorm_zero_centered_gamma)
+        if self.zero_centered:
+            torch.nn.init.zeros_(self.weight)
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.zero_centered:
+            return super().forward(x)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
 
 
 # --------------------------------------------------------------------------------- layer spec

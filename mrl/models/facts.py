@@ -32,6 +32,7 @@ ARCHITECTURES: dict[str, str] = {
     "llama": _DENSE, "mistral": "llama's table and translation, no test of its own", "qwen2": _DENSE,
     "qwen3": _DENSE, "qwen3_moe": _MOE, "qwen2_moe": _MOE, "mixtral": _MOE, "deepseek_v3": _MOE,
     "kimi_k2": _MOE + " (read as deepseek_v3)", "glm4_moe": _MOE, "gpt_oss": _MOE + " (MXFP4 checkpoints dequantized)",
+    "gemma3_text": _DENSE + " (Gemma 3's text model; the multimodal gemma3 is not built)",
 }
 
 
@@ -99,6 +100,16 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
                          rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
                                               beta_slow=1.0, truncate=False, original_max_position_embeddings=256),
                          tie_word_embeddings=False),
+    # Gemma 3's text model: (1 + w) norms before and after attention and the MLP, QK-norm, the
+    # embedding times sqrt(128), layer 0 sliding (16 tokens, RoPE base 10000) and layer 1 global
+    # (base 1e6, linear x8 as Gemma 3 4B+), attention scaled by query_pre_attn_scalar 32, GELU-tanh.
+    "tiny-gemma3": dict(model_type="gemma3_text", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+                        query_pre_attn_scalar=32, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                        max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=256, eos_token_id=256,
+                        pad_token_id=None,
+                        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                         "full_attention": dict(rope_type="linear", rope_theta=1000000.0, factor=8.0)}),
     # Qwen2.5-VL: the tiny-qwen2 text model (mRoPE sections 4/6/6 of head dim 32's 16 frequencies)
     # and a 2-block vision tower (14-pixel patches, 2x2 merge: a 56x56 image is 4 tokens). The
     # placeholder ids are the byte tokenizer's vision specials (`mrl.models.tokenizer`).

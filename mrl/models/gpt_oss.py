@@ -45,6 +45,22 @@ def sliding_window_fields(hf: dict[str, Any]) -> dict[str, Any]:
                 window_attn_skip_freq=[int(t == "sliding_attention") for t in types])
 
 
+def check_context_parallel(hf: dict[str, Any], context: int) -> None:
+    """Sliding windows and attention sinks are computed on whole sequences: mrl's context-
+    parallel attention (`models.context_parallel`) has neither."""
+    if context > 1:
+        raise UserError(f"parallel.context: {context} does not take {hf['model_type']}'s sliding-window layers or "
+                        "attention sinks (mrl's context-parallel attention has neither); use parallel.context = 1")
+
+
+def check_expert_bias(expert_tensor: int) -> None:
+    """megatron-core builds experts with biases (gpt-oss) unsplit only."""
+    if expert_tensor != 1:
+        raise UserError(f"parallel.expert_tensor: {expert_tensor}: gpt_oss's expert biases need expert_tensor = 1 "
+                        "(megatron-core splits biased experts over no tensor-parallel ranks); set "
+                        "parallel.expert_tensor = 1 with parallel.tensor > 1")
+
+
 def gpt_oss_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """TransformerConfig fields for a gpt_oss config, or one-line refusals of what megatron would
     compute differently."""

@@ -141,6 +141,22 @@ GPT_OSS = _rules(
     (f"{_M}.experts.linear_fc2.bias{{E}}", f"{_GE}.down_proj_bias"),
 )
 
+# Gemma 3's text model: norms before and after attention and the MLP (mrl's `post_norm` on
+# megatron's attention and MLP, `mrl.models.gemma3`); the checkpoint's `post_attention_layernorm` is
+# the norm after attention, its `pre_feedforward_layernorm` megatron's pre-MLP norm.
+GEMMA3 = _rules(
+    ("decoder.layers.{L}.input_layernorm.weight", "model.layers.{L}.input_layernorm.weight"),
+    (f"{_A}.linear_qkv.layer_norm_weight", "model.layers.{L}.input_layernorm.weight"),  # TE fused norm
+    (f"{_A}.linear_qkv.weight", (f"{_HA}.q_proj.weight", f"{_HA}.k_proj.weight", f"{_HA}.v_proj.weight"), QKV_FUSED),
+    (f"{_A}.linear_proj.weight", f"{_HA}.o_proj.weight"),
+    (f"{_A}.post_norm.weight", "model.layers.{L}.post_attention_layernorm.weight"),
+    ("decoder.layers.{L}.pre_mlp_layernorm.weight", "model.layers.{L}.pre_feedforward_layernorm.weight"),
+    (f"{_M}.linear_fc1.layer_norm_weight", "model.layers.{L}.pre_feedforward_layernorm.weight"),  # TE fused norm
+    (f"{_M}.linear_fc1.weight", (f"{_HM}.gate_proj.weight", f"{_HM}.up_proj.weight"), GATE_UP),
+    (f"{_M}.linear_fc2.weight", f"{_HM}.down_proj.weight"),
+    (f"{_M}.post_norm.weight", "model.layers.{L}.post_feedforward_layernorm.weight"),
+)
+
 # A VLM's Hugging Face vision tower (`mrl.models.vlm_gpt`), replicated, under its checkpoint names:
 # `{R}` is the rest of the name, the same on both sides.
 VISION_TOWER = _rules(("vision.{R}", "visual.{R}"))
@@ -168,6 +184,7 @@ TABLES: dict[str, tuple[Rule, ...]] = {
     "glm4_moe": EMBEDDINGS + ATTENTION + QKV_BIAS + QK_NORM + DENSE_MLP + QWEN_MOE_EXPERTS + DEEPSEEK_MOE_EXTRAS,
     # gpt-oss: GQA attention with biases and sinks, every layer's MLP routed experts.
     "gpt_oss": EMBEDDINGS + ATTENTION + QKV_BIAS + GPT_OSS,
+    "gemma3_text": EMBEDDINGS + GEMMA3 + QKV_BIAS + QK_NORM,
 }
 
 # Rows whose megatron side is a buffer, not a parameter (mapped like one when the model has it).

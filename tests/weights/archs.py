@@ -56,6 +56,14 @@ ARCHS: dict[str, dict] = {
                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
                                          beta_slow=1.0, truncate=False, original_max_position_embeddings=32),
                     tie_word_embeddings=False),
+    # Gemma 3's text model: layer 0 sliding (4 tokens, local RoPE base 10000), layer 1 global (linear
+    # x4 RoPE), query_pre_attn_scalar 24 (not the head dim 16), tied embeddings scaled by sqrt(64).
+    "gemma3_text": dict(model_type="gemma3_text", intermediate_size=96, head_dim=16, query_pre_attn_scalar=24,
+                        sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                         "full_attention": dict(rope_type="linear", rope_theta=1000000.0,
+                                                                factor=4.0)},
+                        tie_word_embeddings=True),
     "mixtral": dict(model_type="mixtral", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
                     tie_word_embeddings=False),
 }
