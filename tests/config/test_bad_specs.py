@@ -385,7 +385,11 @@ def test_context_parallel_job_validates_and_shows_its_chunks(write_job, cli):
     (dict(model_type="gpt_oss"), "parallel.expert_tensor", "2: gpt_oss's expert biases need expert_tensor = 1"),
     (dict(model_type="gpt_oss", quantization_config={"quant_method": "fp8"}), "model.path",
      "quantized checkpoint (quantization_config 'fp8') is not supported"),
-    (dict(model_type="gemma3_text"), "model.path", "'gemma3_text' is not supported yet: sliding-window layers"),
+    (dict(model_type="gemma3"), "model.path", "'gemma3' is not supported yet: the multimodal Gemma 3"),
+    (dict(model_type="gemma3_text", final_logit_softcapping=30.0), "model.path",
+     "gemma3_text with final_logit_softcapping 30.0 is not supported"),
+    (dict(model_type="gemma3_text", hidden_activation="gelu"), "model.path",
+     "gemma3_text hidden_activation 'gelu' is not supported"),
     (dict(model_type="qwen3_next"), "model.path", "'qwen3_next' is not supported yet: gated DeltaNet"),
     (dict(model_type="kimi_k2", quantization_config={"quant_method": "fp8"}), "model.path",
      "quantized checkpoint (quantization_config 'fp8') is not supported"),
@@ -400,7 +404,7 @@ def test_context_parallel_job_validates_and_shows_its_chunks(write_job, cli):
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1), "model.path",
      "sliding-window attention (sliding_window 16 < max_position_embeddings 128)"),
     (dict(model_type="glm4_moe", n_group=2, topk_group=2), "model.path", "glm4_moe group-limited routing needs"),
-], ids=["gpt_oss-alpha", "gpt_oss-bias", "gpt_oss-etp", "gpt_oss-fp8", "gemma3", "qwen3_next", "quantized", "kimi-routing", "kimi-moe-freq", "kimi-tp", "rope", "glm-norm",
+], ids=["gpt_oss-alpha", "gpt_oss-bias", "gpt_oss-etp", "gpt_oss-fp8", "gemma3", "gemma3-softcap", "gemma3-act", "qwen3_next", "quantized", "kimi-routing", "kimi-moe-freq", "kimi-tp", "rope", "glm-norm",
         "mistral-window", "qwen2-window", "glm-groups"])
 def test_architecture_refusals_are_one_line_at_validate(write_job, cli, tmp_path, cfg, key, fragment):
     import json
