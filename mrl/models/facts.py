@@ -31,7 +31,8 @@ _DENSE, _MOE = "TP1 TP2 PP2 DP2", "TP1 TP2 PP2 DP2 EP2"
 ARCHITECTURES: dict[str, str] = {
     "llama": _DENSE, "mistral": "llama's table and translation, no test of its own", "qwen2": _DENSE,
     "qwen3": _DENSE, "qwen3_moe": _MOE, "qwen2_moe": _MOE, "mixtral": _MOE, "deepseek_v3": _MOE,
-    "kimi_k2": _MOE + " (read as deepseek_v3)", "glm4_moe": _MOE, "gpt_oss": _MOE + " (MXFP4 checkpoints dequantized)",
+    "kimi_k2": _MOE + " (read as deepseek_v3)", "glm4_moe": _MOE,
+    "gpt_oss": _MOE + " (MXFP4 checkpoints dequantized; experts unsplit, parallel.expert_tensor 1; hf rollout engine)",
     "gemma3_text": _DENSE + " (Gemma 3's text model; the multimodal gemma3 is not built)",
 }
 
