@@ -133,6 +133,22 @@ def gemma_mlp(base: type) -> type:
                 raise ValueError("Gemma's post-feed-forward norm takes an output without a separate bias")
             return self.post_norm(output), None
 
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            """megatron's MLP asks each child for its own sharded state dict; the norm (a torch
+            module, replicated) goes through megatron's default."""
+            from megatron.core import parallel_state
+            from megatron.core.transformer.utils import sharded_state_dict_default
+
+            tp_group = getattr(self, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
+            norm = self._modules.pop("post_norm")
+            try:
+                out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            finally:
+                self._modules["post_norm"] = norm
+            out.update(sharded_state_dict_default(norm, f"{prefix}post_norm.", sharded_offsets, metadata,
+                                                  tp_group=tp_group))
+            return out
+
     return GemmaMLP
 
 
