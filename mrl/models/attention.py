@@ -96,10 +96,13 @@ def resolve_backend(requested: str, device: str, context: int = 1) -> str:
 # --------------------------------------------------------------------------------- kernels
 
 def sdpa_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                scale: float) -> torch.Tensor:
+                scale: float, window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of each packed sequence on its own: q `[T, Hq, D]`, k/v `[T, Hkv, D]`
     -> `[T, Hq, D]`. `split`/`cat` cut and join the row (their backward is one copy each; slicing
-    or index-put would cost a full-row buffer per sequence in the backward)."""
+    or index-put would cost a full-row buffer per sequence in the backward). `window`: keys limited
+    to the `window` before each query, by a boolean `[L, L]` mask per sequence (no flash kernel)."""
+    from mrl.models.sink_attention import causal_window_mask
+
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     gqa = q.shape[1] != k.shape[1]
     outs = []
@@ -107,9 +110,10 @@ def sdpa_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
         if qs.shape[0] == 0:
             outs.append(qs)
             continue
+        mask = None if window is None else causal_window_mask(qs.shape[0], window, qs.device)
         o = torch.nn.functional.scaled_dot_product_attention(
             qs.transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-            is_causal=True, scale=scale, enable_gqa=gqa)
+            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
         outs.append(o.squeeze(0).transpose(0, 1))
     return torch.cat(outs)
 
@@ -168,9 +172,10 @@ def flex_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
 class PackedCoreAttention(torch.nn.Module):
     """megatron's `core_attention` submodule, computed by one of mrl's backends.
 
-    Layers with a sliding window (`config.window_size` where `window_attn_skip_freq` says so) or
-    attention sinks (`softmax_type = "learnable"`: gpt-oss) take `sink_attention.eager_packed`
-    (windows without sinks take `varlen`'s own window on CUDA).
+    Layers with attention sinks (`softmax_type = "learnable"`: gpt-oss) take
+    `sink_attention.eager_packed`; a sliding window (`config.window_size` where
+    `window_attn_skip_freq` says so) without sinks is `varlen`'s own window on CUDA and SDPA with a
+    window mask under `sdpa` (`flex` takes the twin).
 
     Takes megatron's core-attention call: with `packed_seq_params` (thd) q `[T, Hq, D]` and k/v
     `[T, Hkv, D]` (this TP rank's heads), returning `[T, Hq * D]`; without it, q/k/v
@@ -244,16 +249,15 @@ class PackedCoreAttention(torch.nn.Module):
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
     def _packed(self, q, k, v, cu, max_seqlen):
-        if self.softmax_offset is not None or (self.window is not None and self.backend != "varlen"):
+        if self.softmax_offset is not None or (self.window is not None and self.backend == "flex"):
             from mrl.models.sink_attention import eager_packed
 
             return eager_packed(q, k, v, cu, self.scale, self.window, self.softmax_offset)
         if self.backend == "varlen":
             return varlen_packed(q, k, v, cu, max_seqlen, self.scale, self.window)
-            return varlen_packed(q, k, v, cu, max_seqlen, self.scale)
         if self.backend == "flex":
             return flex_packed(q, k, v, cu, self.scale)
-        return sdpa_packed(q, k, v, cu, self.scale)
+        return sdpa_packed(q, k, v, cu, self.scale, self.window)
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,7 +7,8 @@ compute attention explicitly per packed sequence: scores `[H, L, L]`, the causal
 mask, the sink appended as one more column, softmax in float32, the sink's column dropped - the
 arithmetic of `transformers`' eager gpt-oss attention. Memory is O(H x L^2) per sequence (the
 flash kernels' O(L) is what this gives up). On CUDA, Transformer Engine computes both natively
-(megatron's `softmax_type = "learnable"`, `window_size`); `varlen` takes windows without sinks.
+(megatron's `softmax_type = "learnable"`, `window_size`); windows without sinks are `varlen`'s
+own window on CUDA and SDPA with `causal_window_mask` under `sdpa`.
 """
 from __future__ import annotations
 
