@@ -159,6 +159,14 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                                 first_k_dense_replace=1, n_group=1, topk_group=1, partial_rotary_factor=0.5,
                                 attention_bias=True, use_qk_norm=False, num_nextn_predict_layers=1,
                                 tie_word_embeddings=False),
+    "openai/gpt-oss-20b": dict(model_type="gpt_oss", num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                               head_dim=64, hidden_size=2880, intermediate_size=2880, vocab_size=201088,
+                               num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                               tie_word_embeddings=False, quantization_config={"quant_method": "mxfp4"}),
+    "google/gemma-3-1b-it": dict(model_type="gemma3_text", num_hidden_layers=26, num_attention_heads=4,
+                                 num_key_value_heads=1, head_dim=256, hidden_size=1152, intermediate_size=6912,
+                                 vocab_size=262144, query_pre_attn_scalar=256, sliding_window=512,
+                                 tie_word_embeddings=True),
 }
 
 
