@@ -1,7 +1,8 @@
 """HF -> Megatron -> HF round trips and logits parity at TP=2, PP=2, EP=2 and DP=2 (2 gloo ranks).
 
-One torchrun launch per group: the MoE architectures share one (their EP=2 layout runs for each),
-since starting 2 ranks costs more than checking one more tiny model.
+One torchrun launch per group: the MoE architectures and the types of issue 40 (gpt_oss,
+gemma3_text) share one (the EP=2 layout runs for each MoE type), since starting 2 ranks costs more
+than checking one more tiny model.
 """
 from __future__ import annotations
 
