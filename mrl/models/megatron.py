@@ -5,7 +5,7 @@ Qwen3 (plus QK-norm), Qwen3-MoE (plus routed experts, softmax router, top-k opti
 renormalised, dense MLPs in `mlp_only_layers`), Qwen2-MoE (Qwen2 attention with QKV bias, the
 Qwen3-MoE router, plus a shared expert scaled by a sigmoid gate), Mixtral (routed experts,
 renormalised top-k), DeepSeek-V3 (multi-latent attention, `models.sigmoid_moe`; Kimi-K2 is read
-as it), GLM-4.5 (`glm4_moe`: GQA with QKV bias, RoPE on half of each head, `models.sigmoid_moe`)
+as it), GLM-4.5 (`glm4_moe`: GQA with QKV bias, RoPE on half of each head, `models.sigmoid_moe`),
 gpt-oss (`gpt_oss`: attention sinks, sliding-window layers, the clamped SwiGLU, `models.gpt_oss`)
 and Gemma 3's text model (`gemma3_text`: (1 + w) and sandwich norms, local/global RoPE, `models.gemma3`).
 RoPE uses the checkpoint's inverse frequencies as `transformers` computes them (default,
