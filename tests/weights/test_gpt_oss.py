@@ -154,3 +154,24 @@ def test_mxfp4_checkpoint_loads_dequantized_like_transformers(platform, tmp_path
                        convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
     assert torch.equal(exported["model.layers.0.mlp.experts.gate_up_proj"],
                        ref.model.layers[0].mlp.experts.gate_up_proj.data)
+
+
+def test_yarn_rope_attention_factor_on_a_dense_model_matches_transformers(platform, tmp_path):
+    """yarn RoPE (Qwen2.5's long-context scaling, gpt-oss') multiplies cos and sin by its attention
+    factor (0.1 ln 4 + 1 here); mrl folds its square into the softmax scale: a qwen2 with yarn x4
+    over 32 original positions matches transformers within 1e-5 on 48 tokens."""
+    from mrl.models.megatron import complete_hf_config, position_ids, rope_attention_factor
+    from mrl.models.roles import build_role_model
+    from mrl.platform.config import ParallelConfig
+    from mrl.weights import load_hf_checkpoint
+
+    yarn = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)
+    ref = make_hf_model("qwen2", tmp_path, rope_parameters=yarn).eval()
+    hf = complete_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    assert rope_attention_factor(hf) == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    model = build_role_model("actor", hf, ParallelConfig(), dtype="float32", device="cpu").eval()
+    load_hf_checkpoint([model], tmp_path, hf)
+    tokens = probe_tokens(hf["vocab_size"], seq=48)
+    with torch.no_grad():
+        got = model(tokens, position_ids(*tokens.shape), None)[..., : hf["vocab_size"]]
+        assert (got - ref(tokens).logits).abs().max().item() <= 1e-5
