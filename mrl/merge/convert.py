@@ -28,6 +28,7 @@ from mrl.merge import assets
 from mrl.merge.source import CheckpointInfo, inspect
 from mrl.merge.verify import VALUE_HEAD_FILE, VALUE_HEAD_NAME, DEFAULT_TOLERANCE, Verification, verify as run_verify
 from mrl.merge.writer import ShardWriter, parse_size, save_tensors
+from mrl.weights.stacked import stack_experts
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,9 @@ def merge(checkpoint: str | Path, out: str | Path, *, max_shard_size: str | int 
         # without --dtype every tensor keeps its stored dtype (a lossless merge), even when the
         # model was loaded in float32 for verification
         keep = {} if dtype else _hf_dtypes(exporter, stored_dtypes(megatron, info))
-        for bucket in hf_buckets(_split_value_head(exporter.stream(targets=0), held, keep), shard_bytes):
+        # gpt-oss' per-expert rows stacked into its checkpoint's tensors (weights.stacked)
+        stream = stack_experts(_split_value_head(exporter.stream(targets=0), held, keep), info.hf_config)
+        for bucket in hf_buckets(stream, shard_bytes):
             writer.write(bucket)
             del bucket
         index = writer.finish()

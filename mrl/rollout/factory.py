@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from mrl.errors import UserError
-from mrl.models.facts import builtin_preset, find_hf_config
+from mrl.models.facts import builtin_preset, engine_problem, find_hf_config
 from mrl.rollout.engine import RolloutEngine
 
 
@@ -57,6 +57,9 @@ def build_engine(rollout, model, *, seed: int, device: torch.device | str, max_m
     if found is None:
         raise UserError(f"model.path: no config.json for {model.path!r} here (the rollout engine needs the architecture)")
     preset = builtin_preset(model.path)
+    problem = engine_problem(found[0].get("model_type"), rollout.engine)
+    if problem:
+        raise UserError(f"rollout.engine: {problem}")
     if rollout.engine == "hf":
         from mrl.rollout.hf import HFEngine
 

@@ -7,6 +7,8 @@ projections apart: `experts.{E}.gate_proj.weight` (Mixtral: `block_sparse_moe.ex
 `w3`, `w2`, and its router `block_sparse_moe.gate`, which transformers 5 holds under `mlp.`). The hf
 engine loads the stream through these views and aliases, so a sync writes straight into the fused
 tensors. The renames are `transformers`' own checkpoint conversions (`conversion_mapping.py`).
+gpt-oss keeps its checkpoint's stacked layout in memory (`gate_up_proj` `[E, H, 2I]`, interleaved,
+with biases): the stream's `experts.{E}.<proj>` rows (`mrl.weights.stacked`) are row views of them.
 """
 from __future__ import annotations
 
@@ -36,6 +38,12 @@ def fused_expert_views(model: torch.nn.Module, model_type: str) -> dict[str, tup
         down_w = getattr(module, "down_proj", None)
         if not (isinstance(gate_up, torch.nn.Parameter) and isinstance(down_w, torch.nn.Parameter)
                 and gate_up.dim() == 3 and down_w.dim() == 3):
+            continue
+        if model_type == "gpt_oss":   # rows of the stacked tensors, as mrl.weights.stacked names them
+            for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+                stacked = getattr(module, p)
+                out.update({f"{checkpoint_name(prefix, model_type)}.{e}.{p}": (stacked.data[e], stacked)
+                            for e in range(stacked.shape[0])})
             continue
         inter = gate_up.shape[1] // 2
         for e in range(gate_up.shape[0]):

@@ -33,8 +33,8 @@ def peak_bf16_flops(device_name: str) -> float | None:
 def model_params(hf: dict, *, active: bool = True) -> int:
     """Parameters of a decoder-only Hugging Face config (dense or MoE); `active` counts the experts
     one token passes through (`num_experts_per_tok`) instead of all of them. Covers shared experts
-    (Qwen2-MoE with its gate, DeepSeek-V3, GLM-4.5), their dense first layers and DeepSeek's multi-latent
-    attention."""
+    (Qwen2-MoE with its gate, DeepSeek-V3, GLM-4.5), their dense first layers, DeepSeek's multi-latent
+    attention, gpt-oss' biases and sinks and Gemma 3's sandwich norms."""
     h, layers, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
     model_type = hf.get("model_type")
     heads = hf["num_attention_heads"]
@@ -43,16 +43,21 @@ def model_params(hf: dict, *, active: bool = True) -> int:
     else:
         kv = hf.get("num_key_value_heads") or heads
         d = hf.get("head_dim") or h // heads
-        bias = bool(hf.get("attention_bias", model_type == "qwen2") or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)))
+        bias = bool(hf.get("attention_bias", model_type in ("qwen2", "gpt_oss"))
+                    or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)))
         attn = h * heads * d + 2 * h * kv * d + heads * d * h + (bias * (heads + 2 * kv) * d)
-        if model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and hf.get("use_qk_norm")):
+        if model_type in ("qwen3", "qwen3_moe", "gemma3_text") or (model_type == "glm4_moe" and hf.get("use_qk_norm")):
             attn += 2 * d   # q_norm, k_norm
+        if model_type == "gpt_oss":
+            attn += h + heads   # o_proj bias, one sink per head
     experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0
     dense_mlp = 3 * h * hf["intermediate_size"]
     if experts:
         used = (hf.get("num_experts_per_tok") or experts) if active else experts
         inter = hf.get("moe_intermediate_size") or hf["intermediate_size"]
         moe = used * 3 * h * inter + h * experts   # experts + router
+        if model_type == "gpt_oss":   # expert biases (gate/up, down) and the router's
+            moe += used * (2 * inter + h) + experts
         if model_type == "qwen2_moe" and hf.get("shared_expert_intermediate_size"):
             moe += 3 * h * hf["shared_expert_intermediate_size"] + h   # shared expert + its gate
         if model_type in ("deepseek_v3", "glm4_moe"):
@@ -62,7 +67,8 @@ def model_params(hf: dict, *, active: bool = True) -> int:
     else:
         mlps = layers * dense_mlp
     embeddings = vocab * h * (1 if hf.get("tie_word_embeddings") else 2)
-    return layers * (attn + 2 * h) + mlps + embeddings + h
+    norms = 4 if model_type == "gemma3_text" else 2   # Gemma: a norm before and after attention and the MLP
+    return layers * (attn + norms * h) + mlps + embeddings + h
 
 
 def _mla_params(hf: dict) -> int:

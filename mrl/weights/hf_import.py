@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from mrl.errors import UserError
+from mrl.weights import stacked as stacked_rows
 from mrl.weights.layout import Placement, has_value_head, is_tied, local_placements, model_dims, unwrap
 from mrl.weights.transforms import SliceReader
 
@@ -55,22 +56,42 @@ class Checkpoint:
         self.weight_map: dict[str, str] = weight_map
         self._open = safe_open
         self._handles: dict[str, Any] = {}
+        # experts stacked per projection (gpt-oss, MXFP4 or not): read one expert's row at a time
+        stacked = {n: tuple(self._slice(n).get_shape()) for n in weight_map if ".experts." in n
+                   and n.endswith(stacked_rows.PROJECTIONS + ("_blocks", "_scales"))}
+        self._rows = stacked_rows.expert_rows(stacked)
+        self._row_sources = {s for sources in self._rows.values() for s in sources}
+        self._stacked_shapes = stacked
 
     def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
+        return name in self._rows or (name in self.weight_map and name not in self._row_sources)
 
     def names(self) -> set[str]:
-        return set(self.weight_map)
+        return (set(self.weight_map) - self._row_sources) | set(self._rows)
 
-    def reader(self, name: str) -> SliceReader:
+    def _slice(self, name: str):
         file = self.weight_map[name]
         if file not in self._handles:
             path = self.path / file
             if not path.is_file():
                 raise UserError(f"weights: {INDEX} names {file} for {name!r}, but {path} does not exist")
             self._handles[file] = self._open(path, framework="pt")
-        sl = self._handles[file].get_slice(self.prefix + name)
+        return self._handles[file].get_slice(self.prefix + name)
+
+    def reader(self, name: str) -> SliceReader:
+        sources = self._rows.get(name)
+        if sources is not None:   # one expert's row of a stacked tensor (dequantized when MXFP4)
+            row = stacked_rows.read_row(sources, [self._slice(s) for s in sources], stacked_rows.row_expert(name))
+            return SliceReader(name, row, row.shape)
+        sl = self._slice(name)
         return SliceReader(name, sl, sl.get_shape())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape without reading it (a stacked row's from its stacked tensor)."""
+        sources = self._rows.get(name)
+        if sources is not None:
+            return stacked_rows.row_shape(sources, self._stacked_shapes)
+        return tuple(self._slice(name).get_shape())
 
     def close(self) -> None:
         self._handles.clear()
@@ -138,7 +159,7 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], path: str | Path | Che
         consumed.update(names)
         want = p.transform.hf_shapes(p.full_shape, dims)
         for n, shape in zip(names, want):
-            got = tuple(ckpt.reader(n).shape)
+            got = ckpt.shape(n)
             if got != tuple(shape):
                 problems.append(f"tensor {n!r} has shape {list(got)}, the model needs {list(shape)}")
         plan.append((p, names))

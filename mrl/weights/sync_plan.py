@@ -60,7 +60,7 @@ class HFTensor:
 
 def hf_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
     """The tensors a checkpoint of a supported architecture holds (llama, qwen2/3, the Qwen MoEs,
-    DeepSeek-V3 / Kimi-K2 with multi-latent attention, GLM-4.5; an aliased model type as its
+    DeepSeek-V3 / Kimi-K2 with multi-latent attention, GLM-4.5, gpt-oss, Gemma 3's text model; an aliased model type as its
     architecture), in checkpoint order. Experts by Qwen / DeepSeek names (Mixtral's sizes are the
     same)."""
     from mrl.models.facts import canonical_config
@@ -83,7 +83,17 @@ def hf_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
         out.append(HFTensor(f"model.layers.{layer}.input_layernorm.weight", (h,)))
         out += _mla_tensors(cfg, layer) if model_type == "deepseek_v3" else _attention_tensors(cfg, layer)
         out.append(HFTensor(f"model.layers.{layer}.post_attention_layernorm.weight", (h,)))
-        if experts and layer >= first_moe:
+        if model_type == "gemma3_text":   # Gemma's norms before and after the MLP
+            out += [HFTensor(f"model.layers.{layer}.{n}_feedforward_layernorm.weight", (h,)) for n in ("pre", "post")]
+        if model_type == "gpt_oss":   # biased router, experts as rows of the stacked tensors (weights.stacked)
+            out += [HFTensor(f"{m}.router.weight", (experts, h)), HFTensor(f"{m}.router.bias", (experts,))]
+            for e in range(experts):   # expert_tensor 1: unsplit on the trainer
+                x = f"{m}.experts.{e}"
+                out += [HFTensor(f"{x}.gate_up_proj", (h, 2 * inter), False, True),
+                        HFTensor(f"{x}.gate_up_proj_bias", (2 * inter,), False, True),
+                        HFTensor(f"{x}.down_proj", (inter, h), False, True),
+                        HFTensor(f"{x}.down_proj_bias", (h,), False, True)]
+        elif experts and layer >= first_moe:
             out.append(HFTensor(f"{m}.gate.weight", (experts, h)))
             if sigmoid_moe:
                 out.append(HFTensor(f"{m}.gate.e_score_correction_bias", (experts,)))
@@ -126,8 +136,10 @@ def _attention_tensors(cfg: dict[str, Any], layer: int) -> list[HFTensor]:
     kv = cfg.get("num_key_value_heads") or heads
     hd = cfg.get("head_dim") or h // heads
     model_type = cfg.get("model_type", "llama")
-    bias = model_type in ("qwen2", "qwen2_5_vl") or bool(cfg.get("attention_bias"))
-    qk_norm = model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm")))
+    oss = model_type == "gpt_oss"   # q/k/v/o biases (attention_bias defaults on) and one sink per head
+    bias = model_type in ("qwen2", "qwen2_5_vl") or bool(cfg.get("attention_bias", oss))
+    qk_norm = (model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+               or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm"))))
     a = f"model.layers.{layer}.self_attn"
     out = [HFTensor(f"{a}.q_proj.weight", (heads * hd, h), True), HFTensor(f"{a}.k_proj.weight", (kv * hd, h), True),
            HFTensor(f"{a}.v_proj.weight", (kv * hd, h), True)]
@@ -136,7 +148,10 @@ def _attention_tensors(cfg: dict[str, Any], layer: int) -> list[HFTensor]:
                 HFTensor(f"{a}.v_proj.bias", (kv * hd,), True)]
     if qk_norm:
         out += [HFTensor(f"{a}.q_norm.weight", (hd,)), HFTensor(f"{a}.k_norm.weight", (hd,))]
-    return out + [HFTensor(f"{a}.o_proj.weight", (h, heads * hd), True)]
+    out.append(HFTensor(f"{a}.o_proj.weight", (h, heads * hd), True))
+    if oss:
+        out += [HFTensor(f"{a}.o_proj.bias", (h,)), HFTensor(f"{a}.sinks", (heads,), True)]
+    return out
 
 
 def _mla_tensors(cfg: dict[str, Any], layer: int) -> list[HFTensor]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from mrl.weights.transforms import GATE_UP, IDENTITY, QKV_FUSED, VOCAB, Transform
+from mrl.weights.transforms import (GATE_UP, IDENTITY, INTERLEAVED_GATE_UP, QKV_FUSED, TRANSPOSED, VOCAB,
+                                    Transform)
 
 HFNames = Union[str, tuple[str, ...]]
 
@@ -120,6 +121,42 @@ DEEPSEEK_MOE_EXTRAS = _rules(
     (f"{_M}.shared_experts.linear_fc2.weight", f"{_HM}.shared_experts.down_proj.weight"),
 )
 
+# gpt-oss: biases on o_proj, the router and the experts; each head's attention sink (Transformer
+# Engine's and mrl's `core_attention.softmax_offset`); experts stacked per projection in the
+# checkpoint, here one expert's row of each (`experts.{E}.gate_up_proj` is row E of
+# `experts.gate_up_proj`, `mrl.weights.stacked`): gate/up interleaved and input-major.
+_GE = "model.layers.{L}.mlp.experts.{E}"
+GPT_OSS = _rules(
+    (f"{_A}.linear_proj.bias", f"{_HA}.o_proj.bias"),
+    (f"{_A}.core_attention.softmax_offset", f"{_HA}.sinks"),
+    (f"{_M}.router.weight", f"{_HM}.router.weight"),
+    (f"{_M}.router.bias", f"{_HM}.router.bias"),
+    (f"{_M}.experts.local_experts.{{E}}.linear_fc1.weight", f"{_GE}.gate_up_proj", INTERLEAVED_GATE_UP),
+    (f"{_M}.experts.local_experts.{{E}}.linear_fc1.bias", f"{_GE}.gate_up_proj_bias", INTERLEAVED_GATE_UP),
+    (f"{_M}.experts.local_experts.{{E}}.linear_fc2.weight", f"{_GE}.down_proj", TRANSPOSED),
+    (f"{_M}.experts.local_experts.{{E}}.linear_fc2.bias", f"{_GE}.down_proj_bias"),
+    (f"{_M}.experts.linear_fc1.weight{{E}}", f"{_GE}.gate_up_proj", INTERLEAVED_GATE_UP),
+    (f"{_M}.experts.linear_fc1.bias{{E}}", f"{_GE}.gate_up_proj_bias", INTERLEAVED_GATE_UP),
+    (f"{_M}.experts.linear_fc2.weight{{E}}", f"{_GE}.down_proj", TRANSPOSED),
+    (f"{_M}.experts.linear_fc2.bias{{E}}", f"{_GE}.down_proj_bias"),
+)
+
+# Gemma 3's text model: norms before and after attention and the MLP (mrl's `post_norm` on
+# megatron's attention and MLP, `mrl.models.gemma3`); the checkpoint's `post_attention_layernorm` is
+# the norm after attention, its `pre_feedforward_layernorm` megatron's pre-MLP norm.
+GEMMA3 = _rules(
+    ("decoder.layers.{L}.input_layernorm.weight", "model.layers.{L}.input_layernorm.weight"),
+    (f"{_A}.linear_qkv.layer_norm_weight", "model.layers.{L}.input_layernorm.weight"),  # TE fused norm
+    (f"{_A}.linear_qkv.weight", (f"{_HA}.q_proj.weight", f"{_HA}.k_proj.weight", f"{_HA}.v_proj.weight"), QKV_FUSED),
+    (f"{_A}.linear_proj.weight", f"{_HA}.o_proj.weight"),
+    (f"{_A}.post_norm.weight", "model.layers.{L}.post_attention_layernorm.weight"),
+    ("decoder.layers.{L}.pre_mlp_layernorm.weight", "model.layers.{L}.pre_feedforward_layernorm.weight"),
+    (f"{_M}.linear_fc1.layer_norm_weight", "model.layers.{L}.pre_feedforward_layernorm.weight"),  # TE fused norm
+    (f"{_M}.linear_fc1.weight", (f"{_HM}.gate_proj.weight", f"{_HM}.up_proj.weight"), GATE_UP),
+    (f"{_M}.linear_fc2.weight", f"{_HM}.down_proj.weight"),
+    (f"{_M}.post_norm.weight", "model.layers.{L}.post_feedforward_layernorm.weight"),
+)
+
 # A VLM's Hugging Face vision tower (`mrl.models.vlm_gpt`), replicated, under its checkpoint names:
 # `{R}` is the rest of the name, the same on both sides.
 VISION_TOWER = _rules(("vision.{R}", "visual.{R}"))
@@ -145,6 +182,9 @@ TABLES: dict[str, tuple[Rule, ...]] = {
     # (`use_qk_norm`), dense MLPs in the first `first_k_dense_replace` layers, then DeepSeek-V3's
     # experts, shared experts and correction bias under the same names.
     "glm4_moe": EMBEDDINGS + ATTENTION + QKV_BIAS + QK_NORM + DENSE_MLP + QWEN_MOE_EXPERTS + DEEPSEEK_MOE_EXTRAS,
+    # gpt-oss: GQA attention with biases and sinks, every layer's MLP routed experts.
+    "gpt_oss": EMBEDDINGS + ATTENTION + QKV_BIAS + GPT_OSS,
+    "gemma3_text": EMBEDDINGS + GEMMA3 + QKV_BIAS + QK_NORM,
 }
 
 # Rows whose megatron side is a buffer, not a parameter (mapped like one when the model has it).

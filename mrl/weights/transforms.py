@@ -156,7 +156,53 @@ class GateUp(Transform):
         return [half, half]
 
 
+class InterleavedGateUp(Transform):
+    """Megatron's `linear_fc1` [gate; up] (weight `[2I, H]` or bias `[2I]`) <-> gpt-oss' one expert
+    `gate_up_proj` `[H, 2I]` (or its bias `[2I]`): gate and up interleaved along the last axis
+    (`gate_up[..., ::2]`, `gate_up[..., 1::2]`), the weight stored input-major. Under TP each rank
+    holds its slice of each half, as `GateUp`."""
+
+    def shard_from_hf(self, readers, tp_rank, tp_size, partition_dim, full_shape, dims):
+        (r,) = readers
+        t = r.all()
+        t = t.transpose(0, 1) if t.dim() == 2 else t                      # [2I, ...] interleaved
+        gate, up = t[0::2], t[1::2]
+        a, b = _chunk_range(gate.shape[0], tp_rank, tp_size)
+        return torch.cat([gate[a:b], up[a:b]], dim=0)
+
+    def to_hf(self, shards, partition_dim, dims):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        gate = torch.cat([h[0] for h in halves], dim=0)
+        up = torch.cat([h[1] for h in halves], dim=0)
+        inter = torch.stack((gate, up), dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])
+        return [inter.transpose(0, 1) if inter.dim() == 2 else inter]
+
+    def hf_shapes(self, full_shape, dims):
+        return [tuple(reversed(full_shape))]
+
+
+class Transposed(Transform):
+    """A Megatron weight `[out, in]` <-> an HF tensor stored `[in, out]` (gpt-oss' expert `down_proj`);
+    TP splits the Megatron dimension `partition_dim`, the other HF dimension."""
+
+    def shard_from_hf(self, readers, tp_rank, tp_size, partition_dim, full_shape, dims):
+        (r,) = readers
+        if partition_dim is None or tp_size == 1:
+            return r.all().transpose(0, 1)
+        a, b = _chunk_range(r.shape[1 - partition_dim], tp_rank, tp_size)
+        return (r.cols(a, b) if partition_dim == 0 else r.rows(a, b)).transpose(0, 1)
+
+    def to_hf(self, shards, partition_dim, dims):
+        full = torch.cat(shards, dim=partition_dim) if partition_dim is not None and len(shards) > 1 else shards[0]
+        return [full.transpose(0, 1)]
+
+    def hf_shapes(self, full_shape, dims):
+        return [tuple(reversed(full_shape))]
+
+
 IDENTITY = Transform()
+INTERLEAVED_GATE_UP = InterleavedGateUp()
+TRANSPOSED = Transposed()
 VOCAB = VocabRows()
 QKV_FUSED = QKV()
 GATE_UP = GateUp()

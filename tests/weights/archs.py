@@ -48,6 +48,22 @@ ARCHS: dict[str, dict] = {
                      n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
                      first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
                      use_qk_norm=True, partial_rotary_factor=0.5, rope_theta=1000000.0, tie_word_embeddings=False),
+    # gpt-oss' shape: sinks, biases, a 4-token window in layer 0 (full attention in layer 1), yarn
+    # RoPE with its attention factor (positions past the original 32 matter), 4 experts (top 2) with
+    # biases; swiglu_limit 0.5 so the clamp of the SwiGLU acts on these weights (gpt-oss: 7).
+    "gpt_oss": dict(model_type="gpt_oss", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=4, swiglu_limit=0.5, router_aux_loss_coef=0.0,
+                    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                                         beta_slow=1.0, truncate=False, original_max_position_embeddings=32),
+                    tie_word_embeddings=False),
+    # Gemma 3's text model: layer 0 sliding (4 tokens, local RoPE base 10000), layer 1 global (linear
+    # x4 RoPE), query_pre_attn_scalar 24 (not the head dim 16), tied embeddings scaled by sqrt(64).
+    "gemma3_text": dict(model_type="gemma3_text", intermediate_size=96, head_dim=16, query_pre_attn_scalar=24,
+                        sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                         "full_attention": dict(rope_type="linear", rope_theta=1000000.0,
+                                                                factor=4.0)},
+                        tie_word_embeddings=True),
     "mixtral": dict(model_type="mixtral", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
                     tie_word_embeddings=False),
 }

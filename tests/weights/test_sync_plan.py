@@ -67,6 +67,9 @@ def test_known_models_have_their_published_parameter_counts():
     # Qwen2.5-32B: 32.76 B parameters; Qwen3-30B-A3B: 30.53 B (their model cards)
     assert sum(t.numel for t in hf_tensors(KNOWN_MODELS["Qwen/Qwen2.5-32B"])) / 1e9 == pytest.approx(32.76, abs=0.01)
     assert sum(t.numel for t in hf_tensors(KNOWN_MODELS["Qwen/Qwen3-30B-A3B"])) / 1e9 == pytest.approx(30.53, abs=0.01)
+    # gpt-oss-20b: 20.91 B in all, 3.6 B active with the unembedding (its model card); Gemma 3 1B: 1.0 B
+    assert sum(t.numel for t in hf_tensors(KNOWN_MODELS["openai/gpt-oss-20b"])) / 1e9 == pytest.approx(20.91, abs=0.01)
+    assert sum(t.numel for t in hf_tensors(KNOWN_MODELS["google/gemma-3-1b-it"])) / 1e9 == pytest.approx(1.00, abs=0.01)
     # GLM-4.5-Air: "106B total parameters" (its model card), without its MTP layer (not synced)
     assert sum(t.numel for t in hf_tensors(KNOWN_MODELS["zai-org/GLM-4.5-Air"])) / 1e9 == pytest.approx(106, abs=1)
 

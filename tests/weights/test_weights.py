@@ -114,7 +114,11 @@ def test_export_loads_in_transformers_with_the_same_logits(platform, tmp_path, a
     hf, model, _ = _megatron("actor", src)
     out = tmp_path / "exported"
     out.mkdir()
-    save_file(dict(Exporter([model], hf).stream()), out / "model.safetensors", metadata={"format": "pt"})
+    from mrl.weights.stacked import stack_experts
+
+    # gpt-oss' per-expert rows stacked back into its checkpoint's tensors (a no-op for the others)
+    save_file(dict(stack_experts(Exporter([model], hf).stream(), hf)), out / "model.safetensors",
+              metadata={"format": "pt"})
     copy_config(src, out)
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tokens = probe_tokens(hf["vocab_size"])

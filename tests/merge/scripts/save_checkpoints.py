@@ -42,7 +42,9 @@ def save_case(out: Path, name: str, source: str, role: str, layout: str, dtype: 
     extra = {"hf_config": hf, "model_path": source, "tokenizer": None, "dtype": dtype,
              "spec_toml": "", "role": role}
     state.save(out / name, 10, chunks=[model], extra=extra)
-    got = dict(Exporter([model], hf).stream(targets=0))
+    from mrl.weights.stacked import stack_experts
+
+    got = dict(stack_experts(Exporter([model], hf).stream(targets=0), hf))
     if dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in got.items()}, str(out / f"{name}.expected.safetensors"))
         print(f"SAVED {name} {layout} {len(got)} tensors", flush=True)

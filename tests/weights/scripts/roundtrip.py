@@ -71,7 +71,10 @@ def check_layout(d: Path, sizes: dict, out) -> None:
     from megatron.core import parallel_state as ps
 
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
-    parallel = ParallelConfig(tensor=sizes["tp"], pipeline=sizes["pp"], expert=sizes["ep"], distributed_optimizer=False)
+    # gpt-oss' biased experts are built unsplit (expert_tensor 1) at any TP
+    etp = 1 if json.loads((d / "config.json").read_text())["model_type"] == "gpt_oss" else None
+    parallel = ParallelConfig(tensor=sizes["tp"], pipeline=sizes["pp"], expert=sizes["ep"], expert_tensor=etp,
+                              distributed_optimizer=False)
     setup(PlatformConfig(device="cpu", nodes=1, ranks_per_node=world, collective_timeout_s=120), parallel, seed=5)
     hf = complete_hf_config(json.loads((d / "config.json").read_text()))
     chunks = [build_role_model("actor", hf, parallel, dtype="float32", device="cpu")]
@@ -81,9 +84,11 @@ def check_layout(d: Path, sizes: dict, out) -> None:
     expected = load_file(d / "model.safetensors")
     if hf.get("tie_word_embeddings"):
         expected.pop("lm_head.weight", None)
+    from mrl.weights.stacked import stack_experts
+
     exporter = Exporter(chunks, hf)
     for targets in ("all", 0):
-        got = dict(exporter.stream(targets))
+        got = dict(stack_experts(exporter.stream(targets), hf))   # gpt-oss: its stacked expert tensors
         if targets == "all" or dist.get_rank() == 0:
             assert list(got) == sorted(got, key=list(got).index)  # streamed once each
             assert set(got) == set(expected), (set(got) ^ set(expected))
