@@ -28,7 +28,7 @@ from mrl.models.vlm import complete as complete_vlm
 from mrl.models.vlm import is_vlm, mrope_section
 from mrl.platform.config import ParallelConfig
 
-SUPPORTED_MODEL_TYPES = tuple(t for t in ARCHITECTURES if t not in MODEL_TYPE_ALIASES) + ("qwen2_5_vl",)
+SUPPORTED_MODEL_TYPES = tuple(t for t in ARCHITECTURES if t not in MODEL_TYPE_ALIASES) + ("qwen2_5_vl", "qwen3_vl")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Model types transformers builds that mrl does not map yet, and what is missing (issue 40).
 UNMAPPED_MODEL_TYPES = {
@@ -234,7 +234,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
         add_bias_linear=False,
         add_qkv_bias=(model_type in ("qwen2", "qwen2_5_vl") or bool(hf.get("attention_bias", False))
                       or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)))),
-        qk_layernorm=model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(hf.get("use_qk_norm"))),
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe", "qwen3_vl") or (model_type == "glm4_moe" and bool(hf.get("use_qk_norm"))),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=hf.get("initializer_range", 0.02),
