@@ -195,6 +195,11 @@ LORA_ADAPTERS = _rules(
 PEFT_PREFIX = "base_model.model."
 
 
+def embedding_name(model_type: str) -> str:
+    """The checkpoint's name of the word embedding (what a tied LM head reads)."""
+    return next(r.hf for r in TABLES[model_type] if r.megatron == "embedding.word_embeddings.weight")
+
+
 def table_for(model_type: str, role: str = "actor") -> tuple[Rule, ...]:
     """The rows for `model_type`; critic and reward-model roles swap the LM head for the value head."""
     from mrl.errors import UserError

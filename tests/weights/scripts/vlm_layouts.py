@@ -1,4 +1,5 @@
-"""Qwen2.5-VL HF checkpoint -> Megatron at TP=2 and PP=2 (one gloo launch, both layouts in turn).
+"""Qwen2.5-VL / Qwen3-VL HF checkpoints -> Megatron at TP=2 and PP=2 (one gloo launch, each
+checkpoint and layout in turn).
 
 Per layout: the exported stream equals the checkpoint bit for bit (vision tower included, read
 from the first stage), and the logits of one packed row of image prompts, run through megatron's
@@ -54,7 +55,7 @@ def check(d: Path, tp: int, pp: int) -> None:
     assert set(got) == set(expected), set(got) ^ set(expected)
     for name, t in expected.items():
         assert torch.equal(got[name], t), f"{name} differs after round trip"
-    tower = sum(n.startswith("visual.") for n in got)
+    tower = sum(n.startswith(("visual.", "model.visual.")) for n in got)
     ref = torch.load(d / "reference.pt")
     with torch.no_grad():
         logits = packed_logits(chunks, ref)
@@ -69,17 +70,18 @@ def check(d: Path, tp: int, pp: int) -> None:
         diff = (full[:, keep].double() - ref["logits"][:, keep].double()).abs().max()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
-        print(f"VLM tp{tp} pp{pp} roundtrip ok {len(expected)} tensors ({tower} tower) logits {diff.item():.3e}",
+        print(f"VLM {hf['model_type']} tp{tp} pp{pp} roundtrip ok {len(expected)} tensors ({tower} tower) logits {diff.item():.3e}",
               flush=True)
     teardown()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", required=True)
+    ap.add_argument("--dir", required=True, action="append")
     a = ap.parse_args()
-    for tp, pp in ((2, 1), (1, 2)):
-        check(Path(a.dir), tp, pp)
+    for d in a.dir:
+        for tp, pp in ((2, 1), (1, 2)):
+            check(Path(d), tp, pp)
 
 
 if __name__ == "__main__":
