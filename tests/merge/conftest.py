@@ -49,7 +49,8 @@ def saved(tmp_path_factory):
              "kimi_ep2": (kimi, "actor", "ep2", "float32"),
              "glm_tp2": (glm, "actor", "tp2", "float32"),
              "preset_bf16_tp2": ("builtin:tiny-qwen2", "actor", "tp2", "bfloat16"),
-             "vl_preset_tp2": ("builtin:tiny-qwen2.5-vl", "actor", "tp2", "float32")}
+             "vl_preset_tp2": ("builtin:tiny-qwen2.5-vl", "actor", "tp2", "float32"),
+             "vl3_preset_tp2": ("builtin:tiny-qwen3-vl", "actor", "tp2", "float32")}
     out = base / "ckpts"
     out.mkdir()
     run_torchrun(SCRIPT, "--out", str(out), *[f"{n}:{s}:{r}:{l}:{d}" for n, (s, r, l, d) in cases.items()],
