@@ -186,7 +186,16 @@ PLACEHOLDER_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id
 def training_problem(spec: Any, hf: dict[str, Any]) -> str | None:
     """One line on why `mrl train` cannot run this job with a vision-language model yet, or None.
     What runs: the hf rollout engine in spmd mode, single-turn, whole responses, no context
-    parallelism, no distillation teacher. The rest is refused rather than run without its images."""
+    parallelism, no distillation teacher. The rest is refused rather than run without its images.
+    `actor.vision.trainable` needs a tower, full parameters (LoRA checkpoints hold the adapters
+    only) and, for deepstack, no full recomputation (the recomputed layers would lose the deepstack
+    features' gradients)."""
+    vision = getattr(getattr(spec, "actor", None), "vision", None)
+    if vision is not None and vision.trainable:
+        problem = trainable_tower_problem(hf, lora_rank=spec.actor.lora.rank, recompute=spec.actor.recompute,
+                                          key="actor")
+        if problem:
+            return problem
     if not is_vlm(hf):
         return None
     roll = spec.rollout
@@ -199,6 +208,19 @@ def training_problem(spec: Any, hf: dict[str, Any]) -> str | None:
                        "a distillation teacher (distill.model_path: the teacher's forward takes no images)")):
         if bad:
             return f"model.path: {hf['model_type']} (vision-language) does not run with {what} yet"
+    return None
+
+
+def trainable_tower_problem(hf: dict[str, Any], *, lora_rank: int, recompute: str, key: str) -> str | None:
+    """One line on why `<key>.vision.trainable = true` cannot run with this model, or None."""
+    if not is_vlm(hf):
+        return f"{key}.vision.trainable: model_type {hf.get('model_type')!r} has no vision tower"
+    if lora_rank:
+        return (f"{key}.vision.trainable does not run with {key}.lora (its checkpoints and merges hold the adapters "
+                "only, so the trained tower would be lost)")
+    if recompute == "full" and deepstack_layers(hf):
+        return (f"{key}.vision.trainable does not run with {key}.recompute = 'full' for {hf['model_type']} (the "
+                "recomputed decoder layers would drop the deepstack features' gradients); use 'selective'")
     return None
 
 

@@ -21,6 +21,15 @@ class MoeConfig:
 
 
 @section
+class VisionConfig:
+    """A vision-language model's vision tower (`mrl.models.vlm_gpt`)."""
+
+    trainable: bool = option(False, help="train the vision tower with the language model (gradients averaged over "
+                                         "tensor parallelism, optimizer state, checkpoints and weight sync include "
+                                         "it); false: frozen. Vision-language models only")
+
+
+@section
 class ActorConfig:
     """Policy update. A step's responses are split into mini-batches (one optimizer step each),
     and each rank's share of a mini-batch into token-balanced micro-batches."""
@@ -36,6 +45,7 @@ class ActorConfig:
     lora: LoraConfig = option(factory=LoraConfig, help="LoRA adapters (rank 0 = full fine-tuning); with adapters "
                               "the reference model is the base with adapters off")
     moe: MoeConfig = option(factory=MoeConfig, help="mixture-of-experts options (routing replay)")
+    vision: VisionConfig = option(factory=VisionConfig, help="the vision tower of a vision-language model")
 
 
 def _critic_optim() -> OptimConfig:
