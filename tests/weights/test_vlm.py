@@ -242,6 +242,8 @@ def test_tp2_and_pp2_match_transformers(tmp_path):
     assert [f[:2] for f in found] == [("qwen2_5_vl", "tp2 pp1"), ("qwen2_5_vl", "tp1 pp2"),
                                       ("qwen3_vl", "tp2 pp1"), ("qwen3_vl", "tp1 pp2")], proc.stdout
     assert all(int(t) > 0 and float(d) <= 1e-5 for _, _, t, d in found), proc.stdout
+    # at TP=2 the trainable tower's gradients are equal over the TP group and averaged by megatron
+    assert len(re.findall(r"^VLM \w+ tp2 pp1 .* tower grads \d+ equal over tp, averaged$", proc.stdout, re.M)) == 2
 
 
 def test_validate_refuses_a_vlm_job_train_would_refuse(capsys):
