@@ -59,6 +59,10 @@ def build_engine(spec, hf: dict, device: str, total_optimizer_steps: int):
     load_weights(chunks, spec.model.path, hf, "actor")
     if s.lora.rank:
         chunks = with_adapters(chunks, s.lora, spec, hf, "sft.lora")
+    if s.vision.trainable:   # before DDP: it buckets what requires gradients
+        from mrl.models.vlm_gpt import set_vision_trainable
+
+        set_vision_trainable(chunks, True)
     ddp = wrap_ddp(chunks, distributed_optimizer=spec.parallel.distributed_optimizer)
     optimizer = build_optimizer(ddp, s.optim, distributed_optimizer=spec.parallel.distributed_optimizer, section="sft")
     scheduler = build_scheduler(optimizer, s.optim, s.schedule, total_optimizer_steps)
@@ -81,15 +85,21 @@ def build(spec) -> SFTRun:
                 + (f" x CP {par.context}" if par.context > 1 else "") + f" x DP {ctx.dp}",
                 timed=True)
     hf = hf_config(spec.model)
+    problem = image_problem(spec, hf)
+    if problem:
+        raise UserError(problem)
     tokenizer = load_tokenizer(spec.model)
-    train = load_examples(spec, tokenizer, "train")
+    from mrl.data.images import model_image_processor
+
+    images = model_image_processor(spec.model.path, hf)
+    train = load_examples(spec, tokenizer, "train", images=images)
     s = spec.sft
     if len(train) < s.examples_per_step:
         raise UserError(f"sft.examples_per_step: {s.examples_per_step} is more than the {len(train)} training "
                         f"examples ({train.stats})")
     val = None
     if s.val_every_steps:
-        val = load_examples(spec, tokenizer, "val")
+        val = load_examples(spec, tokenizer, "val", images=images)
     total = steps_planned(spec, len(train))
     STARTUP.say(f"data: {len(train)} training examples" + (f", {len(val)} validation" if val is not None else "")
                 + f", tokenizer of {spec.model.tokenizer or spec.model.path}", timed=True)
@@ -101,6 +111,22 @@ def build(spec) -> SFTRun:
                 + (f" from {lora.adapter_path}" if lora.adapter_path else ""), timed=True)
     return SFTRun(spec=spec, ctx=ctx, hf=hf, tokenizer=tokenizer, engine=engine, train=train, val=val,
                   sampler=sampler, total_steps=total)
+
+
+def image_problem(spec, hf: dict) -> str | None:
+    """One line on why `mrl sft` cannot run this job's vision settings, or None: a trainable tower
+    needs a vision-language model (full parameters, and for deepstack no full recompute), and
+    images do not travel with context parallelism yet."""
+    from mrl.models.vlm import is_vlm, trainable_tower_problem
+
+    s = spec.sft
+    if s.vision.trainable:
+        problem = trainable_tower_problem(hf, lora_rank=s.lora.rank, recompute=s.recompute, key="sft")
+        if problem:
+            return problem
+    if is_vlm(hf) and spec.parallel.context > 1:
+        return f"model.path: {hf['model_type']} (vision-language) does not run with parallel.context > 1 yet"
+    return None
 
 
 def _pad_id(tokenizer) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
+from mrl.models.config import VisionConfig
 from mrl.models.lora import LoraConfig
 from mrl.optim.config import OptimConfig, ScheduleConfig
 from mrl.schema.section import option, section
@@ -18,15 +19,6 @@ class MoeConfig:
     routing_replay: Literal["off", "r2", "r3"] = option(
         "off", help="replay MoE routes in the trainer: 'r2' the experts of the trainer's own old-log-prob pass in "
                     "the update passes; 'r3' the experts the rollout engine chose, in every actor pass (hf engine)")
-
-
-@section
-class VisionConfig:
-    """A vision-language model's vision tower (`mrl.models.vlm_gpt`)."""
-
-    trainable: bool = option(False, help="train the vision tower with the language model (gradients averaged over "
-                                         "tensor parallelism, optimizer state, checkpoints and weight sync include "
-                                         "it); false: frozen. Vision-language models only")
 
 
 @section
