@@ -216,11 +216,25 @@ def trainable_tower_problem(hf: dict[str, Any], *, lora_rank: int, recompute: st
     if not is_vlm(hf):
         return f"{key}.vision.trainable: model_type {hf.get('model_type')!r} has no vision tower"
     if lora_rank:
-        return (f"{key}.vision.trainable does not run with {key}.lora (its checkpoints and merges hold the adapters "
+        return (f"{key}.vision.trainable: does not run with {key}.lora (its checkpoints and merges hold the adapters "
                 "only, so the trained tower would be lost)")
     if recompute == "full" and deepstack_layers(hf):
-        return (f"{key}.vision.trainable does not run with {key}.recompute = 'full' for {hf['model_type']} (the "
+        return (f"{key}.vision.trainable: does not run with {key}.recompute = 'full' for {hf['model_type']} (the "
                 "recomputed decoder layers would drop the deepstack features' gradients); use 'selective'")
+    return None
+
+
+def sft_problem(spec: Any, hf: dict[str, Any]) -> str | None:
+    """One line on why `mrl sft` cannot run this job's vision settings, or None: a trainable tower
+    needs a vision-language model (full parameters, and for deepstack no full recompute), and
+    images do not travel with context parallelism yet."""
+    s = spec.sft
+    if s.vision.trainable:
+        problem = trainable_tower_problem(hf, lora_rank=s.lora.rank, recompute=s.recompute, key="sft")
+        if problem:
+            return problem
+    if is_vlm(hf) and spec.parallel.context > 1:
+        return f"model.path: {hf['model_type']} (vision-language) does not run with parallel.context > 1 yet"
     return None
 
 

@@ -85,7 +85,9 @@ def build(spec) -> SFTRun:
                 + (f" x CP {par.context}" if par.context > 1 else "") + f" x DP {ctx.dp}",
                 timed=True)
     hf = hf_config(spec.model)
-    problem = image_problem(spec, hf)
+    from mrl.models.vlm import sft_problem
+
+    problem = sft_problem(spec, hf)
     if problem:
         raise UserError(problem)
     tokenizer = load_tokenizer(spec.model)
@@ -111,22 +113,6 @@ def build(spec) -> SFTRun:
                 + (f" from {lora.adapter_path}" if lora.adapter_path else ""), timed=True)
     return SFTRun(spec=spec, ctx=ctx, hf=hf, tokenizer=tokenizer, engine=engine, train=train, val=val,
                   sampler=sampler, total_steps=total)
-
-
-def image_problem(spec, hf: dict) -> str | None:
-    """One line on why `mrl sft` cannot run this job's vision settings, or None: a trainable tower
-    needs a vision-language model (full parameters, and for deepstack no full recompute), and
-    images do not travel with context parallelism yet."""
-    from mrl.models.vlm import is_vlm, trainable_tower_problem
-
-    s = spec.sft
-    if s.vision.trainable:
-        problem = trainable_tower_problem(hf, lora_rank=s.lora.rank, recompute=s.recompute, key="sft")
-        if problem:
-            return problem
-    if is_vlm(hf) and spec.parallel.context > 1:
-        return f"model.path: {hf['model_type']} (vision-language) does not run with parallel.context > 1 yet"
-    return None
 
 
 def _pad_id(tokenizer) -> int:

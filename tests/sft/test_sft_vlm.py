@@ -110,13 +110,13 @@ def test_bad_image_rows_are_one_line_counted_and_never_cut(vl, tmp_path, caplog)
         load_examples(spec, tok, images=proc)
 
 
-def test_sft_vision_refusals():
+def test_sft_vision_refusals(capsys):
     from types import SimpleNamespace
 
     from mrl.models.config import ModelConfig, VisionConfig
     from mrl.models.lora import LoraConfig
     from mrl.models.megatron import hf_config
-    from mrl.sft.loop import image_problem
+    from mrl.models.vlm import sft_problem as image_problem
 
     def spec(trainable=True, context=1, rank=0):
         return SimpleNamespace(sft=SimpleNamespace(vision=VisionConfig(trainable=trainable), lora=LoraConfig(rank=rank),
@@ -129,6 +129,12 @@ def test_sft_vision_refusals():
         "sft.vision.trainable: model_type 'qwen2' has no vision tower"
     assert "with sft.lora" in image_problem(spec(rank=8), q3)
     assert "parallel.context > 1" in image_problem(spec(trainable=False, context=2), q3)
+    # mrl validate says the same, under the key
+    from mrl.cli import main
+
+    capsys.readouterr()
+    assert main(["validate", str(JOB), "model.path=builtin:tiny-qwen2"]) == 2
+    assert "sft.vision.trainable: model_type 'qwen2' has no vision tower" in capsys.readouterr().err
 
 
 @pytest.mark.slow

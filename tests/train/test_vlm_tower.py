@@ -133,8 +133,7 @@ def test_tower_trains_when_trainable_only_and_resumes_exactly(platform, checkpoi
           f"max tower change {max((p - before[n]).abs().max().item() for n, p in model.vision.named_parameters()):.3e}")
 
 
-def test_trainable_tower_refusals():
-    from mrl.config.job import JobSpec  # noqa: F401 - the section types come with the spec
+def test_trainable_tower_refusals(capsys):
     from mrl.models.config import ModelConfig
     from mrl.models.megatron import hf_config
     from mrl.models.vlm import trainable_tower_problem
@@ -147,3 +146,10 @@ def test_trainable_tower_refusals():
     assert "with actor.lora" in trainable_tower_problem(q25, lora_rank=8, recompute="none", key="actor")
     assert trainable_tower_problem(hf_config(ModelConfig(path="builtin:tiny-qwen2")), lora_rank=0, recompute="none",
                                    key="actor") == "actor.vision.trainable: model_type 'qwen2' has no vision tower"
+    # mrl validate reports it under the key, as mrl train refuses it
+    from mrl.cli import main
+
+    capsys.readouterr()
+    assert main(["validate", "jobs/quickstart_cpu.toml", "actor.vision.trainable=true"]) == 2
+    assert "actor.vision.trainable: model_type 'qwen2' has no vision tower" in capsys.readouterr().err
+    assert main(["validate", "jobs/quickstart_vlm_cpu.toml", "actor.vision.trainable=true"]) == 0
