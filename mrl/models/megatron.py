@@ -150,11 +150,11 @@ def hf_inv_freq(hf: dict[str, Any]) -> torch.Tensor:
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UserError(f"model.path: RoPE type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    cfg = AutoConfig.for_model(**hf)
     if rope_type == "default":
         base = float(params["rope_theta"])
         dim = int((hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) * rotary_fraction(hf))
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    cfg = AutoConfig.for_model(**hf)   # (not for the default type: a flat VLM config would warn about its mRoPE keys)
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
     if attention_factor != 1.0:
         raise UserError(f"model.path: RoPE type {rope_type!r} with attention factor {attention_factor} is not supported")
