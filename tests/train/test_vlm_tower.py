@@ -153,3 +153,34 @@ def test_trainable_tower_refusals(capsys):
     assert main(["validate", "jobs/quickstart_cpu.toml", "actor.vision.trainable=true"]) == 2
     assert "actor.vision.trainable: model_type 'qwen2' has no vision tower" in capsys.readouterr().err
     assert main(["validate", "jobs/quickstart_vlm_cpu.toml", "actor.vision.trainable=true"]) == 0
+
+
+def test_full_recompute_keeps_deepstack_gradients_of_a_frozen_tower(platform, checkpoint):
+    """With the tower frozen the deepstack features are constants, so full recomputation (whose
+    recomputed layers run without them) gives the language model the gradients of no recomputation
+    (why only the trainable tower is refused with it)."""
+    from mrl.engine.packing import _thd_params
+    from mrl.models.megatron import complete_hf_config
+    from mrl.models.roles import build_role_model
+    from mrl.optim.build import wrap_ddp
+    from mrl.platform.config import ParallelConfig
+    from mrl.weights import load_hf_checkpoint
+    from tests.weights.test_vlm import save_checkpoint
+
+    d = save_checkpoint(checkpoint / "ref", "tiny-qwen3-vl") if not (checkpoint / "ref").exists() else checkpoint / "ref"
+    ref = torch.load(d / "reference.pt")
+    grads = {}
+    for recompute in ("none", "full"):
+        hf = complete_hf_config(json.loads((d / "config.json").read_text()))
+        model = build_role_model("actor", hf, ParallelConfig(), dtype="float32", device="cpu", recompute=recompute)
+        load_hf_checkpoint([model], d, hf)
+        ddp = wrap_ddp([model], distributed_optimizer=False)
+        ddp[0].zero_grad_buffer()
+        out = ddp[0](ref["row"], ref["position_ids"], None, packed_seq_params=_thd_params(ref["lengths"], "cpu"),
+                     pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"])
+        (out[..., :200].float() ** 2).mean().backward()
+        grads[recompute] = {n: p.main_grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert grads["none"].keys() == grads["full"].keys()
+    for n, g in grads["none"].items():
+        assert torch.allclose(grads["full"][n], g, atol=1e-6, rtol=1e-5), n
+    assert grads["none"]["decoder.layers.0.self_attention.linear_qkv.weight"].abs().sum() > 0
