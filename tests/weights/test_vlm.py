@@ -232,7 +232,8 @@ def test_deepstack_layers_off_the_first_stage_are_refused(platform):
 
 @pytest.mark.slow
 def test_tp2_and_pp2_match_transformers(tmp_path):
-    """Both models, TP=2 then PP=2, in one launch: bit-exact round trip, logits within 1e-5."""
+    """Both models, TP=2 then PP=2, in one launch: bit-exact round trip, logits within 1e-5; the
+    trainable tower's gradients (TP-averaged at TP=2, through the pipeline at PP=2)."""
     dirs = [save_checkpoint(tmp_path / p, p) for p in PRESETS]
     proc = run_torchrun(REPO / "tests/weights/scripts/vlm_layouts.py", *[a for d in dirs for a in ("--dir", str(d))],
                         timeout=600)
@@ -244,6 +245,8 @@ def test_tp2_and_pp2_match_transformers(tmp_path):
     assert all(int(t) > 0 and float(d) <= 1e-5 for _, _, t, d in found), proc.stdout
     # at TP=2 the trainable tower's gradients are equal over the TP group and averaged by megatron
     assert len(re.findall(r"^VLM \w+ tp2 pp1 .* tower grads \d+ equal over tp, averaged$", proc.stdout, re.M)) == 2
+    # at PP=2 it trains through the pipeline schedule (the tower and deepstack on the first stage)
+    assert len(re.findall(r"^VLM \w+ tp1 pp2 .* tower grads [1-9]\d* through the pipeline$", proc.stdout, re.M)) == 2
 
 
 def test_validate_refuses_a_vlm_job_train_would_refuse(capsys):

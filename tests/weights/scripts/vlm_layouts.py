@@ -72,7 +72,7 @@ def check(d: Path, tp: int, pp: int) -> None:
         assert (full[:, ~keep] == -1e9).all()
         diff = (full[:, keep].double() - ref["logits"][:, keep].double()).abs().max()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-    grads = tower_grads_over_tp(chunks, ref, hf) if tp > 1 else ""
+    grads = tower_grads_over_tp(chunks, ref, hf) if tp > 1 else tower_grads_over_pp(chunks, ref)
     if dist.get_rank() == 0:
         print(f"VLM {hf['model_type']} tp{tp} pp{pp} roundtrip ok {len(expected)} tensors ({tower} tower) logits {diff.item():.3e}{grads}",
               flush=True)
@@ -108,6 +108,38 @@ def tower_grads_over_tp(chunks, ref: dict, hf: dict) -> str:
     assert torch.allclose(probe.main_grad, before + 1.0, atol=1e-6), f"{name}: not averaged over TP"
     set_vision_trainable(chunks, False)
     return f" tower grads {len(params)} equal over tp, averaged"
+
+
+def tower_grads_over_pp(chunks, ref: dict) -> str:
+    """At PP=2, tower trainable: one forward/backward through megatron's pipeline schedule reaches
+    every tower tensor on the first stage (Qwen3-VL's deepstack layers there too)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from mrl.engine.packing import _thd_params
+    from mrl.models.vlm_gpt import set_vision_trainable
+    from mrl.optim.build import wrap_ddp
+
+    set_vision_trainable(chunks, True)
+    ddp = wrap_ddp(chunks, distributed_optimizer=False)
+    ddp[0].zero_grad_buffer()
+    row, pos, lens = ref["row"], ref["position_ids"], ref["lengths"]
+
+    def step(data_iterator, model):
+        out = model(row, pos, None, packed_seq_params=_thd_params(lens, "cpu"), pixel_values=ref["pixel_values"],
+                    image_grid_thw=ref["image_grid_thw"])
+        return out, lambda output: ((output[..., :200].float() ** 2).mean(), {})
+
+    get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=ddp, num_microbatches=1,
+                                seq_length=row.shape[1], micro_batch_size=1, forward_only=False)
+    n = torch.zeros((), dtype=torch.long)
+    if ps.is_pipeline_first_stage():
+        params = list(chunks[0].vision.parameters())
+        assert all(p.main_grad.abs().sum() > 0 for p in params), "a tower tensor got no gradient at PP=2"
+        n += len(params)
+    dist.all_reduce(n)
+    set_vision_trainable(chunks, False)
+    return f" tower grads {int(n)} through the pipeline"
 
 
 def main() -> None:
