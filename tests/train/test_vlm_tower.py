@@ -114,10 +114,17 @@ def test_tower_trains_when_trainable_only_and_resumes_exactly(platform, checkpoi
     assert moved == set(before), sorted(set(before) - moved)
     assert any(n.startswith("deepstack_merger_list.1.") for n in moved)
     assert torch.isfinite(torch.tensor(m1["grad_norm"])) and m1["updated"] == 1.0
-    # the weight stream the rollout engine loads carries the trained tower under its checkpoint names
+    # the weight stream carries the trained tower under its checkpoint names, and the hf rollout
+    # engine loads it (a full sync: every engine parameter filled) into its own tower
+    from mrl.rollout.hf import HFEngine
+
     stream = dict(Exporter([model], hf).stream())
     for n, p in model.vision.named_parameters():
         assert torch.equal(stream[f"model.visual.{n}"], p.detach())
+    engine = HFEngine.from_config(hf, dtype=dtype)
+    assert engine.update_weights(iter(stream.items())) == len(stream)
+    for n, p in engine.model.model.visual.named_parameters():
+        assert torch.equal(p, stream[f"model.visual.{n}"]), n
 
     # exact resume: step 2 after a save/load into a fresh engine equals step 2 in one go
     state.save(tmp_path / "ck", 1, chunks=eng.chunks, optimizer=eng.optimizer, scheduler=eng.scheduler)
