@@ -1,4 +1,4 @@
-"""`mrl data`: verl-format parquet from a local dataset or a reasoning-gym task."""
+"""`mrl data`: verl-format parquet from a local dataset (gsm8k, math, geo3k) or a reasoning-gym task."""
 from __future__ import annotations
 
 from mrl.cli.common import count
@@ -47,7 +47,8 @@ def add(sub) -> None:
                                     "extra_info) from a local dataset or a reasoning-gym task")
     data = p.add_subparsers(dest="kind", required=True)
     for kind, what in (("gsm8k", "GSM8K-shaped (question, answer with '#### n')"),
-                       ("math", "MATH-shaped (problem, solution with a boxed answer)")):
+                       ("math", "MATH-shaped (problem, solution with a boxed answer)"),
+                       ("geo3k", "geometry3k (problem with <image> marks, answer, images) for vision-language models")):
         q = data.add_parser(kind, help=f"{what}: a local Hugging Face dataset directory or a parquet/jsonl/arrow file")
         q.add_argument("source", metavar="SRC", help="dataset directory (save_to_disk or hub layout) or data file")
         q.add_argument("out", metavar="OUT", help="output directory: one <split>.parquet per split")
@@ -72,6 +73,6 @@ def add(sub) -> None:
 
 
 EXAMPLES: dict[str, tuple[str, ...]] = {   # under each command's --help
-    "data": ("mrl data gsm8k ~/datasets/gsm8k data/gsm8k",
+    "data": ("mrl data gsm8k ~/datasets/gsm8k data/gsm8k", "mrl data geo3k ~/datasets/geometry3k data/geo3k",
              "mrl data gym chain_sum data/chain_sum --train-size 2000 --option min_terms=2"),
 }

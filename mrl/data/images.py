@@ -35,6 +35,9 @@ class ImageInputs:
     image_grid_thw: Any      # torch.Tensor [images, 3]: the patch grid of each image
     tokens_per_image: tuple[int, ...]
     prompt_positions: Any = None   # torch.Tensor [3, prompt tokens]: the model's mRoPE ids of the prompt
+    #: the RGB `PIL.Image`s the processor was given, already at the size it keeps (its resize is then
+    #: the identity): what vLLM's own processor gets (`mrl.rollout.vision`), so it computes the same grids
+    images: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -155,11 +158,34 @@ class ImageProcessor:
         marks = placeholder_count(prompt)
         if marks != len(cells):
             raise BadImage(f"{marks} {PLACEHOLDER} mark(s) for {len(cells)} image(s)")
-        images = [decode_image(c, base_dir) for c in cells]
+        images = [self.resized(decode_image(c, base_dir)) for c in cells]
         out = self.processor(images=images, return_tensors="pt")
         grid = out["image_grid_thw"]
         per = tuple(int(n) for n in (grid.prod(-1) // self.tokens.merge_size ** 2).tolist())
-        return ImageInputs(pixel_values=out["pixel_values"], image_grid_thw=grid, tokens_per_image=per)
+        return ImageInputs(pixel_values=out["pixel_values"], image_grid_thw=grid, tokens_per_image=per,
+                           images=tuple(images))
+
+    def resized(self, image):
+        """`image` at the size the processor resizes it to (Qwen-VL's `smart_resize`: sides that are
+        multiples of patch x merge, the pixel count within the processor's budget), with the
+        processor's own resampling. The processor's resize of the result is the identity, so the
+        kept image is exactly what the processor turned into `pixel_values` (and what a rollout
+        engine with its own processor, vLLM, gets)."""
+        from PIL import Image
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        p = self.processor
+        size = dict(getattr(p, "size", None) or {})
+        if not getattr(p, "do_resize", True) or "shortest_edge" not in size or "longest_edge" not in size:
+            return image
+        try:
+            h, w = smart_resize(image.height, image.width, factor=int(p.patch_size) * int(p.merge_size),
+                                min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
+        except ValueError as e:   # an aspect ratio over 200
+            raise BadImage(str(e)) from None
+        if (w, h) == image.size:
+            return image
+        return image.resize((w, h), resample=Image.Resampling(int(getattr(p, "resample", Image.Resampling.BICUBIC))))
 
     def expand(self, text: str, images: ImageInputs) -> str:
         """`text` with its k-th `<image>` mark as image k's vision tokens (start, pads, end)."""

@@ -5,13 +5,18 @@ Every row written has verl's columns, which `mrl train` reads as they are (`data
 defaults to `reward_model.ground_truth` on such files, and `reward.builtin = "auto"` routes by
 `data_source` to verl's scorers):
 
-| column | gsm8k | math | gym |
-| --- | --- | --- | --- |
-| `data_source` | `openai/gsm8k` | `DigitalLearningGmbH/MATH-lighteval` | `reasoning_gym/<task>` |
-| `prompt` | question + verl's "####" instruction, one user message | problem + verl's `\\boxed{}` instruction | reasoning-gym's default system prompt, then the question |
-| `ability` | `math` | `math` | `reasoning` |
-| `reward_model` | `{style: rule, ground_truth: the number after "#### "}` | `{style: rule, ground_truth: the last boxed answer}` | `{style: rule, ground_truth: the task's answer}` |
-| `extra_info` | `{split, index, answer, question}` | `{split, index}` | `{split, index, reasoning_gym: JSON of {task, entry}}` |
+| column | gsm8k | math | geo3k | gym |
+| --- | --- | --- | --- | --- |
+| `data_source` | `openai/gsm8k` | `DigitalLearningGmbH/MATH-lighteval` | `hiyouga/geometry3k` | `reasoning_gym/<task>` |
+| `prompt` | question + verl's "####" instruction, one user message | problem + verl's `\\boxed{}` instruction | problem (with its `<image>` mark) + verl's think/boxed instruction | reasoning-gym's default system prompt, then the question |
+| `images` | - | - | the row's images, as the source holds them (`{bytes, path}`) | - |
+| `ability` | `math` | `math` | `math` | `reasoning` |
+| `reward_model` | `{style: rule, ground_truth: the number after "#### "}` | `{style: rule, ground_truth: the last boxed answer}` | `{style: rule, ground_truth: the answer}` | `{style: rule, ground_truth: the task's answer}` |
+| `extra_info` | `{split, index, answer, question}` | `{split, index}` | `{split, index, answer, question}` | `{split, index, reasoning_gym: JSON of {task, entry}}` |
+
+geo3k is verl's `examples/data_preprocess/geo3k.py` (geometry3k: `problem`, `answer`, `images`);
+a row whose `<image>` marks do not pair up with its images is an error naming the row, since
+training would drop it (`mrl.data.images`).
 
 Inputs are read without the `datasets` package: a `.parquet`, `.jsonl`/`.json` or `.arrow` file,
 or a directory holding such files in the layouts Hugging Face uses (`save_to_disk`'s
@@ -35,8 +40,12 @@ from mrl.errors import UserError
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+GEO3K_INSTRUCTION = ("You FIRST think about the reasoning process as an internal monologue and then provide the final "
+                     "answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final answer "
+                     "MUST BE put in \\boxed{}.")
 GSM8K_SOURCE = "openai/gsm8k"
 MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"  # verl's mirror of lighteval/MATH
+GEO3K_SOURCE = "hiyouga/geometry3k"   # what verl's geo3k scorer (`reward.builtin = "auto"`) routes on
 DATA_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json")
 _GSM8K_SOLUTION = re.compile(r"#### (\-?[0-9\.\,]+)")
 
@@ -104,6 +113,7 @@ class Shape:
     instruction: str
     ground_truth: Callable[[str], str | None]  # the answer from the solution text; None when it has none
     keep_raw: bool  # extra_info gets the raw question and answer (verl's gsm8k script does)
+    check: Callable[[dict], str | None] | None = None  # why a record cannot be used (None: it can)
 
 
 def gsm8k_ground_truth(solution: str) -> str | None:
@@ -123,9 +133,23 @@ def math_ground_truth(solution: str) -> str | None:
         return None
 
 
+def geo3k_images(record: dict) -> str | None:
+    """Why a geometry3k record's images cannot be used: no `images` column, or `<image>` marks in
+    the problem that do not pair up with its images (None: they pair up)."""
+    from mrl.data.images import IMAGE_COLUMN, PLACEHOLDER, image_cells
+
+    if IMAGE_COLUMN not in record:
+        return f"no column {IMAGE_COLUMN!r}"
+    marks, images = str(record["problem"]).count(PLACEHOLDER), len(image_cells(record[IMAGE_COLUMN]))
+    return None if marks == images else f"{marks} {PLACEHOLDER} mark(s) in 'problem' for {images} image(s)"
+
+
 SHAPES = {
     "gsm8k": Shape("question", "answer", GSM8K_SOURCE, GSM8K_INSTRUCTION, gsm8k_ground_truth, keep_raw=True),
     "math": Shape("problem", "solution", MATH_SOURCE, MATH_INSTRUCTION, math_ground_truth, keep_raw=False),
+    # geometry3k's answer is the ground truth as it stands; its images column is kept as the source holds it
+    "geo3k": Shape("problem", "answer", GEO3K_SOURCE, GEO3K_INSTRUCTION, lambda a: a.strip() or None, keep_raw=True,
+                   check=geo3k_images),
 }
 
 
@@ -137,6 +161,9 @@ def shaped_rows(records: list[dict], shape: Shape, split: str, where: str, data_
         missing = [c for c in (shape.question, shape.answer) if c not in rec]
         if missing:
             raise UserError(f"{where} row {i}: no column {', '.join(map(repr, missing))}; columns: {', '.join(rec)}")
+        problem = shape.check(rec) if shape.check is not None else None
+        if problem is not None:
+            raise UserError(f"{where} row {i}: {problem}")
         question, solution = rec[shape.question], rec[shape.answer]
         truth = shape.ground_truth(str(solution))
         if truth is None:

@@ -15,8 +15,9 @@ Backends (`model.attention`):
   only, when `transformer_engine` imports.
 - `varlen`: torch's flash attention for packed sequences (`torch.nn.attention.varlen`); CUDA only.
   torch releases without its `enable_gqa` argument get K/V heads repeated per query group.
-- `sdpa`: `scaled_dot_product_attention` per sequence with `is_causal` (torch's flash kernel on
-  CPU: O(L) memory per sequence of length L). The CPU default.
+- `sdpa`: causal attention per sequence, torch's CPU flash kernel computed in float32 and rounded
+  once (`mrl.models.flash_cpu`: O(L) memory per sequence of length L; the kernel context
+  parallelism runs, so bf16 rounds alike at every CP size). The CPU default.
 - `flex`: `flex_attention` over the packed row with a document-causal block mask (compiled on
   first use; block-sparse, so also linear in the row). CUDA only: torch's flex attention has no
   backward on CPU.
@@ -98,14 +99,23 @@ def resolve_backend(requested: str, device: str, context: int = 1) -> str:
 def sdpa_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                 scale: float) -> torch.Tensor:
     """Causal attention of each packed sequence on its own: q `[T, Hq, D]`, k/v `[T, Hkv, D]`
-    -> `[T, Hq, D]`. `split`/`cat` cut and join the row (their backward is one copy each; slicing
-    or index-put would cost a full-row buffer per sequence in the backward)."""
+    -> `[T, Hq, D]`. torch's CPU flash kernel in float32, rounded once (`mrl.models.flash_cpu`:
+    the kernel context parallelism runs, so bf16 rounds alike at every CP size); torch's SDPA
+    where value heads differ in size from query/key heads (multi-latent attention), or off CPU.
+    `split`/`cat` cut and join the row (their backward is one copy each; slicing or index-put
+    would cost a full-row buffer per sequence in the backward)."""
+    from mrl.models.flash_cpu import block_causal
+
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    flash = q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
     gqa = q.shape[1] != k.shape[1]
     outs = []
     for qs, ks, vs in zip(*(torch.split(x, lengths) for x in (q, k, v))):
         if qs.shape[0] == 0:
             outs.append(qs)
+            continue
+        if flash:
+            outs.append(block_causal(qs, ks, vs, scale))
             continue
         o = torch.nn.functional.scaled_dot_product_attention(
             qs.transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),

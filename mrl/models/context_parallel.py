@@ -22,13 +22,21 @@ Transformer Engine.
 Kernels (no `[T, T]` or `[C, L]` score matrix is built):
 
 - CPU (`sdpa`): the query chunk j against the keys of the earlier chunks (no mask) and against
-  its own chunk (causal) are two calls of torch's CPU flash kernel, merged by their
-  log-sum-exps; the backward calls the flash backward of each block with the merged output and
-  log-sum-exp (exactly ring attention's backward, `_BlockCausal`). A KV group's query heads ride
-  the batch dimension against K/V expanded without a copy (`_grouped`).
+  its own chunk (causal) are two calls of torch's CPU flash kernel in float32, merged by their
+  log-sum-exps and rounded once (`mrl.models.flash_cpu`, the kernel CP1's `sdpa` runs too); the
+  backward calls the flash backward of each block with the merged output and log-sum-exp
+  (ring attention's backward). K/V are gathered in their own dtype and upcast, so their
+  gradients from every chunk and CP rank are summed in float32 and rounded once: bf16 CP2
+  then rounds as bf16 CP1 does (up to float32 order: one ulp in 0.02% of the outputs).
 - CUDA (`varlen`): torch's packed flash attention with each query chunk as its own "sequence"
   and the prefix of its keys as the matching key "sequence" (flash's causal mask with fewer
-  queries than keys is bottom-right aligned, which is exactly this). Untested without a GPU.
+  queries than keys is bottom-right aligned, which is exactly this). The key prefixes are cut
+  from the float32 rows and cast for the kernel, so K/V gradients sum over chunks and ranks in
+  float32 here too (the backward's reduce-scatter moves float32: twice the bytes of the K/V; the
+  cut prefixes are float32 until the cast), but each chunk's dK/dV leave the bf16-only flash
+  kernel rounded, a rounding one whole-sequence call does not have (the GPU tier bounds their
+  error at 1.5x CP1's; output and dq round as CP1's). The bookkeeping is tested on CPU with a stand-in kernel
+  (tests/engine/test_context_parallel.py), the kernel itself in the GPU tier (tests/gpu).
 
 Per-token outputs (log-probs, entropy, values) are computed on the rank's own tokens and
 all-gathered over the CP group (`gather_tokens`) so every CP rank holds the whole micro-batch's
@@ -40,6 +48,7 @@ undo megatron's gradient average over the data x context group.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Optional, Sequence
 
 import torch
@@ -133,12 +142,14 @@ def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
 
 class _GatherRows(torch.autograd.Function):
     """All-gather along dim 0 whose backward sums the gradient over the group (every rank's
-    output reads every rank's input: K and V in attention)."""
+    output reads every rank's input: K and V in attention). `dtype`: the output's (the gather
+    moves `x`'s own bytes); the gradient is summed in it and rounded to `x`'s dtype once."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, group)
+    def forward(ctx, x, group, dtype=None):
+        ctx.group, ctx.dtype = group, x.dtype
+        out = _all_gather(x, group)
+        return out if dtype is None else out.to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -148,9 +159,9 @@ class _GatherRows(torch.autograd.Function):
         if torch.distributed.get_backend(ctx.group) == "nccl":
             out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
             torch.distributed.reduce_scatter_tensor(out, grad, group=ctx.group)
-            return out, None
+            return out.to(ctx.dtype), None, None
         torch.distributed.all_reduce(grad, group=ctx.group)   # gloo has no reduce-scatter of tensors
-        return grad.chunk(size)[rank].contiguous(), None
+        return grad.chunk(size)[rank].to(ctx.dtype).contiguous(), None, None
 
 
 class _GatherTokens(_GatherRows):
@@ -160,12 +171,13 @@ class _GatherTokens(_GatherRows):
     @staticmethod
     def backward(ctx, grad):
         size = torch.distributed.get_world_size(ctx.group)
-        return grad.chunk(size)[torch.distributed.get_rank(ctx.group)].contiguous(), None
+        return grad.chunk(size)[torch.distributed.get_rank(ctx.group)].to(ctx.dtype).contiguous(), None, None
 
 
-def gather_rows(x: torch.Tensor, cp: CPLayout) -> torch.Tensor:
-    """The whole row `[T, ...]` of a per-token tensor `x` `[T / size, ...]` (K or V), in row order."""
-    return _GatherRows.apply(x, cp.group).index_select(0, cp.inverse)
+def gather_rows(x: torch.Tensor, cp: CPLayout, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The whole row `[T, ...]` of a per-token tensor `x` `[T / size, ...]` (K or V), in row order;
+    in `dtype` if given (its gradient is then summed over chunks and ranks in `dtype`)."""
+    return _GatherRows.apply(x, cp.group, dtype).index_select(0, cp.inverse)
 
 
 def gather_tokens(x: torch.Tensor, counts: Sequence[int], order: torch.Tensor, group) -> torch.Tensor:
@@ -176,7 +188,7 @@ def gather_tokens(x: torch.Tensor, counts: Sequence[int], order: torch.Tensor, g
     if most == 0:   # no response token on any rank (every rank knows the same counts)
         return x[:0]
     pad = x.new_zeros((most - x.shape[0], *x.shape[1:]))
-    gathered = _GatherTokens.apply(torch.cat([x, pad]), group)
+    gathered = _GatherTokens.apply(torch.cat([x, pad]), group, None)
     return gathered.index_select(0, order)
 
 
@@ -193,43 +205,6 @@ def token_order(counts: Sequence[int], ranks_index: Sequence[torch.Tensor], tota
 
 # --------------------------------------------------------------------------------- attention
 
-def _flash_cpu(q, k, v, causal: bool, scale: float):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-
-
-class _BlockCausal(torch.autograd.Function):
-    """Query chunk `q` `[B, H, C, D]` attending to keys `k`/`v` `[B, H, P + C, D]`: the first P
-    without a mask, the last C causally (bottom-right), as two flash blocks merged by
-    log-sum-exp. Backward: each block's flash backward with the merged output and log-sum-exp."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale):
-        c = q.shape[2]
-        prefix = k.shape[2] - c
-        out, lse = _flash_cpu(q, k[:, :, prefix:], v[:, :, prefix:], True, scale)
-        if prefix > 0:
-            o0, lse0 = _flash_cpu(q, k[:, :, :prefix], v[:, :, :prefix], False, scale)
-            merged = torch.logaddexp(lse, lse0)
-            out = (out.float() * torch.exp(lse - merged).unsqueeze(-1)
-                   + o0.float() * torch.exp(lse0 - merged).unsqueeze(-1)).to(q.dtype)
-            lse = merged
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.prefix = scale, prefix
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
-        p, scale = ctx.prefix, ctx.scale
-        grad = grad.contiguous()
-        bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        dq, dk1, dv1 = bwd(grad, q, k[:, :, p:], v[:, :, p:], out, lse, 0.0, True, scale=scale)
-        if p == 0:
-            return dq, dk1, dv1, None
-        dq0, dk0, dv0 = bwd(grad, q, k[:, :, :p], v[:, :, :p], out, lse, 0.0, False, scale=scale)
-        return dq + dq0, torch.cat([dk0, dk1], 2), torch.cat([dv0, dv1], 2), None
-
-
 def _heads(x: torch.Tensor, rep: int) -> torch.Tensor:
     """`[L, H, D]` -> `[1, H * rep, L, D]` (K/V heads repeated per query group)."""
     if rep > 1:
@@ -237,21 +212,9 @@ def _heads(x: torch.Tensor, rep: int) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
-def _grouped(q: torch.Tensor, rep: int) -> torch.Tensor:
-    """Query chunk `[C, Hkv * rep, D]` -> `[rep, Hkv, C, D]`: the query heads of a KV group (megatron's
-    GQA order: head h reads KV head h // rep) go to the batch dimension, so K/V need no copy per
-    group (`expand`, stride 0) and autograd saves no repeated K/V."""
-    c, h, d = q.shape
-    return q.view(c, h // rep, rep, d).permute(2, 1, 0, 3)
-
-
-def _ungrouped(o: torch.Tensor) -> torch.Tensor:
-    rep, hkv, c, d = o.shape
-    return o.permute(2, 1, 0, 3).reshape(c, hkv * rep, d)
-
-
 def _sdpa_cp(q, k_row, v_row, cp: CPLayout, scale: float) -> torch.Tensor:
-    rep = q.shape[1] // k_row.shape[1]
+    from mrl.models.flash_cpu import block_causal
+
     outs = []
     q_parts = torch.split(q, [2 * (n // (2 * cp.size)) for n in cp.lengths])
     for qs, ks, vs, n in zip(q_parts, torch.split(k_row, cp.lengths), torch.split(v_row, cp.lengths), cp.lengths):
@@ -260,8 +223,7 @@ def _sdpa_cp(q, k_row, v_row, cp: CPLayout, scale: float) -> torch.Tensor:
             continue
         for half, j in zip(torch.split(qs, c), (cp.rank, 2 * cp.size - 1 - cp.rank)):
             end = (j + 1) * c
-            kv = [x[:end].transpose(0, 1).unsqueeze(0).expand(rep, -1, -1, -1) for x in (ks, vs)]
-            outs.append(_ungrouped(_BlockCausal.apply(_grouped(half, rep), *kv, scale)))
+            outs.append(block_causal(half, ks[:end], vs[:end], scale))
     if not outs:
         return q
     return torch.cat(outs)
@@ -285,11 +247,18 @@ def _varlen_cp(q, k_row, v_row, cp: CPLayout, scale: float) -> torch.Tensor:
         cu = lambda ls: torch.tensor([0] + ls, dtype=torch.int32).cumsum(0).to(torch.int32).to(q.device)
         cp._cache[key] = (cu(q_len), cu(k_len), torch.cat(k_idx).to(q.device), max(q_len), max(k_len))
     cu_q, cu_k, k_idx, max_q, max_k = cp._cache[key]
+    # cut from the rows in their dtype (float32 from `attention`) and cast for the kernel: a key's
+    # gradients from its query chunks are summed in float32 (those of a KV group's query heads
+    # inside the kernel with `enable_gqa`, else in float32 by `repeat_interleave`'s backward)
     k, v = k_row.index_select(0, k_idx), v_row.index_select(0, k_idx)
+    kwargs = dict(scale=scale, window_size=(-1, 0))
     if q.shape[1] != k.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
+        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+            kwargs["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return varlen_attn(q, k.to(q.dtype), v.to(q.dtype), cu_q, cu_k, max_q, max_k, **kwargs)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPLayout, scale: float,
@@ -297,7 +266,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPLayout, s
     """Causal attention of this CP rank's queries `[T / N, Hq, D]` over the whole sequences:
     K/V `[T / N, Hkv, D]` are all-gathered over the CP group, then each local query chunk
     attends to its sequence's keys up to the end of the chunk. Returns `[T / N, Hq, D]`."""
-    k_row, v_row = gather_rows(k, cp), gather_rows(v, cp)
+    # K/V travel in their dtype and are upcast: the K/V gradients of every query chunk and CP rank
+    # are summed in float32 and rounded once, as one whole-sequence call rounds them
+    k_row, v_row = gather_rows(k, cp, torch.float32), gather_rows(v, cp, torch.float32)
     if backend == "varlen":
         return _varlen_cp(q, k_row, v_row, cp, scale)
     if q.device.type != "cpu":

@@ -185,11 +185,11 @@ PLACEHOLDER_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id
 
 def training_problem(spec: Any, hf: dict[str, Any]) -> str | None:
     """One line on why `mrl train` cannot run this job with a vision-language model yet, or None.
-    What runs: the hf rollout engine in spmd mode, single-turn, whole responses, no context
-    parallelism, no distillation teacher. The rest is refused rather than run without its images.
-    `actor.vision.trainable` needs a tower, full parameters (LoRA checkpoints hold the adapters
-    only) and, for deepstack, no full recomputation (the recomputed layers would lose the deepstack
-    features' gradients)."""
+    What runs: the hf and vllm rollout engines (spmd or server mode, multi-turn, partial rollouts:
+    every request carries its prompt's images), no context parallelism, no distillation teacher.
+    The rest is refused rather than run without its images. `actor.vision.trainable` needs a
+    tower, full parameters (LoRA checkpoints hold the adapters only) and, for deepstack, no full
+    recomputation (the recomputed layers would lose the deepstack features' gradients)."""
     vision = getattr(getattr(spec, "actor", None), "vision", None)
     if vision is not None and vision.trainable:
         problem = trainable_tower_problem(hf, lora_rank=spec.actor.lora.rank, recompute=spec.actor.recompute,
@@ -199,10 +199,8 @@ def training_problem(spec: Any, hf: dict[str, Any]) -> str | None:
     if not is_vlm(hf):
         return None
     roll = spec.rollout
-    for bad, what in ((roll.engine != "hf", f"rollout.engine = {roll.engine!r} (images reach the hf engine only)"),
-                      (roll.mode != "spmd", "rollout.mode = 'server'"),
-                      (roll.partial_rollout_tokens > 0, "partial rollouts (rollout.partial_rollout_tokens)"),
-                      (roll.multi_turn.enable, "rollout.multi_turn"),
+    for bad, what in ((roll.engine not in ("hf", "vllm"), f"rollout.engine = {roll.engine!r} (images reach the hf "
+                                                          "and vllm engines only)"),
                       (spec.parallel.context > 1, "parallel.context > 1"),
                       (getattr(spec, "distill", None) is not None and spec.distill.model_path is not None,
                        "a distillation teacher (distill.model_path: the teacher's forward takes no images)")):

@@ -3,7 +3,9 @@ given on the command line, in a JSONL file, or taken from the job's own data, as
 parquet rows, scored with the job's reward where the prompts carry answers.
 
 A prompts file has one prompt per line: a JSON string, or an object whose `prompt` is a string
-or a list of chat messages (and, to be scored, its `answer`, optionally its `data_source`).
+or a list of chat messages (and, to be scored, its `answer`, optionally its `data_source`). For a
+vision-language model, `images` lists the image files of the prompt's `<image>` marks (relative
+paths are beside the prompts file); they are processed as training processes its data's images.
 `--from-data N` takes the first N prompts of the job's data (`data.val_files`, or the
 generator's validation prompts, else the training data), with their answers. Prompts are
 rendered with the job's chat settings (`data.chat_template`, `data.system_prompt`), as training
@@ -47,6 +49,7 @@ class Request:
     prompt: Any
     answer: Any = None
     data_source: str = ""
+    images: tuple = ()   # image files (paths) for the prompt's `<image>` marks, in order (VLMs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +88,13 @@ def read_requests(path: str | Path) -> list[Request]:
             raise UserError(f"generate: {path}:{number}: expected a string or an object with a \"prompt\" "
                             "(a string or a list of chat messages)")
         extra = row if isinstance(row, dict) else {}
-        requests.append(Request(prompt, extra.get("answer"), str(extra.get("data_source") or "")))
+        images = extra.get("images") or []
+        if isinstance(images, str):
+            images = [images]
+        if not (isinstance(images, list) and all(isinstance(p, str) for p in images)):
+            raise UserError(f"generate: {path}:{number}: \"images\" is a list of image file paths")
+        images = tuple(p if Path(p).is_absolute() else str(path.parent / p) for p in images)   # beside the file
+        requests.append(Request(prompt, extra.get("answer"), str(extra.get("data_source") or ""), images))
     if not requests:
         raise UserError(f"generate: --prompts {path}: no prompts in the file")
     return requests
@@ -140,7 +149,8 @@ def generate_rows(target: Target, prompts: list[Request] | FromData, overrides: 
         tok = run.tokenizer
         items = _items(run, prompts)
         scored = scored and all(it.answer is not None for it in items)
-        responses = generate(run, gen, [list(it.token_ids) for it in items], sampling)
+        responses = generate(run, gen, [list(it.token_ids) for it in items], sampling,
+                             images=[getattr(it, "images", None) for it in items])
         scores = score(run, gen, items, responses, sampling.n, target.step,
                        reward_model=reward_model)["scores"] if scored else None
     rows = []
@@ -163,10 +173,15 @@ def _items(run, prompts: list[Request] | FromData) -> list:
     from mrl.data.template import encode_prompt, render_prompt
 
     if isinstance(prompts, FromData):
-        dataset = load_prompts(run.spec.data, run.tokenizer, prompts.split)
+        dataset = load_prompts(run.spec.data, run.tokenizer, prompts.split, images=run.images)
         return dataset.items[:prompts.count]
     data, tok = run.spec.data, run.tokenizer
     _refuse_oversized(prompts, prompt_byte_limit(data.max_prompt_tokens, tok))
+    if run.images is not None:   # a vision-language model: its images processed as training processes its data
+        return _image_items(run, prompts)
+    if any(req.images for req in prompts):
+        raise UserError(f"generate: prompt {next(i for i, r in enumerate(prompts) if r.images)} has images, but "
+                        f"{run.spec.model.path} is not a vision-language model")
     items = []
     for i, req in enumerate(prompts):
         text = render_prompt(req.prompt, tok, chat_template=data.chat_template, system_prompt=data.system_prompt,
@@ -175,6 +190,25 @@ def _items(run, prompts: list[Request] | FromData) -> list:
                                 text=text, prompt=req.prompt, answer=req.answer, data_source=req.data_source,
                                 origin=f"prompt {i}"))
     return items
+
+
+def _image_items(run, prompts: list[Request]) -> list:
+    """The requests of a vision-language model as `PromptItem`s with their images: rendered,
+    expanded and tokenized by the training data's own path (`mrl.data.prompts.tokenize_rows`); a
+    bad image, marks that do not pair with the images, or a prompt over `data.max_prompt_tokens`
+    is one line naming the prompt."""
+    from mrl.data.images import IMAGE_COLUMN
+    from mrl.data.prompts import tokenize_rows
+    from mrl.data.rows import PromptRow
+
+    data = run.spec.data
+    rows = [PromptRow(req.prompt, req.answer, req.data_source, f"prompt {i}",
+                      extra={IMAGE_COLUMN: list(req.images)} if req.images else {})
+            for i, req in enumerate(prompts)]
+    dataset = tokenize_rows(rows, run.tokenizer, max_prompt_tokens=data.max_prompt_tokens, overflow="error",
+                            chat_template=data.chat_template, system_prompt=data.system_prompt,
+                            special_tokens_in_text=data.special_tokens_in_text, images=run.images, bad_rows="error")
+    return dataset.items
 
 
 def _refuse_oversized(prompts: list[Request], limit: int) -> None:

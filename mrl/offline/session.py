@@ -65,12 +65,12 @@ def session(target: Target) -> Iterator[tuple]:
         ctx = platform.setup(spec.platform, spec.parallel, seed=spec.job.seed, env={})
         gen = None
         try:
-            run = Run(spec=spec, ctx=ctx, hf=hf_config(spec.model), tokenizer=tokenizer, total_steps=target.step,
-                      plan=step_plan(spec))
-            if run.hf.get("vision_config") is not None:   # its prompts would lose their images (docs/vlm.md)
-                from mrl.errors import UserError
+            from mrl.data.images import model_image_processor
 
-                raise UserError(f"{run.hf['model_type']} (vision-language): mrl generate does not carry images yet")
+            hf = hf_config(spec.model)
+            # a vision-language model's processor (the merged directory holds its preprocessor config)
+            run = Run(spec=spec, ctx=ctx, hf=hf, tokenizer=tokenizer, total_steps=target.step, plan=step_plan(spec),
+                      images=model_image_processor(spec.model.path, hf))
             reward_model = build_reward_model(spec, run.hf, ctx.platform)   # when a reward source is a model
             gen = build_generation(spec, run.plan, ctx, tokenizer, reward_model=reward_model)
             gen.version = target.step

@@ -134,9 +134,32 @@ def wait_timeout_s() -> float:
     return _STATE.default_timeout_s if _STATE.default_timeout_s is not None else 1800.0
 
 
+_EVERY_RANK = object()
+
+
+@contextlib.contextmanager
+def waits_within(group):
+    """Within this block (this thread), `wait_for_peers` waits for the ranks of `group` only (None:
+    for no other rank): work that a subset of the world runs while the other ranks wait elsewhere
+    (one router's producer, `mrl.train.driver`). `group` should have the wait group's timeout."""
+    before = getattr(_STATE.local, "wait_within", _EVERY_RANK)
+    _STATE.local.wait_within = group
+    try:
+        yield
+    finally:
+        _STATE.local.wait_within = before
+
+
 def wait_for_peers(name: str) -> None:
     """Barrier over every rank on the wait group (see the module docstring), as the stage `name`
-    with the wait group's timeout. A no-op on one rank."""
+    with the wait group's timeout. A no-op on one rank. Inside `waits_within(group)` the barrier
+    is over `group` only."""
+    within = getattr(_STATE.local, "wait_within", _EVERY_RANK)
+    if within is not _EVERY_RANK:
+        if within is not None and dist.get_world_size(within) > 1:
+            with stage(name, wait_timeout_s(), backend_timeout_s=wait_timeout_s()):
+                dist.barrier(group=within)
+        return
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     if _STATE.wait_group is None:

@@ -89,6 +89,7 @@ class AgentContext:
     format: Any = None         # mrl.rollout.tool_formats.ToolFormat
     multi_turn: Any = None     # the rollout.multi_turn section
     phase: str = "idle"        # "generate" or "tools" while the agent waits for one
+    images: Any = None         # the prompt's images (VLMs): every request of the trajectory carries them
 
     @property
     def remaining(self) -> int:
@@ -102,7 +103,8 @@ class AgentContext:
         calls = self.trajectory.info.get("engine_calls", 0)
         self.trajectory.info["engine_calls"] = calls + 1
         seed = None if self.seed is None else prompt_seed(self.seed, calls) % 2**31
-        request = GenRequest(f"{self.key}-{calls}", tuple(ids), replace(sampling, n=1, seed=None), seed=seed)
+        request = GenRequest(f"{self.key}-{calls}", tuple(ids), replace(sampling, n=1, seed=None), seed=seed,
+                             images=self.images)
         self.phase = "generate"
         try:
             return await self.router.generate(self.key, request)
@@ -223,6 +225,7 @@ class TrajectorySpec:
     prompt_ids: list[int]
     seed: Optional[int] = None
     resume: Optional[Trajectory] = None
+    images: Any = None   # the prompt's `mrl.data.images.ImageInputs` (VLMs): sent with every turn's request
 
 
 @dataclass
@@ -255,7 +258,7 @@ class AgentRunner:
         traj = spec.resume if spec.resume is not None else Trajectory()
         return AgentContext(spec.key, list(spec.prompt_ids), sampling, traj, self.router, seed=spec.seed,
                             tools=self.tools, tokenizer=self.tokenizer, turns=self.turns, format=self.format,
-                            multi_turn=self.multi_turn)
+                            multi_turn=self.multi_turn, images=spec.images)
 
     async def run(self, specs: Sequence[TrajectorySpec], sampling: Sampling, needed: Optional[int] = None,
                   accept: Optional[Accept] = None, more: Optional[More] = None) -> RunResult:

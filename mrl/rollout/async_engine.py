@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 from mrl.rollout.engine import WeightStream
 from mrl.rollout.types import Sampling
@@ -34,6 +34,9 @@ class GenRequest:
     sampling: Sampling
     #: the request's own seed (reproducible per trajectory turn, independent of arrival order)
     seed: Optional[int] = None
+    #: the prompt's `mrl.data.images.ImageInputs` (vision-language models; None: text). Every turn
+    #: of a trajectory carries its prompt's images: `prompt_ids` starts with that prompt.
+    images: Any = None
 
     def __post_init__(self):
         if self.sampling.n != 1:

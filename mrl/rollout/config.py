@@ -139,6 +139,12 @@ class RolloutConfig:
                      "with its engine core in processes of its own; hf: a deterministic scheduler over transformers) "
                      "and every trajectory is its own coroutine "
                      "(docs/multi_turn.md, docs/async.md)")
+    router: Literal["leader", "driver"] = option(
+        "leader", help="rollout.mode = 'server': leader: each generating leader runs its own data-parallel shards' "
+                       "trajectories on its own engine; driver: one router on the driver (colocated: rank 0; separate: "
+                       "the first rollout rank) runs every shard's trajectories over every leader's engine (least "
+                       "outstanding work, sticky per trajectory), the other leaders serving theirs over a local HTTP "
+                       "channel (docs/async.md)")
     over_sample_rate: float = option(
         0.0, ge=0, le=4, help="rollout.mode = 'server': submit ceil((1 + rate) x the groups a step needs); once enough "
                               "groups have finished the rest are aborted and carried to the next step as partial "

@@ -13,8 +13,24 @@ from mrl.rollout.engine import RolloutEngine
 
 
 def _config_only_dir(hf_config: dict, name: str) -> str:
-    """A directory holding just config.json, for vLLM with load_format = "dummy" (weights come from the trainer)."""
+    """A directory holding just config.json, for vLLM with load_format = "dummy" (weights come from the trainer).
+    A vision-language preset also gets its nested config, image processor and byte tokenizer:
+    vLLM's multimodal processor reads all three (`mrl.rollout.vision`)."""
+    from mrl.models.vlm import is_vlm
+
     d = Path(tempfile.mkdtemp(prefix=f"mrl-{name}-"))
+    if is_vlm(hf_config):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        from mrl.models.tokenizer import byte_tokenizer
+        from mrl.models.vlm import TINY_IMAGE_PROCESSOR, nested
+
+        arch = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[hf_config["model_type"]]
+        (d / "config.json").write_text(json.dumps({**nested(hf_config), "architectures": [arch]}))
+        Qwen2VLImageProcessorPil(**TINY_IMAGE_PROCESSOR).save_pretrained(str(d))
+        byte_tokenizer(vision=True).save_pretrained(str(d))
+        return str(d)
     (d / "config.json").write_text(json.dumps({**hf_config, "architectures": [_architecture(hf_config)]}))
     return str(d)
 
@@ -48,7 +64,8 @@ def build_engine(rollout, model, *, seed: int, device: torch.device | str, max_m
             return HFEngine.from_config(found[0], dtype=dtype, device=device, seed=seed, max_num_seqs=rollout.max_num_seqs,
                                         fp8_matmul=rollout.fp8.matmul)
         raw = json.loads(Path(found[1]).read_text())   # found[1]: the config.json read
-        aliased = raw.get("text_config", raw).get("model_type") != found[0]["model_type"]   # kimi_k2 -> deepseek_v3
+        # kimi_k2 -> deepseek_v3; a VLM's own type is the top-level one (its text_config says qwen2_5_vl_text)
+        aliased = (raw.get("model_type") or raw.get("text_config", {}).get("model_type")) != found[0]["model_type"]
         return HFEngine.from_pretrained(model.path, dtype=dtype, device=device, seed=seed,
                                         trust_remote_code=model.trust_remote_code, max_num_seqs=rollout.max_num_seqs,
                                         hf_config=found[0] if aliased else None, fp8_matmul=rollout.fp8.matmul)

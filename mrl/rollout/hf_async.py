@@ -161,8 +161,10 @@ class HFAsyncEngine(AsyncEngine):
         done = set()
         for sampling, rows in batches.items():
             seeds = [None if r.request.seed is None else prompt_seed(r.request.seed, r.steps) % 2**31 for r in rows]
+            images = [r.request.images for r in rows]   # each row's prompt images (VLMs), with every tick
+            extra = {"images": images} if any(x is not None for x in images) else {}
             out = self.engine.generate([list(r.request.prompt_ids) + r.token_ids for r in rows], sampling,
-                                       prompt_seeds=None if None in seeds else seeds)
+                                       prompt_seeds=None if None in seeds else seeds, **extra)
             for r, resp in zip(rows, out):
                 if r.version is None:
                     r.version = self.version

@@ -49,7 +49,7 @@ def rollout_layout_problems(rollout, world_size: int, facts=None, device: Option
     if out:
         return out
     tp, pp = rollout.tensor_parallel, rollout.pipeline_parallel
-    if rollout.mode == "server" or rollout.over_sample_rate or rollout.multi_turn.agent:
+    if rollout.mode == "server" or rollout.over_sample_rate or rollout.multi_turn.agent or rollout.router != "leader":
         return server_problems(rollout)
     if rollout.engine == "hf":
         # The hf engine is one transformers model per trainer replica (or per rollout rank): a
@@ -103,10 +103,11 @@ def server_problems(rollout) -> list[tuple[str, str]]:
     not constrain the engine's split)."""
     out = []
     if rollout.mode != "server":
-        for key, value in (("over_sample_rate", rollout.over_sample_rate), ("multi_turn.agent", rollout.multi_turn.agent)):
+        for key, value in (("over_sample_rate", rollout.over_sample_rate), ("multi_turn.agent", rollout.multi_turn.agent),
+                           ("router", rollout.router if rollout.router != "leader" else None)):
             if value:
-                out.append((f"rollout.{key}", f"is {value!r} but needs rollout.mode = 'server' (requests aborted and "
-                                              "agents run per trajectory only there)"))
+                out.append((f"rollout.{key}", f"is {value!r} but needs rollout.mode = 'server' (requests aborted, "
+                                              "agents run per trajectory and routed only there)"))
         return out
     if rollout.engine not in ("vllm", "hf"):
         out.append(("rollout.mode", f"'server' runs vLLM's AsyncLLM or the hf engine's scheduler; set rollout.engine = "

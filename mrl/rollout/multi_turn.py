@@ -51,6 +51,7 @@ class _Conversation:
     pending: list = field(default_factory=list)  # (call or error text, call id) of the last assistant turn
     last_turn: list[int] = field(default_factory=list)  # ids the engine produced in the last assistant turn
     routes: Any = None   # MoE routes of the last assistant turn's call (prompt + tokens so far)
+    images: Any = None   # the prompt's `ImageInputs` (VLMs): every assistant turn's call carries them
 
     def add(self, ids: Sequence[int], logprobs: Sequence[float], mask: int) -> None:
         self.tokens += ids
@@ -208,12 +209,14 @@ class MultiTurnRollout:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling,
-                 prompt_seeds: Optional[Sequence[int]] = None) -> list[Response]:
+                 prompt_seeds: Optional[Sequence[int]] = None, images: Optional[Sequence[Any]] = None) -> list[Response]:
         """`sampling.n` conversations per prompt, prompt-major, as `RolloutEngine.generate`.
 
         With `prompt_seeds`, each turn of conversation j of prompt i samples from a seed derived
-        from `prompt_seeds[i]`, the turn and j: independent of the other prompts of the call."""
-        convs = [_Conversation(i, i * sampling.n + j, list(p))
+        from `prompt_seeds[i]`, the turn and j: independent of the other prompts of the call.
+        `images[i]`: prompt i's `ImageInputs` (VLMs), sent with each of its conversations' turns."""
+        images = list(images) if images is not None else [None] * len(prompt_token_ids)
+        convs = [_Conversation(i, i * sampling.n + j, list(p), images=images[i])
                  for i, p in enumerate(prompt_token_ids) for j in range(sampling.n)]
         self._prompt_seeds = (None if prompt_seeds is None
                               else resolve_prompt_seeds(sampling, len(prompt_token_ids), prompt_seeds))
@@ -238,16 +241,18 @@ class MultiTurnRollout:
         for c in active:
             by_budget.setdefault(sampling.max_tokens - len(c.tokens), []).append(c)
         for budget, group in by_budget.items():
+            pictures = [c.images for c in group]
+            extra = {"images": pictures} if any(x is not None for x in pictures) else {}
             if self._prompt_seeds is not None:
                 n = sampling.n
                 seeds = [prompt_seed(self._prompt_seeds[c.prompt_index], turn * 1_000_003 + c.row - c.prompt_index * n)
                          for c in group]
                 outs = self.engine.generate([c.prompt + c.tokens for c in group],
-                                            replace(sampling, n=1, max_tokens=budget), prompt_seeds=seeds)
+                                            replace(sampling, n=1, max_tokens=budget), prompt_seeds=seeds, **extra)
             else:
                 seed = None if sampling.seed is None else prompt_seed(sampling.seed, turn * 1_000_003 + group[0].row)
                 s = replace(sampling, n=1, max_tokens=budget, seed=seed)
-                outs = self.engine.generate([c.prompt + c.tokens for c in group], s)
+                outs = self.engine.generate([c.prompt + c.tokens for c in group], s, **extra)
             for c, out in zip(group, outs):
                 c.add(out.token_ids, out.logprobs, 1)
                 c.routes = out.routes

@@ -11,6 +11,10 @@ engine had at least one (`busy_fraction`, the `rollout/engine_busy` metric: the 
 wall time a request was in the engine, generating or queued there, not waiting for a tool).
 Aborting a trajectory (`abort`) aborts its in-flight request and makes its later requests return
 at once with `finish_reason = "abort"` and no tokens.
+
+An engine is anything with `generate(GenRequest)` and `abort(ids)`: a local `AsyncEngine`, or a
+`remote.RemoteEngine` (another leader's engine over its channel, `rollout.router = "driver"`);
+`add` appends one.
 """
 from __future__ import annotations
 
@@ -41,6 +45,12 @@ class Router:
         self.sticky: dict[str, int] = {}
         self.aborted: set[str] = set()
         self.started = time.monotonic()
+
+    def add(self, engine) -> int:
+        """Route over `engine` too; its index."""
+        self.engines.append(engine)
+        self.loads.append(_Load())
+        return len(self.engines) - 1
 
     def pick(self, trajectory: str) -> int:
         """The engine of `trajectory`: its earlier one, else the least loaded now."""

@@ -10,6 +10,12 @@ thread (`LoopThread`), a `Router` over them and an `AgentRunner`. The trainer's 
   by `more`), the rest aborted (`agent_loop.AgentRunner.run`);
 - `update_weights(stream)`: pause generation -> load the verified stream -> resume, on every
   engine (the stream is replayed per engine from one host copy when there are several).
+
+`engines` are the engines this process holds (weights, sleep, wake); `route_to(remotes)` adds
+other leaders' engines (`remote.RemoteEngine`) to the router of `run_groups` only (`rollout.router
+= "driver"`): their trajectories run here, their weights are loaded by their own leaders;
+`generate` (validation, ReMax's baseline) keeps to this process's engines. `serve(host)` puts
+this leader's engine behind the channel for a driver elsewhere (`remote.EngineServer`).
 """
 from __future__ import annotations
 
@@ -26,37 +32,78 @@ class ServerRollout(RolloutEngine):
     def __init__(self, engines: Sequence, loop, runner: AgentRunner, *, timeout_s: Optional[float] = None):
         self.engines, self.loop, self.runner = list(engines), loop, runner
         self.router: Router = runner.router
+        self.local = runner              # over this process's engines only (`generate`)
         self.timeout_s = timeout_s
         self.last: Optional[RunResult] = None   # the last call's result (its counts for the metrics)
         self.calls = 0
+        self.remotes: list = []          # other leaders' engines this router also routes over
+        self.server = None               # this leader's channel (`serve`)
+
+    # --- across processes ------------------------------------------------------------------------
+    def serve(self, token: str, *, host: str = "127.0.0.1", advertise: Optional[str] = None) -> str:
+        """Serve this leader's engine over the channel on its loop; the URL a driver reaches it at."""
+        from mrl.rollout.remote import EngineServer
+
+        if len(self.engines) != 1:
+            raise ValueError(f"a leader serves one engine, this one holds {len(self.engines)}")
+        self.server = EngineServer(self.engines[0], token)
+        return self.loop.run(self.server.start(host, 0, advertise))
+
+    def route_to(self, remotes: Sequence) -> None:
+        """Route `run_groups` trajectories over these engines of other leaders too (after the local
+        ones). `generate` (validation, ReMax's greedy baseline) stays on this process's engines: the
+        other leaders validate their own share, with weights they may still be loading."""
+        import copy
+
+        if self.runner is self.local:
+            self.runner = copy.copy(self.local)
+            self.runner.router = self.router = Router(list(self.engines))
+        for remote in remotes:
+            self.router.add(remote)
+            self.remotes.append(remote)
 
     # --- generation ------------------------------------------------------------------------------
     def run_groups(self, specs: Sequence[TrajectorySpec], sampling: Sampling,
                    needed: Optional[int] = None, accept=None, more=None) -> RunResult:
+        return self.run_many([(specs, sampling, needed, accept, more)])[0]
+
+    def run_many(self, calls: Sequence[tuple], *, local: bool = False) -> list[RunResult]:
+        """Several `run_groups` calls (their arguments) at once over the router, each with its own
+        budget: the shards of one producer round (`mrl.train.server_round.server_rounds`). `local`:
+        over this process's engines only."""
         import asyncio
         import concurrent.futures
 
-        future = asyncio.run_coroutine_threadsafe(self.runner.run(specs, sampling, needed, accept, more),
-                                                  self.loop.loop)
+        runner = self.local if local else self.runner
+
+        async def every():
+            return await asyncio.gather(*(runner.run(*call) for call in calls))
+
+        future = asyncio.run_coroutine_threadsafe(every(), self.loop.loop)
         try:
-            self.last = future.result(self.timeout_s)
+            results = future.result(self.timeout_s)
         except concurrent.futures.TimeoutError:
-            future.cancel()   # the runner's tasks are cancelled, their requests aborted
-            raise UserError(f"rollout: {len(specs)} trajectories ran longer than rollout.generate_timeout_s = "
+            future.cancel()   # the runners' tasks are cancelled, their requests aborted
+            count = sum(len(call[0]) for call in calls)
+            raise UserError(f"rollout: {count} trajectories ran longer than rollout.generate_timeout_s = "
                             f"{self.timeout_s:g} s; raise it or lower rollout.max_response_tokens") from None
-        return self.last
+        self.last = results[-1]
+        return results
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling,
-                 prompt_seeds: Optional[Sequence[int]] = None) -> list[Response]:
+                 prompt_seeds: Optional[Sequence[int]] = None, images: Optional[Sequence] = None) -> list[Response]:
+        """`images[i]`: prompt i's `ImageInputs` or None (VLMs), carried by each of its trajectories."""
         from mrl.rollout.types import prompt_seed
 
         seeds = resolve_prompt_seeds(sampling, len(prompt_token_ids), prompt_seeds)
+        images = list(images) if images is not None else [None] * len(prompt_token_ids)
         n = sampling.n
         self.calls += 1   # request ids stay unique across calls
-        specs = [TrajectorySpec(f"c{self.calls}p{i}r{j}", i, list(p), seed=None if seeds[i] is None else prompt_seed(seeds[i], j))
+        specs = [TrajectorySpec(f"c{self.calls}p{i}r{j}", i, list(p), seed=None if seeds[i] is None else prompt_seed(seeds[i], j),
+                                images=images[i])
                  for i, p in enumerate(prompt_token_ids) for j in range(n)]
         one = Sampling(**{**sampling.__dict__, "n": 1})
-        result = self.run_groups(specs, one)
+        result = self.run_many([(specs, one)], local=True)[0]
         return [to_response(spec.group, t) for spec, t in zip(specs, result.trajectories)]
 
     def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
@@ -98,6 +145,15 @@ class ServerRollout(RolloutEngine):
             engine.wake(tags)
 
     def shutdown(self) -> None:
+        for remote in self.remotes:
+            self.loop.run(remote.close(), timeout=30)
+        if self.server is not None:
+            import sys
+
+            log = self.server.log
+            print(f"mrl router: this leader's engine served {len(log.received)} requests for the driver "
+                  f"({len(log.aborted)} aborted)", file=sys.stderr, flush=True)
+            self.loop.run(self.server.stop(), timeout=30)
         for engine in self.engines:
             engine.shutdown()
         if self.runner.tools is not None:

@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from mrl.errors import UserError
 from mrl.rollout import vllm_engine as spmd
 from mrl.rollout import vllm_worker
 from mrl.rollout.async_engine import AsyncEngine, GenRequest, GenResult
@@ -100,8 +101,14 @@ class VLLMAsyncEngine(AsyncEngine):
         self.loop, self.bucket_mb, self.sleep_level = loop, bucket_mb, sleep_level
         self.logprobs_mode = logprobs_mode
         self._sleep_mode = sleep_level > 0 and current_platform.is_sleep_mode_available()
+        from mrl.rollout.vision import allowed_token_ids, vlm_facts
+
+        self.vision = vlm_facts(model_path)   # a VLM: images as multi_modal_data (mrl.rollout.vision)
+        self._allowed = (allowed_token_ids(self.vision["vocab_size"], self.vision["banned"])
+                         if self.vision is not None else None)
         kwargs = dict(model=model_path, seed=seed, dtype=dtype, tensor_parallel_size=tensor_parallel,
-                      logprobs_mode=logprobs_mode, enable_sleep_mode=self._sleep_mode, skip_tokenizer_init=True,
+                      logprobs_mode=logprobs_mode, enable_sleep_mode=self._sleep_mode,
+                      skip_tokenizer_init=self.vision is None,
                       worker_extension_cls=f"{__name__}.MrlWorkerExtension", **llm_kwargs)
         kwargs.pop("pipeline_parallel", None)
         with spmd.own_processes(gpus):
@@ -133,13 +140,21 @@ class VLLMAsyncEngine(AsyncEngine):
             n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p,
             repetition_penalty=sampling.repetition_penalty, max_tokens=sampling.max_tokens,
             stop_token_ids=list(dict.fromkeys(sampling.stop_token_ids + eos)), ignore_eos=sampling.ignore_eos,
-            logprobs=0, seed=None if seed is None else seed % 2**31, detokenize=False)
+            logprobs=0, seed=None if seed is None else seed % 2**31, detokenize=False,
+            allowed_token_ids=self._allowed)   # a VLM's placeholders are never sampled
 
     async def generate(self, request: GenRequest) -> GenResult:
+        from mrl.rollout.vision import check_expanded, vllm_prompt
+
         final = None
         params = self.params(request.sampling, request.seed)
-        async for out in self.llm.generate({"prompt_token_ids": list(request.prompt_ids)}, params, request.request_id):
+        if request.images is not None and self.vision is None:
+            raise UserError("rollout: prompts carry images but the model is not a vision-language model")
+        prompt = vllm_prompt(request.prompt_ids, request.images, self.vision["pad_id"] if self.vision else -1)
+        async for out in self.llm.generate(prompt, params, request.request_id):
             final = out
+        if "multi_modal_data" in prompt:
+            check_expanded(final.prompt_token_ids, request.prompt_ids)
         c = final.outputs[0]
         ids = list(c.token_ids)
         lps = [step[t].logprob for step, t in zip(c.logprobs or [], ids)]

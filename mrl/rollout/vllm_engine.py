@@ -50,6 +50,7 @@ from mrl.errors import UserError
 from mrl.rollout import vllm_worker
 from mrl.rollout.engine import RolloutEngine, WeightStream, buckets
 from mrl.rollout.types import Response, Sampling, resolve_prompt_seeds
+from mrl.rollout.vision import check_expanded
 
 
 def vllm_available() -> bool:
@@ -243,13 +244,20 @@ class VLLMEngine(RolloutEngine):
             if not torch.distributed.is_initialized():
                 raise RuntimeError("vllm engine: external_launcher needs torch.distributed initialised "
                                    "(mrl.platform.setup, or torch.distributed.init_process_group under torchrun)")
+        from mrl.rollout.vision import allowed_token_ids, vlm_facts
+
         self.sleep_level = sleep_level
         self.bucket_mb = bucket_mb
         self.logprobs_mode = logprobs_mode
         self._sleep_mode = sleep_level > 0 and current_platform.is_sleep_mode_available()
+        # a vision-language model: vLLM's multimodal processor reads the tokenizer's vocabulary (it
+        # expands the collapsed placeholders itself, mrl.rollout.vision); generation is still ids in, ids out
+        self.vision = vlm_facts(model_path)
+        self._allowed = (allowed_token_ids(self.vision["vocab_size"], self.vision["banned"])
+                         if self.vision is not None else None)
         kwargs = dict(model=model_path, seed=seed, dtype=dtype, tensor_parallel_size=tensor_parallel,
                       pipeline_parallel_size=pipeline_parallel, logprobs_mode=logprobs_mode,
-                      enable_sleep_mode=self._sleep_mode, skip_tokenizer_init=True, **llm_kwargs)
+                      enable_sleep_mode=self._sleep_mode, skip_tokenizer_init=self.vision is None, **llm_kwargs)
         if external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if llm_kwargs.get("enable_return_routed_experts"):
@@ -318,22 +326,26 @@ class VLLMEngine(RolloutEngine):
             min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty, max_tokens=sampling.max_tokens,
             stop_token_ids=list(dict.fromkeys(sampling.stop_token_ids + eos)), ignore_eos=sampling.ignore_eos, logprobs=0,
             seed=None if seed is None else seed % 2**31,
-            detokenize=False,
+            detokenize=False, allowed_token_ids=self._allowed,   # a VLM's placeholders are never sampled
         )
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling,
-                 prompt_seeds: Optional[Sequence[int]] = None) -> list[Response]:
+                 prompt_seeds: Optional[Sequence[int]] = None, images: Optional[Sequence[Any]] = None) -> list[Response]:
+        """`images[i]`: prompt i's `mrl.data.images.ImageInputs` or None (vision-language models:
+        its placeholders collapsed for vLLM, `mrl.rollout.vision`)."""
         if self._asleep:
             raise RuntimeError("vllm engine: generate() while asleep; call wake() first")
         if not prompt_token_ids:
             return []
         self._same_threads()
-        prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        prompts = self._prompts(prompt_token_ids, images)
         seeds = resolve_prompt_seeds(sampling, len(prompts), prompt_seeds)
         params = [self._params(sampling, seeds[i]) for i in range(len(prompts))]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         responses = []
         for i, out in enumerate(outputs):
+            if "multi_modal_data" in prompts[i]:
+                check_expanded(out.prompt_token_ids, prompt_token_ids[i])
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)
                 lps = [step[t].logprob for step, t in zip(c.logprobs, ids)]
@@ -342,10 +354,20 @@ class VLLMEngine(RolloutEngine):
                 if self._moe_layers is not None:   # actor.moe.routing_replay = "r3"
                     from mrl.rollout.hf_routes import from_all_layers
 
-                    routes = from_all_layers(c.routed_experts, self._moe_layers, len(prompts[i]["prompt_token_ids"]) + len(ids))
+                    routes = from_all_layers(c.routed_experts, self._moe_layers, len(prompt_token_ids[i]) + len(ids))
                 responses.append(Response(prompt_index=i, token_ids=ids, logprobs=lps, finish_reason=reason,
                                           routes=routes))
         return responses
+
+    def _prompts(self, prompt_token_ids: Sequence[Sequence[int]], images: Optional[Sequence[Any]]) -> list[dict]:
+        """vLLM's prompts: token ids, with images as `multi_modal_data` (collapsed placeholders)."""
+        from mrl.rollout.vision import vllm_prompt
+
+        images = list(images) if images is not None else [None] * len(prompt_token_ids)
+        if self.vision is None and any(x is not None for x in images):
+            raise UserError("rollout: prompts carry images but the model is not a vision-language model")
+        pad = self.vision["pad_id"] if self.vision is not None else -1
+        return [vllm_prompt(p, x, pad) for p, x in zip(prompt_token_ids, images)]
 
     def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         """vLLM's prompt log-probs (`prompt_logprobs=0`: the given token's own) of each sequence."""

@@ -198,8 +198,10 @@ def build(spec: JobSpec) -> tuple[Run, Optional[Learner], Optional[Generation], 
     prompts = Prompts(dataset=dataset, samplers={}, tool_schemas=tools.prompt_schemas)
     if generates:
         # One sampler batch is one generation round (dynamic sampling runs several rounds per step).
-        # separate: engine group g of G generates for every G-th trainer DP rank
-        shards = [ctx.dp_rank] if not separate else plan.shards_of_group(plan.engine_group_of(ctx.rank))
+        # separate: engine group g of G generates for every G-th trainer DP rank; a driver generates for all
+        from mrl.train.driver import shards_of
+
+        shards = shards_of(spec, plan, ctx, 0 if separate else _colocated_leader(ctx)[1])
         samplers = {d: PromptSampler(len(dataset), spec.algorithm.dynamic_sampling.generation_batch_prompts,
                                      dp_rank=d, dp_size=dp, seed=spec.data.seed, shuffle=spec.data.shuffle)
                     for d in shards}
@@ -300,6 +302,12 @@ def build_generation(spec: JobSpec, plan: StepPlan, ctx, tokenizer, *, reward_mo
     gen.tool_schemas = tools.prompt_schemas if tools is not None else None
     gen.engine, gen.generator, gen.groups = build_rollout(spec, plan, ctx, tokenizer, is_leader=gen.is_leader,
                                                           tools=tools)
+    from mrl.train.driver import connect_leaders
+    from mrl.tracking.startup import STARTUP
+
+    line = connect_leaders(spec, ctx, gen)   # rollout.router = "driver": one router over every leader's engine
+    if line:
+        STARTUP.say(line, timed=True)
     if ctx.role != "rollout" and gen.engine is not None:
         from mrl.rollout.weight_channel import ColocatedChannel
 

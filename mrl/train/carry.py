@@ -39,7 +39,8 @@ def advance(run, gen, active: list[GroupInProgress], chunk: int, seed: int, dp_r
     for budget in sorted(by_budget):
         todo = by_budget[budget]
         sampling = replace(base, n=1, max_tokens=budget, seed=(seed * 7919 + budget) % 2**31)
-        out = generate(run, gen, [list(g.item.token_ids) + g.tokens[j] for g, j in todo], sampling, dp_rank=dp_rank)
+        out = generate(run, gen, [list(g.item.token_ids) + g.tokens[j] for g, j in todo], sampling, dp_rank=dp_rank,
+                       images=[getattr(g.item, "images", None) for g, _ in todo])   # a carried response keeps them
         for (g, j), r in zip(todo, out):
             g.tokens[j] += r.token_ids
             g.logprobs[j] += r.logprobs

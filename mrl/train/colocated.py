@@ -14,6 +14,7 @@ from typing import Callable, Optional
 from mrl.platform.collectives import dp_min, world_max
 from mrl.rollout.weight_channel import channel_metrics
 from mrl.train.carry import decode_carry, encode_carry
+from mrl.train.driver import driven_step, driver_routes
 from mrl.train.parts import Generation, Learner, Prompts, Run, SampleLog
 from mrl.train.produce import ShardRollout, produce
 from mrl.train.evaluate import ValidationResult, evaluate, validation_steps
@@ -69,7 +70,10 @@ class ColocatedRollouts:
 
     def take(self, step: int, t) -> tuple[ShardRollout, dict[str, float]]:
         with t("rollout"):
-            rollout = produce(self.run, self.gen, self.prompts, step, dp_min, reward_model=self.learner.reward_model)
+            if driver_routes(self.run.spec):   # one router on rank 0 over every leader's engine
+                rollout = driven_step(self.run, self.gen, self.prompts, step, self.learner.reward_model)
+            else:
+                rollout = produce(self.run, self.gen, self.prompts, step, dp_min, reward_model=self.learner.reward_model)
         release_engine(self.gen, self.run.spec.rollout.sleep_level)
         return rollout.shards[self.run.ctx.dp_rank], {"time/weight_sync": self.sync_s,
                                                       "train/epoch": float(self.prompts.epoch),

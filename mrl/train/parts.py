@@ -95,6 +95,7 @@ class Generation:
     version: int = 0                # policy version of the engine's weights (trainer steps completed)
     channel: Optional["ColocatedChannel"] = None   # colocated engines: checksummed full / delta syncs
     tool_schemas: Optional[list[dict]] = None   # the multi-turn tools the prompts list (`Prompts.tool_schemas`)
+    driver_group: Optional["ProcessGroup"] = None   # rollout.router = "driver": the producing ranks (mrl.train.driver)
 
 
 @dataclass

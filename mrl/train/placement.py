@@ -27,9 +27,11 @@ def separate_problems(spec) -> list[tuple[str, str]]:
 def partial_problems(spec) -> list[tuple[str, str]]:
     """(dotted key, message) for what partial rollouts cannot do; `mrl validate` and `mrl train`
     both apply it."""
+    from mrl.train.driver import driver_problems
+
     roll = spec.rollout
     chunk = roll.partial_rollout_tokens
-    out: list[tuple[str, str]] = []
+    out: list[tuple[str, str]] = driver_problems(spec)
     if roll.mode == "server" and spec.actor.moe.routing_replay == "r3":
         out.append(("actor.moe.routing_replay", "'r3' needs the engine's routes, which server mode does not return yet; "
                                                 "use rollout.mode = 'spmd'"))

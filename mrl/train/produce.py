@@ -37,7 +37,7 @@ from mrl.train.carry import GroupInProgress, ShardCarry, advance, drop_stale, en
 from mrl.train.metrics import RewardStats
 from mrl.train.parts import Generation, Prompts, Run
 from mrl.train.rollout import generate, leader_score, score
-from mrl.train.server_round import refresh_unstarted, server_round, target_groups
+from mrl.train.server_round import refresh_unstarted, server_round, server_rounds, target_groups
 
 
 @dataclass
@@ -113,8 +113,41 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
     counts = {d: _counters() for d in prompts.shards}
     rewards = {d: RewardStats() for d in prompts.shards}
     oldest = step - 1 - roll.max_staleness   # the oldest policy version a trained response may start from
+
+    def settle(d: int) -> None:
+        """Score shard `d`'s finished groups and keep them (dynamic sampling, reward.on_error)."""
+        c, st = carry[d], counts[d]
+        done = [g for g in c.active if g.finished]
+        c.active = [g for g in c.active if not g.finished]
+        fresh = [g for g in done if g.prescored is None]
+        judged: dict[int, tuple] = {}   # id(group) -> (scores, kept)
+        if fresh:
+            responses = [x for g in fresh for x in g.responses()]
+            r = score(run, gen, [g.item for g in fresh], responses, n, step,
+                      metric=dyn.metric if dyn.enable else None, reward_model=reward_model)
+            rewards[d].add(r["stats"], len(responses))
+            keep, dropped = keep_groups_of(r, n, dyn.enable, spec.reward.on_error == "drop")
+            st["dropped"] += dropped
+            judged.update({id(g): (r["scores"][i * n:(i + 1) * n], keep[i]) for i, g in enumerate(fresh)})
+        for g in done:
+            if g.prescored is not None:   # scored and filtered as it finished (server mode)
+                r, g.prescored = g.prescored[0], None
+                if "filter_error" in r:
+                    raise UserError(r["filter_error"])
+                rewards[d].add(r["stats"], n)
+                keep, dropped = keep_groups_of(r, n, dyn.enable, spec.reward.on_error == "drop")
+                st["dropped"] += dropped
+                judged[id(g)] = (r["scores"], keep[0])
+        for g in done:
+            scores, kept = judged[id(g)]
+            if kept and (carries or len(c.ready) < per_rank):
+                g.scored = {"scores": list(scores)}
+                c.ready.append(g)
+
+    together = server and roll.router == "driver"   # the driver runs every shard's round at once (mrl.train.driver)
     rounds = draws = 0
     while True:
+        deferred = []
         for d in prompts.shards:
             c, st = carry[d], counts[d]
             seed = round_seed(roll.seed, step, rounds, d)
@@ -138,7 +171,11 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
                     room = (dyn.max_generation_batches * max(len(prompts.shards), 1) - draws
                             if dyn.max_generation_batches else None)
                     judge, supply, drawn = _in_flight_filter(run, gen, prompts, d, waiting, step, room)
-                server_round(run, gen, submitted, per_rank - len(c.ready), seed, d, st, judge, supply)
+                args = (submitted, per_rank - len(c.ready), seed, d, st, judge, supply)
+                if together:
+                    deferred.append((d, submitted, waiting, drawn, args))
+                    continue
+                server_round(run, gen, *args)
                 draws += drawn[0]
                 c.active = submitted + waiting
             elif chunk:
@@ -153,32 +190,13 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
                 st["tokens"] += sum(len(x.token_ids) for x in responses)
                 c.active = [GroupInProgress.generated(g.item, responses[i * n:(i + 1) * n])
                             for i, g in enumerate(c.active)]
-            done = [g for g in c.active if g.finished]
-            c.active = [g for g in c.active if not g.finished]
-            fresh = [g for g in done if g.prescored is None]
-            judged: dict[int, tuple] = {}   # id(group) -> (scores, kept)
-            if fresh:
-                responses = [x for g in fresh for x in g.responses()]
-                r = score(run, gen, [g.item for g in fresh], responses, n, step,
-                          metric=dyn.metric if dyn.enable else None, reward_model=reward_model)
-                rewards[d].add(r["stats"], len(responses))
-                keep, dropped = keep_groups_of(r, n, dyn.enable, spec.reward.on_error == "drop")
-                st["dropped"] += dropped
-                judged.update({id(g): (r["scores"][i * n:(i + 1) * n], keep[i]) for i, g in enumerate(fresh)})
-            for g in done:
-                if g.prescored is not None:   # scored and filtered as it finished (server mode)
-                    r, g.prescored = g.prescored[0], None
-                    if "filter_error" in r:
-                        raise UserError(r["filter_error"])
-                    rewards[d].add(r["stats"], n)
-                    keep, dropped = keep_groups_of(r, n, dyn.enable, spec.reward.on_error == "drop")
-                    st["dropped"] += dropped
-                    judged[id(g)] = (r["scores"], keep[0])
-            for g in done:
-                scores, kept = judged[id(g)]
-                if kept and (carries or len(c.ready) < per_rank):
-                    g.scored = {"scores": list(scores)}
-                    c.ready.append(g)
+            settle(d)
+        if deferred:   # every shard's round at once over every engine group (rollout.router = "driver")
+            server_rounds(run, gen, [args for *_, args in deferred])
+            for d, submitted, waiting, drawn, _ in deferred:
+                draws += drawn[0]
+                carry[d].active = submitted + waiting
+                settle(d)
         rounds += 1
         have = agree_min(min(len(carry[d].ready) for d in prompts.shards) if prompts.shards else per_rank)
         if have >= per_rank or not (dyn.enable or chunk):

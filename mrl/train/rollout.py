@@ -24,26 +24,20 @@ def generate(run: Run, gen: Generation, prompt_ids: list[list[int]], sampling: S
              dp_rank: Optional[int] = None, images: Optional[list] = None) -> list[Response]:
     """Responses to `prompt_ids` (prompt-major, `sampling.n` each), equal on the leader's group.
     Colocated vllm: collective over the world, `dp_rank` naming whose prompts these are.
-    `images[i]`: prompt i's `ImageInputs` (vision-language models; the hf engine takes them)."""
+    `images[i]`: prompt i's `ImageInputs` (vision-language models), passed to the engine with its prompt."""
     timeout = run.spec.rollout.generate_timeout_s
-    if images is not None and any(x is not None for x in images):
-        if gen.groups is not None:
-            raise UserError("rollout: prompts with images run on rollout.engine = 'hf' only (vLLM's multi_modal_data "
-                            "is not wired yet)")
-        out = (generate_within(lambda: gen.generator.generate(prompt_ids, sampling, images=images), timeout,
-                               len(prompt_ids), sampling.n) if gen.is_leader else None)
-        return from_leader(out, gen.mp_group, gen.is_leader, "rollout generation")
+    extra = {"images": list(images)} if images is not None and any(x is not None for x in images) else {}
     if gen.groups is not None and not run.separate:
         from mrl.train.engine_groups import generate_on_groups
 
         dp = run.ctx.dp_rank if dp_rank is None else dp_rank
-        return generate_within(lambda: generate_on_groups(gen.generator, gen.groups, dp, run.dp, prompt_ids, sampling),
-                               timeout, len(prompt_ids), sampling.n)
+        return generate_within(lambda: generate_on_groups(gen.generator, gen.groups, dp, run.dp, prompt_ids, sampling,
+                                                          **extra), timeout, len(prompt_ids), sampling.n)
     if gen.groups is not None:   # separate vllm: every rank of the engine group generates together
-        return generate_within(lambda: gen.generator.generate(prompt_ids, sampling), timeout, len(prompt_ids),
+        return generate_within(lambda: gen.generator.generate(prompt_ids, sampling, **extra), timeout, len(prompt_ids),
                                sampling.n)
-    out = (generate_within(lambda: gen.generator.generate(prompt_ids, sampling), timeout, len(prompt_ids), sampling.n)
-           if gen.is_leader else None)
+    out = (generate_within(lambda: gen.generator.generate(prompt_ids, sampling, **extra), timeout, len(prompt_ids),
+                           sampling.n) if gen.is_leader else None)
     return from_leader(out, gen.mp_group, gen.is_leader, "rollout generation")
 
 

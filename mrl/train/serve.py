@@ -12,6 +12,7 @@ from mrl.platform.bridge import Bridge
 from mrl.platform.collectives import broadcast_object, gather_objects, world_min
 from mrl.platform.dist import wait_for_peers
 from mrl.train.carry import decode_carry
+from mrl.train.driver import driven_step, driver_routes
 from mrl.train.evaluate import ValidationResult, evaluate
 from mrl.train.liveness import Heartbeat
 from mrl.train.parts import Generation, Prompts, Run, SampleLog
@@ -66,9 +67,12 @@ def serve(run: Run, gen: Generation, prompts: Prompts) -> None:
             need = needed_version(step, k, start.start_version)
             while pending and pending[0] <= need:
                 take_version()
-            rollout = produce(run, gen, prompts, step, agree_min)
-            everyone = gather_objects(rollout.shards if gen.is_leader else {}, "rollout shards to the rollout leader")
-            rollout.shards = {d: s for part in everyone for d, s in part.items()}
+            if driver_routes(run.spec):   # the driver produces every shard over every rollout rank's engine
+                rollout = driven_step(run, gen, prompts, step)
+            else:
+                rollout = produce(run, gen, prompts, step, agree_min)
+                everyone = gather_objects(rollout.shards if gen.is_leader else {}, "rollout shards to the rollout leader")
+                rollout.shards = {d: s for part in everyone for d, s in part.items()}
             send(rollout, f"rollouts of step {step}")
         while pending:   # versions sent only to be validated (the last steps')
             take_version()

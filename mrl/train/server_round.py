@@ -38,7 +38,30 @@ def refresh_unstarted(active: list[GroupInProgress], version: int) -> None:
 
 def server_round(run, gen, active: list[GroupInProgress], need: int, seed: int, dp_rank: int, st: dict,
                  judge: Optional[Callable] = None, supply: Optional[Callable] = None) -> None:
-    """Run `active`'s unfinished trajectories; with over-sampling, abort the rest once `need`
+    """One shard's round (`_round`)."""
+    server_rounds(run, gen, [(active, need, seed, dp_rank, st, judge, supply)])
+
+
+def server_rounds(run, gen, rounds: list[tuple]) -> None:
+    """Several shards' rounds at once (each the arguments of `server_round` after `gen`): their
+    trajectories run together on the leader's `ServerRollout` (`run_many`, one budget per shard),
+    so with one router over every engine group (`rollout.router = "driver"`) no shard's tail
+    holds the engines the others could use. Each round's outcome then reaches its group in order."""
+    steps = [_round(run, gen, *r) for r in rounds]
+    calls = [next(s) for s in steps]
+    results = gen.generator.run_many(calls) if gen.is_leader else [None] * len(steps)
+    for s, result in zip(steps, results):
+        try:
+            s.send(result)
+        except StopIteration:
+            continue
+        raise RuntimeError("a server round asked for a second run")
+
+
+def _round(run, gen, active: list[GroupInProgress], need: int, seed: int, dp_rank: int, st: dict,
+           judge: Optional[Callable] = None, supply: Optional[Callable] = None):
+    """Run `active`'s unfinished trajectories (a generator: it yields the leader's `run_groups`
+    arguments, None elsewhere, and takes the result); with over-sampling, abort the rest once `need`
     groups finished. Updates the groups in place and the counters `st` (generated, tokens,
     aborted, engine_busy, dynamic_rejected).
 
@@ -54,7 +77,7 @@ def server_round(run, gen, active: list[GroupInProgress], need: int, seed: int, 
     refresh_unstarted(active, gen.version)   # a trajectory is as old as its first token
     groups = list(active)
     work = [(gi, g, j) for gi, g in enumerate(groups) for j in range(n) if g.finish[j] is None]
-    outcome = None
+    outcome = call = None
     if gen.is_leader:
         from mrl.rollout.agent_loop import Trajectory, TrajectorySpec
 
@@ -65,7 +88,8 @@ def server_round(run, gen, active: list[GroupInProgress], need: int, seed: int, 
                                     list(g.masks[j]) if g.masks else [1] * len(g.tokens[j]),
                                     info=dict(g.infos[j]) if g.infos else {})
             return TrajectorySpec(f"s{seed}d{dp_rank}g{gi}r{j}", gi, list(g.item.token_ids),
-                                  seed=prompt_seed(seed, gi * n + j) % 2**31, resume=resume)
+                                  seed=prompt_seed(seed, gi * n + j) % 2**31, resume=resume,
+                                  images=getattr(g.item, "images", None))   # a resumed one keeps its prompt's images
 
         prescored: dict[int, tuple] = {}
 
@@ -92,11 +116,13 @@ def server_round(run, gen, active: list[GroupInProgress], need: int, seed: int, 
         specs = [spec_of(gi, g, j) for gi, g, j in work]
         sampling = replace(sampling_from_config(roll), n=1, seed=None)
         budgeted = bool(roll.over_sample_rate) or judge is not None
-        result = gen.generator.run_groups(specs, sampling, need if budgeted else None,
-                                          accept=accept if judge is not None else None,
-                                          more=more if judge is not None and supply is not None else None)
+        call = (specs, sampling, need if budgeted else None, accept if judge is not None else None,
+                more if judge is not None and supply is not None else None)
+    result = yield call
+    if gen.is_leader:
         outcome = ([(t.token_ids, t.logprobs, t.loss_mask, t.finish_reason, t.info) for t in result.trajectories],
-                   result.aborted, result.engine_busy, result.finished_groups, len(groups) - len(active),
+                   result.aborted, result.engine_busy, result.finished_groups if budgeted else list(range(len(groups))),
+                   len(groups) - len(active),
                    [prescored.get(gi) for gi in range(len(groups))])
     trajectories, aborted, busy, order, supplied, scored = from_leader(outcome, gen.mp_group, gen.is_leader,
                                                                        "server-mode rollouts")
@@ -118,7 +144,9 @@ def server_round(run, gen, active: list[GroupInProgress], need: int, seed: int, 
             st["generated"] += 1
     for g, pre in zip(groups, scored):
         g.prescored = pre
-    # the groups that finished first come first (they make the batch; the producer scores in this order)
+    # with a budget the groups that finished first come first (they make the batch; the producer scores
+    # in this order); without one every group is kept, in the order submitted (finishing order depends
+    # on timing once engines run in other processes, rollout.router = "driver")
     rank = {gi: k for k, gi in enumerate(order)}
     active.sort(key=lambda g: rank.get(position[id(g)], len(order)))
     st["aborted"] = st.get("aborted", 0.0) + aborted

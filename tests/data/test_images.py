@@ -154,3 +154,27 @@ def test_an_image_is_bounded_in_bytes_and_declared_pixels_before_it_is_decoded(t
     monkeypatch.setattr(images, "MAX_IMAGE_BYTES", len(buf.getvalue()) + 99)
     with pytest.raises(images.BadImage, match="image of more than"):
         images.decode_image({"path": str(big)})
+
+
+def test_kept_images_are_what_the_processor_turned_into_pixels(vl):
+    """An image the processor must resize (90x50 -> 84x56) is kept at that size; processing the kept
+    image again gives the same pixel values and grid bit for bit (vLLM's processor gets it), and
+    they equal the processor's own output for the original image."""
+    import numpy as np
+    from PIL import Image
+
+    from mrl.data.images import PLACEHOLDER
+
+    _, _, proc = vl
+    rng = np.random.RandomState(0)
+    original = Image.fromarray((rng.rand(50, 90, 3) * 255).astype("uint8"))
+    buf = io.BytesIO()
+    original.save(buf, format="PNG")
+    out = proc.process([buf.getvalue()], f"{PLACEHOLDER} how many?")
+    assert [im.size for im in out.images] == [(84, 56)]
+    assert out.image_grid_thw.tolist() == [[1, 4, 6]] and out.tokens_per_image == (6,)
+    again = proc.processor(images=list(out.images), return_tensors="pt")
+    assert torch.equal(again["pixel_values"], out.pixel_values)
+    assert torch.equal(again["image_grid_thw"], out.image_grid_thw)
+    direct = proc.processor(images=[original], return_tensors="pt")
+    assert torch.equal(direct["pixel_values"], out.pixel_values)

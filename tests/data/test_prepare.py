@@ -128,3 +128,55 @@ def test_a_reasoning_gym_task_writes_rows_its_scorer_reads(tmp_path):
     assert [r["reward_model"] for r in again] == [r["reward_model"] for r in train]
     with pytest.raises(UserError, match="reasoning-gym has no task 'chain_sun'; did you mean 'chain_sum'"):
         prepare.gym_rows("chain_sun", 2, 0, "train")
+
+
+def _png(w, h, colour):
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+GEO3K = [{"problem": "<image>Find x.", "answer": "3", "images": [{"bytes": _png(56, 56, "white"), "path": "a.png"}]},
+         {"problem": "<image>Find the area of the figure.", "answer": "12.5",
+          "images": [{"bytes": _png(90, 50, "black"), "path": "b.png"}]}]
+
+
+def test_geo3k_is_verls_multimodal_layout_and_trains_as_it_is(tmp_path, capsys):
+    """geometry3k in the hub's layout (data/<split>-*.parquet, images as {bytes, path}) -> verl's
+    geo3k rows: the problem with its <image> mark + verl's instruction, the images as they were;
+    mrl's loader (the tiny Qwen2.5-VL's processor) expands each mark to its image's tokens, and
+    `auto` routes the rows to verl's geo3k scorer. A row whose marks do not pair up is named."""
+    from mrl.data.images import model_image_processor
+    from mrl.models.config import ModelConfig
+    from mrl.models.megatron import hf_config
+    from mrl.models.tokenizer import load_tokenizer
+    from mrl.data.source import load_prompts
+
+    (tmp_path / "geo" / "data").mkdir(parents=True)
+    for split, recs in (("train", GEO3K), ("test", GEO3K[:1])):
+        pq.write_table(pa.Table.from_pylist(recs), tmp_path / "geo" / "data" / f"{split}-00000-of-00001.parquet")
+    assert main(["data", "geo3k", str(tmp_path / "geo"), str(tmp_path / "out")]) == 0
+    assert "train.parquet: 2 rows" in capsys.readouterr().out
+    table = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()
+    assert table[1]["prompt"] == [{"role": "user", "content": "<image>Find the area of the figure. " +
+                                   prepare.GEO3K_INSTRUCTION}]
+    assert table[1]["images"] == GEO3K[1]["images"] and table[1]["data_source"] == "hiyouga/geometry3k"
+    assert table[1]["reward_model"] == {"style": "rule", "ground_truth": "12.5"} and table[1]["ability"] == "math"
+    assert table[1]["extra_info"] == {"split": "train", "index": 1, "answer": "12.5",
+                                      "question": "<image>Find the area of the figure."}
+    model = ModelConfig(path="builtin:tiny-qwen2.5-vl")
+    hf = hf_config(model)
+    data = load_prompts(DataConfig(train_files=(str(tmp_path / "out" / "train.parquet"),)),
+                        load_tokenizer(model), images=model_image_processor(model.path, hf))
+    assert [it.images.tokens_per_image for it in data.items] == [(4,), (6,)]
+    assert [list(it.token_ids).count(hf["image_token_id"]) for it in data.items] == [4, 6]
+    truth = data.items[1]
+    assert b.auto("", "<think>half of 5 x 5</think> so \\boxed{12.5}", truth.answer,
+                  {"data_source": truth.data_source})["score"] == 1.0
+    pq.write_table(pa.Table.from_pylist([{**GEO3K[0], "problem": "Find x."}]), tmp_path / "bad.parquet")
+    with pytest.raises(UserError, match=r"bad.parquet split 'bad' row 0: 0 <image> mark\(s\) in 'problem' for 1 image"):
+        prepare.prepare_shaped("geo3k", str(tmp_path / "bad.parquet"), str(tmp_path / "o"))

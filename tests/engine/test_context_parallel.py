@@ -138,3 +138,103 @@ def test_attention_backends_under_context_parallelism():
     for bad in ("te", "flex"):
         with pytest.raises(UserError, match=f"'{bad}' does not take parallel.context = 2"):
             resolve_backend(bad, "cuda", 2)
+
+
+def test_bf16_cp_attention_rounds_as_the_whole_sequence_call():
+    """CP2's split softmax (each query chunk against its earlier chunks and its own, merged) in
+    bf16 gives CP1's `sdpa` output and q/K/V gradients up to float32 order: both run the float32
+    flash kernel and round once (`mrl.models.flash_cpu`), the K/V gradients of the chunks and
+    ranks summed in float32. Elements that differ are float32 sums landing on the other side of a
+    bf16 rounding boundary: one bf16 ulp, in well under 1% of the elements (the kernel that merged
+    two bf16 outputs differed in 45% of the outputs and 60% of dK: tools/bench/cp_bf16_rounding.py)."""
+    from mrl.models.attention import sdpa_packed
+
+    torch.manual_seed(0)
+    n, dt = 2, torch.bfloat16
+    lengths = [CP.padded_length(x, n) for x in (130, 41, 8)]
+    total = sum(lengths)
+    q = torch.randn(total, 4, 16, dtype=dt, requires_grad=True)
+    k = torch.randn(total, 2, 16, dtype=dt, requires_grad=True)
+    v = torch.randn(total, 2, 16, dtype=dt, requires_grad=True)
+    cp1 = sdpa_packed(q, k, v, torch.tensor([0] + lengths).cumsum(0), 0.25)
+    g = torch.randn_like(cp1)
+    want = [cp1.detach(), *torch.autograd.grad((cp1 * g).sum(), (q, k, v))]
+    out, dq = torch.zeros_like(q), torch.zeros_like(q)
+    dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)   # the ranks' sum (the all-reduce) in float32
+    for r in range(n):
+        lay = CP.layout(lengths, n, r)
+        qs = q.detach()[lay.index].requires_grad_()
+        ks, vs = k.detach().float().requires_grad_(), v.detach().float().requires_grad_()
+        o = CP._sdpa_cp(qs, ks, vs, lay, 0.25)
+        assert o.dtype == dt
+        out[lay.index] = o.detach()
+        a, b_, c = torch.autograd.grad((o * g[lay.index]).sum(), (qs, ks, vs))
+        dq[lay.index] = a
+        dk += b_
+        dv += c
+    for name, got, w in zip(("out", "dq", "dk", "dv"), (out, dq, dk.to(dt), dv.to(dt)), want):
+        differ = got != w
+        assert differ.float().mean().item() < 0.01, name
+        ulp = torch.ldexp(torch.ones(()), torch.frexp(w[differ].float().abs())[1] - 8)
+        assert ((got[differ].float() - w[differ].float()).abs() <= ulp).all(), name
+
+
+@pytest.mark.parametrize("gqa_kernel,dtype,tol", [(True, torch.float32, 2e-6), (False, torch.float32, 2e-6),
+                                                   (True, torch.bfloat16, 6.25e-2)])
+def test_varlen_cp_plumbing_with_a_stand_in_kernel(monkeypatch, gqa_kernel, dtype, tol):
+    """The CUDA path's bookkeeping on CPU: torch's `varlen_attn` (CUDA only) replaced by a dense
+    stand-in with its contract (per query "sequence", a bottom-right causal mask over its key
+    "sequence"; `enable_gqa` or K/V repeated per query head, as torch releases differ). Every
+    rank's chunks against their key prefixes give causal attention per sequence and its
+    gradients; the kernel gets K/V in q's dtype, cut from float32 rows whose gradients stay
+    float32 (summed over chunks there)."""
+    import inspect
+
+    import torch.nn.attention.varlen as varlen
+
+    seen = []
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        assert window_size == (-1, 0) and k.dtype == q.dtype and v.dtype == q.dtype
+        seen.append((k.shape[1], enable_gqa))
+        outs = []
+        for i in range(len(cu_q) - 1):
+            qs, ks, vs = q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+            rep = qs.shape[1] // ks.shape[1]
+            ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)
+            nq, nk = qs.shape[0], ks.shape[0]
+            mask = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)   # bottom-right
+            o = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(0, 1) for x in (qs, ks, vs)),
+                                                                 attn_mask=mask, scale=scale)
+            outs.append(o.transpose(0, 1))
+        return torch.cat(outs)
+
+    if not gqa_kernel:   # a torch release without `enable_gqa`
+        stand_in.__signature__ = inspect.Signature([p for p in inspect.signature(stand_in).parameters.values()
+                                                    if p.name != "enable_gqa"])
+    monkeypatch.setattr(varlen, "varlen_attn", stand_in)
+    torch.manual_seed(0)
+    n = 2
+    lengths = [CP.padded_length(x, n) for x in (8, 21, 3)]
+    total = sum(lengths)
+    # inputs rounded to `dtype`; the reference in float32
+    q, k, v = (torch.randn(total, h, 16).to(dtype).float().requires_grad_() for h in (4, 2, 2))
+    ref = CP.reference_attention(q, k, v, lengths, 0.25)
+    g = torch.randn_like(ref)
+    want = [ref.detach(), *torch.autograd.grad((ref * g).sum(), (q, k, v))]
+    out, gq, gk, gv = torch.zeros_like(ref), torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for r in range(n):
+        lay = CP.layout(lengths, n, r)
+        qs = q.detach()[lay.index].to(dtype).requires_grad_()
+        ks, vs = k.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()   # float32 rows
+        o = CP._varlen_cp(qs, ks, vs, lay, 0.25)
+        assert o.dtype == dtype
+        out[lay.index] = o.detach().float()
+        a, b_, c = torch.autograd.grad((o.float() * g[lay.index]).sum(), (qs, ks, vs))
+        assert b_.dtype == c.dtype == torch.float32
+        gq[lay.index] = a.float()
+        gk += b_
+        gv += c
+    assert set(seen) == ({(2, True)} if gqa_kernel else {(4, False)})
+    for name, got, w in zip(("out", "dq", "dk", "dv"), (out, gq, gk, gv), want):
+        assert (got - w).abs().max().item() <= tol, name

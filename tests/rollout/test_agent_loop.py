@@ -220,6 +220,9 @@ SERVER = ["rollout.engine=vllm", "rollout.mode=server"]
     ([*SERVER, "rollout.multi_turn.agent=x.py:f"], "rollout.multi_turn.agent", "rollout.multi_turn.enable"),
     ([*SERVER, "rollout.placement=separate", "rollout.ranks=1", "rollout.tensor_parallel=2", "platform.ranks_per_node=3"],
      "rollout.tensor_parallel", "one engine per rollout rank"),
+    (["rollout.router=driver"], "rollout.router", "needs rollout.mode = 'server'"),
+    ([*SERVER, "rollout.router=driver", 'reward.sources=[{name="rm",model_path="/nowhere/rm"}]', "reward.function=null"],
+     "rollout.router", "a reward model (reward.model_path) runs on every rank"),
 ])
 def test_validate_refuses_impossible_server_settings_in_one_line(patch, key, fragment):
     from mrl.config.loader import load
@@ -247,6 +250,9 @@ def test_validate_accepts_server_mode_with_over_sampling():
 
     spec, _ = load(QUICKSTART, [*SERVER, "rollout.over_sample_rate=0.25", "rollout.max_staleness=1"])
     assert spec.rollout.mode == "server" and spec.rollout.over_sample_rate == 0.25
+    spec, _ = load(QUICKSTART, [*SERVER, "rollout.router=driver", "rollout.placement=separate", "rollout.ranks=2",
+                                "platform.ranks_per_node=4"])
+    assert spec.rollout.router == "driver"
 
 
 def test_a_server_rollout_past_its_timeout_is_one_line_and_aborts_its_requests():

@@ -203,11 +203,14 @@ def test_preset_builds_and_refusals(platform):
                                distill=SimpleNamespace(model_path=teacher))
 
     assert training_problem(spec(), hf) is None
-    assert training_problem(spec(engine="vllm"), hf) == ("model.path: qwen2_5_vl (vision-language) does not run with "
-                                                         "rollout.engine = 'vllm' (images reach the hf engine only) yet")
-    assert "rollout.multi_turn" in training_problem(spec(multi_turn=SimpleNamespace(enable=True)), hf)
+    for runs in (dict(engine="vllm"), dict(mode="server"), dict(engine="vllm", mode="server"),
+                 dict(partial_rollout_tokens=4), dict(multi_turn=SimpleNamespace(enable=True))):
+        assert training_problem(spec(**runs), hf) is None, runs   # every request carries its prompt's images
+    assert training_problem(spec(engine="sglang"), hf) == ("model.path: qwen2_5_vl (vision-language) does not run with "
+                                                           "rollout.engine = 'sglang' (images reach the hf and vllm "
+                                                           "engines only) yet")
     assert "distillation teacher" in training_problem(spec(teacher="builtin:tiny-qwen2"), hf)
-    assert training_problem(spec(engine="vllm"), {"model_type": "qwen2"}) is None
+    assert training_problem(spec(engine="sglang"), {"model_type": "qwen2"}) is None
 
     hf3 = hf_config(ModelConfig(path="builtin:tiny-qwen3-vl"))
     assert hf3["model_type"] == "qwen3_vl" and hf3["num_hidden_layers"] == 4 and hf3["head_dim"] == 32
@@ -254,5 +257,5 @@ def test_validate_refuses_a_vlm_job_train_would_refuse(capsys):
 
     assert main(["validate", "jobs/quickstart_vlm_cpu.toml"]) == 0
     capsys.readouterr()
-    assert main(["validate", "jobs/quickstart_vlm_cpu.toml", "rollout.engine=vllm"]) == 2
-    assert "qwen2_5_vl (vision-language) does not run with rollout.engine = 'vllm'" in capsys.readouterr().err
+    assert main(["validate", "jobs/quickstart_vlm_cpu.toml", "rollout.engine=sglang"]) == 2
+    assert "qwen2_5_vl (vision-language) does not run with rollout.engine = 'sglang'" in capsys.readouterr().err

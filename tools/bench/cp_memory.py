@@ -3,6 +3,7 @@ without context parallelism (CPU, gloo, 2 ranks).
 
     python tools/bench/cp_memory.py                    # 16384 tokens: CP1 (DP2) and CP2 (DP1)
     python tools/bench/cp_memory.py --tokens 32768 --layers 4
+    python tools/bench/cp_memory.py --dtype bfloat16    # bf16 parameters and activations
 
 Each run is `torchrun --nproc_per_node 2` of this file with `--worker`: a tiny Qwen2-shaped model
 (`--hidden`, `--layers`, 8 heads / 2 KV heads, vocabulary 1024) and one response of `--tokens`
@@ -35,7 +36,8 @@ def worker(args) -> None:
     from mrl.engine.objectives import PolicyObjective
     from mrl.optim import build_optimizer, wrap_ddp
     from mrl.optim.config import OptimConfig
-    from mrl.platform import setup, teardown, tiny_model as tm
+    from mrl.models import tiny_model as tm
+    from mrl.platform import setup, teardown
     from mrl.platform.config import ParallelConfig, PlatformConfig
 
     ctx = setup(PlatformConfig(device="cpu", nodes=1, ranks_per_node=2, collective_timeout_s=600),
@@ -43,7 +45,9 @@ def worker(args) -> None:
     spec = tm.TinyGPTSpec(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
                           num_query_groups=2, ffn_hidden_size=2 * args.hidden, vocab_size=1024,
                           seq_length=args.tokens + 64)
-    model = tm.build_tiny_gpt(spec)
+    dtype = getattr(torch, args.dtype)
+    config = tm.tiny_gpt_config(spec, params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    model = tm.build_tiny_gpt(spec, config=config)
     ddp = wrap_ddp([model], distributed_optimizer=False)
     eng = Engine(ddp, optimizer=build_optimizer(ddp, OptimConfig(lr=1e-5), distributed_optimizer=False))
     obj = PolicyObjective(loss="ppo")
@@ -63,7 +67,7 @@ def worker(args) -> None:
     torch.distributed.all_gather_object(peaks, (before, after))
     if ctx.rank == 0:
         for r, (b, a) in enumerate(peaks):
-            print(f"CP{args.context} rank {r}: peak RSS {a:.0f} MB (after warm-up {b:.0f} MB; the {args.tokens}-token "
+            print(f"CP{args.context} {args.dtype} rank {r}: peak RSS {a:.0f} MB (after warm-up {b:.0f} MB; the {args.tokens}-token "
                   f"step adds {a - b:.0f} MB)", flush=True)
     teardown()
 
@@ -75,6 +79,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--contexts", type=int, nargs="+", default=[1, 2])
     p.add_argument("--context", type=int, default=1)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--worker", action="store_true")
     args = p.parse_args()
     if args.worker:
@@ -88,7 +93,7 @@ def main() -> None:
     for cp in args.contexts:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(free_port()), __file__, "--worker", "--context", str(cp), "--tokens",
-               str(args.tokens), "--hidden", str(args.hidden), "--layers", str(args.layers)]
+               str(args.tokens), "--hidden", str(args.hidden), "--layers", str(args.layers), "--dtype", args.dtype]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo_pythonpath()}
         out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if out.returncode:

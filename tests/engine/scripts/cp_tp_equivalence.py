@@ -1,6 +1,8 @@
-"""TP2 x CP2 on 4 ranks (gloo) equals one naive whole-batch call: eval log-probs, loss and every
-gradient (each rank's TP shard) of token-mean PPO on a packed uneven batch, at 1 and 3
-micro-batches. Run by the GPU tier (4 CPU ranks; the CPU CI machine has 2 cores)."""
+"""TP2 x CP2 and PP2 x CP2 on 4 ranks (gloo) equal one naive whole-batch call: eval log-probs,
+loss and every gradient (each rank's TP shard, or its pipeline stage's layers) of token-mean PPO
+on a packed uneven batch, at 1 and 3 micro-batches (under PP the stages exchange the CP ranks'
+local rows, whose lengths differ per micro-batch). Run by the GPU tier (4 CPU ranks; the CPU CI
+machine has 2 cores)."""
 import torch
 
 import _engine_common as E
@@ -39,6 +41,29 @@ def main():
                     for n, g in grads.items())
         C.report(f"tp2_cp2_mb{k}_grads", worst)
         C.report(f"tp2_cp2_mb{k}_loss", abs(loss - want_loss))
+    teardown()
+
+    ctx = up(pipeline=2, context=2)   # DP = 1
+    assert ctx.layout.cp == 2 and ctx.layout.pp == 2, ctx.layout
+    from megatron.core import parallel_state as ps
+
+    offset = ps.get_pipeline_model_parallel_rank() * SPEC.num_layers // 2
+
+    def stage_engine():
+        model = E.tm.build_tiny_gpt(SPEC)
+        E.load_full(model, params0, 1, 0, layer_offset=offset)
+        return E.actor_engine(None, chunks=[model])
+
+    got = stage_engine().forward_only(batch, actor_outputs(), micro_batch_tokens=CPE.budget_for(batch, 2))["logprobs"]
+    C.report("pp2_cp2_eval_logprobs", C.check("pp2 x cp2 logprobs", got, want_logp, tol=1e-5))
+    for k in (1, 3):
+        eng = stage_engine()
+        m = eng.forward_backward(batch, CPE.PPO, micro_batch_tokens=CPE.budget_for(batch, k))
+        assert m["micro_batches"] == max(k, 2), m   # the schedule takes at least PP micro-batches
+        worst = max(C.check(f"grad {n} (pp2 x cp2, {k} micro-batches)", g, want[E._global_name(n, offset)], tol=1e-6)
+                    for n, g in CPE.grads_of(eng).items())
+        C.report(f"pp2_cp2_mb{k}_grads", worst)
+        C.report(f"pp2_cp2_mb{k}_loss", abs(m["loss"] - want_loss))
     teardown()
 
 

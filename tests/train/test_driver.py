@@ -1,0 +1,51 @@
+"""`mrl.train.driver`'s rules without a launch: who produces and which shards it samples with one
+router on the driver (`rollout.router = "driver"`), and `waits_within` scoping a rank's waits.
+The two-process runs: `tests/train/test_driver_router.py`."""
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+from mrl.train.driver import driver_routes, produces, shards_of
+
+
+def _spec(router="driver", mode="server"):
+    return NS(rollout=NS(router=router, mode=mode))
+
+
+PLAN = NS(dp=4, separate=False, shards_of_group=lambda g: [g, g + 2], engine_group_of=lambda r: r % 2)
+
+
+def test_the_driver_group_samples_and_produces_every_shard():
+    colocated = [NS(role="train", rank=r, global_rank=r, dp_rank=r // 2) for r in range(8)]   # TP 2 x DP 4
+    leaders = [r - r % 2 for r in range(8)]
+    assert [shards_of(_spec(), PLAN, c, leader) for c, leader in zip(colocated, leaders)] == \
+        [[0, 1, 2, 3]] * 2 + [[1], [1], [2], [2], [3], [3]]
+    assert [produces(_spec(), c, NS(leader=leader)) for c, leader in zip(colocated, leaders)] == [True] * 2 + [False] * 6
+    # one router per leader: every rank its own shard, every rank produces
+    assert [shards_of(_spec("leader"), PLAN, c, leader) for c, leader in zip(colocated, leaders)] == \
+        [[0], [0], [1], [1], [2], [2], [3], [3]]
+    assert all(produces(_spec("leader"), c, NS(leader=leader)) for c, leader in zip(colocated, leaders))
+    separate = NS(**{**PLAN.__dict__, "separate": True})
+    rollout = [NS(role="rollout", rank=r, global_rank=4 + r, dp_rank=0) for r in range(2)]
+    assert [shards_of(_spec(), separate, c, 0) for c in rollout] == [[0, 1, 2, 3], [1, 3]]
+    assert [produces(_spec(), c, NS(leader=c.global_rank)) for c in rollout] == [True, False]
+    assert [shards_of(_spec("leader"), separate, c, 0) for c in rollout] == [[0, 2], [1, 3]]
+
+
+def test_driver_routes_only_in_server_mode():
+    assert driver_routes(_spec()) and not driver_routes(_spec("leader")) and not driver_routes(_spec(mode="spmd"))
+
+
+def test_waits_within_scopes_and_restores():
+    from mrl.platform import dist as mdist
+
+    calls = []
+    real = mdist.dist.barrier
+    mdist.dist.barrier = lambda group=None: calls.append(group)
+    try:
+        with mdist.waits_within(None):   # the driver alone: nobody to wait for, even with a world
+            mdist.wait_for_peers("alone")
+            assert mdist._STATE.local.wait_within is None
+        assert calls == [] and mdist._STATE.local.wait_within is mdist._EVERY_RANK
+    finally:
+        mdist.dist.barrier = real
