@@ -5,6 +5,10 @@ with a few random grey squares on it, and the question "<image>Colour? 1 = red, 
 answer is only in the image. The reward: 0.5 when the response starts with "1" or "2" (the format,
 learned first), plus 0.5 when that digit is the right one (which needs the image). A random policy
 scores about 0.004; guessing the format alone 0.75; reading the image 1.0.
+
+`conversations` is the same task for `mrl sft` (jobs/sft_vlm_cpu.toml): two-turn chats, an image
+in each user turn (a chat image part, then an `<image>` mark), the answer digit in each assistant
+turn, so the second image comes after the first trained token.
 """
 import io
 import random
@@ -33,6 +37,21 @@ def prompts(size: int, seed: int) -> list[dict]:
         answer = rng.choice(sorted(COLOURS))
         rows.append({"prompt": "<image>Colour? 1 = red, 2 = blue:", "answer": answer,
                      "images": [{"bytes": _image(rng, COLOURS[answer]), "path": None}]})
+    return rows
+
+
+def conversations(size: int, seed: int) -> list[dict]:
+    """`size` two-turn chats in verl's multimodal layout (`messages` and `images` columns)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(size):
+        a, b = rng.choice(sorted(COLOURS)), rng.choice(sorted(COLOURS))
+        rows.append({"messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour? 1 = red, 2 = blue:"}]},
+            {"role": "assistant", "content": a},
+            {"role": "user", "content": "<image>And this one?"},
+            {"role": "assistant", "content": b},
+        ], "images": [{"bytes": _image(rng, COLOURS[a]), "path": None}, {"bytes": _image(rng, COLOURS[b]), "path": None}]})
     return rows
 
 

@@ -107,6 +107,14 @@ def check(spec: SFTJobSpec, report) -> None:
         err(key, message)
     for key, message in warnings:
         warn(key, message)
+    from mrl.models.facts import find_hf_config
+    from mrl.models.vlm import sft_problem
+
+    found = find_hf_config(spec.model.path)   # what `mrl sft` refuses of a (vision-language) model
+    problem = sft_problem(spec, found[0]) if found is not None else None
+    if problem:
+        key, _, message = problem.partition(": ")
+        err(key, message)
     sched = sft.schedule
     if sched.warmup_ratio is not None and sched.warmup_steps:
         err("sft.schedule.warmup_ratio", f"set either warmup_ratio ({sched.warmup_ratio}) or warmup_steps ({sched.warmup_steps})")

@@ -161,7 +161,8 @@ def check(spec: JobSpec, report) -> None:
     found = find_hf_config(spec.model.path)   # a vision-language model: what `mrl train` runs with images
     vlm_problem = training_problem(spec, found[0]) if found is not None else None
     if vlm_problem:
-        err("model.path", vlm_problem.split(": ", 1)[1])
+        key, _, message = vlm_problem.partition(": ")
+        err(key, message)
 
     # --- batch arithmetic: prompts -> responses -> tokens
     n = roll.responses_per_prompt

@@ -203,7 +203,7 @@ def model_image_processor(model_path: str, hf: dict[str, Any]) -> "ImageProcesso
     """The job's `mrl.data.images.ImageProcessor` for a VLM (None for a text model): the
     checkpoint's own image processor (`preprocessor_config.json`), or the tiny preset's."""
     from mrl.errors import UserError
-    from mrl.models.vlm import TINY_IMAGE_PROCESSOR, is_vlm, mrope_position_ids
+    from mrl.models.vlm import is_vlm, mrope_position_ids, tiny_image_processor
 
     if not is_vlm(hf):
         return None
@@ -213,10 +213,7 @@ def model_image_processor(model_path: str, hf: dict[str, Any]) -> "ImageProcesso
         return mrope_position_ids(hf, ids, grid)
 
     if model_path.startswith("builtin:"):   # a preset (`mrl.models.facts`) has no files
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-        return ImageProcessor(Qwen2VLImageProcessorPil(**TINY_IMAGE_PROCESSOR), VisionTokens(merge_size=merge),
-                              positions)
+        return ImageProcessor(tiny_image_processor(hf), VisionTokens(merge_size=merge), positions)
     from transformers import AutoImageProcessor
 
     try:

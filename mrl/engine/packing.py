@@ -209,15 +209,19 @@ def pack(batch: Batch, index: Sequence[int], *, pad_to_multiple: int = 1,
 def _vision_row(items, p_lens: list[int], r_lens: list[int], padding: int) -> tuple[torch.Tensor, dict]:
     """A row with images (vision-language models): `[3, 1, T]` mRoPE ids (each prompt's own from its
     `ImageInputs`, its response counting on from one past the prompt's largest id, text-only
-    prompts the same id thrice) and the row's images in row order."""
+    prompts the same id thrice) and the row's images in row order. Ids that cover the whole
+    sequence (an SFT example, whose images may follow its first trained token) are taken whole."""
     parts, pixels, grids = [], [], []
     for it, p, r in zip(items, p_lens, r_lens):
         img = getattr(it, "images", None)
         prompt = img.prompt_positions if img is not None else torch.arange(p).expand(3, p)
-        if prompt.shape[1] != p:
+        if prompt.shape[1] == p + r and r:
+            parts.append(prompt)
+        elif prompt.shape[1] != p:
             raise ValueError(f"mRoPE ids for {prompt.shape[1]} prompt tokens, the prompt has {p}")
-        start = int(prompt.max()) + 1 if p else 0
-        parts += [prompt, (start + torch.arange(r)).expand(3, r)]
+        else:
+            start = int(prompt.max()) + 1 if p else 0
+            parts += [prompt, (start + torch.arange(r)).expand(3, r)]
         if img is not None:
             pixels.append(img.pixel_values)
             grids.append(img.image_grid_thw)

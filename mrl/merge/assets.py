@@ -106,14 +106,12 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_p
 def write_processor(out: Path, model_path: Optional[str], hf: dict[str, Any]) -> list[str]:
     """A vision-language model's processor files (verl #4498: a VL checkpoint merged without them
     cannot be used): copied from the model directory, or the tiny preset's image processor."""
-    from mrl.models.vlm import TINY_IMAGE_PROCESSOR, is_vlm
+    from mrl.models.vlm import is_vlm, tiny_image_processor
 
     if not is_vlm(hf):
         return []
     if model_path and builtin_preset(model_path) is not None:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-        return [Path(p).name for p in Qwen2VLImageProcessorPil(**TINY_IMAGE_PROCESSOR).save_pretrained(str(out))]
+        return [Path(p).name for p in tiny_image_processor(hf).save_pretrained(str(out))]
     src = _local_dir(model_path) or _hub_snapshot(model_path, PROCESSOR_FILES[0])
     copied = []
     for name in PROCESSOR_FILES:

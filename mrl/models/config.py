@@ -24,3 +24,12 @@ class ModelConfig:
         "auto", help="core attention on packed sequences: te (Transformer Engine), varlen (torch flash, cuda), "
                      "sdpa (per-sequence scaled_dot_product_attention), flex (flex_attention, document mask); "
                      "auto = te if installed on cuda, else varlen on cuda, sdpa on cpu")
+
+
+@section
+class VisionConfig:
+    """A vision-language model's vision tower (`mrl.models.vlm_gpt`)."""
+
+    trainable: bool = option(False, help="train the vision tower with the language model (gradients averaged over "
+                                         "tensor parallelism, optimizer state, checkpoints and weight sync include "
+                                         "it); false: frozen. Vision-language models only")

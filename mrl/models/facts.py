@@ -124,6 +124,21 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
         vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
                            fullatt_block_indexes=[1], tokens_per_second=2)),
+    # Qwen3-VL: a Qwen3 text model (QK-norm, head dim 32, 4 layers so that both deepstack layers
+    # sit on the first of two pipeline stages) with interleaved mRoPE sections 6/5/5 of its 16
+    # frequencies, and a 2-block tower (16-pixel patches, 2x2 merge: a 64x64 image is 4 tokens) whose
+    # blocks 0 and 1 feed deepstack features into decoder layers 0 and 1.
+    "tiny-qwen3-vl": dict(
+        model_type="qwen3_vl", image_token_id=260, video_token_id=262, vision_start_token_id=259,
+        vision_end_token_id=261, tie_word_embeddings=True,
+        text_config=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=1024,
+                         rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[6, 5, 5],
+                                              mrope_interleaved=True),
+                         bos_token_id=256, eos_token_id=256),
+        vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                           deepstack_visual_indexes=[0, 1])),
 }
 
 # Checkpoint model types that are another type's architecture under their own name: mrl reads

@@ -36,7 +36,7 @@ from mrl.models.vlm import complete as complete_vlm
 from mrl.models.vlm import is_vlm, mrope_section
 from mrl.platform.config import ParallelConfig
 
-SUPPORTED_MODEL_TYPES = tuple(t for t in ARCHITECTURES if t not in MODEL_TYPE_ALIASES) + ("qwen2_5_vl",)
+SUPPORTED_MODEL_TYPES = tuple(t for t in ARCHITECTURES if t not in MODEL_TYPE_ALIASES) + ("qwen2_5_vl", "qwen3_vl")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Quantized checkpoints mrl dequantizes on load (`mrl.weights.stacked`), by model type.
 DEQUANTIZED_ON_LOAD = {"gpt_oss": ("mxfp4",)}
@@ -169,11 +169,11 @@ def hf_inv_freq(hf: dict[str, Any], layer_type: str | None = None) -> torch.Tens
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UserError(f"model.path: RoPE type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    cfg = AutoConfig.for_model(**hf)
     if rope_type == "default":
         base = float(params["rope_theta"])
         dim = int((hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) * rotary_fraction(hf))
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    cfg = AutoConfig.for_model(**hf)   # (not for the default type: a flat VLM config would warn about its mRoPE keys)
     per_layer = {"layer_type": layer_type or "full_attention"} if "full_attention" in (hf.get("rope_parameters") or {}) else {}
     inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"), **per_layer)
     rope_attention_factor(hf)   # its refusals
@@ -276,7 +276,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
         add_bias_linear=False,
         add_qkv_bias=(model_type in ("qwen2", "qwen2_5_vl") or bool(hf.get("attention_bias", False))
                       or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)))),
-        qk_layernorm=model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(hf.get("use_qk_norm"))),
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe", "qwen3_vl") or (model_type == "glm4_moe" and bool(hf.get("use_qk_norm"))),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=hf.get("initializer_range", 0.02),

@@ -1,16 +1,21 @@
-"""Vision-language models (Qwen2.5-VL): megatron-core's GPTModel with mRoPE plus the Hugging Face
-vision tower on the first pipeline stage (slime's native path).
+"""Vision-language models (Qwen2.5-VL, Qwen3-VL): megatron-core's GPTModel with mRoPE plus the
+Hugging Face vision tower on the first pipeline stage (slime's native path).
 
 The language model is megatron-core's `GPTModel` with multimodal RoPE: every token has three
 position ids (temporal, height, width), computed by the checkpoint's own `get_rope_index`
 (`transformers`), and the rotary angles of the head dimension's three sections (`mrope_section`)
-follow one id each. Text-only rows take the same id three times, which is plain RoPE.
+follow one id each. Text-only rows take the same id three times, which is plain RoPE. Qwen2.5-VL
+gives each section a contiguous run of frequencies; Qwen3-VL interleaves them (frequency `j` follows
+height when `j % 3 == 1`, width when `j % 3 == 2`, within the first `3 x section` frequencies, and
+temporal otherwise; `transformers`' `Qwen3VLTextRotaryEmbedding.recomposition_frequencies`).
 
 The vision tower is `transformers`' own module (megatron-core has no Qwen-VL tower), replicated
 on every tensor-parallel rank of the first pipeline stage and frozen (run without autograd). Its
 merged patch features replace the word embeddings of the image placeholder tokens, and the row
 enters the decoder as megatron's embedding output (sequence-parallel scatter included), so the
-rest of the model is megatron's unchanged.
+rest of the model is megatron's unchanged. Qwen3-VL's tower also gives "deepstack" features (one
+per `vision_config.deepstack_visual_indexes` entry, from intermediate tower blocks): the k-th is
+added to the image tokens' hidden states after decoder layer k.
 
 mrl's config form of a VLM (`hf` everywhere in mrl) is flat: the text config's fields at the top
 level (so every text-model code path reads them as for Qwen2), the VLM's `model_type`, its
@@ -20,7 +25,9 @@ from __future__ import annotations
 
 from typing import Any
 
-VLM_MODEL_TYPES = ("qwen2_5_vl",)
+VLM_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
+#: each type's default mRoPE split of the rotary half-dimension (temporal, height, width)
+_SECTIONS = {"qwen2_5_vl": [16, 24, 24], "qwen3_vl": [24, 20, 20]}
 #: top-level fields of a VLM config.json that are not the text model's
 _TOP = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "tie_word_embeddings")
 #: what `flatten` adds on top of the text fields; `nested` moves it back out
@@ -70,34 +77,60 @@ def hf_config_object(hf: dict[str, Any]):
 
 
 def mrope_section(hf: dict[str, Any]) -> list[int]:
-    """The rotary half-dimension's split over (temporal, height, width); Qwen2.5-VL's default is [16, 24, 24]."""
-    return list(hf.get("rope_parameters", {}).get("mrope_section") or [16, 24, 24])
+    """The rotary half-dimension's split over (temporal, height, width); Qwen2.5-VL's default is
+    [16, 24, 24], Qwen3-VL's [24, 20, 20]."""
+    return list(hf.get("rope_parameters", {}).get("mrope_section") or _SECTIONS[hf["model_type"]])
 
 
-def vision_tower(hf: dict[str, Any], dtype: "torch.dtype") -> "torch.nn.Module":
-    """`transformers`' Qwen2.5-VL vision tower for `hf`, random (the checkpoint import fills it).
+def mrope_interleaved(hf: dict[str, Any]) -> bool:
+    """Whether the sections interleave over the frequencies (Qwen3-VL: `transformers` always does,
+    whatever `mrope_interleaved` says) rather than take contiguous runs (Qwen2.5-VL)."""
+    return hf["model_type"] == "qwen3_vl"
+
+
+def deepstack_layers(hf: dict[str, Any]) -> int:
+    """How many decoder layers (the first ones) take deepstack features (Qwen3-VL; 0 otherwise)."""
+    if hf["model_type"] != "qwen3_vl":
+        return 0
+    return len(hf_config_object(hf).vision_config.deepstack_visual_indexes)
+
+
+def _classes(hf: dict[str, Any]):
+    """(the tower's class, the image-text model class whose `get_rope_index` gives the mRoPE ids)."""
+    if hf["model_type"] == "qwen3_vl":
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel, Qwen3VLVisionModel
+
+        return Qwen3VLVisionModel, Qwen3VLModel
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (Qwen2_5_VisionTransformerPretrainedModel,
+                                                                    Qwen2_5_VLModel)
+
+    return Qwen2_5_VisionTransformerPretrainedModel, Qwen2_5_VLModel
+
+
+def vision_tower(hf: dict[str, Any], dtype: "torch.dtype", device: "torch.device | str | None" = None) -> "torch.nn.Module":
+    """`transformers`' vision tower for `hf` (Qwen2.5-VL's or Qwen3-VL's), random (the checkpoint
+    import fills it); on the meta device (sizes only) when `device` is "meta".
 
     Drawn from the current torch seed in a forked RNG, so every rank builds the same tower and
     megatron's RNG streams are untouched."""
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-
     import torch
 
     cfg = hf_config_object(hf).vision_config
+    if device == "meta":
+        with torch.device("meta"):
+            return _classes(hf)[0]._from_config(cfg, **({"dtype": dtype} if dtype is not None else {}))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch.initial_seed())
-        tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(cfg, dtype=dtype)
+        tower = _classes(hf)[0]._from_config(cfg, dtype=dtype)
     return tower
 
 
 class _RopeIndex:
-    """What `Qwen2_5_VLModel.get_rope_index` reads of its model: the config and `get_vision_position_ids`."""
+    """What the model class's `get_rope_index` reads of its model: the config and `get_vision_position_ids`."""
 
-    def __init__(self, config):
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
-
+    def __init__(self, config, model_class):
         self.config = config
-        self.get_vision_position_ids = lambda *a, **k: Qwen2_5_VLModel.get_vision_position_ids(self, *a, **k)
+        self.get_vision_position_ids = lambda *a, **k: model_class.get_vision_position_ids(self, *a, **k)
 
 
 _ROPE_INDEX: dict[int, _RopeIndex] = {}
@@ -109,15 +142,15 @@ def mrope_position_ids(hf: dict[str, Any], input_ids: torch.Tensor, image_grid_t
     (`transformers`): text positions count on, an image's tokens take (start, row, column) ids.
     `image_grid_thw` lists the row's images in order; padding (`attention_mask` 0) gets 0."""
     import torch
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 
+    model_class = _classes(hf)[1]
     key = id(hf)
     if key not in _ROPE_INDEX:
         _ROPE_INDEX.clear()
-        _ROPE_INDEX[key] = _RopeIndex(hf_config_object(hf))
+        _ROPE_INDEX[key] = _RopeIndex(hf_config_object(hf), model_class)
     types = (input_ids == hf["image_token_id"]).to(torch.int32)
-    pos, _ = Qwen2_5_VLModel.get_rope_index(_ROPE_INDEX[key], input_ids, types, image_grid_thw=image_grid_thw,
-                                            attention_mask=attention_mask)
+    pos, _ = model_class.get_rope_index(_ROPE_INDEX[key], input_ids, types, image_grid_thw=image_grid_thw,
+                                        attention_mask=attention_mask)
     return pos
 
 
@@ -133,6 +166,17 @@ def packed_mrope_position_ids(hf: dict[str, Any], sequences: list[torch.Tensor],
 #: the tiny preset's image processor: 14-pixel patches, 2x2 merge, 56x56 to 112x112 pixels (4 to 16 tokens)
 TINY_IMAGE_PROCESSOR = dict(patch_size=14, merge_size=2, temporal_patch_size=2,
                             size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
+#: tiny-qwen3-vl's: Qwen3-VL's 16-pixel patches and [0.5] normalisation, 64x64 to 128x128 pixels (4 to 16 tokens)
+TINY_QWEN3_IMAGE_PROCESSOR = dict(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
+                                  image_std=[0.5] * 3, size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128})
+
+
+def tiny_image_processor(hf: dict[str, Any]):
+    """`transformers`' image processor of a tiny preset (a preset has no `preprocessor_config.json`)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(**(TINY_QWEN3_IMAGE_PROCESSOR if hf["model_type"] == "qwen3_vl"
+                                       else TINY_IMAGE_PROCESSOR))
 
 
 #: placeholder token fields of a VLM config: never sampled (`mrl.rollout.hf`), so the trainer's policy bans them too
@@ -143,7 +187,15 @@ def training_problem(spec: Any, hf: dict[str, Any]) -> str | None:
     """One line on why `mrl train` cannot run this job with a vision-language model yet, or None.
     What runs: the hf and vllm rollout engines (spmd or server mode, multi-turn, partial rollouts:
     every request carries its prompt's images), no context parallelism, no distillation teacher.
-    The rest is refused rather than run without its images."""
+    The rest is refused rather than run without its images. `actor.vision.trainable` needs a
+    tower, full parameters (LoRA checkpoints hold the adapters only) and, for deepstack, no full
+    recomputation (the recomputed layers would lose the deepstack features' gradients)."""
+    vision = getattr(getattr(spec, "actor", None), "vision", None)
+    if vision is not None and vision.trainable:
+        problem = trainable_tower_problem(hf, lora_rank=spec.actor.lora.rank, recompute=spec.actor.recompute,
+                                          key="actor")
+        if problem:
+            return problem
     if not is_vlm(hf):
         return None
     roll = spec.rollout
@@ -154,6 +206,33 @@ def training_problem(spec: Any, hf: dict[str, Any]) -> str | None:
                        "a distillation teacher (distill.model_path: the teacher's forward takes no images)")):
         if bad:
             return f"model.path: {hf['model_type']} (vision-language) does not run with {what} yet"
+    return None
+
+
+def trainable_tower_problem(hf: dict[str, Any], *, lora_rank: int, recompute: str, key: str) -> str | None:
+    """One line on why `<key>.vision.trainable = true` cannot run with this model, or None."""
+    if not is_vlm(hf):
+        return f"{key}.vision.trainable: model_type {hf.get('model_type')!r} has no vision tower"
+    if lora_rank:
+        return (f"{key}.vision.trainable: does not run with {key}.lora (its checkpoints and merges hold the adapters "
+                "only, so the trained tower would be lost)")
+    if recompute == "full" and deepstack_layers(hf):
+        return (f"{key}.vision.trainable: does not run with {key}.recompute = 'full' for {hf['model_type']} (the "
+                "recomputed decoder layers would drop the deepstack features' gradients); use 'selective'")
+    return None
+
+
+def sft_problem(spec: Any, hf: dict[str, Any]) -> str | None:
+    """One line on why `mrl sft` cannot run this job's vision settings, or None: a trainable tower
+    needs a vision-language model (full parameters, and for deepstack no full recompute), and
+    images do not travel with context parallelism yet."""
+    s = spec.sft
+    if s.vision.trainable:
+        problem = trainable_tower_problem(hf, lora_rank=s.lora.rank, recompute=s.recompute, key="sft")
+        if problem:
+            return problem
+    if is_vlm(hf) and spec.parallel.context > 1:
+        return f"model.path: {hf['model_type']} (vision-language) does not run with parallel.context > 1 yet"
     return None
 
 

@@ -2,9 +2,16 @@
 
 `VisionLanguageGPT` is a `GPTModel` (so every megatron and mrl code path that takes one takes it):
 its rotary module is megatron's `MultimodalRotaryEmbedding` with the checkpoint's inverse
-frequencies, its position ids are `[3, B, S]` (a `[B, S]` tensor means text only: the same id in
-each section), and on the first pipeline stage `pixel_values` / `image_grid_thw` go through the
-frozen tower whose features replace the image placeholders' embeddings.
+frequencies (Qwen3-VL's sections interleaved), its position ids are `[3, B, S]` (a `[B, S]` tensor
+means text only: the same id in each section), and on the first pipeline stage `pixel_values` /
+`image_grid_thw` go through the tower whose features replace the image placeholders' embeddings.
+Qwen3-VL's deepstack features are added to the image tokens' hidden states after the first decoder
+layers (forward hooks on those layers, which must all be on the first stage).
+
+The tower is frozen unless `set_vision_trainable` (the job's `actor.vision.trainable`) turns it on:
+then it runs with autograd, megatron's DDP and optimizer take its parameters like any replicated
+parameter, and its gradients are averaged over the tensor-parallel group (megatron's
+`average_gradients_across_tp_domain`, which `finalize_model_grads` reads), so the replicas stay equal.
 """
 from __future__ import annotations
 
@@ -19,14 +26,34 @@ class HFMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
     """megatron's mRoPE module with given inverse frequencies (megatron's constructor allocates
     them on a CUDA device; this one keeps them where they are given)."""
 
-    def __init__(self, inv_freq: torch.Tensor):
+    def __init__(self, inv_freq: torch.Tensor, interleaved_sections: bool = False):
         torch.nn.Module.__init__(self)
         self.rotary_interleaved = False
         self.seq_len_interpolation_factor = None
         self.inv_freq = inv_freq
+        self.interleaved_sections = interleaved_sections
         from megatron.core import parallel_state as ps
 
         self.cp_group = ps.get_context_parallel_group(check_initialized=False)
+
+    def forward(self, position_ids: torch.Tensor, mrope_section: list[int], cp_group=None) -> torch.Tensor:
+        if not self.interleaved_sections:
+            return super().forward(position_ids, mrope_section, cp_group=cp_group)
+        return interleaved_mrope_angles(position_ids, self.inv_freq, mrope_section)
+
+
+def interleaved_mrope_angles(position_ids: torch.Tensor, inv_freq: torch.Tensor, section: list[int]) -> torch.Tensor:
+    """Qwen3-VL's mRoPE angles `[S, B, 1, 2F]` (megatron's layout) for ids `[3, B, S]`: frequency `j`
+    takes the height id where `j % 3 == 1` and `j < 3 * section[1]`, the width id where
+    `j % 3 == 2` and `j < 3 * section[2]`, the temporal id elsewhere (`transformers`'
+    `recomposition_frequencies`); the halves repeat (rotate_half)."""
+    freqs = position_ids.to(inv_freq.device).float()[..., None] * inv_freq.float()   # [3, B, S, F]
+    axis = torch.zeros(freqs.shape[-1], dtype=torch.long, device=freqs.device)
+    for dim in (1, 2):
+        axis[dim: section[dim] * 3: 3] = dim
+    picked = freqs.gather(0, axis.view(1, 1, 1, -1).expand(1, *freqs.shape[1:]))[0]   # [B, S, F]
+    emb = torch.cat((picked, picked), dim=-1)
+    return emb[..., None, :].transpose(0, 1).contiguous()
 
 
 class VisionLanguageGPT(GPTModel):
@@ -35,29 +62,59 @@ class VisionLanguageGPT(GPTModel):
     Built as a RoPE GPTModel, then switched to mRoPE: same layers, one rotary module swapped."""
 
     def __init__(self, *, hf: dict[str, Any], inv_freq: torch.Tensor, **kwargs):
-        from mrl.models.vlm import mrope_section, vision_tower
+        from mrl.models.vlm import PLACEHOLDER_FIELDS, deepstack_layers, mrope_interleaved, mrope_section, vision_tower
 
         super().__init__(position_embedding_type="rope", **kwargs)
         device = self.rotary_pos_emb.inv_freq.device
         self.position_embedding_type = "mrope"
         self.mrope_section = mrope_section(hf)
-        self.rotary_pos_emb = HFMultimodalRotaryEmbedding(inv_freq.to(device))
+        self.rotary_pos_emb = HFMultimodalRotaryEmbedding(inv_freq.to(device), mrope_interleaved(hf))
         self.image_token_id = int(hf["image_token_id"])
-        from mrl.models.vlm import PLACEHOLDER_FIELDS
-
         self.banned = sorted({int(hf[f]) for f in PLACEHOLDER_FIELDS if hf.get(f) is not None and hf[f] < hf["vocab_size"]})
         self.vision = None
+        self.vision_trainable = False
+        self._deepstack: list[torch.Tensor] | None = None   # this forward's deepstack features ([S, B, H] each)
+        deep = deepstack_layers(hf)
+        if deep and self.pre_process:
+            self._hook_deepstack(deep)
         if self.pre_process:
             self.vision = vision_tower(hf, self.config.params_dtype).to(device)
             self.vision.requires_grad_(False)   # frozen: megatron's DDP and the optimizer skip it
+
+    def _hook_deepstack(self, deep: int) -> None:
+        """After global decoder layer k < `deep`, the k-th deepstack feature is added (zero on text tokens)."""
+        from mrl.errors import UserError
+
+        here = {layer.layer_number - 1: layer for layer in self.decoder.layers}
+        missing = [k for k in range(deep) if k not in here]
+        if missing:
+            raise UserError(f"parallel.pipeline: the first pipeline stage holds decoder layers {sorted(here)}, but "
+                            f"the vision tower's deepstack features enter layers 0-{deep - 1} (fewer pipeline stages "
+                            "are needed)")
+
+        def hook(k):
+            def add(module, args, output):
+                if self._deepstack is None:
+                    return output
+                if isinstance(output, tuple):
+                    return (output[0] + self._deepstack[k],) + tuple(output[1:])
+                return output + self._deepstack[k]
+            return add
+
+        for k in range(deep):
+            here[k].register_forward_hook(hook(k))
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *args,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None, **kwargs):
         if position_ids is not None and position_ids.dim() == 2:
             position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
+        self._deepstack = None
         if decoder_input is None and self.pre_process and pixel_values is not None:
             decoder_input = self.embed_with_images(input_ids, position_ids, pixel_values, image_grid_thw)
-        out = super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
+        try:
+            out = super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
+        finally:
+            self._deepstack = None
         if self.post_process and kwargs.get("labels") is None and self.banned:
             out = self.ban_placeholders(out)
         return out
@@ -80,21 +137,45 @@ class VisionLanguageGPT(GPTModel):
     def embed_with_images(self, input_ids: torch.Tensor, position_ids: torch.Tensor, pixel_values: torch.Tensor,
                           image_grid_thw: torch.Tensor) -> torch.Tensor:
         """megatron's embedding output (`[S, B, H]`, sequence-parallel scattered when on) with the
-        image placeholders' rows replaced by the tower's merged features, in order."""
+        image placeholders' rows replaced by the tower's merged features, in order; the deepstack
+        features (Qwen3-VL) laid out alike for the hooked layers."""
         from megatron.core import tensor_parallel
 
         emb = self.embedding(input_ids=input_ids, position_ids=position_ids)
-        with torch.no_grad():
-            feats = self.vision(pixel_values.to(self.config.params_dtype), grid_thw=image_grid_thw).pooler_output
+        with torch.set_grad_enabled(self.vision_trainable and torch.is_grad_enabled()):
+            out = self.vision(pixel_values.to(self.config.params_dtype), grid_thw=image_grid_thw)
+        feats = out.pooler_output
         mask = input_ids == self.image_token_id                            # [B, S]: images in row order
         if int(mask.sum()) != feats.shape[0]:
             raise ValueError(f"image features and image tokens do not match: {int(mask.sum())} placeholder "
                              f"tokens, {feats.shape[0]} features")
-        full = torch.zeros(mask.shape + (feats.shape[-1],), dtype=emb.dtype, device=emb.device)
-        full[mask] = feats.to(emb.dtype)
-        full = full.transpose(0, 1).contiguous()                           # [S, B, H] as megatron's embedding
+
+        def at_images(f: torch.Tensor) -> torch.Tensor:   # [B, S, H] zeros with f in the image rows -> [S, B, H]
+            full = torch.zeros(mask.shape + (f.shape[-1],), dtype=emb.dtype, device=emb.device)
+            full = full.masked_scatter(mask.unsqueeze(-1), f.to(emb.dtype))
+            full = full.transpose(0, 1).contiguous()                       # [S, B, H] as megatron's embedding
+            return tensor_parallel.scatter_to_sequence_parallel_region(full) if self.config.sequence_parallel else full
+
         keep = (~mask).transpose(0, 1).unsqueeze(-1).to(emb.dtype)
         if self.config.sequence_parallel:
-            full = tensor_parallel.scatter_to_sequence_parallel_region(full)
             keep = tensor_parallel.scatter_to_sequence_parallel_region(keep)
-        return emb * keep + full
+        deep = getattr(out, "deepstack_features", None)
+        if deep:
+            self._deepstack = [at_images(f) for f in deep]
+        return emb * keep + at_images(feats)
+
+
+def set_vision_trainable(chunks: list, trainable: bool) -> int:
+    """Turn the tower of each chunk (first stage only) trainable or frozen; the number of tower
+    parameters now trained on this rank. Call before megatron's DDP wraps the chunks (it buckets
+    the parameters that require gradients)."""
+    n = 0
+    for chunk in chunks:
+        model = getattr(chunk, "module", chunk)
+        if isinstance(model, VisionLanguageGPT) and model.vision is not None:
+            model.vision_trainable = trainable
+            model.vision.requires_grad_(trainable)
+            for p in model.vision.parameters():
+                p.average_gradients_across_tp_domain = trainable
+            n += sum(p.numel() for p in model.vision.parameters()) if trainable else 0
+    return n

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
+from mrl.models.config import VisionConfig
 from mrl.models.lora import LoraConfig
 from mrl.optim.config import OptimConfig, ScheduleConfig
 from mrl.schema.section import option, section
@@ -109,5 +110,6 @@ class SFTConfig:
     log_every_steps: int = option(1, ge=1, help="console line every N steps; MLflow records every step")
     recompute: Literal["none", "selective", "full"] = option("none", help="activation recomputation")
     lora: LoraConfig = option(factory=LoraConfig, help="LoRA adapters (rank 0 = full fine-tuning)")
+    vision: VisionConfig = option(factory=VisionConfig, help="the vision tower of a vision-language model")
     optim: OptimConfig = option(factory=_sft_optim, help="optimizer")
     schedule: ScheduleConfig = option(factory=ScheduleConfig, help="learning-rate schedule (optimizer steps)")

@@ -59,6 +59,10 @@ def build_engine(spec, hf: dict, device: str, total_optimizer_steps: int):
     load_weights(chunks, spec.model.path, hf, "actor")
     if s.lora.rank:
         chunks = with_adapters(chunks, s.lora, spec, hf, "sft.lora")
+    if s.vision.trainable:   # before DDP: it buckets what requires gradients
+        from mrl.models.vlm_gpt import set_vision_trainable
+
+        set_vision_trainable(chunks, True)
     ddp = wrap_ddp(chunks, distributed_optimizer=spec.parallel.distributed_optimizer)
     optimizer = build_optimizer(ddp, s.optim, distributed_optimizer=spec.parallel.distributed_optimizer, section="sft")
     scheduler = build_scheduler(optimizer, s.optim, s.schedule, total_optimizer_steps)
@@ -81,15 +85,23 @@ def build(spec) -> SFTRun:
                 + (f" x CP {par.context}" if par.context > 1 else "") + f" x DP {ctx.dp}",
                 timed=True)
     hf = hf_config(spec.model)
+    from mrl.models.vlm import sft_problem
+
+    problem = sft_problem(spec, hf)
+    if problem:
+        raise UserError(problem)
     tokenizer = load_tokenizer(spec.model)
-    train = load_examples(spec, tokenizer, "train")
+    from mrl.data.images import model_image_processor
+
+    images = model_image_processor(spec.model.path, hf)
+    train = load_examples(spec, tokenizer, "train", images=images)
     s = spec.sft
     if len(train) < s.examples_per_step:
         raise UserError(f"sft.examples_per_step: {s.examples_per_step} is more than the {len(train)} training "
                         f"examples ({train.stats})")
     val = None
     if s.val_every_steps:
-        val = load_examples(spec, tokenizer, "val")
+        val = load_examples(spec, tokenizer, "val", images=images)
     total = steps_planned(spec, len(train))
     STARTUP.say(f"data: {len(train)} training examples" + (f", {len(val)} validation" if val is not None else "")
                 + f", tokenizer of {spec.model.tokenizer or spec.model.path}", timed=True)

@@ -97,6 +97,12 @@ def _trainable(role: str, spec: JobSpec, hf: dict, device: str, section, total_o
     lora = getattr(section, "lora", None)
     if lora is not None and lora.rank:   # frozen base + adapters; checkpoints hold the adapters
         chunks = with_adapters(chunks, lora, spec, hf, f"{role}.lora")
+    vision = getattr(section, "vision", None)
+    if vision is not None and vision.trainable:   # before DDP: it buckets what requires gradients
+        from mrl.models.vlm_gpt import set_vision_trainable
+
+        n = set_vision_trainable(chunks, True)
+        log.info("%s: vision tower trainable (%d parameters on this rank)", role, n)
     ddp = wrap_ddp(chunks, distributed_optimizer=spec.parallel.distributed_optimizer)
     optimizer = build_optimizer(ddp, section.optim, distributed_optimizer=spec.parallel.distributed_optimizer,
                                 section=role)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
+from mrl.models.config import VisionConfig
 from mrl.models.lora import LoraConfig
 from mrl.optim.config import OptimConfig, ScheduleConfig
 from mrl.schema.section import option, section
@@ -36,6 +37,7 @@ class ActorConfig:
     lora: LoraConfig = option(factory=LoraConfig, help="LoRA adapters (rank 0 = full fine-tuning); with adapters "
                               "the reference model is the base with adapters off")
     moe: MoeConfig = option(factory=MoeConfig, help="mixture-of-experts options (routing replay)")
+    vision: VisionConfig = option(factory=VisionConfig, help="the vision tower of a vision-language model")
 
 
 def _critic_optim() -> OptimConfig:

@@ -117,10 +117,12 @@ def mtp_tensors(names: Iterable[str], hf: dict[str, Any]) -> set[str]:
     return {n for n in names if n.startswith(tuple(layers))}
 
 
-def _sources(p: Placement, ckpt: Checkpoint, tied: bool) -> tuple[str, ...]:
+def _sources(p: Placement, ckpt: Checkpoint, tied: bool, hf: dict[str, Any]) -> tuple[str, ...]:
     if tied and p.rule.megatron == "output_layer.weight" and p.hf_names == ("lm_head.weight",) \
             and "lm_head.weight" not in ckpt:
-        return ("model.embed_tokens.weight",)
+        from mrl.weights.tables import embedding_name
+
+        return (embedding_name(hf["model_type"]),)
     return p.hf_names
 
 
@@ -148,7 +150,7 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], path: str | Path | Che
     plan: list[tuple[Placement, tuple[str, ...]]] = []
     keep_init: list[str] = []
     for p in placements:
-        names = _sources(p, ckpt, tied)
+        names = _sources(p, ckpt, tied, hf)
         missing = [n for n in names if n not in ckpt]
         if missing and role == "critic" and p.rule.megatron == "output_layer.weight":
             keep_init.append(p.name)

@@ -25,6 +25,7 @@ shrinks: the trainer's gathers still move full tensors, since the exported bytes
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -113,21 +114,21 @@ def hf_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
     out.append(HFTensor("model.norm.weight", (h,)))
     if not cfg.get("tie_word_embeddings", False):
         out.append(HFTensor("lm_head.weight", (vocab, h), tp_sharded=True))
+    if model_type == "qwen3_vl":   # its checkpoints nest the language model (`mrl.weights.tables`)
+        out = [dataclasses.replace(t, name="model.language_model." + t.name[len("model."):])
+               if t.name.startswith("model.") else t for t in out]
     return out + (_vision_tensors(cfg) if is_vlm(cfg) else [])
 
 
 def _vision_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
     """A vision-language model's tower (replicated on the trainer, exported under its checkpoint
-    names `visual.*`, `mrl.weights.tables.VISION_TOWER`), sized by `transformers`' own module built
-    on the meta device (no memory, no arithmetic of ours to drift from it)."""
-    import torch
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+    names: `visual.*`, Qwen3-VL's `model.visual.*`; `mrl.weights.tables`), sized by `transformers`'
+    own module built on the meta device (no memory, no arithmetic of ours to drift from it)."""
+    from mrl.models.vlm import vision_tower
 
-    from mrl.models.vlm import hf_config_object
-
-    with torch.device("meta"):
-        tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(hf_config_object(cfg).vision_config)
-    return [HFTensor(f"visual.{n}", tuple(t.shape)) for n, t in tower.state_dict().items()]
+    prefix = "model.visual." if cfg["model_type"] == "qwen3_vl" else "visual."
+    tower = vision_tower(cfg, None, device="meta")
+    return [HFTensor(prefix + n, tuple(t.shape)) for n, t in tower.state_dict().items()]
 
 
 def _attention_tensors(cfg: dict[str, Any], layer: int) -> list[HFTensor]:
@@ -138,7 +139,7 @@ def _attention_tensors(cfg: dict[str, Any], layer: int) -> list[HFTensor]:
     model_type = cfg.get("model_type", "llama")
     oss = model_type == "gpt_oss"   # q/k/v/o biases (attention_bias defaults on) and one sink per head
     bias = model_type in ("qwen2", "qwen2_5_vl") or bool(cfg.get("attention_bias", oss))
-    qk_norm = (model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+    qk_norm = (model_type in ("qwen3", "qwen3_moe", "qwen3_vl", "gemma3_text")
                or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm"))))
     a = f"model.layers.{layer}.self_attn"
     out = [HFTensor(f"{a}.q_proj.weight", (heads * hd, h), True), HFTensor(f"{a}.k_proj.weight", (kv * hd, h), True),

@@ -161,6 +161,16 @@ GEMMA3 = _rules(
 # `{R}` is the rest of the name, the same on both sides.
 VISION_TOWER = _rules(("vision.{R}", "visual.{R}"))
 
+
+
+def _under(prefix: str, rows: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    """`rows` with their Hugging Face names' leading `model.` replaced by `prefix` (`lm_head` stays)."""
+    def move(name: str) -> str:
+        return prefix + name[len("model."):] if name.startswith("model.") else name
+    return tuple(Rule(r.megatron, tuple(move(n) for n in r.hf_names) if not isinstance(r.hf, str) else move(r.hf),
+                      r.transform) for r in rows)
+
+
 # HF checkpoint model_type -> its table.
 TABLES: dict[str, tuple[Rule, ...]] = {
     "llama": EMBEDDINGS + ATTENTION + DENSE_MLP,
@@ -175,6 +185,10 @@ TABLES: dict[str, tuple[Rule, ...]] = {
     "mixtral": EMBEDDINGS + ATTENTION + MIXTRAL_EXPERTS,
     # Qwen2.5-VL: the Qwen2 language model (its checkpoint keeps the `model.` names) and the tower.
     "qwen2_5_vl": EMBEDDINGS + ATTENTION + QKV_BIAS + DENSE_MLP + VISION_TOWER,
+    # Qwen3-VL: the Qwen3 language model (QK-norm, no bias) and the tower (its deepstack mergers
+    # included), under the nested names its checkpoints keep (`model.language_model.`, `model.visual.`).
+    "qwen3_vl": _under("model.language_model.", EMBEDDINGS + ATTENTION + QK_NORM + DENSE_MLP)
+                + _rules(("vision.{R}", "model.visual.{R}")),
     # DeepSeek-V3 / R1 (and Kimi-K2): MLA, dense MLPs in the first `first_k_dense_replace` layers,
     # then routed experts (Qwen-MoE names) with shared experts and the router's correction bias.
     "deepseek_v3": EMBEDDINGS + MLA + DENSE_MLP + QWEN_MOE_EXPERTS + DEEPSEEK_MOE_EXTRAS,
@@ -219,6 +233,11 @@ LORA_ADAPTERS = _rules(
     *_adapter_rows(f"{_M}.linear_fc2", f"{_HM}.down_proj"),
 )
 PEFT_PREFIX = "base_model.model."
+
+
+def embedding_name(model_type: str) -> str:
+    """The checkpoint's name of the word embedding (what a tied LM head reads)."""
+    return next(r.hf for r in TABLES[model_type] if r.megatron == "embedding.word_embeddings.weight")
 
 
 def table_for(model_type: str, role: str = "actor") -> tuple[Rule, ...]:

@@ -367,6 +367,44 @@ def test_routing_replay_r3_with_the_hf_engine_on_a_tiny_moe_on_cuda(tmp_path):
     assert diffs["r3"] <= diffs["off"], diffs
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def test_vlm_logits_on_cuda_match_transformers_and_a_trainable_tower_trains(cuda_platform, tmp_path, preset):
+    """The tiny VLMs on CUDA (packed row, `varlen` attention, Qwen3-VL's interleaved mRoPE and
+    deepstack): fp32 logits within 1e-4 of transformers' (fp32 on the CPU); then, tower trainable,
+    one fp32 backward (megatron's DDP buffers) reaches every tower tensor."""
+    from mrl.engine.packing import _thd_params
+    from mrl.models.megatron import complete_hf_config
+    from mrl.models.roles import build_role_model
+    from mrl.models.vlm import open_columns
+    from mrl.models.vlm_gpt import set_vision_trainable
+    from mrl.platform.config import ParallelConfig
+    from mrl.weights import load_hf_checkpoint
+    from tests.weights.test_vlm import save_checkpoint
+
+    d = save_checkpoint(tmp_path, preset)
+    hf = complete_hf_config(json.loads((d / "config.json").read_text()))
+    model = build_role_model("actor", hf, ParallelConfig(), dtype="float32", device="cuda", attention="varlen")
+    load_hf_checkpoint([model], d, hf)
+    ref = torch.load(d / "reference.pt")
+    keep = open_columns(hf)
+
+    def forward(m):
+        return m(ref["row"].cuda(), ref["position_ids"].cuda(), None,
+                 packed_seq_params=_thd_params(ref["lengths"], "cuda"),
+                 pixel_values=ref["pixel_values"].cuda(), image_grid_thw=ref["image_grid_thw"].cuda())
+
+    with torch.no_grad():
+        got = forward(model)[0, :, : hf["vocab_size"]].float().cpu()
+    assert (got[:, keep] - ref["logits"][:, keep]).abs().max().item() <= 1e-4
+    from mrl.optim.build import wrap_ddp
+
+    set_vision_trainable([model], True)
+    ddp = wrap_ddp([model], distributed_optimizer=False)   # main_grad buffers (TE's fused wgrad needs them)
+    ddp[0].zero_grad_buffer()
+    forward(ddp[0])[..., :200].float().square().mean().backward()
+    assert all(p.main_grad.abs().sum() > 0 for p in model.vision.parameters())
+
+
 def test_a_vision_language_grpo_run_on_cuda_in_bf16(tmp_path):
     """`mrl train` of the VLM quickstart (tiny Qwen2.5-VL: mRoPE language model, HF vision tower on
     the first stage) on one GPU in bf16 with the HF engine on CUDA, images through the processor to

@@ -1,4 +1,4 @@
-"""`mrl merge` of a vision-language checkpoint (the tiny Qwen2.5-VL saved at TP=2): transformers
+"""`mrl merge` of a vision-language checkpoint (the tiny Qwen2.5-VL and Qwen3-VL saved at TP=2): transformers
 loads the output with its processor, and it answers an image prompt as the hf engine does (slow:
 shares the merge fixtures' one torchrun launch)."""
 from __future__ import annotations
@@ -11,9 +11,11 @@ from safetensors.torch import load_file
 
 
 @pytest.mark.slow
-def test_vlm_merge_loads_with_its_processor_and_answers_like_the_engine(saved, tmp_path, capsys):
+@pytest.mark.parametrize("case, preset, tower", [("vl_preset_tp2", "tiny-qwen2.5-vl", "visual."),
+                                                 ("vl3_preset_tp2", "tiny-qwen3-vl", "model.visual.")])
+def test_vlm_merge_loads_with_its_processor_and_answers_like_the_engine(saved, tmp_path, capsys, case, preset, tower):
     from PIL import Image
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
     from mrl.cli import main
     from mrl.data.images import ImageProcessor
@@ -23,16 +25,16 @@ def test_vlm_merge_loads_with_its_processor_and_answers_like_the_engine(saved, t
     from mrl.rollout.hf import HFEngine
     from mrl.rollout.types import Sampling
 
-    root, _, expected = saved["vl_preset_tp2"]
+    root, _, expected = saved[case]
     out = tmp_path / "vl"
     assert main(["merge", str(root), str(out)]) == 0
     assert "verified logits" in capsys.readouterr().out
     got = load_file(str(next(out.glob("model-*.safetensors"))))
     assert set(got) == set(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
-    assert any(k.startswith("visual.") for k in got)
+    assert any(k.startswith(tower) for k in got)
     # the processor and tokenizer the job used come back from the output directory
-    hf = hf_config(ModelConfig(path="builtin:tiny-qwen2.5-vl"))
-    ours = image_processor("builtin:tiny-qwen2.5-vl", hf)
+    hf = hf_config(ModelConfig(path=f"builtin:{preset}"))
+    ours = image_processor(f"builtin:{preset}", hf)
     loaded = ImageProcessor(AutoImageProcessor.from_pretrained(out), ours.tokens)
     buf = io.BytesIO()
     Image.new("RGB", (70, 50), (10, 200, 30)).save(buf, format="PNG")
@@ -43,7 +45,8 @@ def test_vlm_merge_loads_with_its_processor_and_answers_like_the_engine(saved, t
     ids = tok(ours.expand("<image>Colour?", a))["input_ids"]
     assert ids.count(hf["image_token_id"]) == a.tokens_per_image[0]
     # transformers' greedy answer to the image prompt equals the hf engine's on the same weights
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(model).__name__.lower().replace("_", "").startswith(hf["model_type"].replace("_", ""))
     engine = HFEngine.from_pretrained(str(out))
     mine = engine.generate([ids], Sampling(temperature=0, max_tokens=6, ignore_eos=True), images=[a])[0].token_ids
     x = torch.tensor([ids])

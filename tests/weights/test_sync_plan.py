@@ -48,8 +48,14 @@ def test_tensor_list_matches_a_transformers_model_of_the_config(preset):
                       if not (cfg.get("tie_word_embeddings") and n == "lm_head.weight"))
         got = hf_tensors(cfg)
         assert sorted(t.shape for t in got) == want
-        tower = {n.removeprefix("model.visual.") for n in model.state_dict() if n.startswith("model.visual.")}
-        assert {t.name.removeprefix("visual.") for t in got if t.name.startswith("visual.")} == tower
+        tower = {n for n in model.state_dict() if n.startswith("model.visual.")}
+        # Qwen2.5-VL checkpoints keep the tower as `visual.*`, Qwen3-VL's as `model.visual.*`
+        named = {t.name for t in got if t.name.startswith(("visual.", "model.visual."))}
+        assert {n if n.startswith("model.") else "model." + n for n in named} == tower
+        if cfg["model_type"] == "qwen3_vl":   # and the language model as `model.language_model.*`
+            text = {n for n in model.state_dict() if not n.startswith("model.visual.")
+                    and not (cfg.get("tie_word_embeddings") and n == "lm_head.weight")}
+            assert {t.name for t in got if not t.name.startswith("model.visual.")} == text
         return
     hf_cfg = transformers.AutoConfig.for_model(**canonical_config(cfg))   # tiny-kimi-k2 as deepseek_v3
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg)

@@ -1,6 +1,7 @@
-"""Qwen2.5-VL on megatron (mRoPE language model + Hugging Face vision tower) against `transformers`:
-logits on image prompts (packed and batched rows, fp32 and bf16), export round trip, the preset,
-and TP=2 / PP=2 in one 2-rank launch (slow)."""
+"""Qwen2.5-VL and Qwen3-VL on megatron (mRoPE language model + Hugging Face vision tower; Qwen3-VL's
+interleaved sections and deepstack features) against `transformers`: logits on image prompts
+(packed and batched rows, fp32 and bf16), export round trip, the presets, and TP=2 / PP=2 of both
+models in one 2-rank launch (slow)."""
 from __future__ import annotations
 
 import json
@@ -25,15 +26,16 @@ def platform():
     plat.teardown()
 
 
-@pytest.fixture(scope="module")
-def vlm_checkpoint(tmp_path_factory):
-    """A saved tiny Qwen2.5-VL and `reference.pt`: one packed row of two image prompts (3 images),
-    its mRoPE ids from `get_rope_index`, and `transformers`' logits for its real tokens."""
+PRESETS = ("tiny-qwen2.5-vl", "tiny-qwen3-vl")
+
+
+def save_checkpoint(d, preset):
+    """A saved tiny VLM of `preset` in `d` and `reference.pt`: one packed row of two image prompts
+    (3 images), its mRoPE ids from `get_rope_index`, and `transformers`' logits for its real tokens."""
     from mrl.models.megatron import complete_hf_config
     from mrl.models.vlm import mrope_position_ids
 
-    d = tmp_path_factory.mktemp("qwen2_5_vl")
-    model = make_vlm(d)
+    model = make_vlm(d, preset=preset)
     hf = complete_hf_config(json.loads((d / "config.json").read_text()))
     ids, mask, pixels, grids = image_prompts(hf)
     with torch.no_grad():
@@ -46,6 +48,11 @@ def vlm_checkpoint(tmp_path_factory):
                     position_ids=torch.cat([pos[:, i, :n] for i, n in enumerate(lens)], 1).unsqueeze(1),
                     logits=torch.cat([logits[i, :n] for i, n in enumerate(lens)])), d / "reference.pt")
     return d
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def vlm_checkpoint(request, tmp_path_factory):
+    return save_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
 
 
 def _open(hf):
@@ -92,6 +99,19 @@ def test_rope_index_by_hand():
     assert pos[2].tolist() == [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7]
 
 
+def test_interleaved_mrope_angles_by_hand():
+    """Qwen3-VL's layout, 6 frequencies of 1: sections [2, 2, 2] put height at frequencies 1 and 4,
+    width at 2 and 5; [4, 1, 1] height at 1, width at 2, temporal at the rest. Ids (t, h, w) =
+    (1, 10, 100); the two halves repeat."""
+    from mrl.models.vlm_gpt import interleaved_mrope_angles
+
+    ids = torch.tensor([1, 10, 100]).view(3, 1, 1)
+    got = interleaved_mrope_angles(ids, torch.ones(6), [2, 2, 2])
+    assert got.shape == (1, 1, 1, 12)
+    assert got.flatten().tolist() == [1, 10, 100, 1, 10, 100] * 2
+    assert interleaved_mrope_angles(ids, torch.ones(6), [4, 1, 1]).flatten().tolist() == [1, 10, 100, 1, 1, 1] * 2
+
+
 def test_packed_and_batched_logits_equal_transformers(platform, vlm_checkpoint):
     """Two image prompts packed in one `thd` row (mRoPE per token, restarting per prompt) and the
     same prompts as a right-padded batch: transformers' logits within 1e-5 (fp32)."""
@@ -116,7 +136,7 @@ def test_packed_and_batched_logits_equal_transformers(platform, vlm_checkpoint):
 
 
 def test_bf16_logits_close_to_transformers(platform, vlm_checkpoint):
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText as Qwen2_5_VLForConditionalGeneration
 
     hf, model = _megatron(vlm_checkpoint, dtype="bfloat16")
     ref = torch.load(vlm_checkpoint / "reference.pt")
@@ -135,13 +155,19 @@ def test_bf16_logits_close_to_transformers(platform, vlm_checkpoint):
 
 
 def test_export_loads_in_transformers_with_the_same_logits(platform, vlm_checkpoint, tmp_path):
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText as Qwen2_5_VLForConditionalGeneration
 
     from mrl.weights import Exporter
 
     hf, model = _megatron(vlm_checkpoint)
     stream = dict(Exporter([model], hf).stream())
-    assert any(n.startswith("visual.blocks.1.") for n in stream)
+    tower = "model.visual." if hf["model_type"] == "qwen3_vl" else "visual."
+    assert any(n.startswith(tower + "blocks.1.") for n in stream)
+    # HF -> megatron -> HF is bit-exact: the same names (the deepstack mergers included), the same bits
+    saved = load_file(vlm_checkpoint / "model.safetensors")
+    assert set(stream) == set(saved)
+    assert all(torch.equal(stream[n], t) for n, t in saved.items())
     save_file(stream, tmp_path / "model.safetensors", metadata={"format": "pt"})
     shutil.copy(vlm_checkpoint / "config.json", tmp_path / "config.json")
     ref = torch.load(vlm_checkpoint / "reference.pt")
@@ -186,14 +212,44 @@ def test_preset_builds_and_refusals(platform):
     assert "distillation teacher" in training_problem(spec(teacher="builtin:tiny-qwen2"), hf)
     assert training_problem(spec(engine="sglang"), {"model_type": "qwen2"}) is None
 
+    hf3 = hf_config(ModelConfig(path="builtin:tiny-qwen3-vl"))
+    assert hf3["model_type"] == "qwen3_vl" and hf3["num_hidden_layers"] == 4 and hf3["head_dim"] == 32
+    assert hf3["vision_config"]["deepstack_visual_indexes"] == [0, 1]
+    assert model_facts("builtin:tiny-qwen3-vl").num_layers == 4
+
+
+def test_deepstack_layers_off_the_first_stage_are_refused(platform):
+    """Qwen3-VL's deepstack features enter on the first stage: a first stage without decoder
+    layers 0-1 (here: 1 layer of the 4) is one line."""
+    from mrl.errors import UserError
+    from mrl.models.config import ModelConfig
+    from mrl.models.megatron import build_gpt, hf_config, transformer_config
+    from mrl.platform.config import ParallelConfig
+
+    hf = dict(hf_config(ModelConfig(path="builtin:tiny-qwen3-vl")), num_hidden_layers=1)
+    config = transformer_config(hf, dtype="float32", parallel=ParallelConfig(), device="cpu")
+    with pytest.raises(UserError, match=r"holds decoder layers \[0\], but the vision tower's deepstack features "
+                                        r"enter layers 0-1"):
+        build_gpt(hf, config)
+
 
 @pytest.mark.slow
-def test_tp2_and_pp2_match_transformers(vlm_checkpoint):
-    proc = run_torchrun(REPO / "tests/weights/scripts/vlm_layouts.py", "--dir", str(vlm_checkpoint), timeout=600)
-    found = re.findall(r"^VLM (tp\d pp\d) roundtrip ok \d+ tensors \((\d+) tower\) logits (\S+)", proc.stdout, re.M)
+def test_tp2_and_pp2_match_transformers(tmp_path):
+    """Both models, TP=2 then PP=2, in one launch: bit-exact round trip, logits within 1e-5; the
+    trainable tower's gradients (TP-averaged at TP=2, through the pipeline at PP=2)."""
+    dirs = [save_checkpoint(tmp_path / p, p) for p in PRESETS]
+    proc = run_torchrun(REPO / "tests/weights/scripts/vlm_layouts.py", *[a for d in dirs for a in ("--dir", str(d))],
+                        timeout=600)
+    found = re.findall(r"^VLM (\w+) (tp\d pp\d) roundtrip ok \d+ tensors \((\d+) tower\) logits (\S+)",
+                       proc.stdout, re.M)
     print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("VLM ")))
-    assert [f[0] for f in found] == ["tp2 pp1", "tp1 pp2"], proc.stdout
-    assert all(int(t) > 0 and float(d) <= 1e-5 for _, t, d in found), proc.stdout
+    assert [f[:2] for f in found] == [("qwen2_5_vl", "tp2 pp1"), ("qwen2_5_vl", "tp1 pp2"),
+                                      ("qwen3_vl", "tp2 pp1"), ("qwen3_vl", "tp1 pp2")], proc.stdout
+    assert all(int(t) > 0 and float(d) <= 1e-5 for _, _, t, d in found), proc.stdout
+    # at TP=2 the trainable tower's gradients are equal over the TP group and averaged by megatron
+    assert len(re.findall(r"^VLM \w+ tp2 pp1 .* tower grads \d+ equal over tp, averaged$", proc.stdout, re.M)) == 2
+    # at PP=2 it trains through the pipeline schedule (the tower and deepstack on the first stage)
+    assert len(re.findall(r"^VLM \w+ tp1 pp2 .* tower grads [1-9]\d* through the pipeline$", proc.stdout, re.M)) == 2
 
 
 def test_validate_refuses_a_vlm_job_train_would_refuse(capsys):

@@ -1,4 +1,5 @@
-"""A tiny random Qwen2.5-VL (the `builtin:tiny-qwen2.5-vl` shapes) saved as safetensors, and image prompts."""
+"""A tiny random Qwen2.5-VL or Qwen3-VL (the `builtin:tiny-qwen2.5-vl` / `tiny-qwen3-vl` shapes) saved as
+safetensors, and image prompts."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,14 +9,15 @@ import torch
 from mrl.models.facts import BUILTIN_PRESETS
 
 
-def make_vlm(out_dir: str | Path, seed: int = 0):
+def make_vlm(out_dir: str | Path, seed: int = 0, preset: str = "tiny-qwen2.5-vl"):
     """The preset's architecture with random weights (norms and biases perturbed), saved; the model."""
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
-    cfg = {k: v for k, v in BUILTIN_PRESETS["tiny-qwen2.5-vl"].items() if k != "model_type"}
-    config = AutoConfig.for_model("qwen2_5_vl", **cfg)
+    model_type = BUILTIN_PRESETS[preset]["model_type"]
+    cfg = {k: v for k, v in BUILTIN_PRESETS[preset].items() if k != "model_type"}
+    config = AutoConfig.for_model(model_type, **cfg)
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for _, p in model.named_parameters():
