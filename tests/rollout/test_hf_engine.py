@@ -258,3 +258,47 @@ def test_a_prompts_responses_share_one_prefill_and_sample_what_they_would_alone(
     shared.generate(PROMPTS, s)
     assert set(shared.stage_seconds) == {"prefill", "decode", "sampling", "logprobs", "bookkeeping"}
     assert all(v >= 0 for v in shared.stage_seconds.values())
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_decoding_into_a_cache_allocated_once_samples_what_the_dynamic_cache_does(tiny_model_dir, share):
+    """`static_cache` (the default): every decode call gets the same `StaticCache`, sized for the
+    prompt width plus max_tokens (5 + 10), and the responses are the dynamic cache's: same tokens,
+    log-probs equal up to float summation order (attention reads the masked, unwritten columns)."""
+    from transformers import DynamicCache, StaticCache
+
+    static = HFEngine.from_pretrained(tiny_model_dir, dtype="float32", seed=0, share_prefill=share)
+    dynamic = HFEngine.from_pretrained(tiny_model_dir, dtype="float32", seed=0, share_prefill=share,
+                                       static_cache=False)
+    caches = {id(e): [] for e in (static, dynamic)}
+    for e in (static, dynamic):
+        e.model.register_forward_pre_hook(
+            lambda mod, args, kw, seen=caches[id(e)]: seen.append(kw.get("past_key_values")), with_kwargs=True)
+    s = Sampling(n=4, temperature=1.0, max_tokens=10, seed=5, ignore_eos=True)
+    a, b = static.generate(PROMPTS, s), dynamic.generate(PROMPTS, s)
+    decoding = caches[id(static)][1:]
+    assert len(decoding) == 9 and all(isinstance(c, StaticCache) and c is decoding[0] for c in decoding)
+    assert decoding[0].layers[0].keys.shape[:3] == (12, TINY_LLAMA["num_key_value_heads"], 5 + 10)
+    assert all(type(c) is DynamicCache for c in caches[id(dynamic)][1:])
+    assert _fingerprint(a) == _fingerprint(b)
+    for x, y in zip(a, b):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+
+
+def test_a_sliding_window_model_keeps_the_dynamic_cache():
+    """Sliding-window layers are not plain full attention: `static_from_prefill` declines (None)
+    and the engine decodes with the dynamic cache, as before."""
+    from transformers import DynamicCache
+
+    from mrl.rollout.hf_cache import static_from_prefill
+
+    cfg = dict(model_type="mistral", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, sliding_window=4, max_position_embeddings=64)
+    engine = HFEngine.from_config(cfg, seed=0)
+    out = engine.model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True)
+    assert static_from_prefill(engine.model, out.past_key_values, None, 8) is None
+    seen = []
+    engine.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("past_key_values")), with_kwargs=True)
+    responses = engine.generate([[1, 2, 3, 4, 5, 6]], Sampling(n=2, temperature=1.0, max_tokens=6, seed=1, ignore_eos=True))
+    assert [len(r.token_ids) for r in responses] == [6, 6]
+    assert all(isinstance(c, DynamicCache) for c in seen[1:])
