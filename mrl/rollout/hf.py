@@ -11,7 +11,7 @@ held as sent and the parameters get their dequantization (`mrl.rollout.hf_fp8`).
 The n responses of a prompt share its prefill: each distinct prompt of a batch is run through
 the model once and its KV cache (and last-position logits) copied to its n rows before decoding
 (`share_prefill`; with 8 responses per prompt the prefill does an eighth of the work). Decoding
-writes into a KV cache allocated once for the prompt width plus `max_tokens` (`static_cache`,
+writes into KV buffers allocated once for the prompt width plus `max_tokens` (`static_cache`,
 `mrl.rollout.hf_cache`) instead of concatenating every layer's cache at every token.
 Vision-language models (Qwen2.5-VL) take each prompt's `ImageInputs` (`mrl.data.images`): the
 prefill runs the tower on them, positions are the model's own 3-D mRoPE ids (`get_rope_index`,
@@ -33,7 +33,7 @@ import torch
 
 from mrl.errors import UserError
 from mrl.rollout.engine import RolloutEngine, WeightStream
-from mrl.rollout.hf_cache import static_from_prefill
+from mrl.rollout.hf_cache import in_place_from_prefill
 from mrl.rollout.logprobs import process_logits, reported_logprobs
 from mrl.rollout.types import Response, Sampling, prompt_seed, resolve_prompt_seeds
 
@@ -57,7 +57,7 @@ class HFEngine(RolloutEngine):
                  static_cache: bool = True):
         self.model = model.eval()
         self.share_prefill = share_prefill
-        self.static_cache = static_cache   # decode into a KV cache allocated once (`hf_cache`)
+        self.static_cache = static_cache   # decode into KV buffers allocated once (`hf_cache`)
         self.stage_seconds: Optional[dict[str, float]] = None   # a dict: per-stage wall time accumulates
         self.device = next(model.parameters()).device
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else eos_ids_of(model)
@@ -249,13 +249,13 @@ class HFEngine(RolloutEngine):
         return out.logits[expand], cache, (taken[expand.to(taken.device)] if taken is not None else None)
 
     def _decoding_cache(self, cache, rows: Optional[torch.Tensor], max_len: int):
-        """The prefill's cache, batch rows `rows` (None: all), as decoding uses it: allocated once
-        for `max_len` positions (`hf_cache.static_from_prefill`) when `static_cache` and the
-        model's layers allow, else the dynamic cache (its rows selected in place)."""
-        if self.static_cache and not self.vision:
-            static = static_from_prefill(self.model, cache, rows, max_len)
-            if static is not None:
-                return static
+        """The prefill's cache, batch rows `rows` (None: all), as decoding uses it: in buffers of
+        `max_len` positions allocated once (`hf_cache.in_place_from_prefill`) when `static_cache`
+        and the model's layers allow, else the dynamic cache (its rows selected in place)."""
+        if self.static_cache:
+            moved = in_place_from_prefill(cache, rows, max_len)
+            if moved is not None:
+                return moved
         if rows is not None:
             cache.reorder_cache(rows)   # index_select on the batch dimension
         return cache
