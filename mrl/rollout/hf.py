@@ -34,7 +34,7 @@ import torch
 from mrl.errors import UserError
 from mrl.rollout.engine import RolloutEngine, WeightStream
 from mrl.rollout.hf_cache import in_place_from_prefill
-from mrl.rollout.logprobs import process_logits, reported_logprobs
+from mrl.rollout.logprobs import process_logits, reported_logprobs, sample_rows
 from mrl.rollout.types import Response, Sampling, prompt_seed, resolve_prompt_seeds
 
 from mrl.platform.device import DTYPES as _DTYPES
@@ -287,8 +287,7 @@ class HFEngine(RolloutEngine):
                 if sampling.greedy:
                     tok = z.argmax(dim=-1)
                 else:
-                    probs = logp_all.exp()
-                    tok = torch.cat([torch.multinomial(probs[r], 1, generator=gens[r]) for r in range(B)])
+                    tok = sample_rows(logp_all.exp(), gens)
             with self._stage("logprobs"):
                 if sampling.logprobs_mode == "raw_logprobs":
                     lp = reported_logprobs(logits, tok, sampling, seen)

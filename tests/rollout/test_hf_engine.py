@@ -321,3 +321,20 @@ def test_an_in_place_layer_refuses_a_position_past_its_buffers():
     assert layer.get_seq_length() == 4 and layer.get_mask_sizes(1) == (5, 0)
     with pytest.raises(RuntimeError, match="4 positions cannot take position 5"):
         layer.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+
+
+def test_sample_rows_draws_each_token_as_often_as_its_probability_and_never_a_zero_one():
+    """4000 rows of p = (0.5, 0, 0.2, 0.3, 0), each with its own generator: counts within 4 standard
+    deviations of 4000 p, the zero tokens never; a row's draw depends on its generator only."""
+    from mrl.rollout.logprobs import sample_rows
+
+    p = torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0]).repeat(4000, 1) * 3   # unnormalised rows
+    tok = sample_rows(p, [torch.Generator().manual_seed(i) for i in range(4000)])
+    counts = torch.bincount(tok, minlength=5).tolist()
+    assert counts[1] == counts[4] == 0
+    for k, q in ((0, 0.5), (2, 0.2), (3, 0.3)):
+        assert abs(counts[k] - 4000 * q) < 4 * (4000 * q * (1 - q)) ** 0.5, counts
+    alone = [int(sample_rows(p[i:i + 1], [torch.Generator().manual_seed(i)])) for i in (0, 17, 3999)]
+    assert alone == [int(tok[0]), int(tok[17]), int(tok[3999])]
+    one_hot = torch.tensor([[0.0, 0.0, 1.0]])
+    assert [int(sample_rows(one_hot, [torch.Generator().manual_seed(s)])) for s in range(20)] == [2] * 20
