@@ -14,11 +14,12 @@ warmed up once, then timed over `--repeats` runs (median). Printed: generated to
 and ratios against `transformers.generate`. The hf engine additionally returns each token's
 log-prob (the reported quantity, see mrl/rollout/README.md), which `generate` does not.
 
-The hf engine runs three ways: a prefill per response row into a dynamic KV cache
-(`share_prefill=False, static_cache=False`, as two rounds ago), one prefill per distinct prompt
-whose KV cache its n rows share but still a dynamic cache (concatenated at every token, as last
-round), and shared prefill decoding into a cache allocated once (`static_cache=True`, the
-default), run in turn, best of `--repeats`, with the ratios; then one more call of each with
+The hf engine runs four ways, each adding one change: a prefill per response row into a dynamic
+KV cache, sampling each row with `torch.multinomial` (`share_prefill=False, static_cache=False`,
+as two rounds ago); one prefill per distinct prompt whose KV cache its n rows share (last
+round); decoding into KV buffers allocated once (`static_cache=True`); and the batched
+inverse-CDF sampler (`mrl.rollout.logprobs.sample_rows`, today's default), run in turn, best of
+`--repeats`, with the ratios; then one more call of each with
 `HFEngine.stage_seconds` on prints where the time goes: prefill, decode forward calls, sampling
 (logit processing, softmax, per-row seeded multinomial), log-probs, bookkeeping.
 
@@ -46,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from mrl.rollout.hf import HFEngine  # noqa: E402
+from mrl.rollout.logprobs import sample_rows  # noqa: E402
 from mrl.rollout.types import Sampling  # noqa: E402
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -131,10 +133,19 @@ def main() -> None:
         out = engine.generate(prompts, sampling)
         assert sum(len(r.token_ids) for r in out) == tokens
 
-    def run_engine_with(share: bool, static: bool):
+    import mrl.rollout.hf as hf_module
+
+    def multinomial_rows(probs, gens):   # the sampler before logprobs.sample_rows, for comparison
+        return torch.cat([torch.multinomial(probs[r], 1, generator=gens[r]) for r in range(len(gens))])
+
+    def run_engine_with(share: bool, static: bool, batched_sampler: bool = True):
         def run():
             engine.share_prefill, engine.static_cache = share, static
-            run_engine()
+            hf_module.sample_rows = sample_rows if batched_sampler else multinomial_rows
+            try:
+                run_engine()
+            finally:
+                hf_module.sample_rows = sample_rows
         return run
 
     def run_transformers():
@@ -145,15 +156,16 @@ def main() -> None:
         assert out.shape == (args.batch * args.n, width + args.new_tokens)
 
     results = {"transformers.generate": timed(run_transformers, args.repeats)}
-    variants = {"per-row prefill": (False, False), "dynamic cache": (True, False), "shared + static": (True, True)}
+    variants = {"per-row prefill": (False, False, False), "dynamic cache": (True, False, False),
+                "in-place cache": (True, True, False), "batched sampler": (True, True, True)}
     seconds = paired(*(run_engine_with(*v) for v in variants.values()), repeats=args.repeats)
     results.update({f"mrl hf engine, {name}": sec for name, sec in zip(variants, seconds)})
-    per_row, dynamic, shared = seconds
+    per_row, dynamic, in_place, shared = seconds
     stages = {}
-    for name, (share, static) in variants.items():
-        engine.share_prefill, engine.static_cache, engine.stage_seconds = share, static, {}
+    for name, v in variants.items():
+        engine.stage_seconds = {}
         t0 = time.perf_counter()
-        run_engine()
+        run_engine_with(*v)()
         stages[name] = (time.perf_counter() - t0, engine.stage_seconds)
     engine.stage_seconds = None
     engine.share_prefill, engine.static_cache = True, True
@@ -170,9 +182,9 @@ def main() -> None:
     base = results["transformers.generate"]
     for name, sec in results.items():
         print(f"  {name:32s} {sec * 1e3:9.1f} ms  {tokens / sec:10.1f} tokens/s  x{base / sec:5.2f} vs transformers.generate")
-    print(f"  shared prefill vs per-row prefill (both dynamic cache): x{per_row / dynamic:.2f}; static cache vs "
-          f"dynamic (both shared): x{dynamic / shared:.2f}; both vs neither: x{per_row / shared:.2f} "
-          f"(run in turn, best of {args.repeats})")
+    print(f"  each change over the one before (run in turn, best of {args.repeats}): shared prefill "
+          f"x{per_row / dynamic:.2f}, in-place KV cache x{dynamic / in_place:.2f}, batched sampler "
+          f"x{in_place / shared:.2f}; all three x{per_row / shared:.2f}")
     print("  where the hf engine's time goes (one call each):")
     names = ["prefill", "decode", "sampling", "logprobs", "bookkeeping"]
     print(f"    {'':18s} {'total s':>8} " + " ".join(f"{n:>12s}" for n in names + ["other"]))
