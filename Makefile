@@ -13,6 +13,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 HASH   := $(shell cat constraints.txt pyproject.toml setup.py | sha1sum | cut -c1-12)
 STAMP  := $(VENV)/.mrl-installed-$(HASH)
+# `make test` runs on TEST_WORKERS pytest-xdist workers (one per core of CI's 2-core machine). The
+# unit a worker takes whole is a test file (tests/conftest.py: its module fixtures are built once),
+# and the files holding slow tests go first, so the short ones balance the end.
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test test-fast test-vllm test-gpu gpu-check lint clean
 
@@ -34,7 +38,7 @@ demo: setup
 # Every tier: fast unit tests plus the slow tier (torchrun/gloo, and Slurm when a cluster is up:
 # `bash .ci/slurm-setup.sh` starts a one-node cluster as root; without it those tests skip).
 test: setup
-	$(VENV)/bin/python -m pytest -m '' -q --durations=15
+	$(VENV)/bin/python -m pytest -m '' -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # The fast tier only (the default `pytest` run).
 test-fast: setup

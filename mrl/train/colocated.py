@@ -1,7 +1,7 @@
 """`ColocatedRollouts`: the rollout source when the engine shares the trainer's ranks
 (`rollout.placement = "colocated"`, see `mrl.train.source`).
 
-`publish(v)` loads version v into the engine (`mrl.train.rollout.sync_weights`, skipped when the
+`publish(v)` loads version v into the engine (`sync_weights`, skipped when the
 engine already holds it) and leaves the engine awake: evaluation of v and the next step's
 generation use it. `take` produces the step's rollouts inline and then puts the engine to sleep
 for the training stages (`rollout.sleep_level`).
@@ -16,8 +16,38 @@ from mrl.rollout.weight_channel import channel_metrics
 from mrl.train.carry import decode_carry, encode_carry
 from mrl.train.parts import Generation, Learner, Prompts, Run, SampleLog
 from mrl.train.produce import ShardRollout, produce
-from mrl.train.rollout import release_engine, sync_weights
 from mrl.train.evaluate import ValidationResult, evaluate, validation_steps
+
+
+def sync_weights(gen: Generation, learner: Learner, version: int) -> int:
+    """Colocated: stream the actor's weights into the rollout engine (skipped when it already
+    holds them) and record them as policy `version`; returns tensors sent (leader) or 0."""
+    gen.version = version
+    lost = gen.weights_key is None   # first sync, or the engine dropped its weights (sleep level 2)
+    if gen.weights_key == learner.actor.steps:
+        if gen.engine is not None:
+            gen.engine.wake()
+        return 0
+    gen.weights_key = learner.actor.steps
+    stream = learner.exporter.stream("all")
+    if gen.engine is None:
+        for _ in stream:   # every rank takes part in the gathers
+            pass
+        return 0
+    gen.engine.wake(tags=["weights"])   # weights first: the KV cache is not needed to load them
+    sent = gen.channel.push(stream, version, lost=lost) if gen.channel is not None else gen.engine.update_weights(stream)
+    gen.engine.wake(tags=["kv_cache"])
+    return sent
+
+
+def release_engine(gen: Generation, sleep_level: int) -> None:
+    """Put the colocated rollout engine to sleep for the training stages (`rollout.sleep_level`,
+    0 = never). Level 2 discards the engine's weights: the next sync must send them again even
+    when the actor has not changed (validation before training, critic warm-up steps)."""
+    if gen.engine is not None and sleep_level > 0:
+        gen.engine.sleep(sleep_level)
+    if sleep_level >= 2:
+        gen.weights_key = None
 
 
 class ColocatedRollouts:

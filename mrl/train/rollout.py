@@ -1,5 +1,5 @@
-"""The rollout stages the producer (`mrl.train.produce`) and evaluation run: weight sync into a
-colocated engine, generation, and reward scoring.
+"""The rollout stages the producer (`mrl.train.produce`) and evaluation run: generation and reward
+scoring (the colocated engine's weight sync and sleep are `mrl.train.colocated`'s).
 
 Generation and scoring run on the group leader (the model-parallel group's first rank, or the
 engine group's); the responses and scores are broadcast to the group
@@ -17,38 +17,7 @@ from mrl.batch import Batch
 from mrl.errors import UserError
 from mrl.platform.collectives import from_leader
 from mrl.rollout.types import Response, Sampling
-from mrl.train.parts import Generation, Learner, Run
-
-
-def sync_weights(gen: Generation, learner: Learner, version: int) -> int:
-    """Colocated: stream the actor's weights into the rollout engine (skipped when it already
-    holds them) and record them as policy `version`; returns tensors sent (leader) or 0."""
-    gen.version = version
-    lost = gen.weights_key is None   # first sync, or the engine dropped its weights (sleep level 2)
-    if gen.weights_key == learner.actor.steps:
-        if gen.engine is not None:
-            gen.engine.wake()
-        return 0
-    gen.weights_key = learner.actor.steps
-    stream = learner.exporter.stream("all")
-    if gen.engine is None:
-        for _ in stream:   # every rank takes part in the gathers
-            pass
-        return 0
-    gen.engine.wake(tags=["weights"])   # weights first: the KV cache is not needed to load them
-    sent = gen.channel.push(stream, version, lost=lost) if gen.channel is not None else gen.engine.update_weights(stream)
-    gen.engine.wake(tags=["kv_cache"])
-    return sent
-
-
-def release_engine(gen: Generation, sleep_level: int) -> None:
-    """Put the colocated rollout engine to sleep for the training stages (`rollout.sleep_level`,
-    0 = never). Level 2 discards the engine's weights: the next sync must send them again even
-    when the actor has not changed (validation before training, critic warm-up steps)."""
-    if gen.engine is not None and sleep_level > 0:
-        gen.engine.sleep(sleep_level)
-    if sleep_level >= 2:
-        gen.weights_key = None
+from mrl.train.parts import Generation, Run
 
 
 def generate(run: Run, gen: Generation, prompt_ids: list[list[int]], sampling: Sampling,

@@ -355,3 +355,20 @@ def test_routing_replay_r3_with_the_hf_engine_on_a_tiny_moe_on_cuda(tmp_path):
     diffs = {mode: metric(mode, "rollout/logprob_abs_diff_mean")[1] for mode in runs}
     assert all(d == d and d < 1.0 for d in diffs.values()), diffs
     assert diffs["r3"] <= diffs["off"], diffs
+
+
+def test_a_vision_language_grpo_run_on_cuda_in_bf16(tmp_path):
+    """`mrl train` of the VLM quickstart (tiny Qwen2.5-VL: mRoPE language model, HF vision tower on
+    the first stage) on one GPU in bf16 with the HF engine on CUDA, images through the processor to
+    both sides: three steps log a reward each, and step 1's train/rollout log-prob mismatch is
+    finite and small (both sides bf16 on CUDA with different attention kernels; the CPU runs in
+    tests/models hold the fp32 equality)."""
+    pytest.importorskip("tensorboard")
+    _mrl("train", "jobs/quickstart_vlm_cpu.toml", "platform.device=cuda", "platform.ranks_per_node=1",
+         "parallel.tensor=1", "model.dtype=bfloat16", "tracking.backends=[\"console\",\"tensorboard\"]",
+         "checkpoint.every_steps=0", "trainer.total_steps=3", f"job.output_dir={tmp_path}", "job.name=vlm")
+    scalars = tensorboard_scalars(tmp_path / "vlm")
+    metric = lambda name: next(v for k, v in scalars.items() if k.endswith(name))   # noqa: E731
+    assert sorted(metric("reward/mean")) == [1, 2, 3], sorted(scalars)
+    audit = metric("rollout/logprob_abs_diff_mean")[1]
+    assert audit == audit and audit < 0.05, audit

@@ -150,8 +150,17 @@ def test_headlines_pick_the_figures_worth_a_glance():
                  share_outside_model_math=0.031, peak_memory_gib=61.2)
     assert report.headline("train_step_qwen2.5-1.5b", train) == (
         "1500M params, 58000 tokens/step: 1800 ms, 32,222 tokens/s, MFU 29.1%, outside model math 3.1%, peak 61.2 GiB")
-    assert report.headline("weights", dict(export_gbps=1.05, copy_gbps=3.0, export_over_copy=0.35)) == (
-        "export 1.1 GB/s, copy 3.0 GB/s, ratio 0.35")
+    assert report.headline("weights", dict(params=246e6, export_gbps=1.05, copy_gbps=3.0, export_over_copy=0.35)) == (
+        "246M params: export 1.1 GB/s, copy 3.0 GB/s, ratio 0.35")
+    prof = dict(tensors=27, device_kernels=54, device_ms=1.234)
+    assert report.headline("weights_7b_layers", dict(params=2e9, export_gbps=500.0, copy_gbps=600.0,
+                                                     export_over_copy=0.83, profile=prof)) == (
+        "2000M params: export 500.0 GB/s, copy 600.0 GB/s, ratio 0.83; profile: 27 tensors, 54 kernels, 1.23 ms device")
+    sweep = [dict(block_v=4096, num_warps=4, fwd_pct_hbm=87.0, bwd_pct_hbm=70.0),
+             dict(block_v=8192, num_warps=8, fwd_pct_hbm=80.0, bwd_pct_hbm=75.5), dict(block_v=16384, num_warps=4,
+                                                                                     error="out of resources")]
+    assert report.headline("kernels_sweep", dict(sweep=sweep, logprob=dict(fwd_pct_hbm=86.9))) == (
+        "best fwd 4096x4w 87.0% HBM; best bwd 8192x8w 75.5% HBM; default fwd 86.9%")
     assert report.headline("kernels", None) == ""
 
 

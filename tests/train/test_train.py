@@ -98,17 +98,19 @@ def test_every_estimator_and_policy_loss_runs_two_steps(tmp_path):
 
 @pytest.mark.slow
 def test_ppo_with_critic_and_dapo_jobs_run_on_two_ranks(tmp_path):
-    for job in ("jobs/ppo_cpu.toml", "jobs/dapo_cpu.toml"):
-        out = tmp_path / Path(job).stem
-        run_torchrun("-m mrl train", job, "trainer.total_steps=3", f"job.output_dir={out}", "job.name=run",
-                     "tracking.backends=[\"mlflow\"]", timeout=600)
-        h = history(out / "run")
+    jobs = ("jobs/ppo_cpu.toml", "jobs/dapo_cpu.toml")
+    # one launch, the two trainings one after the other (run_jobs.py: run0 PPO, run1 DAPO)
+    run_torchrun("tests/train/scripts/run_jobs.py", jobs[0], str(tmp_path),
+                 *(f"{job} trainer.total_steps=3 tracking.backends=[\"mlflow\"]" for job in jobs), timeout=900)
+    for i, job in enumerate(jobs):
+        out = tmp_path / f"run{i}"
+        h = history(out)
         assert sorted(h["reward/mean"]) == [1, 2, 3], job
         if "ppo" in job:
             assert "critic/vf_loss" in h and "kl/reward_coef" in h
         else:
             assert max(h["rollout/generation_rounds"].values()) >= 1
-        assert (out / "run/checkpoints/actor/latest").is_file()
+        assert (out / "checkpoints/actor/latest").is_file()
 
 
 class Scraper(threading.Thread):

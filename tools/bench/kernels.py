@@ -368,8 +368,9 @@ def liger_note(liger, device):
     return "skipped (liger-kernel not installed)" if not liger else ""
 
 
-def sweep(args, device, dtype, hbm):
-    """Time the Triton forward/backward kernels over launch configurations."""
+def sweep(args, device, dtype, hbm) -> list[dict]:
+    """Time the Triton forward/backward kernels over launch configurations; the rows as dicts
+    (block_v, num_warps, fwd_ms, fwd_pct_hbm, bwd_ms, bwd_pct_hbm; `error` when a config failed)."""
     import mrl_kernels.logprob_triton as kt
     n, v = args.n, args.v
     elem = torch.finfo(dtype).bits // 8
@@ -381,6 +382,7 @@ def sweep(args, device, dtype, hbm):
     grad = torch.empty_like(logits)
     print(f"\n== sweep  N={n} V={v} dtype={args.dtype} (default config: {kt.default_config(v, device)})")
     print(f"{'BLOCK_V':>8}{'warps':>6}{'fwd ms':>9}{'fwd %HBM':>10}{'bwd ms':>9}{'bwd %HBM':>10}")
+    rows = []
     for block in (1024, 2048, 4096, 8192, 16384):
         for warps in (4, 8, 16, 32):
             if block // (32 * warps) < 1:
@@ -392,10 +394,13 @@ def sweep(args, device, dtype, hbm):
                                             block_v=block, num_warps=warps), args.iters, args.warmup, device)
             except Exception as exc:  # noqa: BLE001 - report and go on (e.g. out of registers)
                 print(f"{block:>8}{warps:>6}  failed: {str(exc)[:60]}")
+                rows.append(dict(block_v=block, num_warps=warps, error=str(exc)[:200]))
                 continue
             fp = 100 * n * v * elem / (f * 1e-3) / hbm if hbm else float("nan")
             bp = 100 * 2 * n * v * elem / (b * 1e-3) / hbm if hbm else float("nan")
             print(f"{block:>8}{warps:>6}{f:9.3f}{fp:9.1f}%{b:9.3f}{bp:9.1f}%")
+            rows.append(dict(block_v=block, num_warps=warps, fwd_ms=f, fwd_pct_hbm=fp, bwd_ms=b, bwd_pct_hbm=bp))
+    return rows
 
 
 def main(argv=None):
@@ -438,14 +443,14 @@ def main(argv=None):
             torch.cuda.empty_cache()
     if args.section in ("all", "linear"):
         figures["linear"] = bench_linear(args, device, dtype, mrl_name, liger)
+    if args.sweep:
+        if device.type == "cuda" and backend == "triton":
+            figures["sweep"] = sweep(args, device, dtype, hbm)
+        else:
+            print("\n--sweep needs a CUDA device and triton")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)
-    if args.sweep:
-        if device.type == "cuda" and backend == "triton":
-            sweep(args, device, dtype, hbm)
-        else:
-            print("\n--sweep needs a CUDA device and triton")
     return 0
 
 

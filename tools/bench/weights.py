@@ -11,7 +11,10 @@ Builds a Qwen2-shaped model with random weights, then times, side by side in one
 - copy: a plain `torch.cat` of the same parameters into one flat buffer (the floor any export
   must pay to produce the same bytes once).
 Prints GB/s of the exported bytes for both and the ratio export/copy (`--json PATH` also writes
-them as JSON, for tools/gpu/check.py).
+them as JSON, for tools/gpu/check.py). `--profile N` then runs one more export under
+torch.profiler and prints its N most expensive ops (self device time on CUDA, self CPU time on
+CPU), the tensors streamed and the device kernels launched: where an export slower than the
+copy spends its time (launch-bound per tensor, or bytes moved more than once).
 """
 from __future__ import annotations
 
@@ -41,6 +44,33 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def export_profile(run_export, a, counts: dict) -> dict:
+    """One export under torch.profiler: prints the `a.profile` most expensive ops and returns
+    {tensors, device_kernels, device_ms, top: [{name, calls, self_cpu_us, self_device_us}]}."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = a.device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(a.device)
+    with profile(activities=activities) as prof:
+        run_export()
+        _sync(a.device)
+    events = prof.key_averages()
+    device_us = lambda e: getattr(e, "self_device_time_total", 0.0)  # noqa: E731
+    cost = device_us if cuda else (lambda e: e.self_cpu_time_total)
+    print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=a.profile))
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    top = sorted(events, key=cost, reverse=True)[:a.profile]
+    figures = dict(tensors=counts["tensors"], device_kernels=sum(e.count for e in kernels),
+                   device_ms=sum(device_us(e) for e in kernels) / 1e3,
+                   top=[dict(name=e.key, calls=e.count, self_cpu_us=e.self_cpu_time_total, self_device_us=device_us(e))
+                        for e in top])
+    print(f"   profiled export: {figures['tensors']} tensors, {figures['device_kernels']} device kernels, "
+          f"{figures['device_ms']:.2f} ms of device time")
+    return figures
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=1024)
@@ -55,6 +85,8 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--json", metavar="PATH", default=None, help="also write the figures to PATH as JSON (rank 0)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="profile one more export and print its N most expensive ops (0: no profile)")
     a = ap.parse_args()
 
     from mrl.models.megatron import complete_hf_config
@@ -74,15 +106,19 @@ def main() -> None:
     dtype = DTYPES[a.dtype]
     exporter = Exporter([model], hf, dtype=dtype)
 
+    counts = dict(tensors=0)
+
     def run_export() -> int:
         stream = exporter.stream()
-        total = 0
+        total = counts["tensors"] = 0
         if a.bucket_mb:
             for bucket in hf_buckets(stream, a.bucket_mb << 20):
                 total += sum(t.numel() * t.element_size() for _, t in bucket)
+                counts["tensors"] += len(bucket)
         else:
             for _, t in stream:
                 total += t.numel() * t.element_size()
+                counts["tensors"] += 1
         return total
 
     def run_copy() -> int:
@@ -101,6 +137,7 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         results[name] = (statistics.median(times), nbytes)
 
+    profile = export_profile(run_export, a, counts) if a.profile else None
     if ctx.is_main:
         n_params = sum(p.numel() for p in params) * a.tp
         print(f"== weight export  model: qwen2-shaped, {n_params / 1e6:.0f}M params, {a.layers} layers; "
@@ -117,7 +154,7 @@ def main() -> None:
                                bucket_mb=a.bucket_mb, **{f"{k}_{q}": v for k, (t, nbytes) in results.items()
                                                          for q, v in (("ms", t * 1e3), ("bytes", nbytes),
                                                                       ("gbps", nbytes / t / 1e9))},
-                               export_over_copy=(be / te) / (bc / tc)), f, indent=1)
+                               export_over_copy=(be / te) / (bc / tc), profile=profile), f, indent=1)
     teardown()
 
 

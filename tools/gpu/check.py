@@ -71,13 +71,14 @@ OPTIONAL = {"vllm": "the vLLM engine is not checked (too large for the wheel fol
 # hangs without psutil; `mrl train` writes the resolved spec with tomli-w).
 TESTS = {"tests/gpu": ("megatron-core", "transformers", "tomli-w", "psutil"),
          "tests/kernels": ("hypothesis",)}
-# Each test folder's time cap on a GPU (three short quickstart trainings and two MoE ones; Triton
-# compiles). On CPU each gets CPU_TESTS_CAP_S.
-TESTS_CAP_S = {"tests/gpu": 240, "tests/kernels": 150}
+# Each test folder's time cap on a GPU (three short quickstart trainings, two MoE ones and a VLM
+# one; Triton compiles). On CPU each gets CPU_TESTS_CAP_S. Measured on one H100 (2026-11-27): the
+# quickstart test alone 182 s, R3 249 s and the VLM run 133 s beside it in 4 processes.
+TESTS_CAP_S = {"tests/gpu": 300, "tests/kernels": 150}
 # On a GPU with pytest-xdist, each folder's tests run in this many processes on the one device
 # (the tests assert no time; the benchmarks never run beside them): the GPU tier's trainings and
 # the kernels' Triton compiles are CPU-bound between short kernels.
-XDIST_WORKERS = {"tests/gpu": 4, "tests/kernels": 8}
+XDIST_WORKERS = {"tests/gpu": 6, "tests/kernels": 8}
 CPU_TESTS_CAP_S = 420
 # The benchmark smoke tests in tests/gpu repeat what the benchmark steps measure in full.
 BENCH_TESTS = ("tests/gpu/test_gpu.py::test_train_step_benchmark_reports_mfu_on_cuda",
@@ -98,15 +99,24 @@ class Bench:
     smoke_skip: str = ""
 
 
-BENCHES = (
+BENCHES = (  # in ORDER's order
     Bench("train_step_qwen2.5-1.5b", "train_step.py",
           ("--shape", "qwen2.5-1.5b", "--micro-batch-tokens", "8192", "--steps", "2"), None, 100,
           smoke_skip="no smoke size for a 1.5B-parameter model (train_step_370m ran the tiny one)"),
     Bench("kernels", "kernels.py", ("--iters", "10", "--warmup", "3"),
-          ("--n", "48", "--v", "700", "--h", "16", "--iters", "1", "--warmup", "1"), 60, needs=()),
-    Bench("weights", "weights.py", ("--dtype", "bf16", "--iters", "3"),
+          ("--n", "48", "--v", "700", "--h", "16", "--iters", "1", "--warmup", "1"), 100, needs=()),
+    Bench("weights", "weights.py", ("--dtype", "bf16", "--iters", "3", "--profile", "12"),
           ("--dtype", "bf16", "--hidden", "64", "--ffn", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2",
-           "--vocab", "512", "--iters", "1"), 40),
+           "--vocab", "512", "--iters", "1", "--profile", "5"), 40),
+    # The export at Qwen2.5-7B's layer shape (4 of its 28 layers, its vocabulary): whether the
+    # small model's ratio is launch-bound per tensor or bytes moved more than once.
+    Bench("weights_7b_layers", "weights.py", ("--dtype", "bf16", "--iters", "3", "--profile", "12", "--hidden", "3584",
+                                              "--ffn", "18944", "--layers", "4", "--heads", "28", "--kv-heads", "4",
+                                              "--vocab", "152064"), None, 60,
+          smoke_skip="the weights step ran the smoke size"),
+    # The log-prob kernels over BLOCK_V x num_warps (the forward's default was tuned on an H100).
+    Bench("kernels_sweep", "kernels.py", ("--section", "logprob", "--sweep", "--iters", "5", "--warmup", "2"), None,
+          90, needs=(), smoke_skip="the sweep times Triton on CUDA only"),
     Bench("checksum", "checksum.py", ("--repeat", "3"), ("--repeat", "1"), 40),
     Bench("train_step_370m", "train_step.py", ("--shape", "370m", "--steps", "2"),
           ("--shape", "tiny", "--steps", "1", "--responses", "8", "--prompt-len", "16", "--response-len", "32",
@@ -116,8 +126,8 @@ BENCHES = (
           25),
 )
 # The order of the steps: the figures the targets judge first, so a run stopped early still has them.
-ORDER = ("train_step_qwen2.5-1.5b", "kernels", "weights", "tests/gpu", "tests/kernels", "checksum",
-         "train_step_370m", "rope")
+ORDER = ("train_step_qwen2.5-1.5b", "kernels", "weights", "weights_7b_layers", "tests/gpu", "kernels_sweep",
+         "tests/kernels", "checksum", "train_step_370m", "rope")
 assert sorted(ORDER) == sorted([b.name for b in BENCHES] + list(TESTS))
 SMOKE_CAP_S = 120
 

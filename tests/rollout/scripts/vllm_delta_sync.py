@@ -26,7 +26,7 @@ def main(job: str, steps: int, overrides: list[str]) -> None:
     from mrl.config.loader import load
     from mrl.train.build import build, close
     from mrl.train.colocated import ColocatedRollouts
-    from mrl.train.rollout import release_engine
+    from mrl.train.colocated import release_engine
     from mrl.train.step import train_step
     from mrl.weights.delta import Bucket
     from mrl.weights.verify import WeightSyncError

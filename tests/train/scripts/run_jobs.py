@@ -1,7 +1,8 @@
 """Run one job several times in this process, each with its own overrides (one `train()` each, or
-one `sft()` for an SFT job).
+one `sft()` for an SFT job). An override set whose first word is a `.toml` file runs that job
+instead of JOB (several jobs, one launch).
 
-    python run_jobs.py JOB OUT_DIR 'key=value key=value' ['key=value ...' ...]
+    python run_jobs.py JOB OUT_DIR 'key=value key=value' ['other.toml key=value ...' ...]
 
 Prints one `RESULT <index> <json metrics of the last step>` line per run; every run writes under
 OUT_DIR/run<index>.
@@ -19,8 +20,9 @@ def main() -> None:
 
     job, out = sys.argv[1], sys.argv[2]
     for i, overrides in enumerate(sys.argv[3:]):
-        extra = [f"job.output_dir={out}", f"job.name=run{i}"] + overrides.split()
-        spec, _ = load(job, extra)
+        words = overrides.split()
+        this_job = words.pop(0) if words and words[0].endswith(".toml") else job
+        spec, _ = load(this_job, [f"job.output_dir={out}", f"job.name=run{i}", *words])
         metrics = sft(spec) if hasattr(spec, "sft") else train(spec)
         print(f"RESULT {i} {json.dumps(metrics, sort_keys=True)}", flush=True)
 
