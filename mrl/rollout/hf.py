@@ -10,7 +10,9 @@ held as sent and the parameters get their dequantization (`mrl.rollout.hf_fp8`).
 
 The n responses of a prompt share its prefill: each distinct prompt of a batch is run through
 the model once and its KV cache (and last-position logits) copied to its n rows before decoding
-(`share_prefill`; with 8 responses per prompt the prefill does an eighth of the work).
+(`share_prefill`; with 8 responses per prompt the prefill does an eighth of the work). Decoding
+writes into KV buffers allocated once for the prompt width plus `max_tokens` (`static_cache`,
+`mrl.rollout.hf_cache`) instead of concatenating every layer's cache at every token.
 Vision-language models (Qwen2.5-VL) take each prompt's `ImageInputs` (`mrl.data.images`): the
 prefill runs the tower on them, positions are the model's own 3-D mRoPE ids (`get_rope_index`,
 left padding masked) and decoding continues from each row's largest id. Vision placeholder tokens
@@ -31,7 +33,8 @@ import torch
 
 from mrl.errors import UserError
 from mrl.rollout.engine import RolloutEngine, WeightStream
-from mrl.rollout.logprobs import process_logits, reported_logprobs
+from mrl.rollout.hf_cache import in_place_from_prefill
+from mrl.rollout.logprobs import process_logits, reported_logprobs, sample_rows
 from mrl.rollout.types import Response, Sampling, prompt_seed, resolve_prompt_seeds
 
 from mrl.platform.device import DTYPES as _DTYPES
@@ -50,9 +53,11 @@ class HFEngine(RolloutEngine):
     """Rollouts from a `transformers` causal LM held in this process."""
 
     def __init__(self, model: torch.nn.Module, *, seed: int = 0, eos_token_ids: Optional[Sequence[int]] = None,
-                 max_num_seqs: int = 256, share_prefill: bool = True, fp8_matmul: str = "auto"):
+                 max_num_seqs: int = 256, share_prefill: bool = True, fp8_matmul: str = "auto",
+                 static_cache: bool = True):
         self.model = model.eval()
         self.share_prefill = share_prefill
+        self.static_cache = static_cache   # decode into KV buffers allocated once (`hf_cache`)
         self.stage_seconds: Optional[dict[str, float]] = None   # a dict: per-stage wall time accumulates
         self.device = next(model.parameters()).device
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else eos_ids_of(model)
@@ -222,7 +227,7 @@ class HFEngine(RolloutEngine):
         """`pos` [B, S] (or [3, B, S] already) as the model takes it."""
         return pos.unsqueeze(0).expand(3, -1, -1) if self.vision and pos.dim() == 2 else pos
 
-    def _prefill(self, ids, mask, positions, prompt_index, routes, images):
+    def _prefill(self, ids, mask, positions, prompt_index, routes, images, max_tokens):
         """The prompts' forward pass: (last-position logits [B, 1, V], KV cache, prefill routes or
         None). With `share_prefill`, each distinct prompt runs once and its cache rows are copied to
         the rows that share it (a row's numbers are those of its prompt alone either way: left
@@ -233,15 +238,27 @@ class HFEngine(RolloutEngine):
         if not self.share_prefill or len(first) == B:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                              logits_to_keep=1, **self._vision_kwargs(images, range(B)))
-            return out.logits, out.past_key_values, (routes.take(B, width) if routes is not None else None)
+            return out.logits, self._decoding_cache(out.past_key_values, None, width + max_tokens), \
+                (routes.take(B, width) if routes is not None else None)
         rows = torch.tensor([inverse.index(u) for u in range(len(first))], device=ids.device)
         expand = torch.tensor(inverse, device=ids.device)
         out = self.model(input_ids=ids[rows], attention_mask=mask[rows], position_ids=positions[..., rows, :],
                          use_cache=True, logits_to_keep=1, **self._vision_kwargs(images, rows.tolist()))
-        cache = out.past_key_values
-        cache.reorder_cache(expand)   # index_select on the batch dimension: row r gets its prompt's cache
+        cache = self._decoding_cache(out.past_key_values, expand, width + max_tokens)   # row r: its prompt's cache
         taken = routes.take(len(first), width) if routes is not None else None
         return out.logits[expand], cache, (taken[expand.to(taken.device)] if taken is not None else None)
+
+    def _decoding_cache(self, cache, rows: Optional[torch.Tensor], max_len: int):
+        """The prefill's cache, batch rows `rows` (None: all), as decoding uses it: in buffers of
+        `max_len` positions allocated once (`hf_cache.in_place_from_prefill`) when `static_cache`
+        and the model's layers allow, else the dynamic cache (its rows selected in place)."""
+        if self.static_cache:
+            moved = in_place_from_prefill(cache, rows, max_len)
+            if moved is not None:
+                return moved
+        if rows is not None:
+            cache.reorder_cache(rows)   # index_select on the batch dimension
+        return cache
 
     def _decode(self, ids, mask, positions, prompts, prompt_index, gens, seen, stop, sampling, routes, images):
         """The decoding loop of `_generate_batch`; with `routes` (a `RouteCapture`) each response
@@ -255,7 +272,8 @@ class HFEngine(RolloutEngine):
         stopped = torch.zeros(B, dtype=torch.bool, device=dev)
 
         with self._stage("prefill"):
-            last_logits, cache, prefill_routes = self._prefill(ids, mask, positions, prompt_index, routes, images)
+            last_logits, cache, prefill_routes = self._prefill(ids, mask, positions, prompt_index, routes, images,
+                                                               sampling.max_tokens)
         fed = [prefill_routes] if routes is not None else []   # [B, tokens, L, k] per call
         # the next id: one past the row's largest (mRoPE: an image's ids do not count its tokens)
         next_pos = positions.amax(dim=(0, 2)) + 1 if positions.dim() == 3 else positions[:, -1] + 1
@@ -269,8 +287,7 @@ class HFEngine(RolloutEngine):
                 if sampling.greedy:
                     tok = z.argmax(dim=-1)
                 else:
-                    probs = logp_all.exp()
-                    tok = torch.cat([torch.multinomial(probs[r], 1, generator=gens[r]) for r in range(B)])
+                    tok = sample_rows(logp_all.exp(), gens)
             with self._stage("logprobs"):
                 if sampling.logprobs_mode == "raw_logprobs":
                     lp = reported_logprobs(logits, tok, sampling, seen)

@@ -18,7 +18,7 @@ engine's quantity from its own logits (see `mrl.rollout.audit`).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -62,6 +62,21 @@ def process_logits(logits: torch.Tensor, sampling: Sampling, seen: Optional[torc
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         z = torch.where(keep, z, neg_inf)
     return z
+
+
+def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row of `probs` [B, V] (non-negative, not necessarily normalised), row r drawn
+    with `generators[r]` alone: the inverse CDF at one uniform u per row, in float64, i.e. the
+    first token whose cumulative mass exceeds u times the row's total. A zero-probability token
+    is never drawn (its cumulative mass equals its predecessor's). Equal in law to
+    `torch.multinomial(probs[r], 1)` per row, which draws one exponential per vocabulary entry
+    and costs about 0.8 ms per 49k-token row on a CPU core; this draws one number per row and
+    does the rest batched."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g, device=probs.device) for g in generators])
+    x = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))   # below the total
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1)
 
 
 def reported_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sampling: Sampling,

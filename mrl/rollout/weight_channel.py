@@ -9,7 +9,10 @@ engine's `apply_sparse`; whole tensors stream through one `update_weights` call 
 sync in a start/finish pair), `partial` for a delta sync.
 
 `verify` is the periodic full verification (`rollout.weight_sync.verify_every_steps`): the
-checksum of every tensor the engine holds, cast to the export dtype, against the sender's.
+checksum of every tensor the engine holds, cast to the export dtype, against the sender's. A
+bucket's payloads, and a verification's tensors in batches of up to `VERIFY_BATCH_BYTES`, are
+hashed together (`mrl.weights.verify.first_mismatch`: on a GPU one kernel launch and one host
+read per batch).
 
 `ColocatedChannel` is the colocated sync of one engine: sender and receiver in the same process,
 `transit` in between (none in a run; tests corrupt or drop buckets there). Without a transit the
@@ -28,10 +31,11 @@ import torch
 
 from mrl.rollout.engine import RolloutEngine
 from mrl.weights.delta import Bucket, End, SyncStats, WeightSender
-from mrl.weights.verify import Checksum, WeightSyncError, matches
+from mrl.weights.verify import Checksum, WeightSyncError, first_mismatch
 
 Messages = Iterable[Bucket | End]
 log = logging.getLogger(__name__)
+VERIFY_BATCH_BYTES = 256 * 2**20   # verification: read-back tensors hashed together, at most about this much held
 
 
 class WeightReceiver:
@@ -72,10 +76,10 @@ class WeightReceiver:
             lost += range(expected_index, msg.index)
             expected_index = msg.index + 1
             t0 = time.perf_counter()
-            for item in (msg.items if rehash else ()):
-                if item.checksum is None or not matches(item.checksum, *item.payloads):
-                    raise WeightSyncError(f"weight sync: {item.name} (version {version}, bucket {msg.index}) failed its "
-                                          f"checksum at engine group {self.group}")
+            bad = first_mismatch([it.checksum for it in msg.items], [it.payloads for it in msg.items]) if rehash else None
+            if bad is not None:
+                raise WeightSyncError(f"weight sync: {msg.items[bad].name} (version {version}, bucket {msg.index}) "
+                                      f"failed its checksum at engine group {self.group}")
             stats.seconds_checksums += time.perf_counter() - t0
             for item in msg.items:
                 if item.sparse:
@@ -104,15 +108,25 @@ class WeightReceiver:
     def verify(self, expected: dict[str, Checksum], dtypes: dict[str, torch.dtype], version: int) -> list[str]:
         """Every tensor the engine holds hashes to what the sender sent it (cast to the export dtype).
         Returns the tensors the engine cannot read back (checked on arrival only)."""
-        seen, unreadable = set(), []
-        for name, held in self.engine.held_weights(sorted(expected)):   # one tensor at a time
+        seen, unreadable, batch = set(), [], []
+
+        def check():   # a batch of tensors hashed together (`first_mismatch`: one launch on a GPU)
+            bad = first_mismatch([expected[n] for n, _ in batch], [(t,) for _, t in batch])
+            if bad is not None:
+                raise WeightSyncError(f"weight verification: {batch[bad][0]} at engine group {self.group} differs "
+                                      f"from the trainer's version {version}")
+            batch.clear()
+
+        for name, held in self.engine.held_weights(sorted(expected)):   # read back one tensor at a time
             seen.add(name)
             if held is None:
                 unreadable.append(name)
                 continue
-            if not matches(expected[name], held.detach().to(dtypes.get(name, held.dtype))):
-                raise WeightSyncError(f"weight verification: {name} at engine group {self.group} differs from the "
-                                      f"trainer's version {version}")
+            batch.append((name, held.detach().to(dtypes.get(name, held.dtype))))
+            if sum(t.numel() * t.element_size() for _, t in batch) >= VERIFY_BATCH_BYTES:   # a few hundred tensors
+                check()
+        if batch:
+            check()
         for name in sorted(set(expected) - seen):
             raise WeightSyncError(f"weight verification: engine group {self.group} holds no {name} (version {version})")
         return unreadable

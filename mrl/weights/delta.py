@@ -3,7 +3,7 @@
 `WeightSender` turns the exporter's stream of full HF-named tensors into `Bucket`s for one engine.
 Every bucket carries the policy version, its position in the sync and a checksum per payload
 (`mrl.weights.verify.checksum`: one pass over the bytes where the exported tensor lives, xxh3 in
-host memory, a fused wsum32 kernel on the GPU); the sync ends with an
+host memory, a fused wsum32 kernel on the GPU, one launch for a whole bucket); the sync ends with an
 `End` marker naming every bucket's tensors, so the receiver can name what a lost bucket held.
 
 `rollout.weight_sync.mode = "delta"`: the sender keeps what the engine holds, a host copy of every
@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Iterator, Literal, Optional
 
 import torch
 
-from mrl.weights.verify import Checksum, checksum, checksum_update, same_bits
+from mrl.weights.verify import Checksum, checksum, checksum_many, checksum_update, same_bits
 
 Mode = Literal["full", "delta"]
 
@@ -153,8 +153,6 @@ class WeightSender:
     def encode(self, stream: Iterable[tuple[str, torch.Tensor]], version: int,
                stats: Optional[SyncStats] = None) -> Iterator[Bucket | End]:
         """Buckets of `stream` for policy `version`, then an `End`. Full when nothing is held."""
-        import time
-
         full = self.mode == "full" or not self.held
         stats = stats if stats is not None else SyncStats(version=version, full=full)
         stats.full = full
@@ -163,26 +161,35 @@ class WeightSender:
         items: list[Item] = []
         size = 0
         for name, tensor, item in self._by_unit(stream, full, stats):
-            t0 = time.perf_counter()
-            item.checksum = item.payload_checksum()
-            if not item.sparse:
-                self.sums[name] = item.checksum
-            stats.seconds_checksums += time.perf_counter() - t0
             self.dtypes[name] = tensor.dtype
             stats.tensors_sent += 1
             stats.tensors_sparse += item.sparse
             stats.bytes_sent += item.nbytes
             if items and size + item.nbytes > self.bucket_bytes:
                 names.append([it.name for it in items])
-                yield Bucket(version, len(names) - 1, items)
+                yield self._sealed(Bucket(version, len(names) - 1, items), stats)
                 items, size = [], 0
             items.append(item)
             size += item.nbytes
         if items:
             names.append([it.name for it in items])
-            yield Bucket(version, len(names) - 1, items)
+            yield self._sealed(Bucket(version, len(names) - 1, items), stats)
         stats.buckets = len(names)
         yield End(version, names, full)
+
+    def _sealed(self, bucket: Bucket, stats: SyncStats) -> Bucket:
+        """`bucket` with every item's checksum, computed together (`checksum_many`: one kernel
+        launch and one host read per bucket for device tensors); a whole item's is kept as the
+        checksum of what the engine will hold."""
+        import time
+
+        t0 = time.perf_counter()
+        for item, sums in zip(bucket.items, checksum_many([it.payloads for it in bucket.items])):
+            item.checksum = sums
+            if not item.sparse:
+                self.sums[item.name] = sums
+        stats.seconds_checksums += time.perf_counter() - t0
+        return bucket
 
     def _by_unit(self, stream: Iterable[tuple[str, torch.Tensor]], full: bool,
                  stats: SyncStats) -> Iterator[tuple[str, torch.Tensor, Item]]:

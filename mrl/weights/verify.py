@@ -22,10 +22,17 @@ cryptographic hash: they check a transfer, not an adversary.
 given one on any device, which is how a receiver checks a tensor against the sender's checksum
 wherever either side's copy lives (`matches`). Several tensors are checksummed as one payload
 (a sparse update's values and indices).
+
+`checksum_many(payloads)` gives the checksums of many payloads at once (a bucket's, a
+verification's): equal to `checksum` of each, but on CUDA every word of every payload is read by
+one kernel launch over a table of blocks (each naming its tensor's address, its first word's
+position and its length), the per-block partials are summed per tensor on the device and the
+sums come back in one host read: one launch and one synchronisation per bucket instead of one
+each per tensor (about 78 us apiece on an H100).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -70,9 +77,45 @@ def checksum(*tensors: torch.Tensor, algorithm: Optional[str] = None) -> Checksu
     raise ValueError(f"unknown checksum algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
 
 
+def checksum_many(payloads: Sequence[Sequence[torch.Tensor]], algorithm: Optional[str] = None) -> list[Checksum]:
+    """`[checksum(*p, algorithm=algorithm) for p in payloads]`, batched: the wsum32 sums of all the
+    payloads' CUDA tensors come from one kernel launch and one host read per device."""
+    algos = [algorithm or default_algorithm(p[0]) for p in payloads]
+    raws = [[_raw(t) for t in p] for p in payloads]
+    parts = [(i, k, r) for i, (a, rs) in enumerate(zip(algos, raws)) if a == "wsum32"
+             for k, r in enumerate(rs) if r.is_cuda and r.numel()]
+    sums: dict[tuple[int, int], int] = {}
+    if parts and _kernel_many() is not None:
+        for device in {r.device for _, _, r in parts}:
+            mine = [(i, k, r) for i, k, r in parts if r.device == device]
+            for (i, k, _), s in zip(mine, _wsum32_many([r for _, _, r in mine])):
+                sums[i, k] = s
+    out = []
+    for i, (a, rs) in enumerate(zip(algos, raws)):
+        if a != "wsum32":
+            out.append(checksum(*payloads[i], algorithm=a))
+            continue
+        digest = 0
+        for k, raw in enumerate(rs):   # folded as `checksum` folds a payload's parts
+            digest = (digest + (2 * k + 1) * (sums[i, k] if (i, k) in sums else wsum32(raw))) & _MASK64
+        out.append((a, digest, sum(r.numel() for r in rs)))
+    return out
+
+
 def matches(expected: Checksum, *tensors: torch.Tensor) -> bool:
     """Do `tensors` hash to `expected` (computed with `expected`'s algorithm, on their device)?"""
     return checksum(*tensors, algorithm=expected[0]) == tuple(expected)
+
+
+def first_mismatch(expected: Sequence[Optional[Checksum]], payloads: Sequence[Sequence[torch.Tensor]]) -> Optional[int]:
+    """The index of the first payload that does not hash to its `expected` checksum (None: no
+    checksum at all), or None when all match; computed with `checksum_many` per algorithm."""
+    bad = [i for i, e in enumerate(expected) if e is None]
+    for algorithm in {e[0] for e in expected if e is not None}:
+        idx = [i for i, e in enumerate(expected) if e is not None and e[0] == algorithm]
+        got = checksum_many([payloads[i] for i in idx], algorithm=algorithm)
+        bad += [i for i, g in zip(idx, got) if g != tuple(expected[i])]
+    return min(bad) if bad else None
 
 
 def checksum_update(before: Checksum, old: torch.Tensor, new: torch.Tensor, changed: torch.Tensor) -> Checksum:
@@ -153,6 +196,46 @@ def _kernel():
     except ImportError:
         return None
     return wsum32_partials
+
+
+def _kernel_many():
+    """The batched Triton wsum32 launcher, or None without Triton."""
+    try:
+        from mrl.weights.wsum32_triton import wsum32_many_partials
+    except ImportError:
+        return None
+    return wsum32_many_partials
+
+
+def block_table(addresses: Sequence[int], lengths: Sequence[int], block: int) -> tuple[int, np.ndarray]:
+    """The batched kernel's work list for tensors of int32 words at byte `addresses` with
+    `lengths` words: (index of the base tensor, the one at the lowest address, and an int64
+    [blocks, 4] table of (first word's offset from the base in words, its position in its tensor,
+    words in the block, tensor index)), every tensor cut into `block`-word blocks, empty ones
+    into none."""
+    base = int(np.argmin(addresses))
+    offsets = np.array([(a - addresses[base]) // 4 for a in addresses], dtype=np.int64)
+    if any((a - addresses[base]) % 4 for a in addresses):
+        raise ValueError("wsum32: tensors not 4-byte aligned to each other")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    blocks = -(-lengths // block)
+    tensor = np.repeat(np.arange(len(lengths), dtype=np.int64), blocks)
+    first = (np.arange(len(tensor), dtype=np.int64) - np.repeat(np.cumsum(blocks) - blocks, blocks)) * block
+    table = np.stack([offsets[tensor] + first, first, np.minimum(block, lengths[tensor] - first), tensor], axis=1)
+    return base, table.reshape(-1, 4)
+
+
+def _wsum32_many(raws: list[torch.Tensor], block: int = _BLOCK_WORDS) -> list[int]:
+    """wsum32 of each flat uint8 tensor of `raws` (CUDA, one device; host tensors only under
+    Triton's interpreter): one launch, one host read."""
+    words = [_words(r) for r in raws]
+    base, table = block_table([w.data_ptr() for w in words], [w.numel() for w in words], block)
+    device = words[0].device
+    table_dev = torch.from_numpy(table).to(device)
+    partial = _kernel_many()(words[base], table_dev, block)
+    per = torch.zeros(len(words), 2, dtype=torch.int64, device=device)
+    per.index_add_(0, table_dev[:, 3], partial.to(torch.int64) & _MASK32)   # each below 2**32: no overflow
+    return [(s & _MASK32) | ((w & _MASK32) << 32) for s, w in per.tolist()]
 
 
 def _wsum32_triton(words: torch.Tensor) -> tuple[int, int]:

@@ -28,3 +28,28 @@ def wsum32_partials(words: torch.Tensor, block: int) -> torch.Tensor:
     partial = torch.empty(programs, 2, dtype=torch.int32, device=words.device)
     _wsum32_kernel[(programs,)](words, partial, words.numel(), BLOCK=block)
     return partial
+
+
+@triton.jit
+def _wsum32_many_kernel(base_ptr, table_ptr, out_ptr, BLOCK: tl.constexpr):
+    # one block of one tensor per program: (word offset from base, position of its first word in
+    # its tensor, words in the block, tensor index); the tensors are addressed from one base
+    pid = tl.program_id(0)
+    start = tl.load(table_ptr + 4 * pid)
+    first = tl.load(table_ptr + 4 * pid + 1)
+    count = tl.load(table_ptr + 4 * pid + 2)
+    offs = tl.arange(0, BLOCK)
+    w = tl.load(base_ptr + start + offs, mask=offs < count, other=0)
+    pos = (first + offs + 1).to(tl.int32)
+    tl.store(out_ptr + 2 * pid, tl.sum(w, axis=0))
+    tl.store(out_ptr + 2 * pid + 1, tl.sum(w * pos, axis=0))
+
+
+def wsum32_many_partials(base: torch.Tensor, table: torch.Tensor, block: int) -> torch.Tensor:
+    """[blocks, 2] int32 (sum, weighted sum) of every block that `table` ([blocks, 4] int64 on
+    `base`'s device, `mrl.weights.verify.block_table`) names, in one launch; the words of block b
+    are base's words at `table[b, 0]` onwards (the other tensors' addresses taken from `base`'s)."""
+    partial = torch.empty(table.shape[0], 2, dtype=torch.int32, device=base.device)
+    if table.shape[0]:
+        _wsum32_many_kernel[(table.shape[0],)](base, table, partial, BLOCK=block)
+    return partial

@@ -326,6 +326,43 @@ def test_delta_sync_from_cuda_masters_into_the_hf_engine_on_cuda_is_bit_identica
         raise AssertionError("the drifted engine tensor was not caught by a verification sync")
 
 
+def test_a_buckets_wsum32_checksums_are_one_launch_equal_to_the_per_tensor_kernels_and_catch_damage(monkeypatch):
+    """`checksum_many` on CUDA (one batched kernel launch and one host read for a bucket) equals
+    the per-tensor Triton sums and the torch twin's on a host copy, for whole tensors of several
+    dtypes and sizes, a view off word alignment, a sparse (values, indices) payload and an empty
+    tensor; a flipped byte and two swapped words change the sum of the tensor they hit only; a
+    bucket with a flipped byte in transit is refused by the receiver naming that tensor."""
+    from mrl.weights import verify
+    from mrl.weights.delta import Bucket, End, Item
+    from mrl.rollout.weight_channel import WeightReceiver
+    from mrl.weights.verify import WeightSyncError, checksum, checksum_many
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    big = torch.randn(3 * 8192 + 5, generator=g, device="cuda")
+    payloads = [(torch.randn(n, generator=g, device="cuda").to(dt),) for n, dt in
+                ((7, torch.bfloat16), (8192, torch.float32), (70001, torch.bfloat16), (576, torch.float32))]
+    payloads += [(big.view(torch.uint8)[2:],), (big[:100], torch.arange(100, dtype=torch.int32, device="cuda")),
+                 (torch.empty(0, device="cuda"),)]
+    launches, real = [], verify._kernel_many()
+    monkeypatch.setattr(verify, "_kernel_many", lambda: (lambda *a: launches.append(1) or real(*a)))
+    sums = checksum_many(payloads)
+    assert len(launches) == 1
+    assert sums == [checksum(*p) for p in payloads] == [checksum(*(t.cpu() for t in p), algorithm="wsum32")
+                                                        for p in payloads]
+    flipped = [tuple(t.clone() for t in p) for p in payloads]
+    flipped[2][0].view(torch.uint8)[12345] ^= 0x10
+    swapped = [tuple(t.clone() for t in p) for p in payloads]
+    w = swapped[1][0].view(torch.int32)
+    w[[4000, 4001]] = w[[4001, 4000]].clone()
+    for bad, k in ((flipped, 2), (swapped, 1)):
+        got = checksum_many(bad)
+        assert [i for i in range(len(payloads)) if got[i] != sums[i]] == [k]
+    items = [Item(f"t{i}", tuple(p[0].shape), p[0], checksum=s) for i, (p, s) in enumerate(zip(flipped, sums))
+             if len(p) == 1]
+    with pytest.raises(WeightSyncError, match=r"t2 \(version 3, bucket 0\) failed its checksum"):
+        WeightReceiver(None, "0").apply([Bucket(3, 0, items), End(3, [[it.name for it in items]], True)], 3, full=True)
+
+
 # ----------------------------------------------------------------------------------------------
 # Routing replay R3 with the HF engine on a tiny MoE, on CUDA.
 # ----------------------------------------------------------------------------------------------

@@ -258,3 +258,83 @@ def test_a_prompts_responses_share_one_prefill_and_sample_what_they_would_alone(
     shared.generate(PROMPTS, s)
     assert set(shared.stage_seconds) == {"prefill", "decode", "sampling", "logprobs", "bookkeeping"}
     assert all(v >= 0 for v in shared.stage_seconds.values())
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_decoding_into_a_cache_allocated_once_samples_what_the_dynamic_cache_does(tiny_model_dir, share):
+    """`static_cache` (the default): every decode call gets the same cache whose layers write into
+    buffers sized once for the prompt width plus max_tokens (5 + 10) and attend over the positions
+    written so far; the responses are the dynamic cache's: same tokens, log-probs equal up to
+    float summation order."""
+    from transformers.cache_utils import DynamicLayer
+
+    from mrl.rollout.hf_cache import InPlaceLayer
+
+    static = HFEngine.from_pretrained(tiny_model_dir, dtype="float32", seed=0, share_prefill=share)
+    dynamic = HFEngine.from_pretrained(tiny_model_dir, dtype="float32", seed=0, share_prefill=share,
+                                       static_cache=False)
+    calls = {id(e): [] for e in (static, dynamic)}
+    for e in (static, dynamic):
+        e.model.register_forward_pre_hook(
+            lambda mod, args, kw, seen=calls[id(e)]: seen.append((kw.get("past_key_values"),
+                                                                  kw["input_ids"].shape)), with_kwargs=True)
+    s = Sampling(n=4, temperature=1.0, max_tokens=10, seed=5, ignore_eos=True)
+    a = static.generate(PROMPTS, s)
+    decoding = [c for c, _ in calls[id(static)][1:]]
+    assert len(decoding) == 9 and all(c is decoding[0] for c in decoding)
+    layer = decoding[0].layers[0]
+    assert type(layer) is InPlaceLayer and layer.capacity == 5 + 10
+    assert layer.keys.shape[:3] == (12, TINY_LLAMA["num_key_value_heads"], 5 + 9)   # written: prompt + 9 fed
+    assert layer.keys.data_ptr() == layer._keys.data_ptr()   # a view of the buffer, not a copy
+    b = dynamic.generate(PROMPTS, s)
+    assert all(type(c.layers[0]) is DynamicLayer for c, _ in calls[id(dynamic)][1:])
+    assert _fingerprint(a) == _fingerprint(b)
+    for x, y in zip(a, b):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+
+
+def test_a_sliding_window_model_keeps_the_dynamic_cache():
+    """Sliding-window layers are not plain full attention: `in_place_from_prefill` declines (None)
+    and the engine decodes with the dynamic cache, as before."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from mrl.rollout.hf_cache import in_place_from_prefill
+
+    cfg = dict(model_type="mistral", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, sliding_window=4, max_position_embeddings=64)
+    engine = HFEngine.from_config(cfg, seed=0)
+    out = engine.model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True)
+    assert in_place_from_prefill(out.past_key_values, None, 8) is None
+    seen = []
+    engine.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("past_key_values")), with_kwargs=True)
+    responses = engine.generate([[1, 2, 3, 4, 5, 6]], Sampling(n=2, temperature=1.0, max_tokens=6, seed=1, ignore_eos=True))
+    assert [len(r.token_ids) for r in responses] == [6, 6]
+    assert all(type(c.layers[0]) is DynamicSlidingWindowLayer for c in seen[1:])
+
+
+def test_an_in_place_layer_refuses_a_position_past_its_buffers():
+    from mrl.rollout.hf_cache import InPlaceLayer
+
+    layer = InPlaceLayer(torch.zeros(1, 2, 3, 4), torch.ones(1, 2, 3, 4), 4)
+    k, v = layer.update(torch.full((1, 2, 1, 4), 7.0), torch.full((1, 2, 1, 4), 8.0))
+    assert k[0, 0, :, 0].tolist() == [0, 0, 0, 7] and v[0, 1, :, 0].tolist() == [1, 1, 1, 8]
+    assert layer.get_seq_length() == 4 and layer.get_mask_sizes(1) == (5, 0)
+    with pytest.raises(RuntimeError, match="4 positions cannot take position 5"):
+        layer.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+
+
+def test_sample_rows_draws_each_token_as_often_as_its_probability_and_never_a_zero_one():
+    """4000 rows of p = (0.5, 0, 0.2, 0.3, 0), each with its own generator: counts within 4 standard
+    deviations of 4000 p, the zero tokens never; a row's draw depends on its generator only."""
+    from mrl.rollout.logprobs import sample_rows
+
+    p = torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0]).repeat(4000, 1) * 3   # unnormalised rows
+    tok = sample_rows(p, [torch.Generator().manual_seed(i) for i in range(4000)])
+    counts = torch.bincount(tok, minlength=5).tolist()
+    assert counts[1] == counts[4] == 0
+    for k, q in ((0, 0.5), (2, 0.2), (3, 0.3)):
+        assert abs(counts[k] - 4000 * q) < 4 * (4000 * q * (1 - q)) ** 0.5, counts
+    alone = [int(sample_rows(p[i:i + 1], [torch.Generator().manual_seed(i)])) for i in (0, 17, 3999)]
+    assert alone == [int(tok[0]), int(tok[17]), int(tok[3999])]
+    one_hot = torch.tensor([[0.0, 0.0, 1.0]])
+    assert [int(sample_rows(one_hot, [torch.Generator().manual_seed(s)])) for s in range(20)] == [2] * 20

@@ -223,7 +223,9 @@ def test_wsum32_is_the_position_weighted_word_sum(nbytes):
 
 def test_the_wsum32_triton_kernel_gives_the_same_sums_in_the_interpreter(tmp_path):
     """The CUDA kernel's arithmetic, run by Triton's CPU interpreter (TRITON_INTERPRET=1 must be set
-    before Triton is imported, so in a child process): blocks, a ragged last block, int32 wrap-around."""
+    before Triton is imported, so in a child process): blocks, a ragged last block, int32 wrap-around;
+    the batched kernel (a bucket's tensors in one launch) equals the per-tensor sums and sees a
+    flipped byte and swapped words in the tensor they hit only."""
     import os
     import subprocess
     import sys
@@ -239,10 +241,55 @@ def test_the_wsum32_triton_kernel_gives_the_same_sums_in_the_interpreter(tmp_pat
         "    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)\n"
         "    s, w = (wsum32_partials(_words(raw), 1024).to(torch.int64) & _MASK32).sum(0).tolist()\n"
         "    assert (s & _MASK32) | ((w & _MASK32) << 32) == wsum32(raw), n\n"
+        # the batched kernel: tensors of one bucket in one launch, each addressed from the lowest
+        "from mrl.weights.verify import _wsum32_many\n"
+        "big = torch.randint(0, 256, (4 * 3 * 1024 + 9,), dtype=torch.uint8, generator=g)\n"
+        "raws = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (4, 6, 4 * 1024 + 12, 4 * 2048)]\n"
+        "raws += [big[1:], big[4:4 * 1024 + 4]]   # a view off word alignment (copied), an aligned one\n"
+        "sums = _wsum32_many(raws, 1024)\n"
+        "assert sums == [wsum32(r) for r in raws], sums\n"
+        "flipped = [r.clone() for r in raws]\n"
+        "flipped[2][4 * 1024 + 5] ^= 1   # a byte in the ragged last block of the third tensor\n"
+        "swapped = [r.clone() for r in raws]\n"
+        "w = swapped[3].view(torch.int32)\n"
+        "w[[1023, 1024]] = w[[1024, 1023]].clone()   # neighbour words across a block boundary\n"
+        "for bad, k in ((flipped, 2), (swapped, 3)):\n"
+        "    got = _wsum32_many(bad, 1024)\n"
+        "    assert [i for i in range(len(raws)) if got[i] != sums[i]] == [k], (k, got, sums)\n"
         "print('ok')\n")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_the_batched_kernels_block_table_by_hand():
+    """Tensors at byte addresses 1000, 40 and 72 with 5, 0 and 2 words, 2-word blocks: the base is
+    the lowest address (40); offsets in words from it; the empty tensor has no block."""
+    from mrl.weights.verify import block_table
+
+    base, table = block_table([1000, 40, 72], [5, 0, 2], 2)
+    assert base == 1
+    assert table.tolist() == [[240, 0, 2, 0], [242, 2, 2, 0], [244, 4, 1, 0], [8, 0, 2, 2]]
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        block_table([40, 42], [1, 1], 2)
+
+
+def test_checksum_many_is_checksum_of_each_payload_and_first_mismatch_names_the_first_bad_one():
+    from mrl.weights.verify import checksum_many, first_mismatch
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(33, generator=g).to(torch.bfloat16)
+    idx = torch.arange(5, dtype=torch.int32)
+    payloads = [(t,), (t[:5], idx), (torch.empty(0),), (torch.randn(4097, generator=g),)]
+    for algorithm in (None, "xxh3", "wsum32"):
+        assert checksum_many(payloads, algorithm=algorithm) == [checksum(*p, algorithm=algorithm) for p in payloads]
+    expected = [checksum(*p, algorithm=a) for p, a in zip(payloads, ("wsum32", "xxh3", "wsum32", "xxh3"))]
+    assert first_mismatch(expected, payloads) is None
+    flipped = t.clone()
+    flipped.view(torch.uint8)[3] ^= 4
+    assert first_mismatch(expected, [payloads[0], payloads[1], payloads[2], (payloads[3][0] + 1,)]) == 3
+    assert first_mismatch(expected, [(flipped,)] + payloads[1:3] + [(payloads[3][0] + 1,)]) == 0
+    assert first_mismatch([expected[0], None], payloads[:2]) == 1
 
 
 def test_delta_is_accepted_with_either_engine_colocated_or_on_separate_rollout_ranks():
@@ -331,8 +378,8 @@ def test_a_colocated_sync_hashes_each_payload_once_unless_something_sits_in_betw
     import mrl.rollout.weight_channel as wc
 
     calls = []
-    real = wc.matches
-    monkeypatch.setattr(wc, "matches", lambda expected, *ts: calls.append(expected) or real(expected, *ts))
+    real = wc.first_mismatch
+    monkeypatch.setattr(wc, "first_mismatch", lambda expected, payloads: calls.extend(expected) or real(expected, payloads))
     engine = _engine()
     trainer = Trainer(_shapes(engine))
     ColocatedChannel(engine, mode="full", bucket_mb=0.05).push(trainer.stream(), 0, lost=True)
@@ -356,6 +403,13 @@ def test_the_checksum_bench_runs_on_a_small_model():
     assert r["plan_7b"]["full_bytes"] > 14e9
     text = bench.report(r)
     assert "xxh3" in text and "GB/s" in text and "7B shape" in text
+    # the CUDA rows' report (per tensor beside batched per bucket), from figures given by hand
+    r["cases"]["before (cuda)"] = dict(r["cases"]["before"])
+    r["cases"]["wsum32 (cuda)"] = dict(r["cases"]["before"], seconds=0.02, launches=272, tensors=272)
+    r["cases"]["wsum32 batched (cuda)"] = dict(r["cases"]["before"], seconds=0.004, launches=1, tensors=272)
+    assert "per tensor / batched per bucket: 5.0x (74 us per tensor vs 4.00 ms per bucket)" in bench.report(r)
+    ts = [torch.zeros(n) for n in (3, 2, 4, 1)]   # 12, 8, 16 and 4 bytes in buckets of 24 bytes
+    assert [[t.numel() for t in b] for b in bench.buckets(ts, 24)] == [[3, 2], [4, 1]]
 
 
 def test_the_wire_carries_an_xxh3_of_the_host_bytes_that_cross_for_a_device_checksum():

@@ -18,6 +18,10 @@ cores (mrl uses them as 2 ranks).
 Prints, for each, the mean seconds per step (all steps, and after the first, which carries
 warm-up), the mean reward per step, and the ratio TRL / mrl (above 1: mrl is faster), with the load
 average before and after: on a shared machine both slow down, unevenly, so compare on an idle one.
+Then where a step goes on each side (generation, the policy update, mrl's weight sync, the rest)
+and the ratio bound that follows: with mrl's rollout and sync taking no time, TRL / mrl would be
+its step over mrl's update and the rest (the gap the update, the same arithmetic on both sides,
+leaves).
 """
 from __future__ import annotations
 
@@ -93,7 +97,10 @@ def run_mrl(model: Path, steps: int, work: Path) -> dict:
     if proc.returncode:
         sys.exit(f"peer_trl: the mrl run failed:\n{proc.stderr[-3000:]}")
     h = _history(out / "mlflow.db")
-    return {"steps": [{"step": s, "seconds": h["time/step"][s], "reward": h.get("reward/mean", {}).get(s)}
+    stage = lambda key, s: h.get(key, {}).get(s, 0.0)   # noqa: E731
+    return {"steps": [{"step": s, "seconds": h["time/step"][s], "reward": h.get("reward/mean", {}).get(s),
+                       "generate": stage("time/rollout", s), "update": stage("time/actor_update", s),
+                       "weight sync": stage("time/weight_sync", s)}
                       for s in sorted(h["time/step"])], "seconds": time.perf_counter() - t0}
 
 
@@ -111,12 +118,18 @@ def run_trl(python: Path, model: Path, steps: int, work: Path) -> dict:
     return result
 
 
+STAGES = ("generate", "update", "weight sync")
+
+
 def summary(result: dict) -> dict:
     secs = [s["seconds"] for s in result["steps"]]
     rewards = [s["reward"] for s in result["steps"] if s.get("reward") is not None]
+    later = result["steps"][1:] or result["steps"]
+    stages = {k: statistics.fmean(s.get(k, 0.0) for s in later) for k in STAGES}
+    stages["other"] = statistics.fmean(s["seconds"] for s in later) - sum(stages.values())
     return {"steps": len(secs), "s_per_step": statistics.fmean(secs),
             "s_per_step_after_first": statistics.fmean(secs[1:]) if len(secs) > 1 else float("nan"),
-            "rewards": rewards}
+            "rewards": rewards, "stages": stages}
 
 
 def report(r: dict) -> str:
@@ -129,6 +142,16 @@ def report(r: dict) -> str:
                      + " ".join(f"{x:.3f}" for x in s["rewards"]))
     lines.append(f"  TRL / mrl: {t['s_per_step'] / m['s_per_step']:.2f}x (all steps), "
                  f"{t['s_per_step_after_first'] / m['s_per_step_after_first']:.2f}x (after the first)")
+    lines.append("  where a step goes (mean s after the first; TRL: generate = `_generate_and_score_completions`, "
+                 "update = the rest of its step):")
+    lines.append(f"  {'':10} " + " ".join(f"{k:>12}" for k in (*STAGES, "other")))
+    for name, s in (("mrl", m), ("TRL 1.16", t)):
+        lines.append(f"  {name:10} " + " ".join(f"{s['stages'][k]:>12.1f}" for k in (*STAGES, "other")))
+    mu, tu = m["stages"]["update"], t["stages"]["update"]
+    if mu > 0 and t["s_per_step_after_first"] > 0:
+        lines.append(f"  TRL / mrl per stage: generate {t['stages']['generate'] / max(m['stages']['generate'], 1e-9):.2f}x, "
+                     f"update {tu / mu:.2f}x; with mrl's rollout and sync free, TRL / mrl would be at most "
+                     f"{t['s_per_step_after_first'] / (m['s_per_step_after_first'] - m['stages']['generate'] - m['stages']['weight sync']):.2f}x")
     if r["trl"].get("dropped_config"):
         lines.append(f"  (TRL's GRPOConfig has no {', '.join(r['trl']['dropped_config'])}: left at its defaults)")
     return "\n".join(lines)

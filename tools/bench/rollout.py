@@ -14,9 +14,12 @@ warmed up once, then timed over `--repeats` runs (median). Printed: generated to
 and ratios against `transformers.generate`. The hf engine additionally returns each token's
 log-prob (the reported quantity, see mrl/rollout/README.md), which `generate` does not.
 
-The hf engine runs twice: with a prefill per response row (`share_prefill=False`, as before) and
-with one prefill per distinct prompt whose KV cache its n rows share (the default), run
-alternately, best of `--repeats`, with the ratio; then one more call of each with
+The hf engine runs four ways, each adding one change: a prefill per response row into a dynamic
+KV cache, sampling each row with `torch.multinomial` (`share_prefill=False, static_cache=False`,
+as two rounds ago); one prefill per distinct prompt whose KV cache its n rows share (last
+round); decoding into KV buffers allocated once (`static_cache=True`); and the batched
+inverse-CDF sampler (`mrl.rollout.logprobs.sample_rows`, today's default), run in turn, best of
+`--repeats`, with the ratios; then one more call of each with
 `HFEngine.stage_seconds` on prints where the time goes: prefill, decode forward calls, sampling
 (logit processing, softmax, per-row seeded multinomial), log-probs, bookkeeping.
 
@@ -44,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from mrl.rollout.hf import HFEngine  # noqa: E402
+from mrl.rollout.logprobs import sample_rows  # noqa: E402
 from mrl.rollout.types import Sampling  # noqa: E402
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -76,16 +80,17 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def paired(a, b, repeats: int) -> tuple[float, float]:
-    """Best-of-`repeats` seconds of `a` and `b`, run alternately (a shared machine's load hits both)."""
-    a(), b()  # warm-up
-    ta, tb = [], []
+def paired(*fns, repeats: int) -> list[float]:
+    """Best-of-`repeats` seconds of each of `fns`, run in turn (a shared machine's load hits all)."""
+    for fn in fns:   # warm-up
+        fn()
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, out in ((a, ta), (b, tb)):
+        for fn, out in zip(fns, times):
             t0 = time.perf_counter()
             fn()
             out.append(time.perf_counter() - t0)
-    return min(ta), min(tb)
+    return [min(t) for t in times]
 
 
 def main() -> None:
@@ -128,10 +133,19 @@ def main() -> None:
         out = engine.generate(prompts, sampling)
         assert sum(len(r.token_ids) for r in out) == tokens
 
-    def run_engine_with(share: bool):
+    import mrl.rollout.hf as hf_module
+
+    def multinomial_rows(probs, gens):   # the sampler before logprobs.sample_rows, for comparison
+        return torch.cat([torch.multinomial(probs[r], 1, generator=gens[r]) for r in range(len(gens))])
+
+    def run_engine_with(share: bool, static: bool, batched_sampler: bool = True):
         def run():
-            engine.share_prefill = share
-            run_engine()
+            engine.share_prefill, engine.static_cache = share, static
+            hf_module.sample_rows = sample_rows if batched_sampler else multinomial_rows
+            try:
+                run_engine()
+            finally:
+                hf_module.sample_rows = sample_rows
         return run
 
     def run_transformers():
@@ -142,16 +156,19 @@ def main() -> None:
         assert out.shape == (args.batch * args.n, width + args.new_tokens)
 
     results = {"transformers.generate": timed(run_transformers, args.repeats)}
-    per_row, shared = paired(run_engine_with(False), run_engine_with(True), args.repeats)
-    results["mrl hf engine, per-row prefill"] = per_row
-    results["mrl hf engine"] = shared
+    variants = {"per-row prefill": (False, False, False), "dynamic cache": (True, False, False),
+                "in-place cache": (True, True, False), "batched sampler": (True, True, True)}
+    seconds = paired(*(run_engine_with(*v) for v in variants.values()), repeats=args.repeats)
+    results.update({f"mrl hf engine, {name}": sec for name, sec in zip(variants, seconds)})
+    per_row, dynamic, in_place, shared = seconds
     stages = {}
-    for name, share in (("per-row prefill", False), ("shared prefill", True)):
-        engine.share_prefill, engine.stage_seconds = share, {}
+    for name, v in variants.items():
+        engine.stage_seconds = {}
         t0 = time.perf_counter()
-        run_engine()
+        run_engine_with(*v)()
         stages[name] = (time.perf_counter() - t0, engine.stage_seconds)
     engine.stage_seconds = None
+    engine.share_prefill, engine.static_cache = True, True
     vllm_lines = []
     if args.vllm:
         vllm_lines = bench_vllm(args, model_dir, model, prompts, sampling, tokens, width, results)
@@ -165,7 +182,9 @@ def main() -> None:
     base = results["transformers.generate"]
     for name, sec in results.items():
         print(f"  {name:32s} {sec * 1e3:9.1f} ms  {tokens / sec:10.1f} tokens/s  x{base / sec:5.2f} vs transformers.generate")
-    print(f"  shared prefill vs per-row prefill: x{per_row / shared:.2f} (paired, best of {args.repeats})")
+    print(f"  each change over the one before (run in turn, best of {args.repeats}): shared prefill "
+          f"x{per_row / dynamic:.2f}, in-place KV cache x{dynamic / in_place:.2f}, batched sampler "
+          f"x{in_place / shared:.2f}; all three x{per_row / shared:.2f}")
     print("  where the hf engine's time goes (one call each):")
     names = ["prefill", "decode", "sampling", "logprobs", "bookkeeping"]
     print(f"    {'':18s} {'total s':>8} " + " ".join(f"{n:>12s}" for n in names + ["other"]))
@@ -215,7 +234,7 @@ def bench_vllm(args, model_dir, model, prompts, sampling, tokens, width, results
                              logprobs=0, seed=prompt_seed(0, i) % 2**31, detokenize=False) for i in range(len(prompts))]
     inputs = [{"prompt_token_ids": list(p)} for p in prompts]
     plain, wrapped = paired(lambda: veng.llm.generate(inputs, params, use_tqdm=False),
-                            lambda: veng.generate(prompts, sampling), args.repeats)
+                            lambda: veng.generate(prompts, sampling), repeats=args.repeats)
     veng.shutdown()
     results["mrl vllm engine"] = wrapped
     return [f"vllm ({args.dtype} on {args.device}), weights from the stream:",

@@ -8,7 +8,9 @@ through the chat template, 8 prompts x 8 responses per step, 32 new tokens at te
 (top-p 1, no top-k), GRPO advantages (group mean and std), the clipped objective with clip 0.2 /
 0.28 and a token mean, no KL term, one optimizer step per batch (AdamW, lr 2e-5, no weight decay,
 gradient clip 1.0), fp32 on the CPU. The reward is the job's own file (jobs/rewards/chain_sum.py).
-Writes, per step, the wall time (a `TrainerCallback`) and TRL's logged mean reward.
+Writes, per step, the wall time (a `TrainerCallback`), the part of it in TRL's
+`_generate_and_score_completions` (generation, rewards, advantages), the rest as the update, and
+TRL's logged mean reward.
 """
 from __future__ import annotations
 
@@ -74,9 +76,12 @@ def main() -> None:
     class Timer(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
             self.t0 = time.perf_counter()
+            generated.clear()
 
         def on_step_end(self, a, state, control, **kw):
-            steps.append({"step": state.global_step, "seconds": time.perf_counter() - self.t0})
+            seconds = time.perf_counter() - self.t0
+            steps.append({"step": state.global_step, "seconds": seconds, "generate": sum(generated),
+                          "update": seconds - sum(generated)})
 
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "reward" in logs and steps:
@@ -84,6 +89,17 @@ def main() -> None:
 
     trainer = GRPOTrainer(model=model, reward_funcs=[_reward_fn()], args=config, train_dataset=data,
                           processing_class=tok, callbacks=[Timer()])
+    generate = trainer._generate_and_score_completions   # sampling, rewards, advantages: the rollout
+    generated: list[float] = []
+
+    def timed_generate(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return generate(*a, **kw)
+        finally:
+            generated.append(time.perf_counter() - t0)
+
+    trainer._generate_and_score_completions = timed_generate
     started = time.perf_counter()
     trainer.train()
     import transformers
