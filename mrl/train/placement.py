@@ -21,7 +21,27 @@ def separate_problems(spec) -> list[tuple[str, str]]:
         out.append(("reward.model_path", "a reward model runs on the trainer's model-parallel ranks, but "
                                          "rollout.placement = 'separate' scores on the rollout ranks; use a "
                                          "colocated rollout or a reward function"))
+    out += _idle_engine_groups(spec)
     return out
+
+
+def _idle_engine_groups(spec) -> list[tuple[str, str]]:
+    """Server mode with one router per engine-group leader (`rollout.router = "leader"`): engine
+    group g generates for trainer data-parallel shards g, g + G, ...; with more engine groups G
+    than shards a group has none, and the rollout ranks' agreement waits on it until it times
+    out. The driver's one router spreads every shard over every group."""
+    from mrl.train.plan import plan_problems, step_plan
+
+    roll = spec.rollout
+    if roll.mode != "server" or roll.router != "leader" or plan_problems(spec):
+        return []
+    plan = step_plan(spec)
+    if plan.engine_groups <= plan.dp:
+        return []
+    return [("rollout.ranks", f"{roll.ranks} rollout ranks make {plan.engine_groups} engine groups, more than the trainer's "
+                              f"{plan.dp} data-parallel shards (parallel.*), so with rollout.mode = 'server' and "
+                              "rollout.router = 'leader' a group has no shard to generate for; set rollout.router = "
+                              "'driver' (one router over every group), or fewer rollout.ranks")]
 
 
 def partial_problems(spec) -> list[tuple[str, str]]:
