@@ -27,21 +27,25 @@ def separate_problems(spec) -> list[tuple[str, str]]:
 
 def _idle_engine_groups(spec) -> list[tuple[str, str]]:
     """Server mode with one router per engine-group leader (`rollout.router = "leader"`): engine
-    group g generates for trainer data-parallel shards g, g + G, ...; with more engine groups G
-    than shards a group has none, and the rollout ranks' agreement waits on it until it times
-    out. The driver's one router spreads every shard over every group."""
+    group g of G generates for trainer data-parallel shards g, g + G, ..., and each shard's round
+    ends in a wait over every rollout rank (`from_leader`), so every group must hold as many
+    shards: otherwise (G does not divide the shards; a group with none among them) a group that
+    is done waits in the rollout agreement for a round the others still run, until it times out.
+    The driver's one router spreads every shard over every group."""
     from mrl.train.plan import plan_problems, step_plan
 
     roll = spec.rollout
     if roll.mode != "server" or roll.router != "leader" or plan_problems(spec):
         return []
     plan = step_plan(spec)
-    if plan.engine_groups <= plan.dp:
+    groups, dp = plan.engine_groups, plan.dp
+    if dp % groups == 0:
         return []
-    return [("rollout.ranks", f"{roll.ranks} rollout ranks make {plan.engine_groups} engine groups, more than the trainer's "
-                              f"{plan.dp} data-parallel shards (parallel.*), so with rollout.mode = 'server' and "
-                              "rollout.router = 'leader' a group has no shard to generate for; set rollout.router = "
-                              "'driver' (one router over every group), or fewer rollout.ranks")]
+    return [("rollout.ranks", f"{roll.ranks} rollout ranks make {groups} engine groups for the trainer's {dp} "
+                              "data-parallel shards, which they do not divide, so with rollout.mode = 'server' and "
+                              "rollout.router = 'leader' the groups' rounds do not line up (a rollout rank times out "
+                              "waiting); set rollout.router = 'driver' (one router over every group), or rollout.ranks "
+                              "so the engine groups divide the shards")]
 
 
 def partial_problems(spec) -> list[tuple[str, str]]:
