@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from mrl.platform.collectives import dp_min, world_max
+from mrl.platform.collectives import dp_min, gather_objects, world_max
 from mrl.rollout.weight_channel import channel_metrics
-from mrl.train.carry import decode_carry, encode_carry
+from mrl.train.carry import encode_carry, merge_carries, restore_shards
 from mrl.train.driver import driven_step, driver_routes
 from mrl.train.parts import Generation, Learner, Prompts, Run, SampleLog
 from mrl.train.produce import ShardRollout, produce
@@ -94,17 +94,17 @@ class ColocatedRollouts:
 
     # checkpoint state: the data position and the partial groups in hand; nothing else is in flight
     def state(self, step: int) -> dict:
-        return {"sampler": self.prompts.position, "rollout_carry": encode_carry(self.prompts.carry)}
+        """Every shard's groups in hand and sampler position (each data-parallel rank holds its
+        own; megatron saves rank 0's copy of this common state), gathered so every rank saves the
+        same."""
+        p = self.prompts
+        mine = encode_carry({d: p.carry[d] for d in p.shards if d in p.carry},
+                            {d: p.samplers[d].state_dict() for d in p.shards})
+        everyone = gather_objects((p.position, mine), "checkpoint: every shard's groups in hand")
+        return {"sampler": everyone[0][0], "rollout_carry": merge_carries([c for _, c in everyone])}
 
     def load_state(self, saved, start: int) -> str:
-        self.prompts.load_position(saved.sampler)
-        self.prompts.carry = decode_carry(saved.rollout_carry, self.prompts.dataset)
-        groups = [g for c in self.prompts.carry.values() for g in c.active + c.ready]
-        if not groups:
-            return ""
-        unfinished = [t for g in groups for t, f in zip(g.tokens, g.finish) if f is None]
-        return (f"{len(groups)} groups in hand restored ({len(unfinished)} trajectories unfinished, "
-                f"{sum(len(t) for t in unfinished)} of their tokens generated)")
+        return restore_shards(self.prompts, saved.sampler, saved.rollout_carry)
 
     def close(self, wait: bool = True) -> None:
         pass

@@ -21,7 +21,31 @@ def separate_problems(spec) -> list[tuple[str, str]]:
         out.append(("reward.model_path", "a reward model runs on the trainer's model-parallel ranks, but "
                                          "rollout.placement = 'separate' scores on the rollout ranks; use a "
                                          "colocated rollout or a reward function"))
+    out += _idle_engine_groups(spec)
     return out
+
+
+def _idle_engine_groups(spec) -> list[tuple[str, str]]:
+    """Server mode with one router per engine-group leader (`rollout.router = "leader"`): engine
+    group g of G generates for trainer data-parallel shards g, g + G, ..., and each shard's round
+    ends in a wait over every rollout rank (`from_leader`), so every group must hold as many
+    shards: otherwise (G does not divide the shards; a group with none among them) a group that
+    is done waits in the rollout agreement for a round the others still run, until it times out.
+    The driver's one router spreads every shard over every group."""
+    from mrl.train.plan import plan_problems, step_plan
+
+    roll = spec.rollout
+    if roll.mode != "server" or roll.router != "leader" or plan_problems(spec):
+        return []
+    plan = step_plan(spec)
+    groups, dp = plan.engine_groups, plan.dp
+    if dp % groups == 0:
+        return []
+    return [("rollout.ranks", f"{roll.ranks} rollout ranks make {groups} engine groups for the trainer's {dp} "
+                              "data-parallel shards, which they do not divide, so with rollout.mode = 'server' and "
+                              "rollout.router = 'leader' the groups' rounds do not line up (a rollout rank times out "
+                              "waiting); set rollout.router = 'driver' (one router over every group), or rollout.ranks "
+                              "so the engine groups divide the shards")]
 
 
 def partial_problems(spec) -> list[tuple[str, str]]:

@@ -241,7 +241,8 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
             shard.greedy_scores = greedy_scores(run, gen, shard.items, step, d, reward_model)
     return StepRollout(step=step, version=gen.version, shards=out, position=prompts.position,
                        produce_s=time.perf_counter() - started, finished_at=time.time(),
-                       carry=encode_carry(carry) if carries else None)
+                       carry=encode_carry(carry, {d: s.state_dict() for d, s in prompts.samplers.items()})
+                       if carries else None)
 
 
 def _in_flight_filter(run: Run, gen: Generation, prompts: Prompts, d: int, waiting: list, step: int,

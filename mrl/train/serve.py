@@ -11,7 +11,7 @@ from typing import Optional
 from mrl.platform.bridge import Bridge
 from mrl.platform.collectives import broadcast_object, gather_objects, world_min
 from mrl.platform.dist import wait_for_peers
-from mrl.train.carry import decode_carry
+from mrl.train.carry import merge_carries, restore_shards
 from mrl.train.driver import driven_step, driver_routes
 from mrl.train.evaluate import ValidationResult, evaluate
 from mrl.train.liveness import Heartbeat
@@ -39,10 +39,7 @@ def serve(run: Run, gen: Generation, prompts: Prompts) -> None:
             start = bridge.recv_object(0, "rollout start")
         wait_for_peers("rollout start")
         start = broadcast_object(start, "rollout start")
-        if start.position is not None:
-            prompts.load_position(start.position)
-        if start.carry:
-            prompts.carry = decode_carry(start.carry, prompts.dataset)
+        restore_shards(prompts, start.position, start.carry)
         k = run.spec.rollout.max_staleness
         pending = versions_sent(start.first_step, start.last_step, k, start.start_version, start.validated)
         sent = 0
@@ -71,8 +68,11 @@ def serve(run: Run, gen: Generation, prompts: Prompts) -> None:
                 rollout = driven_step(run, gen, prompts, step)
             else:
                 rollout = produce(run, gen, prompts, step, agree_min)
-                everyone = gather_objects(rollout.shards if gen.is_leader else {}, "rollout shards to the rollout leader")
-                rollout.shards = {d: s for part in everyone for d, s in part.items()}
+                # every engine group's shards, and groups in hand (the checkpoint's), to the rollout leader
+                everyone = gather_objects((rollout.shards, rollout.carry) if gen.is_leader else ({}, None),
+                                          "rollout shards to the rollout leader")
+                rollout.shards = {d: s for part, _ in everyone for d, s in part.items()}
+                rollout.carry = merge_carries([c for _, c in everyone]) if rollout.carry is not None else None
             send(rollout, f"rollouts of step {step}")
         while pending:   # versions sent only to be validated (the last steps')
             take_version()

@@ -1,9 +1,11 @@
 """`mrl.train.driver`'s rules without a launch: who produces and which shards it samples with one
-router on the driver (`rollout.router = "driver"`), and `waits_within` scoping a rank's waits.
-The two-process runs: `tests/train/test_driver_router.py`."""
+router on the driver (`rollout.router = "driver"`), `waits_within` scoping a rank's waits, and the
+placement that needs the driver router. The two-process runs: `tests/train/test_driver_router.py`."""
 from __future__ import annotations
 
 from types import SimpleNamespace as NS
+
+import pytest
 
 from mrl.train.driver import driver_routes, produces, shards_of
 
@@ -49,3 +51,30 @@ def test_waits_within_scopes_and_restores():
         assert calls == [] and mdist._STATE.local.wait_within is mdist._EVERY_RANK
     finally:
         mdist.dist.barrier = real
+
+
+def test_engine_groups_that_do_not_divide_the_shards_need_the_driver_router():
+    """Separate placement, server mode: 2 rollout ranks (2 engine groups of 1 rank) for 1 trainer
+    data-parallel shard leave one group without a shard under rollout.router = 'leader', and for 3
+    shards one group has 2, the other 1 (the rounds do not line up: a rollout rank times out in
+    the rollout agreement): `mrl validate` (the loader) and `mrl train` (the same
+    `separate_problems`) refuse both, naming the keys and the driver router; the driver, and 2
+    shards for 2 groups, pass."""
+    from mrl.config.loader import load
+    from mrl.errors import SpecError
+    from mrl.train.placement import separate_problems
+
+    job = "jobs/quickstart_async_cpu.toml"
+    base = ["platform.ranks_per_node=3", "rollout.ranks=2", "parallel.tensor=1", "rollout.mode=server"]
+    with pytest.raises(SpecError) as e:
+        load(job, base)
+    [problem] = [p for p in e.value.problems if "rollout.ranks: " in p]
+    assert "2 engine groups for the trainer's 1 data-parallel shards, which they do not divide" in problem
+    assert "rollout.router = 'driver'" in problem
+    spec, _ = load(job, [*base, "rollout.router=driver"])
+    assert separate_problems(spec) == []
+    spec, _ = load(job, ["platform.ranks_per_node=4", "rollout.ranks=2", "parallel.tensor=1", "rollout.mode=server"])
+    assert separate_problems(spec) == []
+    with pytest.raises(SpecError, match="2 engine groups for the trainer's 3 data-parallel shards"):
+        load(job, ["platform.ranks_per_node=5", "rollout.ranks=2", "parallel.tensor=1", "rollout.mode=server",
+                   "data.prompts_per_step=6", "actor.mini_batch_prompts=3"])

@@ -7,6 +7,10 @@
   same metrics (the driver gives each shard's groups in the order submitted, so the batch does
   not depend on which process finished first), the engine/trainer log-prob audit within 1e-6
   (the engines batch other requests together under the driver).
+- part 2 also: rollout.router = "leader" with over-sampling (fp32): each rank carries its own
+  shard's aborted groups across steps; a run started from the uninterrupted run's step-2
+  checkpoint (`checkpoint.load_from`) logs step 3 exactly as it did (every rank's groups in hand
+  and sampler position are in the checkpoint, and every rank saves the same common state).
 The channel itself: `tests/rollout/test_remote_engine.py`."""
 from __future__ import annotations
 
@@ -24,9 +28,17 @@ BASE = ("parallel.tensor=1 platform.cpu_threads=1 rollout.mode=server trainer.to
         "actor.mini_batch_prompts=2")
 
 
+# 2 groups of 4 per shard and step, ceil(1.25 x 2) = 3 submitted: one aborted with tokens and carried
+OVER = ("rollout.router=leader rollout.over_sample_rate=0.25 rollout.max_staleness=1 rollout.max_num_seqs=6 "
+        "rollout.max_num_batched_tokens=64 rollout.max_response_tokens=16 trainer.total_steps=3 "
+        "checkpoint.every_steps=2 checkpoint.keep_last=2")
+
+
 def test_one_router_over_two_leaders_in_two_processes(tmp_path):
+    step2 = tmp_path / "run2" / "checkpoints" / "actor" / "step_00000002"
     proc = run_torchrun("tests/train/scripts/driver_router.py", str(tmp_path), f"{BASE} rollout.router=leader",
-                        f"{BASE} rollout.router=driver", timeout=900)
+                        f"{BASE} rollout.router=driver", f"{BASE} {OVER}", f"{BASE} {OVER} checkpoint.load_from={step2}",
+                        timeout=900)
     out = proc.stdout
     for dtype in ("float32", "bfloat16"):
         assert f"PART1 {dtype} ok: rank 1 served 13 requests" in out, out[-3000:]
@@ -35,7 +47,14 @@ def test_one_router_over_two_leaders_in_two_processes(tmp_path):
         if line.startswith("RESULT "):
             _, i, metrics = line.split(" ", 2)
             results[int(i)] = json.loads(metrics)
-    leader, driver = results[0], results[1]
+    leader, driver, whole, resumed = (results[i] for i in range(4))
+    # over-sampling on 2 leaders, step 3 from the step-2 checkpoint: as uninterrupted
+    carried = [k for k in whole if not k.startswith(("time/", "throughput/", "memory/")) and k != "rollout/engine_busy"]
+    assert "reward/mean" in carried and {k: resumed.get(k) for k in carried} == {k: whole[k] for k in carried}
+    assert whole["rollout/partial_tokens_carried"] > 0 and whole["rollout/version_lag_max"] == 1.0
+    # megatron's check of the checkpoint's common state across ranks: the groups in hand agree
+    assert not [line for line in proc.stderr.splitlines() if "common state dict differs" in line
+                and ("rollout_carry" in line or "sampler" in line)], proc.stderr[-3000:]
     keys = [k for k in leader if not k.startswith(("time/", "throughput/", "memory/")) and k != "rollout/engine_busy"]
     # the engines' log-probs of the same tokens: each engine batches both shards' requests together
     # under the driver, its own shard's alone under a leader, so they differ by batch numerics only

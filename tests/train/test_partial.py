@@ -121,6 +121,42 @@ def test_the_groups_in_hand_round_trip_through_a_checkpoint():
     assert encode_carry(back) == encoded and back[0].active[0].item.index == 1
 
 
+def test_every_shards_groups_in_hand_are_saved_and_each_rank_restores_its_own():
+    """DP 2, each rank holding its own shard's groups and sampler position (shard 1 drew one batch
+    more): the merged checkpoint holds both; rank 1 restores shard 1's groups at shard 1's
+    position (not rank 0's), rank 0 shard 0's; a run of another data-parallel size is refused
+    in one line while groups are in hand."""
+    from mrl.data.sampler import PromptSampler
+    from mrl.errors import UserError
+    from mrl.train.carry import encode_carry, merge_carries, restore_shards
+    from mrl.train.groups import GroupInProgress, ShardCarry
+    from mrl.train.parts import Prompts
+
+    items = [SimpleNamespace(index=i) for i in range(16)]
+
+    def prompts(rank, dp=2):
+        return Prompts(dataset=items, samplers={rank: PromptSampler(16, 4, dp_rank=rank, dp_size=dp, seed=0)})
+
+    ranks = [prompts(0), prompts(1)]
+    for p in ranks:
+        p.samplers[p.shards[0]].next()
+    ranks[1].samplers[1].next()
+    ranks[0].carry = {0: ShardCarry(active=[GroupInProgress.new(items[3], 2, 0)])}
+    ranks[1].carry = {1: ShardCarry(ready=[GroupInProgress.new(items[5], 2, 0)])}
+    merged = merge_carries([encode_carry(p.carry, {d: s.state_dict() for d, s in p.samplers.items()}) for p in ranks])
+    assert sorted(merged) == ["0", "1"] and merged["1"]["position"]["step_in_epoch"] == 2
+    assert merge_carries([{"0": "first"}, {"0": "copy", "1": "own"}]) == {"0": "first", "1": "own"}
+    position = ranks[0].position   # the run's (rank 0's): step 1
+    again = [prompts(0), prompts(1)]
+    assert restore_shards(again[1], position, merged).startswith("1 groups in hand restored")
+    assert list(again[1].carry) == [1] and again[1].carry[1].ready[0].item.index == 5
+    assert again[1].samplers[1].step_in_epoch == 2
+    restore_shards(again[0], position, merged)
+    assert again[0].carry[0].active[0].item.index == 3 and again[0].samplers[0].step_in_epoch == 1
+    with pytest.raises(UserError, match="of 2 data-parallel shards, this run has 1"):
+        restore_shards(prompts(0, dp=1), position, merged)
+
+
 @pytest.mark.parametrize("patch,key,fragment", [
     (["rollout.max_staleness=0"], "rollout.max_staleness", "lag at least one version"),
     (["rollout.partial_rollout_tokens=9"], "rollout.partial_rollout_tokens", "every response would finish"),

@@ -14,8 +14,10 @@ Part 1, per dtype (float32, bfloat16), on a tiny random Llama both ranks load: r
   it had.
 Prints `PART1 <dtype> ok <remote served> <remote aborted>` per dtype.
 
-Part 2: `mrl train` (jobs/quickstart_cpu.toml, DP 2 of 1 rank, server mode, hf engine) with
-rollout.router = "leader" and "driver", same seeds; prints `RESULT <index> <metrics json>` per run.
+Part 2: `mrl train` (jobs/quickstart_cpu.toml, DP 2 of 1 rank, server mode, hf engine), one run per
+override set given (the test's: rollout.router = "leader" and "driver", same seeds; a leader run
+with over-sampling and a run from its step-2 checkpoint); prints `RESULT <index> <metrics json>`
+per run.
 """
 from __future__ import annotations
 
