@@ -56,6 +56,9 @@ class HFEngine(RolloutEngine):
                  max_num_seqs: int = 256, share_prefill: bool = True, fp8_matmul: str = "auto",
                  static_cache: bool = True):
         self.model = model.eval()
+        from mrl.rollout.hf_attention import float32_attention_on_cpu
+
+        float32_attention_on_cpu(model)   # bf16 on CPU: attention rounds as the trainer's (`hf_attention`)
         self.share_prefill = share_prefill
         self.static_cache = static_cache   # decode into KV buffers allocated once (`hf_cache`)
         self.stage_seconds: Optional[dict[str, float]] = None   # a dict: per-stage wall time accumulates
