@@ -10,24 +10,18 @@ import torch
 
 from mrl.rollout.hf import HFEngine
 from mrl.rollout.types import Sampling, prompt_seed
-from tests.weights.vlm_archs import image_prompts, make_vlm
+from tests.weights.vlm_archs import image_prompt_inputs, make_vlm
 
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
-    from mrl.data.images import ImageInputs
     from mrl.models.megatron import complete_hf_config
 
     d = tmp_path_factory.mktemp("vl")
     make_vlm(d)
     hf = complete_hf_config(json.loads((d / "config.json").read_text()))
-    ids, mask, pixels, grids = image_prompts(hf)
     # prompt 0 has image 0, prompt 1 images 1 and 2; patches per image from its grid
-    cut = grids.prod(-1).cumsum(0).tolist()
-    merge = hf["vision_config"]["spatial_merge_size"]
-    inputs = [ImageInputs(pixels[:cut[0]], grids[:1], (int(grids[0].prod()) // merge ** 2,)),
-              ImageInputs(pixels[cut[0]:], grids[1:], tuple(int(g.prod()) // merge ** 2 for g in grids[1:]))]
-    prompts = [ids[i, :int(n)].tolist() for i, n in enumerate(mask.sum(1))]
+    prompts, inputs = image_prompt_inputs(hf)
     return d, hf, prompts, inputs
 
 

@@ -37,19 +37,14 @@ def test_image_pads_collapse_one_run_per_image_by_hand():
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
-    from mrl.data.images import ImageInputs
     from mrl.models.megatron import complete_hf_config
     from mrl.rollout.hf import HFEngine
-    from tests.weights.vlm_archs import image_prompts, make_vlm
+    from tests.weights.vlm_archs import image_prompt_inputs, make_vlm
 
     d = tmp_path_factory.mktemp("vl")
     make_vlm(d)
     hf = complete_hf_config(json.loads((d / "config.json").read_text()))
-    ids, mask, pixels, grids = image_prompts(hf)
-    cut = grids.prod(-1).cumsum(0).tolist()
-    inputs = [ImageInputs(pixels[:cut[0]], grids[:1], (int(grids[0].prod()) // 4,)),
-              ImageInputs(pixels[cut[0]:], grids[1:], tuple(int(g.prod()) // 4 for g in grids[1:]))]
-    prompts = [ids[i, :int(n)].tolist() for i, n in enumerate(mask.sum(1))]
+    prompts, inputs = image_prompt_inputs(hf)
     return HFEngine.from_pretrained(str(d), seed=0), prompts, inputs
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.weights.vlm_archs import image_prompts, make_vlm
+from tests.weights.vlm_archs import image_prompt_inputs, make_vlm
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +34,9 @@ def _batch(hf):
     """Two image prompts (1 and 2 images) with 2 fixed responses each: a `Batch` whose prompt items
     carry their images as the trainer's do."""
     from mrl.batch import Batch
-    from mrl.data.images import ImageInputs
     from mrl.models.vlm import mrope_position_ids
 
-    ids, mask, pixels, grids = image_prompts(hf)
-    cut = grids.prod(-1).cumsum(0).tolist()
-    merge = hf["vision_config"]["spatial_merge_size"]
-    inputs = [ImageInputs(pixels[:cut[0]], grids[:1], (int(grids[0].prod()) // merge ** 2,)),
-              ImageInputs(pixels[cut[0]:], grids[1:], tuple(int(g.prod()) // merge ** 2 for g in grids[1:]))]
-    prompts = [ids[i, :int(n)].tolist() for i, n in enumerate(mask.sum(1))]
+    prompts, inputs = image_prompt_inputs(hf)
     items = [SimpleNamespace(images=replace(x, prompt_positions=mrope_position_ids(
         hf, torch.tensor([p]), x.image_grid_thw)[:, 0])) for p, x in zip(prompts, inputs)]
     g = torch.Generator().manual_seed(7)

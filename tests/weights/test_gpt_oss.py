@@ -11,22 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from mrl.weights.transforms import INTERLEAVED_GATE_UP, TRANSPOSED, ModelDims
 from tests.weights.archs import make_hf_model, probe_tokens
+from tests.weights.test_weights import _Mem
 
 _DIMS = ModelDims(num_query_groups=1, heads_per_group=1, head_dim=1, vocab_size=1)
-
-
-class _Mem:
-    def __init__(self, t):
-        self.t, self.shape, self.name = t, tuple(t.shape), "mem"
-
-    def rows(self, a, b):
-        return self.t[a:b]
-
-    def cols(self, a, b):
-        return self.t[:, a:b]
-
-    def all(self):
-        return self.t
 
 
 def test_interleaved_gate_up_by_hand_and_through_tp():

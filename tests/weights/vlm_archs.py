@@ -54,3 +54,16 @@ def image_prompts(hf: dict, seed: int = 3):
         ids[i, :len(r)] = torch.tensor(r)
         mask[i, :len(r)] = 1
     return ids, mask, pixels, grids
+
+
+def image_prompt_inputs(hf: dict, seed: int = 3):
+    """`image_prompts` as an engine takes them: (prompt id lists, one `ImageInputs` per prompt
+    with its images' pixel rows, grids and merged token counts)."""
+    from mrl.data.images import ImageInputs
+
+    ids, mask, pixels, grids = image_prompts(hf, seed)
+    cut = grids.prod(-1).cumsum(0).tolist()
+    merge = hf["vision_config"]["spatial_merge_size"]
+    inputs = [ImageInputs(pixels[:cut[0]], grids[:1], (int(grids[0].prod()) // merge ** 2,)),
+              ImageInputs(pixels[cut[0]:], grids[1:], tuple(int(g.prod()) // merge ** 2 for g in grids[1:]))]
+    return [ids[i, :int(n)].tolist() for i, n in enumerate(mask.sum(1))], inputs
