@@ -18,7 +18,8 @@ The hf engine runs four ways, each adding one change: a prefill per response row
 KV cache, sampling each row with `torch.multinomial` (`share_prefill=False, static_cache=False`,
 as two rounds ago); one prefill per distinct prompt whose KV cache its n rows share (last
 round); decoding into KV buffers allocated once (`static_cache=True`); and the batched
-inverse-CDF sampler (`mrl.rollout.logprobs.sample_rows`, today's default), run in turn, best of
+inverse-CDF sampler (`mrl.rollout.logprobs.sample_rows`, `batched_sampler=True`; off by default, see
+`HFEngine`), run in turn, best of
 `--repeats`, with the ratios; then one more call of each with
 `HFEngine.stage_seconds` on prints where the time goes: prefill, decode forward calls, sampling
 (logit processing, softmax, per-row seeded multinomial), log-probs, bookkeeping.
@@ -47,7 +48,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from mrl.rollout.hf import HFEngine  # noqa: E402
-from mrl.rollout.logprobs import sample_rows  # noqa: E402
 from mrl.rollout.types import Sampling  # noqa: E402
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -133,19 +133,10 @@ def main() -> None:
         out = engine.generate(prompts, sampling)
         assert sum(len(r.token_ids) for r in out) == tokens
 
-    import mrl.rollout.hf as hf_module
-
-    def multinomial_rows(probs, gens):   # the sampler before logprobs.sample_rows, for comparison
-        return torch.cat([torch.multinomial(probs[r], 1, generator=gens[r]) for r in range(len(gens))])
-
-    def run_engine_with(share: bool, static: bool, batched_sampler: bool = True):
+    def run_engine_with(share: bool, static: bool, batched_sampler: bool = False):
         def run():
-            engine.share_prefill, engine.static_cache = share, static
-            hf_module.sample_rows = sample_rows if batched_sampler else multinomial_rows
-            try:
-                run_engine()
-            finally:
-                hf_module.sample_rows = sample_rows
+            engine.share_prefill, engine.static_cache, engine.batched_sampler = share, static, batched_sampler
+            run_engine()
         return run
 
     def run_transformers():
@@ -168,7 +159,7 @@ def main() -> None:
         run_engine_with(*v)()
         stages[name] = (time.perf_counter() - t0, engine.stage_seconds)
     engine.stage_seconds = None
-    engine.share_prefill, engine.static_cache = True, True
+    engine.share_prefill, engine.static_cache, engine.batched_sampler = True, True, False
     vllm_lines = []
     if args.vllm:
         vllm_lines = bench_vllm(args, model_dir, model, prompts, sampling, tokens, width, results)
