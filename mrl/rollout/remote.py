@@ -28,6 +28,7 @@ server (`remote:`), so they never meet the leader's own requests (its validation
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import socket
 from dataclasses import asdict, dataclass, field
@@ -119,7 +120,8 @@ class EngineServer:
     def _check(self, request) -> None:
         from aiohttp import web
 
-        if request.headers.get(TOKEN_HEADER) != self.token:
+        # constant-time: the token is the channel's only credential
+        if not hmac.compare_digest(request.headers.get(TOKEN_HEADER, "").encode(), self.token.encode()):
             raise web.HTTPForbidden(text="wrong or missing channel token")
 
     async def _generate(self, request):
