@@ -54,17 +54,15 @@ class HFEngine(RolloutEngine):
 
     def __init__(self, model: torch.nn.Module, *, seed: int = 0, eos_token_ids: Optional[Sequence[int]] = None,
                  max_num_seqs: int = 256, share_prefill: bool = True, fp8_matmul: str = "auto",
-                 static_cache: bool = True, batched_sampler: bool = False):
+                 static_cache: bool = True, batched_sampler: bool = True):
         self.model = model.eval()
         from mrl.rollout.hf_attention import float32_attention_on_cpu
 
         float32_attention_on_cpu(model)   # bf16 on CPU: attention rounds as the trainer's (`hf_attention`)
         self.share_prefill = share_prefill
         self.static_cache = static_cache   # decode into KV buffers allocated once (`hf_cache`)
-        # one seeded uniform per row and a batched inverse CDF (`logprobs.sample_rows`, 1.25x on the
-        # SmolLM2 job's rollout) instead of torch.multinomial per row. Off: with it, `mrl eval` of a
-        # checkpoint drew other validation tokens than the training loop did from the same weights
-        # (quickstart: 0.0586 vs 0.0625; tests/cli/test_eval_generate.py), cause not yet found
+        # each row's exponential race on its own generator's uniforms, batched (`logprobs.sample_rows`:
+        # torch.multinomial's algorithm without its per-row passes); False: torch.multinomial per row
         self.batched_sampler = batched_sampler
         self.stage_seconds: Optional[dict[str, float]] = None   # a dict: per-stage wall time accumulates
         self.device = next(model.parameters()).device

@@ -338,3 +338,54 @@ def test_sample_rows_draws_each_token_as_often_as_its_probability_and_never_a_ze
     assert alone == [int(tok[0]), int(tok[17]), int(tok[3999])]
     one_hot = torch.tensor([[0.0, 0.0, 1.0]])
     assert [int(sample_rows(one_hot, [torch.Generator().manual_seed(s)])) for s in range(20)] == [2] * 20
+
+
+def _inverse_cdf(probs, generators):
+    """The sampler the hf engine had before the race: the inverse CDF at one float64 uniform per row."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+def test_sample_rows_is_not_moved_by_last_bit_changes_of_the_logits():
+    """2000 rows of a 8192-token distribution, sampled from logits and from the same logits changed
+    by 2e-5 at most (what another batch's padding does to SmolLM2's logits: up to 4.4e-5), each row
+    with the same generator seed both times: the race draws the same token in every row. The change
+    is large enough to matter: the inverse CDF at one uniform per row, the sampler before, draws
+    other tokens in some rows (its cumulative sums move by the change summed over the vocabulary)."""
+    from mrl.rollout.logprobs import sample_rows
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2000, 8192, generator=g) * 2
+    nudged = logits + (torch.rand(logits.shape, generator=g) - 0.5) * 4e-5
+    p, q = torch.softmax(logits, -1), torch.softmax(nudged, -1)
+    seeds = range(2000)
+    race_p = sample_rows(p, [torch.Generator().manual_seed(s) for s in seeds])
+    race_q = sample_rows(q, [torch.Generator().manual_seed(s) for s in seeds])
+    assert torch.equal(race_p, race_q)
+    cdf_p = _inverse_cdf(p, [torch.Generator().manual_seed(s) for s in seeds])
+    cdf_q = _inverse_cdf(q, [torch.Generator().manual_seed(s) for s in seeds])
+    assert int((cdf_p != cdf_q).sum()) >= 1
+
+
+def test_a_request_draws_the_same_tokens_alone_and_in_batches_of_other_paddings(tmp_path):
+    """Six prompts of 3 to 40 tokens, 4 responses of 24 tokens each, on a tiny model with a
+    4096-token vocabulary: each prompt generated alone (no padding), in the whole batch (left-padded
+    to 40) and in a batch of the three longest, with its own seed every time, draws the same tokens
+    (576 draws per arrangement); log-probs agree up to float summation order."""
+    from mrl.rollout.types import prompt_seed
+
+    from .conftest import save_tiny_model
+
+    eng = HFEngine.from_pretrained(save_tiny_model(tmp_path / "v4k", {**TINY_LLAMA, "vocab_size": 4096}), seed=0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 4096, (n,), generator=g).tolist() for n in (3, 40, 7, 25, 12, 33)]
+    s = Sampling(n=4, temperature=1.0, max_tokens=24, ignore_eos=True, seed=17)
+    whole = eng.generate(prompts, s)
+    alone = [r for i, p in enumerate(prompts) for r in eng.generate([p], s, prompt_seeds=[prompt_seed(17, i)])]
+    longest = [1, 5, 3]
+    some = eng.generate([prompts[i] for i in longest], s, prompt_seeds=[prompt_seed(17, i) for i in longest])
+    assert [r.token_ids for r in alone] == [r.token_ids for r in whole]
+    assert [r.token_ids for r in some] == [r.token_ids for i in longest for r in whole[4 * i:4 * i + 4]]
+    for a, w in zip(alone, whole):
+        assert a.logprobs == pytest.approx(w.logprobs, abs=1e-5)
