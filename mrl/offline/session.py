@@ -36,12 +36,37 @@ def hf_weights(target: Target) -> Iterator[str]:
         yield target.spec.model.path
         return
     from mrl.merge import merge
+    from mrl.models.facts import builtin_preset, find_hf_config
 
     logging.getLogger("mrl.merge").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="mrl-weights-") as tmp:
         out = Path(tmp) / "hf"
         merge(target.checkpoint, out, verify=False)
+        preset = find_hf_config(target.spec.model.path) if builtin_preset(target.spec.model.path) else None
+        if preset is not None:
+            stop_as_training(out, preset[0].get("eos_token_id"))
         yield str(out)
+
+
+def stop_as_training(out: Path, eos) -> None:
+    """Give the merged directory `out` of a builtin preset the EOS its training engine had, `eos`
+    (the preset's config's; none for the shipped presets, whose responses run to max_tokens).
+
+    Why: `mrl merge` writes the byte tokenizer's EOS (256) into the config and generation config
+    of a builtin preset, for Hugging Face users of the output, while training built the engine
+    from the preset's own config. An engine loading the merged directory stopped responses at
+    token 256 where the training loop's went on, so `mrl eval` scored other responses than the
+    run's validation had (quickstart step 2: 0.0586 vs 0.0625, the tokens and log-probs otherwise
+    bit for bit equal). Both engines read the EOS from these two files."""
+    import json
+
+    def same(cfg: dict) -> dict:
+        cfg = {k: same(v) if isinstance(v, dict) else v for k, v in cfg.items() if k != "eos_token_id"}
+        return {**cfg, "eos_token_id": eos} if eos is not None else cfg
+
+    path = out / "config.json"
+    path.write_text(json.dumps(same(json.loads(path.read_text())), indent=2) + "\n")
+    (out / "generation_config.json").unlink(missing_ok=True)   # else transformers and vLLM read its EOS first
 
 
 @contextmanager
