@@ -171,6 +171,30 @@ def test_eval_and_generate_use_the_checkpoint(trained, tmp_path):
         assert r["score"] == pytest.approx(digits.score(r["prompt"], r["response"], r["answer"], {})["score"]), r
 
 
+def test_a_merged_builtin_preset_stops_where_its_training_engine_stops(tmp_path):
+    """mrl merge gives a builtin preset's output the byte tokenizer's EOS (256) in config.json and
+    generation_config.json; the training engine, built from the preset, stops at none. The session's
+    copy is set back to the preset's, so mrl eval draws what the run's validation drew (with EOS
+    256, a response that sampled 256 ended there: step 2 of the slow test below, 0.0586 vs 0.0625)."""
+    from transformers import GenerationConfig
+
+    from mrl.models.facts import find_hf_config
+    from mrl.offline.session import stop_as_training
+    from mrl.rollout.hf import HFEngine
+
+    preset = find_hf_config("builtin:tiny-qwen2")[0]
+    merged = HFEngine.from_config(preset).model
+    merged.config.eos_token_id = 256
+    merged.save_pretrained(tmp_path)
+    GenerationConfig(eos_token_id=256, pad_token_id=256).save_pretrained(tmp_path)
+    assert HFEngine.from_pretrained(str(tmp_path)).eos_token_ids == (256,)
+    stop_as_training(tmp_path, preset.get("eos_token_id"))
+    assert "eos_token_id" not in json.loads((tmp_path / "config.json").read_text())
+    assert HFEngine.from_pretrained(str(tmp_path)).eos_token_ids == HFEngine.from_config(preset).eos_token_ids == ()
+    stop_as_training(tmp_path, 7)   # a preset that names one keeps it
+    assert HFEngine.from_pretrained(str(tmp_path)).eos_token_ids == (7,)
+
+
 def test_generate_samples_as_training_does_one_response_unless_told():
     from mrl.config.loader import load
     from mrl.offline.generate import SamplingOverrides, sampling_of
