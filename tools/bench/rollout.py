@@ -15,28 +15,35 @@ and ratios against `transformers.generate`. The hf engine additionally returns e
 log-prob (the reported quantity, see mrl/rollout/README.md), which `generate` does not.
 
 The hf engine runs four ways, each adding one change: a prefill per response row into a dynamic
-KV cache, sampling each row with `torch.multinomial` (`share_prefill=False, static_cache=False`,
-as two rounds ago); one prefill per distinct prompt whose KV cache its n rows share (last
-round); decoding into KV buffers allocated once (`static_cache=True`); and the batched
-inverse-CDF sampler (`mrl.rollout.logprobs.sample_rows`, `batched_sampler=True`; off by default, see
-`HFEngine`), run in turn, best of
-`--repeats`, with the ratios; then one more call of each with
+KV cache, sampling each row with `torch.multinomial` (`share_prefill=False, static_cache=False,
+batched_sampler=False`); one prefill per distinct prompt whose KV cache its n rows share; decoding
+into KV buffers allocated once (`static_cache=True`); and the batched exponential-race sampler
+(`mrl.rollout.logprobs.sample_rows`, `batched_sampler=True`: the engine's default), run in turn,
+best of `--repeats`, with the ratios (`--variants` picks some); then one more call of each with
 `HFEngine.stage_seconds` on prints where the time goes: prefill, decode forward calls, sampling
-(logit processing, softmax, per-row seeded multinomial), log-probs, bookkeeping.
+(logit processing, softmax, the draw), log-probs, bookkeeping. `--profile`: one more call of the
+default engine under torch.profiler, its self CPU time by operator kind (matmuls, attention, KV
+cache writes, sampling, elementwise) and the rate of the linear layers' matmuls.
 
 With `--vllm` the vllm engine runs as in `mrl train` (external_launcher inside a one-rank
-process group), its weights arriving through `update_weights`; then, side by side on the same
-engine and prompts:
-- generation through mrl's wrapper (`VLLMEngine.generate`: per-prompt seeds, log-probs, Responses)
-  vs plain `vllm.LLM.generate` with the same SamplingParams, run alternately, best of
-  `--repeats`: tokens/s and the ratio;
+process group, every response row at once: max_num_seqs = batch x n), its weights arriving
+through `update_weights`; then, on the same engine and prompts:
 - one full weight sync (`update_weights` of the model's HF-named tensors, already materialised,
   so the Megatron export is not in it: tools/bench/weights.py measures that) in GB/s, against a
-  plain `copy_` of the same bytes into preallocated tensors.
+  plain `copy_` of the same bytes into preallocated tensors;
+- generation through mrl's wrapper (`VLLMEngine.generate`: per-prompt seeds, log-probs, Responses)
+  vs plain `vllm.LLM.generate` with the same SamplingParams (n responses each), run alternately,
+  best of `--repeats`: tokens/s and the ratio;
+and last, one line side by side: the hf engine's default and the vllm engine, tokens/s and ratio.
+
+Every stage prints its name when it starts and its time when it ends; one that runs past
+`--stage-timeout` seconds prints its name and every thread's stack and exits 124 (an earlier
+version printed nothing until the end: at load 10 a `--vllm` run printed nothing in 17 minutes).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -66,6 +73,41 @@ def small_model_dir(args) -> str:
     return d
 
 
+class Stages:
+    """Each stage of the bench named as it starts and timed as it ends (printed at once, flushed),
+    with a limit: a stage still running after `limit_s` prints its name, every thread's stack
+    (`faulthandler`) and ends the process with status 124, so a bench that hangs (a vLLM start on
+    a loaded machine) says where, instead of printing nothing."""
+
+    def __init__(self, limit_s: float):
+        self.limit_s, self.start = limit_s, time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        import faulthandler
+        import os
+        import threading
+
+        def overrun():
+            print(f"rollout bench: stage {name!r} ran past its {self.limit_s:g} s limit (--stage-timeout) "
+                  f"at {time.perf_counter() - self.start:.0f} s, load average {os.getloadavg()[0]:.1f}; "
+                  "stacks:", flush=True)
+            faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
+            sys.stdout.flush()
+            os._exit(124)
+
+        timer = threading.Timer(self.limit_s, overrun)
+        timer.daemon = True
+        t0 = time.perf_counter()
+        print(f"[{t0 - self.start:7.1f} s] {name} ...", flush=True)
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+        print(f"[{time.perf_counter() - self.start:7.1f} s] {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+
+
 def timed(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
@@ -93,6 +135,12 @@ def paired(*fns, repeats: int) -> list[float]:
     return [min(t) for t in times]
 
 
+# the hf engine's variants, each adding one change: (share_prefill, static_cache, batched_sampler)
+VARIANTS = {"per-row prefill": (False, False, False), "dynamic cache": (True, False, False),
+            "in-place cache": (True, True, False), "race sampler": (True, True, True)}
+DEFAULT = "race sampler"   # HFEngine's defaults
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="local HF model directory (default: a small random Llama)")
@@ -106,14 +154,34 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     p.add_argument("--device", default="cpu")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"hf engine variants to time, comma-separated, of: {', '.join(VARIANTS)} (default: all; "
+                        f"'{DEFAULT}' is the engine's default)")
+    p.add_argument("--no-transformers", action="store_true", help="skip transformers.generate")
+    p.add_argument("--profile", action="store_true",
+                   help="one more call of the default engine under torch.profiler: its time by operator kind")
     p.add_argument("--vllm", action="store_true", help="also time the vllm engine (needs vllm importable)")
     p.add_argument("--bucket-mb", type=float, default=512, help="weight-sync bucket size (rollout.weight_sync.bucket_mb)")
+    p.add_argument("--stage-timeout", type=float, default=900,
+                   help="seconds any one stage may run before the bench names it, prints every thread's stack and "
+                        "exits 124 (default 900)")
     args = p.parse_args()
     torch.set_num_threads(torch.get_num_threads())
+    variants = {name: VARIANTS[name] for name in (v.strip() for v in args.variants.split(",")) if name}
+    unknown = [v.strip() for v in args.variants.split(",") if v.strip() and v.strip() not in VARIANTS]
+    if unknown or not variants:
+        p.error(f"--variants: unknown {', '.join(unknown) or 'empty list'}; known: {', '.join(VARIANTS)}")
+    stage = Stages(args.stage_timeout)
+    import os
 
     model_dir = args.model or small_model_dir(args)
-    engine = HFEngine.from_pretrained(model_dir, dtype=args.dtype, device=args.device, seed=0,
-                                      max_num_seqs=args.batch * args.n)
+    print(f"rollout generation: {args.batch} prompts x {args.n} responses, prompts <= {args.prompt_tokens} tokens, "
+          f"{args.new_tokens} new tokens, {args.dtype} on {args.device}, threads {torch.get_num_threads()}, model "
+          f"{args.model or f'random llama h{args.hidden} L{args.layers} V{args.vocab}'}; load average "
+          f"{os.getloadavg()[0]:.2f} at the start", flush=True)
+    with stage("hf engine: load"):
+        engine = HFEngine.from_pretrained(model_dir, dtype=args.dtype, device=args.device, seed=0,
+                                          max_num_seqs=args.batch * args.n)
     model = engine.model
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(args.prompt_tokens // 2, args.prompt_tokens + 1, (args.batch,), generator=g).tolist()
@@ -133,7 +201,7 @@ def main() -> None:
         out = engine.generate(prompts, sampling)
         assert sum(len(r.token_ids) for r in out) == tokens
 
-    def run_engine_with(share: bool, static: bool, batched_sampler: bool = False):
+    def run_engine_with(share: bool, static: bool, batched_sampler: bool):
         def run():
             engine.share_prefill, engine.static_cache, engine.batched_sampler = share, static, batched_sampler
             run_engine()
@@ -146,55 +214,100 @@ def main() -> None:
                                  pad_token_id=0, num_return_sequences=args.n)
         assert out.shape == (args.batch * args.n, width + args.new_tokens)
 
-    results = {"transformers.generate": timed(run_transformers, args.repeats)}
-    variants = {"per-row prefill": (False, False, False), "dynamic cache": (True, False, False),
-                "in-place cache": (True, True, False), "batched sampler": (True, True, True)}
-    seconds = paired(*(run_engine_with(*v) for v in variants.values()), repeats=args.repeats)
+    def line(name, sec, base=None):
+        ratio = f"  x{base / sec:5.2f} vs transformers.generate" if base else ""
+        return f"  {name:34s} {sec * 1e3:9.1f} ms  {tokens / sec:10.1f} tokens/s{ratio}"
+
+    results = {}
+    if not args.no_transformers:
+        with stage("transformers.generate"):
+            results["transformers.generate"] = timed(run_transformers, args.repeats)
+    with stage(f"hf engine: {len(variants)} variant(s), run in turn, best of {args.repeats}"):
+        seconds = paired(*(run_engine_with(*v) for v in variants.values()), repeats=args.repeats)
     results.update({f"mrl hf engine, {name}": sec for name, sec in zip(variants, seconds)})
-    per_row, dynamic, in_place, shared = seconds
-    stages = {}
-    for name, v in variants.items():
-        engine.stage_seconds = {}
-        t0 = time.perf_counter()
-        run_engine_with(*v)()
-        stages[name] = (time.perf_counter() - t0, engine.stage_seconds)
-    engine.stage_seconds = None
-    engine.share_prefill, engine.static_cache, engine.batched_sampler = True, True, False
-    vllm_lines = []
-    if args.vllm:
-        vllm_lines = bench_vllm(args, model_dir, model, prompts, sampling, tokens, width, results)
-
-    import os
-
-    print(f"\nrollout generation: {args.batch} prompts x {args.n} responses, prompts <= {args.prompt_tokens} tokens, "
-          f"{args.new_tokens} new tokens, {args.dtype} on {args.device}, threads {torch.get_num_threads()}, model "
-          f"{args.model or f'random llama h{args.hidden} L{args.layers} V{args.vocab}'}; load average "
-          f"{os.getloadavg()[0]:.2f}")
-    base = results["transformers.generate"]
+    base = results.get("transformers.generate")
     for name, sec in results.items():
-        print(f"  {name:32s} {sec * 1e3:9.1f} ms  {tokens / sec:10.1f} tokens/s  x{base / sec:5.2f} vs transformers.generate")
-    print(f"  each change over the one before (run in turn, best of {args.repeats}): shared prefill "
-          f"x{per_row / dynamic:.2f}, in-place KV cache x{dynamic / in_place:.2f}, batched sampler "
-          f"x{in_place / shared:.2f}; all three x{per_row / shared:.2f}")
+        print(line(name, sec, base), flush=True)
+    order = list(variants)
+    steps = [f"{b} x{seconds[i] / seconds[i + 1]:.2f} over {a}" for i, (a, b) in enumerate(zip(order, order[1:]))]
+    if steps:
+        print(f"  each change over the one before: {'; '.join(steps)}", flush=True)
+    stages = {}
+    with stage("hf engine: one call of each variant with stage_seconds"):
+        for name, v in variants.items():
+            engine.stage_seconds = {}
+            t0 = time.perf_counter()
+            run_engine_with(*v)()
+            stages[name] = (time.perf_counter() - t0, engine.stage_seconds)
+    engine.stage_seconds = None
+    engine.share_prefill, engine.static_cache, engine.batched_sampler = VARIANTS[DEFAULT]
     print("  where the hf engine's time goes (one call each):")
     names = ["prefill", "decode", "sampling", "logprobs", "bookkeeping"]
     print(f"    {'':18s} {'total s':>8} " + " ".join(f"{n:>12s}" for n in names + ["other"]))
     for label, (total, sec) in stages.items():
         other = total - sum(sec.values())
         print(f"    {label:18s} {total:8.3f} " + " ".join(f"{sec.get(n, 0.0) / total:12.1%}" for n in names)
-              + f" {other / total:12.1%}")
-    for line in vllm_lines:
-        print(line)
+              + f" {other / total:12.1%}", flush=True)
+    if args.profile:
+        with stage("hf engine: one call under torch.profiler"):
+            for text in profile_lines(run_engine, model, args, tokens):
+                print(text, flush=True)
+    if args.vllm:
+        bench_vllm(args, model_dir, model, prompts, sampling, tokens, width, results, stage)
+        hf_s = results[f"mrl hf engine, {DEFAULT}"] if DEFAULT in variants else min(seconds)
+        vllm_s = results["mrl vllm engine"]
+        print(f"side by side, same prompts and sampling: hf engine ({DEFAULT if DEFAULT in variants else 'best variant'}) "
+              f"{tokens / hf_s:.1f} tokens/s, vllm engine {tokens / vllm_s:.1f} tokens/s: vllm x{hf_s / vllm_s:.2f} "
+              f"the hf engine; load average {os.getloadavg()[0]:.2f} at the end", flush=True)
 
 
-def bench_vllm(args, model_dir, model, prompts, sampling, tokens, width, results) -> list[str]:
+# the profiler's operators by kind (first match wins); the rest is "other"
+KINDS = (("matmul (linear layers, LM head)", ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear")),
+         ("attention (SDPA)", ("scaled_dot_product", "flash_attention", "aten::_softmax")),
+         ("KV cache writes, copies, cat", ("aten::copy_", "aten::cat", "aten::index", "aten::slice_scatter")),
+         ("sampling (rand, log, div, argmax)", ("aten::uniform_", "aten::rand", "aten::log", "aten::argmax",
+                                                "aten::div", "aten::_log_softmax", "aten::exp")),
+         ("elementwise (norm, rotary, activation)", ("aten::mul", "aten::add", "aten::silu", "aten::rsqrt", "aten::pow",
+                                                     "aten::mean", "aten::neg", "aten::sub")))
+
+
+def profile_lines(run_engine, model, args, tokens) -> list[str]:
+    """One call of the engine under torch.profiler: self CPU time by operator kind (`KINDS`), and
+    the rate of the linear layers' matmuls against the model's weights (2 flops per weight per token)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        run_engine()
+        wall = time.perf_counter() - t0
+    by_kind: dict[str, float] = {}
+    total = 0.0
+    for ev in prof.key_averages():
+        total += ev.self_cpu_time_total
+        kind = next((k for k, keys in KINDS if any(key in ev.key for key in keys)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + ev.self_cpu_time_total
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    flops = 2 * weights * tokens   # decode: every generated token through every linear layer (prefill apart)
+    mm_s = by_kind.get(KINDS[0][0], 0.0) / 1e6
+    out = [f"  one call under torch.profiler: {wall:.2f} s wall (profiled), self CPU time by kind:"]
+    out += [f"    {k:40s} {v / 1e6:8.2f} s  {v / total:6.1%}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])]
+    out.append(f"    linear layers' matmuls: {flops / 1e9:.1f} GFLOP for the generated tokens; "
+               f"{flops / mm_s / 1e9 if mm_s else float('nan'):.1f} GFLOP/s in the matmul operators")
+    return out
+
+
+def bench_vllm(args, model_dir, model, prompts, sampling, tokens, width, results, stage) -> None:
+    """The vllm engine on the same prompts, each stage named and timed (`Stages`); its lines are
+    printed as they are measured, `results["mrl vllm engine"]` set for the side-by-side line."""
     import socket
 
     import torch.distributed as dist
-    from vllm import SamplingParams
 
-    from mrl.rollout.types import prompt_seed
-    from mrl.rollout.vllm_engine import VLLMEngine
+    with stage("vllm: import"):
+        from vllm import SamplingParams
+
+        from mrl.rollout.types import prompt_seed
+        from mrl.rollout.vllm_engine import VLLMEngine
 
     if not dist.is_initialized():   # the engine joins a process group, as in mrl train
         with socket.socket() as s:
@@ -202,8 +315,10 @@ def bench_vllm(args, model_dir, model, prompts, sampling, tokens, width, results
             port = s.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     kw = dict(kv_cache_memory_bytes=512 * 2**20) if args.device == "cpu" else dict(gpu_memory_utilization=0.5)
-    veng = VLLMEngine(model_dir, seed=0, dtype=args.dtype, enforce_eager=args.device == "cpu", load_format="dummy",
-                      max_model_len=width + args.new_tokens, max_num_seqs=args.batch, bucket_mb=args.bucket_mb, **kw)
+    rows = args.batch * args.n   # every response row at once, as the hf engine decodes them
+    with stage("vllm: engine start (LLM(...), dummy weights, eager)"):
+        veng = VLLMEngine(model_dir, seed=0, dtype=args.dtype, enforce_eager=args.device == "cpu", load_format="dummy",
+                          max_model_len=width + args.new_tokens, max_num_seqs=rows, bucket_mb=args.bucket_mb, **kw)
     dtype = _DTYPES[args.dtype]
     weights = [(k, v.detach().to(dtype).clone()) for k, v in model.state_dict().items()]
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
@@ -211,8 +326,9 @@ def bench_vllm(args, model_dir, model, prompts, sampling, tokens, width, results
     def sync():
         veng.update_weights(iter(weights))
 
-    extra_mb = peak_extra_rss_mb(sync)   # the first sync: nothing reusable from an earlier one yet
-    sync_s = timed(sync, args.repeats)
+    with stage("vllm: weight syncs"):
+        extra_mb = peak_extra_rss_mb(sync)   # the first sync: nothing reusable from an earlier one yet
+        sync_s = timed(sync, args.repeats)
     targets = [torch.empty_like(t) for _, t in weights]
 
     def plain_copy():
@@ -220,23 +336,22 @@ def bench_vllm(args, model_dir, model, prompts, sampling, tokens, width, results
             dst.copy_(src)
 
     copy_s = timed(plain_copy, args.repeats)
+    print(f"  vllm weight sync: {nbytes / 1e6:.1f} MB in {sync_s * 1e3:.1f} ms = {nbytes / sync_s / 1e9:.3f} GB/s "
+          f"(buckets of {args.bucket_mb} MiB); plain copy {nbytes / copy_s / 1e9:.3f} GB/s; ratio {copy_s / sync_s:5.3f}; "
+          "peak extra host memory during the first sync: "
+          + (f"{extra_mb:.1f} MB" if extra_mb is not None else "n/a (needs /proc/self/clear_refs)"), flush=True)
 
-    params = [SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.new_tokens, ignore_eos=True,
-                             logprobs=0, seed=prompt_seed(0, i) % 2**31, detokenize=False) for i in range(len(prompts))]
+    params = [SamplingParams(n=args.n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.new_tokens,
+                             ignore_eos=True, logprobs=0, seed=prompt_seed(0, i) % 2**31, detokenize=False)
+              for i in range(len(prompts))]
     inputs = [{"prompt_token_ids": list(p)} for p in prompts]
-    plain, wrapped = paired(lambda: veng.llm.generate(inputs, params, use_tqdm=False),
-                            lambda: veng.generate(prompts, sampling), repeats=args.repeats)
+    with stage(f"vllm: generation, mrl wrapper and plain LLM.generate in turn, best of {args.repeats}"):
+        plain, wrapped = paired(lambda: veng.llm.generate(inputs, params, use_tqdm=False),
+                                lambda: veng.generate(prompts, sampling), repeats=args.repeats)
     veng.shutdown()
     results["mrl vllm engine"] = wrapped
-    return [f"vllm ({args.dtype} on {args.device}), weights from the stream:",
-            f"  generation: mrl wrapper {tokens / wrapped:10.1f} tokens/s, plain LLM.generate {tokens / plain:10.1f} "
-            f"tokens/s, ratio {plain / wrapped:5.3f}",
-            f"  weight sync: {nbytes / 1e6:.1f} MB in {sync_s * 1e3:.1f} ms = {nbytes / sync_s / 1e9:.3f} GB/s "
-            f"(buckets of {args.bucket_mb} MiB); plain copy {nbytes / copy_s / 1e9:.3f} GB/s; ratio "
-            f"{copy_s / sync_s:5.3f}",
-            f"  peak extra host memory during the first sync: " + (f"{extra_mb:.1f} MB" if extra_mb is not None else
-                                                             "n/a (needs /proc/self/clear_refs)")
-            + f" for {nbytes / 1e6:.1f} MB of weights in buckets of {args.bucket_mb} MiB"]
+    print(f"  vllm ({args.dtype} on {args.device}): mrl wrapper {tokens / wrapped:10.1f} tokens/s, plain LLM.generate "
+          f"{tokens / plain:10.1f} tokens/s, ratio {plain / wrapped:5.3f}", flush=True)
 
 
 def peak_extra_rss_mb(fn):
