@@ -66,7 +66,7 @@ def short(path: str) -> str:
 
 def step_path(job: str = "jobs/quickstart_cpu.toml", overrides: tuple[str, ...] = (),
               out: str | None = None) -> PathTrace:
-    """The entries of step 1 of `job` (one plain process, one step, no checkpoint or tracking;
+    """The entries of step 1 of `job` (one plain process, one step, no checkpoint, no tracking;
     `overrides` on top), traced from `train_step` to the `publish` of the weights it made."""
     sys.path.insert(0, str(REPO))
     import mrl.train.loop as loop
@@ -75,7 +75,7 @@ def step_path(job: str = "jobs/quickstart_cpu.toml", overrides: tuple[str, ...] 
 
     out = out or tempfile.mkdtemp(prefix="step-path-")
     spec, _ = load(str(REPO / job), ["platform.ranks_per_node=1", "parallel.tensor=1", "trainer.total_steps=1",
-                                     "checkpoint.every_steps=0", "tracking.backends=[]", f"job.output_dir={out}",
+                                     "checkpoint.every_steps=-1", "tracking.backends=[]", f"job.output_dir={out}",
                                      *overrides])
     trace = PathTrace()
     step_fn = loop.train_step
