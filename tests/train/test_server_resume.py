@@ -29,14 +29,14 @@ ARGS = ["job.name=run", "tracking.backends=[\"mlflow\"]", "platform.ranks_per_no
         "rollout.responses_per_prompt=4", "trainer.total_steps=4", "checkpoint.every_steps=2",
         # the quickstart's reward, which the killed run holds once its step-2 checkpoint exists (a
         # held call waits to be killed: the reward timeout outlasts the test's wait; the workers see
-        # the hold's variables)
+        # the hold's variable)
         "reward.function=tests/train/held_reward.py:score", "reward.timeout_s=600",
-        "reward.env_allow=[\"MRL_TEST_HOLD_WHEN\", \"MRL_TEST_HELD\"]"]
+        "reward.env_allow=[\"MRL_TEST_HOLD_WHEN\"]"]
 
 
 def _launch(out: Path, *args: str, hold: dict | None = None) -> subprocess.Popen:
     """`mrl train` in one plain process (no torchrun), in a session of its own (killed as a group);
-    its output goes to `out`.log. `hold`: the variables that hold its reward (`held_reward.py`)."""
+    its output goes to `out`.log. `hold`: the variable that holds its reward (`held_reward.py`)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                              "MASTER_PORT")}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -62,15 +62,16 @@ def test_killed_server_mode_run_with_partial_trajectories_resumes_exactly(tmp_pa
     args = {d: [*ARGS, f"model.dtype={d}"] for d in dtypes}
     whole = {d: _launch(tmp_path / d / "whole", *args[d]) for d in dtypes}
     ckpt = {d: tmp_path / d / "killed" / "run" / "checkpoints" / "actor" for d in dtypes}
-    held = {d: tmp_path / d / "held" for d in dtypes}
-    # the killed run's reward holds its first call after the step-2 checkpoint (step 3's scoring)
-    # until the kill: the kill cannot come too late, however loaded the machine
-    killed = {d: _launch(tmp_path / d / "killed", *args[d], hold={"MRL_TEST_HOLD_WHEN": str(ckpt[d] / "step_00000002"),
-                                                                "MRL_TEST_HELD": str(held[d])}) for d in dtypes}
-    deadline = time.monotonic() + 500   # a failure bound only: the kill waits for the hold
+    # the killed run's reward holds every call once the step-2 checkpoint exists (step 3's scoring)
+    # until the kill, so the kill, once `latest` names that checkpoint, cannot come too late
+    # however loaded the machine
+    killed = {d: _launch(tmp_path / d / "killed", *args[d], hold={"MRL_TEST_HOLD_WHEN": str(ckpt[d] / "step_00000002")})
+              for d in dtypes}
+    deadline = time.monotonic() + 500   # a failure bound only: the kill waits for the checkpoint
     while killed and time.monotonic() < deadline:
         for d, proc in list(killed.items()):
-            if held[d].exists() or proc.poll() is not None:
+            latest = ckpt[d] / "latest"
+            if (latest.exists() and latest.read_text().strip() == "step_00000002") or proc.poll() is not None:
                 kill_process_group(proc)
                 del killed[d]
         time.sleep(0.1)
