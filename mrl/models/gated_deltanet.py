@@ -82,7 +82,9 @@ def hybrid_fields(hf: dict[str, Any], tensor_parallel: int = 1, context_parallel
     if dims.key_heads % tensor_parallel:
         raise UserError(f"parallel.tensor: {tensor_parallel} does not divide {mt}'s linear_num_key_heads "
                         f"{dims.key_heads} (Gated DeltaNet heads are split over tensor parallelism)")
-    return dict(layernorm_zero_centered_gamma=True, qk_layernorm=True, attention_output_gate=True)
+    # layers differ (DeltaNet or attention): checkpoints key each layer apart, not stacked by layer
+    return dict(layernorm_zero_centered_gamma=True, qk_layernorm=True, attention_output_gate=True,
+                hetereogenous_dist_checkpoint=True)
 
 
 # ----------------------------------------------------------------------------- the module
