@@ -223,7 +223,8 @@ def test_moe_quickstart_learns_at_expert_parallel_two(tmp_path):
 NEW_ARCH_PRESETS = ("tiny-kimi-k2", "tiny-glm4-moe", "tiny-gpt-oss", "tiny-gemma3", "tiny-qwen3-next",
                     "tiny-qwen3.5-moe", "tiny-qwen3.5")
 #: the step-1 audit bound in bf16 (measured max: kimi_k2 1.0e-3, glm4_moe 4.9e-4 to 2.1e-3 by batch,
-#: gpt_oss 3.9e-3, gemma3 2.0e-3 to 3.8e-3, all 0 to 1e-6 in float32: the trainer and transformers round to
+#: gpt_oss 3.9e-3, gemma3 2.0e-3 to 3.8e-3, qwen3_next 3.9e-3, qwen3_5_moe_text 3.9e-3, qwen3_5_text 3.9e-3,
+#: all 0 to 1e-6 in float32: the trainer and transformers round to
 #: bf16 in different places - the experts' weighted sums, gpt-oss' yarn factor folded into the
 #: softmax scale, its sink softmax in float32)
 BF16_AUDIT_MAX = 2e-2
