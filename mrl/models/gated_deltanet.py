@@ -178,6 +178,14 @@ class GatedDeltaNet(torch.nn.Module):
                                           input_is_parallel=True, skip_bias_add=True, tp_comm_buffer_name="fc2",
                                           tp_group=tp_group)
         kh, vh = d.key_heads // tp, d.value_heads // tp
+        if config.use_cpu_initialization and config.perform_initialization:
+            # the whole [q | k | v | z | b | a] weight drawn on every rank, this rank's heads kept:
+            # one seed gives the same model at any TP size, as megatron's own layers
+            full = torch.empty(width, config.hidden_size)
+            config.init_method(full)
+            local = torch.cat([part.chunk(tp)[rank] for part in full.split(d.sections(1))])
+            with torch.no_grad():
+                self.in_proj.weight.copy_(local.to(self.in_proj.weight.dtype))
         conv_full = torch.empty(2 * d.key_heads * d.key_dim + d.value_heads * d.value_dim, 1, d.conv_kernel)
         torch.nn.init.uniform_(conv_full, -1 / math.sqrt(d.conv_kernel), 1 / math.sqrt(d.conv_kernel))
         q, k, v = conv_full.split([d.key_heads * d.key_dim, d.key_heads * d.key_dim, d.value_heads * d.value_dim])
