@@ -216,4 +216,8 @@ def test_refusals_are_one_line():
     (mm,) = architecture_problems(multimodal)
     assert "'qwen3_5' is not supported yet: the multimodal Qwen3.5" in mm
     assert "rollout.engine = 'hf'" in engine_problem("qwen3_next", "vllm")
+    from mrl.models.lora import LoraConfig, lora_problems
+
+    ((key, message),) = lora_problems(LoraConfig(rank=8), "actor.lora", model_type="qwen3_5_text")
+    assert key == "actor.lora.rank" and "LoRA on qwen3_5_text is not supported yet" in message
     assert engine_problem("qwen3_5_moe_text", "hf") is None
