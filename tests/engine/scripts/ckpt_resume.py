@@ -68,6 +68,9 @@ def main(root, kind: str):
     if dist_optim:
         checkpoint.save(old_format, 1, chunks=eng.chunks, optimizer=eng.optimizer, scheduler=eng.scheduler,
                         extra=EXTRA, optimizer_format="torch_dist")
+    # the optimizer in mrl's per-rank format (its own files), the copy in the torch_dist one
+    assert (root / "step_00000001" / "optim").is_dir()
+    assert not dist_optim or not (old_format / "step_00000001" / "optim").exists()
     cont = eng.train_mini_batch(batch_b, OBJ, micro_batch_tokens=64)
     after_b = params_of(eng)
     tp_rank = ctx.layout.tp_rank
