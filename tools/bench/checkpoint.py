@@ -4,6 +4,7 @@
     python tools/bench/checkpoint.py --saves 3 --profile 25   # also cProfile one save: the top 25 by cumulative time
     python tools/bench/checkpoint.py --layers 2         # a smaller model
     python tools/bench/checkpoint.py --tiny --layers 1 --saves 1   # the smoke test
+    python tools/bench/checkpoint.py --dtype bfloat16   # a bf16 model (fp32 master weights of their own)
 
 Builds the SmolLM2 job's actor on this rank (megatron GPTModel of SmolLM2-135M-Instruct's shape,
 random weights, fp32, the distributed optimizer with its Adam state materialised, as a save after
@@ -73,6 +74,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--saves", type=int, default=2)
     ap.add_argument("--layers", type=int, default=SMOLLM2["num_hidden_layers"])
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--tiny", action="store_true", help="a tiny model of the same family (the smoke test)")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile one more save; print the top N")
     ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
@@ -94,7 +96,7 @@ def main(argv=None) -> None:
     parallel = ParallelConfig(distributed_optimizer=True)
     work = Path(args.dir or tempfile.mkdtemp(prefix="mrl-ckpt-bench-"))
     with platform.setup(PlatformConfig(device="cpu", nodes=1, ranks_per_node=1), parallel, seed=1):
-        cfg = transformer_config(hf, dtype="float32", parallel=parallel, device="cpu")
+        cfg = transformer_config(hf, dtype=args.dtype, parallel=parallel, device="cpu")
         model = build_gpt(hf, cfg)
         ddp = wrap_ddp([model], distributed_optimizer=True, overlap_grad_reduce=False)
         optim = OptimConfig(lr=1e-6, grad_clip=1.0)
@@ -139,7 +141,7 @@ def main(argv=None) -> None:
             torch.load(work / "plain.pt", weights_only=True)
             plain_load_s.append(time.perf_counter() - t0)
         load1 = os.getloadavg()
-        print(f"checkpoint save: {'a tiny' if args.tiny else 'SmolLM2-135M'} shape ({args.layers} layers, {params / 1e6:.1f}M params, fp32, "
+        print(f"checkpoint save: {'a tiny' if args.tiny else 'SmolLM2-135M'} shape ({args.layers} layers, {params / 1e6:.1f}M params, {args.dtype}, "
               f"distributed optimizer, 1 rank); {args.saves} saves each; load average {load0[0]:.2f} "
               f"(after: {load1[0]:.2f})")
         print(f"  {'what':<30} {'best s':>8} {'mean s':>8} {'MB written':>11} {'MB/s':>8}")
