@@ -7,7 +7,7 @@ and at TP=1 x DP=2, each into a fresh process group and model; at the saving lay
 loads a checkpoint written before the first update (the optimizer had no state yet) and checks
 that update too, and then a copy saved in the older torch_dist optimizer format (compat). The
 TP=1 x DP=2 run saves again and that checkpoint loads at TP=2 x DP=1 (DP2 -> DP1: each rank's
-optimizer shard reassembled by ranges). Model, optimizer state (Adam moments and step),
+optimizer shard reassembled by ranges) and at PP=2, whose save loads at PP=1 x DP=2. Model, optimizer state (Adam moments and step),
 scheduler, step and `extra` must all round-trip; the next update's loss, grad norm, learning
 rate and weights are compared."""
 import sys
@@ -56,6 +56,7 @@ def main(root, kind: str):
     batch_a = E.with_old_logprobs(ref, E.synthetic_batch(seed=7))
     batch_b = E.with_old_logprobs(ref, E.synthetic_batch(seed=8))
     batch_c = E.with_old_logprobs(ref, E.synthetic_batch(seed=9))
+    batch_d = E.with_old_logprobs(ref, E.synthetic_batch(seed=10))
     C.down()
 
     ctx = C.up(tensor=2)  # DP = 1
@@ -114,7 +115,42 @@ def main(root, kind: str):
                 want = C.shard(n, after_c[n], 2, ctx.layout.tp_rank, num_query_groups=SPEC.num_query_groups)
                 worst = max(worst, C.check(f"param {n} after the DP2 -> DP1 resume", p.detach(), want, tol=1e-6))
             report_resume("distributed_dp2_to_dp1", cont_c, res, worst)
-        C.down()
+            C.down()
+            pipeline_phases(again, root.with_name(root.name + "_pp2"), cont_c, after_c, batch_c, batch_d)
+        else:
+            C.down()
+
+
+def pipeline_phases(again, pp_root, cont_c, after_c, batch_c, batch_d):
+    """PP: the TP=1 x DP=2 checkpoint loads at PP=2 (each rank half the layers) and continues like
+    the DP=2 run; a save there (step 3) loads at PP=1 x DP=2 and continues like the PP=2 run."""
+    from megatron.core import parallel_state as ps
+
+    C.up(seed=997, pipeline=2)   # DP = 1
+    model = tm.build_tiny_gpt(SPEC)
+    eng = E.actor_engine(None, distributed=True, warmup=2, total_steps=6, clip=1.0, chunks=[model])
+    got = checkpoint.load(again, chunks=eng.chunks, optimizer=eng.optimizer, scheduler=eng.scheduler)
+    assert got.step == 2, got.step
+    res = eng.train_mini_batch(batch_c, OBJ, micro_batch_tokens=64)
+    offset = ps.get_pipeline_model_parallel_rank() * SPEC.num_layers // 2
+    worst = max(C.check(f"param {n} after the DP2 -> PP2 resume", p.detach(), after_c[E._global_name(n, offset)],
+                        tol=1e-6) for n, p in model.named_parameters())
+    report_resume("distributed_dp2_to_pp2", cont_c, res, worst)
+    checkpoint.save(pp_root, 3, chunks=eng.chunks, optimizer=eng.optimizer, scheduler=eng.scheduler)
+    cont_d = eng.train_mini_batch(batch_d, OBJ, micro_batch_tokens=64)
+    after_d = {E._global_name(n, offset): p.detach().clone() for n, p in model.named_parameters()}
+    C.down()
+
+    ctx = C.up(seed=996, tensor=1)   # PP = 1, DP = 2
+    eng = E.actor_engine(None, distributed=True, warmup=2, total_steps=6, clip=1.0)
+    got = checkpoint.load(pp_root, chunks=eng.chunks, optimizer=eng.optimizer, scheduler=eng.scheduler)
+    assert got.step == 3 and eng.scheduler.num_steps == 3, (got.step, eng.scheduler.num_steps)
+    res = eng.train_mini_batch(batch_d.dp_shard(ctx.dp_rank, ctx.dp), OBJ, micro_batch_tokens=64)
+    # each rank compares the layers its PP=2 stage held (together: every weight)
+    worst = max(C.check(f"param {n} after the PP2 -> PP1 resume", p.detach(), after_d[n], tol=1e-6)
+                for n, p in eng.chunks[0].module.named_parameters() if n in after_d)
+    report_resume("distributed_pp2_to_pp1", cont_d, res, worst)
+    C.down()
 
 
 if __name__ == "__main__":
