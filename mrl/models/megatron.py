@@ -7,7 +7,9 @@ Qwen3-MoE router, plus a shared expert scaled by a sigmoid gate), Mixtral (route
 renormalised top-k), DeepSeek-V3 (multi-latent attention, `models.sigmoid_moe`; Kimi-K2 is read
 as it), GLM-4.5 (`glm4_moe`: GQA with QKV bias, RoPE on half of each head, `models.sigmoid_moe`),
 gpt-oss (`gpt_oss`: attention sinks, sliding-window layers, the clamped SwiGLU, `models.gpt_oss`)
-and Gemma 3's text model (`gemma3_text`: (1 + w) and sandwich norms, local/global RoPE, `models.gemma3`).
+Gemma 3's text model (`gemma3_text`: (1 + w) and sandwich norms, local/global RoPE, `models.gemma3`)
+and the Qwen3-Next / Qwen3.5 hybrids (`qwen3_next`, `qwen3_5_text`, `qwen3_5_moe_text`: Gated DeltaNet
+and gated-attention layers, `models.gated_deltanet`).
 RoPE uses the checkpoint's inverse frequencies as `transformers` computes them (default,
 linear, llama3 and yarn scaling, yarn's attention factor in the softmax scale; partial rotation
 per `partial_rotary_factor`).
@@ -28,6 +30,7 @@ from mrl.models.config import ModelConfig
 from mrl.models.facts import (ARCHITECTURES, BUILTIN_PRESETS, MODEL_TYPE_ALIASES, builtin_preset, canonical_config,
                               find_hf_config)
 from mrl.models import gemma3
+from mrl.models import gated_deltanet as gdn
 from mrl.models.gemma3 import gemma3_fields
 from mrl.models.gpt_oss import check_context_parallel, check_expert_bias, gpt_oss_fields, sliding_window_fields
 from mrl.models.mla import deepseek_v3_fields, rope_parameters
@@ -43,12 +46,10 @@ DEQUANTIZED_ON_LOAD = {"gpt_oss": ("mxfp4",)}
 # Model types transformers builds that mrl does not map yet, and what is missing (issue 40).
 UNMAPPED_MODEL_TYPES = {
     "gemma3": "the multimodal Gemma 3 (its vision tower) is not built; its text model (model_type gemma3_text) is",
-    "qwen3_next": "gated DeltaNet linear-attention layers and gated full attention are not built",
-    "qwen3_5_text": "gated DeltaNet linear-attention layers and gated full attention are not built",
-    "qwen3_5_moe_text": "gated DeltaNet linear-attention layers and gated full attention are not built",
+    "qwen3_5": "the multimodal Qwen3.5 (its vision tower) is not built; its text model (model_type qwen3_5_text) is",
+    "qwen3_5_moe": ("the multimodal Qwen3.5-MoE (its vision tower) is not built; its text model (model_type "
+                    "qwen3_5_moe_text) is"),
 }
-UNMAPPED_MODEL_TYPES.update(qwen3_5=UNMAPPED_MODEL_TYPES["qwen3_5_text"],
-                            qwen3_5_moe=UNMAPPED_MODEL_TYPES["qwen3_5_moe_text"])
 from mrl.platform.device import DTYPES as _DTYPES
 
 
@@ -112,6 +113,8 @@ def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1, context
         checks += [gemma3_fields, lambda h: hf_inv_freq(h, "sliding_attention")]
     if _builds_windows(hf) or hf["model_type"] == "gpt_oss":
         checks.append(lambda h: check_context_parallel(h, context_parallel))
+    if hf["model_type"] in gdn.HYBRID_TYPES:
+        checks.append(lambda h: gdn.hybrid_fields(h, tensor_parallel, context_parallel))
     problems = []
     for check in checks:
         try:
@@ -221,7 +224,7 @@ def shared_experts(hf: dict[str, Any]) -> dict[str, Any]:
     """TransformerConfig fields for an MoE layer's always-on shared expert: Qwen2-MoE's one
     `shared_expert` of `shared_expert_intermediate_size`, scaled by `sigmoid(shared_expert_gate(x))`
     (megatron's `moe_shared_expert_gate`, the same formula)."""
-    if hf.get("model_type") == "qwen2_moe" and hf.get("shared_expert_intermediate_size"):
+    if hf.get("model_type") in ("qwen2_moe",) + gdn.HYBRID_TYPES and hf.get("shared_expert_intermediate_size"):
         return dict(moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
                     moe_shared_expert_gate=True)
     return {}
@@ -265,7 +268,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
     kwargs: dict[str, Any] = dict(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
-        ffn_hidden_size=hf["intermediate_size"],
+        ffn_hidden_size=hf.get("intermediate_size") or hf["moe_intermediate_size"],   # (Qwen3.5-MoE: experts only)
         num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
         kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
@@ -331,6 +334,8 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
     if model_type == "gemma3_text":   # (1 + w) and sandwich norms, GELU-tanh, local RoPE (models.gemma3)
         check_context_parallel(hf, parallel.context)
         kwargs.update(gemma3_fields(hf))
+    if model_type in gdn.HYBRID_TYPES:   # Gated DeltaNet and gated attention layers (models.gated_deltanet)
+        kwargs.update(gdn.hybrid_fields(hf, parallel.tensor, parallel.context))
     if model_type != "deepseek_v3":   # yarn's attention factor on both q and k: the logits' scale times m^2
         factor = rope_attention_factor(hf)
         if factor != 1.0:
@@ -355,6 +360,11 @@ def model_backend(hf: dict[str, Any], attention: str, device: str, context: int 
     from mrl.models import attention as attn
 
     backend = attn.resolve_backend(attention, device, context)
+    if hf.get("model_type") in gdn.HYBRID_TYPES and backend == "te":   # its DeltaNet layers take the local spec
+        if attention != "auto":
+            raise UserError(f"model.attention: 'te' does not build {hf['model_type']}'s Gated DeltaNet layers "
+                            "(varlen or sdpa do)")
+        backend = "varlen" if device == "cuda" else "sdpa"
     if is_vlm(hf) and backend in ("te", attn.REFERENCE):
         if attention != "auto":
             raise UserError(f"model.attention: {attention!r} cannot run {hf['model_type']}'s multimodal RoPE on "
@@ -385,6 +395,8 @@ def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_
     gemma = hf.get("model_type") == "gemma3_text"
     if gemma:   # post-attention and post-MLP norms around megatron's modules
         layer_spec = gemma3.sandwich_spec(layer_spec)
+    if hf.get("model_type") in gdn.HYBRID_TYPES:   # Gated DeltaNet in the linear_attention layers
+        layer_spec = gdn.hybrid_spec(layer_spec, hf, config, vp_stage)
     extra: dict[str, Any] = dict(position_embedding_type="rope")
     if is_vlm(hf):
         from mrl.models.vlm_gpt import VisionLanguageGPT as GPTModel   # noqa: F811 - mRoPE + vision tower

@@ -67,6 +67,12 @@ Not patched: sequence parallelism needs the TE or apex norm (megatron's torch no
 off), so `mrl.platform.setup` refuses `parallel.sequence_parallel` on cpu with a `UserError`;
 fused kernels (`*_fusion` flags, `gradient_accumulation_fusion`) are CUDA-only and must be off.
 
+Kernels without a CPU build get torch twins in modules of this platform layer, chosen by the
+tensors' device where the kernel is called: the gated delta rule of Qwen3-Next / Qwen3.5's Gated
+DeltaNet layers (fla's Triton kernel on CUDA) is `mrl.platform.delta_rule.recurrent_twin` on cpu
+(megatron-core 0.16.1's own `ssm/gated_delta_net.py` is not used: it builds on CUDA only and takes
+no packed sequences; `mrl.models.gated_deltanet`).
+
 The patches target megatron-core 0.16.1. On another version `activate()` raises `UserError`
 unless `MRL_CPU_COMPAT_FORCE=1` is set.
 """

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from mrl.models.facts import HYBRID_TYPES, layer_kinds
+
 
 def throughput(metrics: Mapping[str, float], dp: int) -> dict[str, float]:
     """`throughput/rollout_tokens_per_s` and `throughput/train_tokens_per_s` (the whole job's)."""
@@ -46,19 +48,22 @@ def model_params(hf: dict, *, active: bool = True) -> int:
         bias = bool(hf.get("attention_bias", model_type in ("qwen2", "gpt_oss"))
                     or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)))
         attn = h * heads * d + 2 * h * kv * d + heads * d * h + (bias * (heads + 2 * kv) * d)
-        if model_type in ("qwen3", "qwen3_moe", "gemma3_text") or (model_type == "glm4_moe" and hf.get("use_qk_norm")):
+        if model_type in HYBRID_TYPES:   # gated attention: q_proj also emits each head's output gate
+            attn += h * heads * d
+        if (model_type in ("qwen3", "qwen3_moe", "gemma3_text") + HYBRID_TYPES
+                or (model_type == "glm4_moe" and hf.get("use_qk_norm"))):
             attn += 2 * d   # q_norm, k_norm
         if model_type == "gpt_oss":
             attn += h + heads   # o_proj bias, one sink per head
     experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0
-    dense_mlp = 3 * h * hf["intermediate_size"]
+    dense_mlp = 3 * h * (hf.get("intermediate_size") or 0)   # (Qwen3.5-MoE has no dense MLP)
     if experts:
         used = (hf.get("num_experts_per_tok") or experts) if active else experts
         inter = hf.get("moe_intermediate_size") or hf["intermediate_size"]
         moe = used * 3 * h * inter + h * experts   # experts + router
         if model_type == "gpt_oss":   # expert biases (gate/up, down) and the router's
             moe += used * (2 * inter + h) + experts
-        if model_type == "qwen2_moe" and hf.get("shared_expert_intermediate_size"):
+        if model_type in ("qwen2_moe",) + HYBRID_TYPES and hf.get("shared_expert_intermediate_size"):
             moe += 3 * h * hf["shared_expert_intermediate_size"] + h   # shared expert + its gate
         if model_type in ("deepseek_v3", "glm4_moe"):
             moe += 3 * h * inter * (hf.get("n_shared_experts") or 0)
@@ -68,7 +73,30 @@ def model_params(hf: dict, *, active: bool = True) -> int:
         mlps = layers * dense_mlp
     embeddings = vocab * h * (1 if hf.get("tie_word_embeddings") else 2)
     norms = 4 if model_type == "gemma3_text" else 2   # Gemma: a norm before and after attention and the MLP
-    return layers * (attn + norms * h) + mlps + embeddings + h
+    mixers = layers * attn
+    if model_type in HYBRID_TYPES:   # Gated DeltaNet layers in place of attention where layer_types says
+        linear = layer_kinds(hf).count("linear_attention")
+        mixers = (layers - linear) * attn + linear * _deltanet_params(hf)
+    return mixers + layers * norms * h + mlps + embeddings + h
+
+
+def _deltanet_params(hf: dict) -> int:
+    """One Gated DeltaNet layer: input projections (q, k, v, z, b, a), the depthwise conv over
+    q|k|v, A_log and dt_bias per value head, the gated norm, the output projection."""
+    h, nk, nv = hf["hidden_size"], hf["linear_num_key_heads"], hf["linear_num_value_heads"]
+    qk, v = nk * hf["linear_key_head_dim"], nv * hf["linear_value_head_dim"]
+    conv = (2 * qk + v) * int(hf.get("linear_conv_kernel_dim") or 4)
+    return h * (2 * qk + 2 * v + 2 * nv) + conv + 2 * nv + hf["linear_value_head_dim"] + v * h
+
+
+def deltanet_flops_per_token(hf: dict) -> int:
+    """Forward FLOPs of the gated delta rule per token, all Gated DeltaNet layers (what the 2 x
+    params rule misses, like attention's own FLOPs, but linear in the tokens): per value head the
+    state's decay (d_k d_v), the recall S^T k, the rank-1 update and the read S^T q (2 d_k d_v each)."""
+    if hf.get("model_type") not in HYBRID_TYPES:
+        return 0
+    linear = layer_kinds(hf).count("linear_attention")
+    return linear * hf["linear_num_value_heads"] * 7 * hf["linear_key_head_dim"] * hf["linear_value_head_dim"]
 
 
 def _mla_params(hf: dict) -> int:
@@ -83,10 +111,12 @@ def _mla_params(hf: dict) -> int:
 
 
 def actor_mfu(metrics: Mapping[str, float], hf: dict, world: int, device_name: str) -> dict[str, float]:
-    """`throughput/actor_mfu`: model FLOPs of the actor update (6 x active params x tokens, the
-    attention's own FLOPs left out) per second, over the world's bf16 peak; {} when unknown."""
+    """`throughput/actor_mfu`: model FLOPs of the actor update (6 x active params x tokens, plus 3 x
+    the gated delta rule's forward FLOPs of hybrid models; the attention's own FLOPs left out) per
+    second, over the world's bf16 peak; {} when unknown."""
     peak = peak_bf16_flops(device_name)
     rate = metrics.get("throughput/train_tokens_per_s")
     if not peak or not rate:
         return {}
-    return {"throughput/actor_mfu": 6 * model_params(hf) * rate / (world * peak)}
+    per_token = 6 * model_params(hf) + 3 * deltanet_flops_per_token(hf)
+    return {"throughput/actor_mfu": per_token * rate / (world * peak)}

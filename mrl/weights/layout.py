@@ -23,8 +23,11 @@ _LAST = 10**9
 def model_dims(hf: dict[str, Any]) -> ModelDims:
     heads = hf["num_attention_heads"]
     groups = hf.get("num_key_value_heads") or heads
+    linear = (tuple(int(hf[k]) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                          "linear_value_head_dim")) if hf.get("linear_num_key_heads") else None)
     return ModelDims(num_query_groups=groups, heads_per_group=heads // groups,
-                     head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, vocab_size=hf["vocab_size"])
+                     head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, vocab_size=hf["vocab_size"],
+                     linear=linear)
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:

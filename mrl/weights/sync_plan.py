@@ -64,7 +64,7 @@ def hf_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
     DeepSeek-V3 / Kimi-K2 with multi-latent attention, GLM-4.5, gpt-oss, Gemma 3's text model; an aliased model type as its
     architecture), in checkpoint order. Experts by Qwen / DeepSeek names (Mixtral's sizes are the
     same)."""
-    from mrl.models.facts import canonical_config
+    from mrl.models.facts import HYBRID_TYPES, canonical_config, layer_kinds
     from mrl.models.vlm import flatten, is_vlm
 
     cfg = canonical_config(flatten(cfg) if is_vlm(cfg) else cfg)
@@ -82,7 +82,12 @@ def hf_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
     for layer in range(cfg["num_hidden_layers"]):
         m = f"model.layers.{layer}.mlp"
         out.append(HFTensor(f"model.layers.{layer}.input_layernorm.weight", (h,)))
-        out += _mla_tensors(cfg, layer) if model_type == "deepseek_v3" else _attention_tensors(cfg, layer)
+        if model_type == "deepseek_v3":
+            out += _mla_tensors(cfg, layer)
+        elif model_type in HYBRID_TYPES and layer_kinds(cfg)[layer] == "linear_attention":
+            out += _deltanet_tensors(cfg, layer)
+        else:
+            out += _attention_tensors(cfg, layer)
         out.append(HFTensor(f"model.layers.{layer}.post_attention_layernorm.weight", (h,)))
         if model_type == "gemma3_text":   # Gemma's norms before and after the MLP
             out += [HFTensor(f"model.layers.{layer}.{n}_feedforward_layernorm.weight", (h,)) for n in ("pre", "post")]
@@ -108,6 +113,11 @@ def hf_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
                 x = f"{m}.shared_experts"
                 out += [HFTensor(f"{x}.gate_proj.weight", (shared, h), True), HFTensor(f"{x}.up_proj.weight", (shared, h), True),
                         HFTensor(f"{x}.down_proj.weight", (h, shared), True)]
+            gated = cfg.get("shared_expert_intermediate_size") if model_type in ("qwen2_moe",) + HYBRID_TYPES else 0
+            if gated:   # Qwen2-MoE's shared expert behind its sigmoid gate (Qwen3-Next, Qwen3.5-MoE too)
+                x = f"{m}.shared_expert"
+                out += [HFTensor(f"{x}.gate_proj.weight", (gated, h), True), HFTensor(f"{x}.up_proj.weight", (gated, h), True),
+                        HFTensor(f"{x}.down_proj.weight", (h, gated), True), HFTensor(f"{m}.shared_expert_gate.weight", (1, h))]
         else:
             out += [HFTensor(f"{m}.gate_proj.weight", (inter, h), True), HFTensor(f"{m}.up_proj.weight", (inter, h), True),
                     HFTensor(f"{m}.down_proj.weight", (h, inter), True)]
@@ -133,16 +143,19 @@ def _vision_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
 
 def _attention_tensors(cfg: dict[str, Any], layer: int) -> list[HFTensor]:
     """q/k/v/o of grouped-query attention, with the QKV bias and QK-norm the architecture has."""
+    from mrl.models.facts import HYBRID_TYPES
+
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads") or heads
     hd = cfg.get("head_dim") or h // heads
     model_type = cfg.get("model_type", "llama")
     oss = model_type == "gpt_oss"   # q/k/v/o biases (attention_bias defaults on) and one sink per head
     bias = model_type in ("qwen2", "qwen2_5_vl") or bool(cfg.get("attention_bias", oss))
-    qk_norm = (model_type in ("qwen3", "qwen3_moe", "qwen3_vl", "gemma3_text")
+    qk_norm = (model_type in ("qwen3", "qwen3_moe", "qwen3_vl", "gemma3_text") + HYBRID_TYPES
                or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm"))))
     a = f"model.layers.{layer}.self_attn"
-    out = [HFTensor(f"{a}.q_proj.weight", (heads * hd, h), True), HFTensor(f"{a}.k_proj.weight", (kv * hd, h), True),
+    gate = 2 if model_type in HYBRID_TYPES else 1   # Qwen3-Next's q_proj: each head's query and output gate
+    out = [HFTensor(f"{a}.q_proj.weight", (gate * heads * hd, h), True), HFTensor(f"{a}.k_proj.weight", (kv * hd, h), True),
            HFTensor(f"{a}.v_proj.weight", (kv * hd, h), True)]
     if bias:
         out += [HFTensor(f"{a}.q_proj.bias", (heads * hd,), True), HFTensor(f"{a}.k_proj.bias", (kv * hd,), True),
@@ -153,6 +166,26 @@ def _attention_tensors(cfg: dict[str, Any], layer: int) -> list[HFTensor]:
     if oss:
         out += [HFTensor(f"{a}.o_proj.bias", (h,)), HFTensor(f"{a}.sinks", (heads,), True)]
     return out
+
+
+def _deltanet_tensors(cfg: dict[str, Any], layer: int) -> list[HFTensor]:
+    """A Gated DeltaNet layer (`mrl.models.gated_deltanet`): Qwen3-Next's fused input projections
+    (or Qwen3.5's four), the depthwise conv over q|k|v, the per-head decay and bias, the gated norm
+    and the output projection."""
+    h = cfg["hidden_size"]
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    qk, v = nk * cfg["linear_key_head_dim"], nv * cfg["linear_value_head_dim"]
+    a = f"model.layers.{layer}.linear_attn"
+    if cfg["model_type"] == "qwen3_next":
+        out = [HFTensor(f"{a}.in_proj_qkvz.weight", (2 * qk + 2 * v, h), True),
+               HFTensor(f"{a}.in_proj_ba.weight", (2 * nv, h), True)]
+    else:
+        out = [HFTensor(f"{a}.in_proj_qkv.weight", (2 * qk + v, h), True), HFTensor(f"{a}.in_proj_z.weight", (v, h), True),
+               HFTensor(f"{a}.in_proj_b.weight", (nv, h), True), HFTensor(f"{a}.in_proj_a.weight", (nv, h), True)]
+    kernel = int(cfg.get("linear_conv_kernel_dim") or 4)
+    return out + [HFTensor(f"{a}.conv1d.weight", (2 * qk + v, 1, kernel), True), HFTensor(f"{a}.dt_bias", (nv,), True),
+                  HFTensor(f"{a}.A_log", (nv,), True), HFTensor(f"{a}.norm.weight", (cfg["linear_value_head_dim"],)),
+                  HFTensor(f"{a}.out_proj.weight", (h, v), True)]
 
 
 def _mla_tensors(cfg: dict[str, Any], layer: int) -> list[HFTensor]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from mrl.weights.transforms import (GATE_UP, IDENTITY, INTERLEAVED_GATE_UP, QKV_FUSED, TRANSPOSED, VOCAB,
+from mrl.weights.transforms import (DELTANET_CONV, DELTANET_QKV_Z_B_A, DELTANET_QKVZ_BA, GATE_UP, GATED_QKV, IDENTITY,
+                                    INTERLEAVED_GATE_UP, QKV_FUSED, TRANSPOSED, VOCAB,
                                     Transform)
 
 HFNames = Union[str, tuple[str, ...]]
@@ -157,6 +158,28 @@ GEMMA3 = _rules(
     (f"{_M}.post_norm.weight", "model.layers.{L}.post_feedforward_layernorm.weight"),
 )
 
+# Qwen3-Next / Qwen3.5 hybrids (`mrl.models.gated_deltanet`): full-attention layers are the Qwen3
+# attention with the output gate in q_proj (`GATED_QKV`); linear-attention layers are Gated
+# DeltaNets (`linear_attn`) in megatron's self-attention slot, under megatron's GatedDeltaNet names.
+GATED_ATTENTION = tuple(Rule(r.megatron, r.hf, GATED_QKV if r.transform is QKV_FUSED else r.transform)
+                        for r in ATTENTION)
+_HL = "model.layers.{L}.linear_attn"
+DELTANET = _rules(
+    (f"{_A}.conv1d.weight", f"{_HL}.conv1d.weight", DELTANET_CONV),
+    (f"{_A}.A_log", f"{_HL}.A_log"),
+    (f"{_A}.dt_bias", f"{_HL}.dt_bias"),
+    (f"{_A}.out_norm.weight", f"{_HL}.norm.weight"),
+    (f"{_A}.out_proj.weight", f"{_HL}.out_proj.weight"),
+)
+# Qwen3-Next fuses the input projections per key head (q k v z, then b a); Qwen3.5 keeps four.
+QWEN3_NEXT_IN_PROJ = _rules(
+    (f"{_A}.in_proj.weight", (f"{_HL}.in_proj_qkvz.weight", f"{_HL}.in_proj_ba.weight"), DELTANET_QKVZ_BA),
+)
+QWEN3_5_IN_PROJ = _rules(
+    (f"{_A}.in_proj.weight", (f"{_HL}.in_proj_qkv.weight", f"{_HL}.in_proj_z.weight", f"{_HL}.in_proj_b.weight",
+                              f"{_HL}.in_proj_a.weight"), DELTANET_QKV_Z_B_A),
+)
+
 # A VLM's Hugging Face vision tower (`mrl.models.vlm_gpt`), replicated, under its checkpoint names:
 # `{R}` is the rest of the name, the same on both sides.
 VISION_TOWER = _rules(("vision.{R}", "visual.{R}"))
@@ -199,6 +222,14 @@ TABLES: dict[str, tuple[Rule, ...]] = {
     # gpt-oss: GQA attention with biases and sinks, every layer's MLP routed experts.
     "gpt_oss": EMBEDDINGS + ATTENTION + QKV_BIAS + GPT_OSS,
     "gemma3_text": EMBEDDINGS + GEMMA3 + QKV_BIAS + QK_NORM,
+    # Qwen3-Next: hybrid layers, routed experts with the gated shared expert (Qwen2-MoE names) in
+    # every layer (or a dense MLP where `mlp_only_layers` says); Qwen3.5: the same layers, its own
+    # DeltaNet projections, dense (qwen3_5_text) or MoE (qwen3_5_moe_text).
+    "qwen3_next": (EMBEDDINGS + GATED_ATTENTION + QK_NORM + DELTANET + QWEN3_NEXT_IN_PROJ + DENSE_MLP
+                   + QWEN_MOE_EXPERTS + QWEN2_MOE_SHARED),
+    "qwen3_5_text": EMBEDDINGS + GATED_ATTENTION + QK_NORM + DELTANET + QWEN3_5_IN_PROJ + DENSE_MLP,
+    "qwen3_5_moe_text": (EMBEDDINGS + GATED_ATTENTION + QK_NORM + DELTANET + QWEN3_5_IN_PROJ + DENSE_MLP
+                         + QWEN_MOE_EXPERTS + QWEN2_MOE_SHARED),
 }
 
 # Rows whose megatron side is a buffer, not a parameter (mapped like one when the model has it).

@@ -18,12 +18,15 @@ import torch
 
 @dataclass(frozen=True)
 class ModelDims:
-    """The facts transforms need: query groups, heads per group, head dim, true vocabulary size."""
+    """The facts transforms need: query groups, heads per group, head dim, true vocabulary size;
+    for Gated DeltaNet layers (`mrl.models.gated_deltanet`) `linear`: (key heads, value heads,
+    key head dim, value head dim)."""
 
     num_query_groups: int
     heads_per_group: int
     head_dim: int
     vocab_size: int
+    linear: Optional[tuple[int, int, int, int]] = None
 
 
 class SliceReader:
@@ -200,9 +203,142 @@ class Transposed(Transform):
         return [tuple(reversed(full_shape))]
 
 
+class GatedQKV(Transform):
+    """megatron's `linear_qkv` with the attention output gate (`attention_output_gate`) <-> HF
+    q_proj (each head's query then its gate, `[H * 2d]` rows: Qwen3-Next's gated attention),
+    k_proj, v_proj. megatron interleaves by query group g: [q heads of g | gate heads of g | k_g |
+    v_g]; TP rank r holds a contiguous block of groups, as `QKV`."""
+
+    n_hf = 3
+
+    def shard_from_hf(self, readers, tp_rank, tp_size, partition_dim, full_shape, dims):
+        q, k, v = readers
+        g0, g1 = _chunk_range(dims.num_query_groups, tp_rank, tp_size)
+        d, hpg = dims.head_dim, dims.heads_per_group
+        qg = q.rows(g0 * hpg * 2 * d, g1 * hpg * 2 * d)
+        tail = tuple(qg.shape[1:])
+        groups = g1 - g0
+        qg = qg.reshape(groups, hpg, 2, d, *tail)
+        fused = torch.cat([qg[:, :, 0].reshape(groups, hpg * d, *tail), qg[:, :, 1].reshape(groups, hpg * d, *tail),
+                           k.rows(g0 * d, g1 * d).reshape(groups, d, *tail),
+                           v.rows(g0 * d, g1 * d).reshape(groups, d, *tail)], dim=1)
+        return fused.reshape(groups * (2 * hpg + 2) * d, *tail)
+
+    def to_hf(self, shards, partition_dim, dims):
+        full = torch.cat(shards, dim=0) if len(shards) > 1 else shards[0]
+        d, hpg, groups = dims.head_dim, dims.heads_per_group, dims.num_query_groups
+        tail = tuple(full.shape[1:])
+        q, gate, k, v = full.reshape(groups, (2 * hpg + 2) * d, *tail).split([hpg * d, hpg * d, d, d], dim=1)
+        qg = torch.stack([q.reshape(groups, hpg, d, *tail), gate.reshape(groups, hpg, d, *tail)], dim=2)
+        return [qg.reshape(groups * hpg * 2 * d, *tail), k.reshape(groups * d, *tail), v.reshape(groups * d, *tail)]
+
+    def hf_shapes(self, full_shape, dims):
+        d, hpg, groups = dims.head_dim, dims.heads_per_group, dims.num_query_groups
+        tail = tuple(full_shape[1:])
+        return [(groups * hpg * 2 * d,) + tail, (groups * d,) + tail, (groups * d,) + tail]
+
+
+def _linear_sections(dims: ModelDims, parts: int) -> list[int]:
+    """One TP rank's `in_proj` rows of a Gated DeltaNet (of `parts` ranks): q, k, v, z, b, a."""
+    nk, nv, dk, dv = dims.linear
+    kh, vh = nk // parts, nv // parts
+    return [kh * dk, kh * dk, vh * dv, vh * dv, vh, vh]
+
+
+class DeltaNetQKVZBA(Transform):
+    """A Gated DeltaNet's `in_proj` (rows per TP rank [q_r k_r v_r z_r b_r a_r], megatron's
+    GatedDeltaNet layout) <-> Qwen3-Next's `in_proj_qkvz` (per key head h: [q_h k_h v_h z_h], v/z of
+    its `nv / nk` value heads) and `in_proj_ba` (per key head: [b a] of its value heads). TP rank r
+    holds a contiguous block of key heads and their value heads."""
+
+    n_hf = 2
+
+    def shard_from_hf(self, readers, tp_rank, tp_size, partition_dim, full_shape, dims):
+        qkvz, ba = readers
+        nk, nv, dk, dv = dims.linear
+        rep = nv // nk
+        k0, k1 = _chunk_range(nk, tp_rank, tp_size)
+        kh = k1 - k0
+        block = 2 * dk + 2 * rep * dv
+        rows = qkvz.rows(k0 * block, k1 * block)
+        tail = tuple(rows.shape[1:])
+        q, k, v, z = rows.reshape(kh, block, *tail).split([dk, dk, rep * dv, rep * dv], dim=1)
+        b, a = ba.rows(k0 * 2 * rep, k1 * 2 * rep).reshape(kh, 2 * rep, *tail).split([rep, rep], dim=1)
+        return torch.cat([x.reshape(-1, *tail) for x in (q, k, v, z, b, a)], dim=0)
+
+    def to_hf(self, shards, partition_dim, dims):
+        nk, nv, dk, dv = dims.linear
+        rep, kh = nv // nk, nk // len(shards)
+        qkvz, ba = [], []
+        for shard in shards:
+            tail = tuple(shard.shape[1:])
+            q, k, v, z, b, a = (x.reshape(kh, -1, *tail) for x in shard.split(_linear_sections(dims, len(shards))))
+            qkvz.append(torch.cat([q, k, v, z], dim=1).reshape(-1, *tail))
+            ba.append(torch.cat([b, a], dim=1).reshape(-1, *tail))
+        return [torch.cat(qkvz), torch.cat(ba)]
+
+    def hf_shapes(self, full_shape, dims):
+        nk, nv, dk, dv = dims.linear
+        tail = tuple(full_shape[1:])
+        return [(2 * nk * dk + 2 * nv * dv,) + tail, (2 * nv,) + tail]
+
+
+class DeltaNetQKVZBASplit(Transform):
+    """A Gated DeltaNet's `in_proj` (as `DeltaNetQKVZBA`) <-> Qwen3.5's `in_proj_qkv` ([all q | all k |
+    all v] heads, the conv's channel order), `in_proj_z`, `in_proj_b` and `in_proj_a`."""
+
+    n_hf = 4
+
+    def shard_from_hf(self, readers, tp_rank, tp_size, partition_dim, full_shape, dims):
+        qkv, z, b, a = readers
+        nk, nv, dk, dv = dims.linear
+        parts = []
+        for start, size in ((0, nk * dk), (nk * dk, nk * dk), (2 * nk * dk, nv * dv)):
+            lo, hi = _chunk_range(size, tp_rank, tp_size)
+            parts.append(qkv.rows(start + lo, start + hi))
+        for r in (z, b, a):
+            lo, hi = _chunk_range(r.shape[0], tp_rank, tp_size)
+            parts.append(r.rows(lo, hi))
+        return torch.cat(parts, dim=0)
+
+    def to_hf(self, shards, partition_dim, dims):
+        pieces = [s.split(_linear_sections(dims, len(shards))) for s in shards]
+        q, k, v, z, b, a = (torch.cat([p[i] for p in pieces]) for i in range(6))
+        return [torch.cat([q, k, v]), z, b, a]
+
+    def hf_shapes(self, full_shape, dims):
+        nk, nv, dk, dv = dims.linear
+        tail = tuple(full_shape[1:])
+        return [(2 * nk * dk + nv * dv,) + tail, (nv * dv,) + tail, (nv,) + tail, (nv,) + tail]
+
+
+class DeltaNetConv(Transform):
+    """A Gated DeltaNet's depthwise `conv1d.weight` `[C, 1, K]`: HF channels [all q | all k | all v];
+    TP rank r holds [q_r k_r v_r] (its key heads' and value heads' channels)."""
+
+    def shard_from_hf(self, readers, tp_rank, tp_size, partition_dim, full_shape, dims):
+        (r,) = readers
+        nk, nv, dk, dv = dims.linear
+        parts = []
+        for start, size in ((0, nk * dk), (nk * dk, nk * dk), (2 * nk * dk, nv * dv)):
+            lo, hi = _chunk_range(size, tp_rank, tp_size)
+            parts.append(r.rows(start + lo, start + hi))
+        return torch.cat(parts, dim=0)
+
+    def to_hf(self, shards, partition_dim, dims):
+        nk, nv, dk, dv = dims.linear
+        tp = len(shards)
+        pieces = [s.split([nk * dk // tp, nk * dk // tp, nv * dv // tp]) for s in shards]
+        return [torch.cat([torch.cat([p[i] for p in pieces]) for i in range(3)])]
+
+
 IDENTITY = Transform()
 INTERLEAVED_GATE_UP = InterleavedGateUp()
 TRANSPOSED = Transposed()
 VOCAB = VocabRows()
 QKV_FUSED = QKV()
 GATE_UP = GateUp()
+GATED_QKV = GatedQKV()
+DELTANET_QKVZ_BA = DeltaNetQKVZBA()
+DELTANET_QKV_Z_B_A = DeltaNetQKVZBASplit()
+DELTANET_CONV = DeltaNetConv()

@@ -13,6 +13,7 @@ def test_the_checkpoint_bench_runs_on_a_tiny_model():
                            "--saves", "1", "--profile", "3"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for needle in ("mrl save, sha256", "mrl save ", "torch.save", "mrl save / torch.save",
+    for needle in ("mrl save, sha256", "mrl save ", "torch.save", "mrl save / torch.save", "mrl save, torch_dist optim",
+                   "mrl load ", "torch.load", "mrl load / torch.load",
                    "manifest hashing alone, sha256", "manifest hashing alone, xxh3_128", "cumulative"):
         assert needle in proc.stdout, (needle, proc.stdout)

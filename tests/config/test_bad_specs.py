@@ -390,7 +390,9 @@ def test_context_parallel_job_validates_and_shows_its_chunks(write_job, cli):
      "gemma3_text with final_logit_softcapping 30.0 is not supported"),
     (dict(model_type="gemma3_text", hidden_activation="gelu"), "model.path",
      "gemma3_text hidden_activation 'gelu' is not supported"),
-    (dict(model_type="qwen3_next"), "model.path", "'qwen3_next' is not supported yet: gated DeltaNet"),
+    (dict(model_type="qwen3_5"), "model.path", "'qwen3_5' is not supported yet: the multimodal Qwen3.5"),
+    (dict(model_type="qwen3_next", linear_num_key_heads=1, linear_num_value_heads=2), "parallel.tensor",
+     "2 does not divide qwen3_next's linear_num_key_heads 1"),
     (dict(model_type="kimi_k2", quantization_config={"quant_method": "fp8"}), "model.path",
      "quantized checkpoint (quantization_config 'fp8') is not supported"),
     (dict(model_type="kimi_k2", scoring_func="softmax"), "model.path", "scoring_func 'softmax' / topk_method"),
@@ -404,7 +406,7 @@ def test_context_parallel_job_validates_and_shows_its_chunks(write_job, cli):
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1), "model.path",
      "sliding-window attention (sliding_window 16 < max_position_embeddings 128)"),
     (dict(model_type="glm4_moe", n_group=2, topk_group=2), "model.path", "glm4_moe group-limited routing needs"),
-], ids=["gpt_oss-alpha", "gpt_oss-bias", "gpt_oss-etp", "gpt_oss-fp8", "gemma3", "gemma3-softcap", "gemma3-act", "qwen3_next", "quantized", "kimi-routing", "kimi-moe-freq", "kimi-tp", "rope", "glm-norm",
+], ids=["gpt_oss-alpha", "gpt_oss-bias", "gpt_oss-etp", "gpt_oss-fp8", "gemma3", "gemma3-softcap", "gemma3-act", "qwen3_5", "qwen3_next-tp", "quantized", "kimi-routing", "kimi-moe-freq", "kimi-tp", "rope", "glm-norm",
         "mistral-window", "qwen2-window", "glm-groups"])
 def test_architecture_refusals_are_one_line_at_validate(write_job, cli, tmp_path, cfg, key, fragment):
     import json

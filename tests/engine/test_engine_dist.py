@@ -83,13 +83,18 @@ def test_context_parallel_2_equals_1_grads_grpo_bf16_and_resume(tmp_path):
 def test_checkpoints_at_tp2_resume_like_continuing(tmp_path):
     """One launch, both optimizers (`ckpt_resume.py`): megatron's plain optimizer saved at TP2
     resumes at TP1 like continuing; the distributed optimizer resumes like continuing at the same
-    layout exactly (also from a checkpoint written before the first update), and TP=2 -> TP=1 x
-    DP=2 up to float rounding of the resharded forward."""
+    layout exactly (also from a checkpoint written before the first update, and from one in the
+    older torch_dist optimizer format), TP=2 -> TP=1 x DP=2 and back (DP2 -> DP1), DP2 -> PP2 and
+    PP2 -> PP1 up to float rounding of the resharded forward."""
+    keys = ("loss", "grad_norm", "lr", "params")
     _run("ckpt_resume.py", str(tmp_path / "ckpt"), "plain", "distributed", timeout=600,
-         expect={**{f"resume_plain_tp2_to_tp1_{k}": 1e-6 for k in ("loss", "grad_norm", "lr", "params")},
+         expect={**{f"resume_plain_tp2_to_tp1_{k}": 1e-6 for k in keys},
                  "resume_distributed_before_first_update": 0.0,
-                 **{f"resume_distributed_tp2_to_tp2_{k}": 0.0 for k in ("loss", "grad_norm", "lr", "params")},
-                 **{f"resume_distributed_tp2_to_tp1_{k}": 1e-6 for k in ("loss", "grad_norm", "lr", "params")}})
+                 **{f"resume_distributed_tp2_to_tp2_{k}": 0.0 for k in keys},
+                 **{f"resume_distributed_tp2_to_tp2_torch_dist_{k}": 0.0 for k in keys},
+                 **{f"resume_distributed_tp2_to_tp1_{k}": 1e-6 for k in keys},
+                 **{f"resume_distributed_{m}_{k}": 1e-6 for m in ("dp2_to_dp1", "dp2_to_pp2", "pp2_to_pp1")
+                    for k in keys}})
 
 
 def test_save_killed_half_way_leaves_previous_checkpoint_loadable(tmp_path):

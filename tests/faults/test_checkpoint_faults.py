@@ -13,7 +13,7 @@ from tests.dist_util import run_torchrun
 
 SCRIPTS = Path(__file__).parent / "scripts"
 CASES = ("truncated_distcp", "empty_distcp", "truncated_common_pt", "missing_dot_metadata", "broken_metadata_json",
-         "empty_step_dir", "flipped_sign_bits", "broken_manifest")
+         "empty_step_dir", "flipped_sign_bits", "broken_manifest", "flipped_optim_shard", "missing_optim_index")
 
 
 def faults(stdout: str) -> dict[str, tuple[str, str]]:

@@ -44,6 +44,8 @@ def saved(tmp_path_factory):
     oss, gemma = base / "gpt_oss", base / "gemma3_text"
     make_hf_model("gpt_oss", oss)
     make_hf_model("gemma3_text", gemma)
+    nxt = base / "qwen3_next"
+    make_hf_model("qwen3_next", nxt)
     cases = {"q2_tp2": (q2, "actor", "tp2", "float32"),
              "q2_critic_tp2": (critic, "critic", "tp2", "float32"),
              "moe_ep2": (moe, "actor", "ep2", "float32"),
@@ -53,6 +55,7 @@ def saved(tmp_path_factory):
              "glm_tp2": (glm, "actor", "tp2", "float32"),
              "oss_ep2": (oss, "actor", "ep2", "float32"),
              "gemma_tp2": (gemma, "actor", "tp2", "float32"),
+             "next_tp2": (nxt, "actor", "tp2", "float32"),
              "preset_bf16_tp2": ("builtin:tiny-qwen2", "actor", "tp2", "bfloat16"),
              "vl_preset_tp2": ("builtin:tiny-qwen2.5-vl", "actor", "tp2", "float32"),
              "vl3_preset_tp2": ("builtin:tiny-qwen3-vl", "actor", "tp2", "float32")}

@@ -53,10 +53,11 @@ def _transformers_config(src):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["q2_tp2", "moe_ep2", "q2moe_ep2", "dsv3_tp2", "kimi_ep2", "glm_tp2", "oss_ep2",
-                                  "gemma_tp2"])
+                                  "gemma_tp2", "next_tp2"])
 def test_merge_is_bit_exact_and_matches_transformers(saved, tmp_path, name):
     """TP2 Qwen2 / EP2 Qwen3-MoE / EP2 Qwen2-MoE / TP2 DeepSeek-V3 / EP2 Kimi-K2 / TP2 GLM-4.5 / EP2 gpt-oss
-    (its experts stacked back) / TP2 Gemma 3 text -> HF: the
+    (its experts stacked back) / TP2 Gemma 3 text / TP2 Qwen3-Next (Gated DeltaNet in_proj and conv
+    resharded by their named sections) -> HF: the
     source tensors bit for bit (DeepSeek's router correction bias included), the source model's
     logits (a Kimi-K2 source read as DeepSeek-V3, as the merged config.json says)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -220,10 +220,12 @@ def test_model_params_match_transformers(preset):
         assert model_params(hf) == model_params(hf, active=False) - 2 * per_expert   # 2 of 4 experts active
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3", "kimi_k2", "glm4_moe", "gpt_oss", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3", "kimi_k2", "glm4_moe", "gpt_oss", "gemma3_text",
+                                  "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"])
 def test_model_params_of_shared_experts_and_mla_match_transformers(arch):
     """Shared experts (Qwen2-MoE's gated one, DeepSeek's, GLM-4.5's), the dense first layers,
-    MLA, GLM-4.5's QKV bias and QK-norm, gpt-oss' biases and sinks, Gemma 3's four norms a layer."""
+    MLA, GLM-4.5's QKV bias and QK-norm, gpt-oss' biases and sinks, Gemma 3's four norms a layer,
+    the hybrids' Gated DeltaNet layers and gated attention (q_proj twice as wide)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from mrl.models.facts import canonical_config
@@ -234,7 +236,7 @@ def test_model_params_of_shared_experts_and_mla_match_transformers(arch):
         cfg = AutoConfig.for_model(**canonical_config({**_COMMON, **ARCHS[arch], **extra}))
         hf = cfg.to_dict()
         assert model_params(hf, active=False) == sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
-        if arch == "gemma3_text":
+        if arch in ("gemma3_text", "qwen3_5_text"):
             continue
         experts = hf.get("n_routed_experts") or hf.get("num_experts") or hf["num_local_experts"]
         moe_layers = hf["num_hidden_layers"] - (hf.get("first_k_dense_replace") or 0)
@@ -242,6 +244,16 @@ def test_model_params_of_shared_experts_and_mla_match_transformers(arch):
         per_expert = 3 * hf["hidden_size"] * inter + (2 * inter + hf["hidden_size"] if arch == "gpt_oss" else 0)
         idle = (experts - hf["num_experts_per_tok"]) * per_expert * moe_layers
         assert model_params(hf) == model_params(hf, active=False) - idle
+
+
+def test_deltanet_flops_per_token_by_hand():
+    """tiny-qwen3-next: one DeltaNet layer of 4 value heads, d_k = d_v = 32: 4 x 7 x 32 x 32 forward
+    FLOPs a token (decay, recall, update, read); none for a model without DeltaNet layers."""
+    from mrl.models.facts import find_hf_config
+    from mrl.tracking.perf import deltanet_flops_per_token
+
+    assert deltanet_flops_per_token(find_hf_config("builtin:tiny-qwen3-next")[0]) == 4 * 7 * 32 * 32
+    assert deltanet_flops_per_token(find_hf_config("builtin:tiny-qwen3-moe")[0]) == 0
 
 
 def test_actor_mfu_on_a_known_device():

@@ -221,8 +221,14 @@ def test_moe_quickstart_learns_at_expert_parallel_two(tmp_path):
 
 #: the architecture presets added after the first eight types (issue 40), each trained 5 GRPO steps
 NEW_ARCH_PRESETS = ("tiny-kimi-k2", "tiny-glm4-moe", "tiny-gpt-oss", "tiny-gemma3")
+#: the Gated DeltaNet hybrids in the same process, within the slow tier's budget: Qwen3-Next in both
+#: dtypes (tiny-qwen3.5-moe computes what tiny-qwen3-next does under Qwen3.5's projection names, which
+#: the layouts launch checks; tiny-qwen3.5 and tiny-qwen3.5-moe measured by hand: fp32 audit 9.5e-7
+#: and 4.8e-7, bf16 3.9e-3 and 2.8e-3)
+HYBRID_RUNS = (("tiny-qwen3-next", "float32"), ("tiny-qwen3-next", "bfloat16"))
 #: the step-1 audit bound in bf16 (measured max: kimi_k2 1.0e-3, glm4_moe 4.9e-4 to 2.1e-3 by batch,
-#: gpt_oss 3.9e-3, gemma3 2.0e-3 to 3.8e-3, all 0 to 1e-6 in float32: the trainer and transformers round to
+#: gpt_oss 3.9e-3, gemma3 2.0e-3 to 3.8e-3, qwen3_next 2.8e-3, qwen3_5_moe_text 2.8e-3, qwen3_5_text 3.9e-3,
+#: all 0 to 1e-6 in float32: the trainer and transformers round to
 #: bf16 in different places - the experts' weighted sums, gpt-oss' yarn factor folded into the
 #: softmax scale, its sink softmax in float32)
 BF16_AUDIT_MAX = 2e-2
@@ -238,8 +244,8 @@ def test_new_architecture_presets_train_five_grpo_steps(tmp_path):
 
     base = (f"{ONE_RANK} trainer.total_steps=5 checkpoint.every_steps=0 data.prompts_per_step=2 "
             "rollout.responses_per_prompt=2 actor.mini_batch_prompts=1")
-    moe = {p: bool(model_facts(f"builtin:{p}").num_experts) for p in NEW_ARCH_PRESETS}
-    runs = [(p, dtype) for dtype in ("float32", "bfloat16") for p in NEW_ARCH_PRESETS]
+    runs = [(p, dtype) for dtype in ("float32", "bfloat16") for p in NEW_ARCH_PRESETS] + list(HYBRID_RUNS)
+    moe = {p: bool(model_facts(f"builtin:{p}").num_experts) for p, _ in runs}
     results = run_jobs("jobs/quickstart_cpu.toml", tmp_path, *(
         f"{base} model.path=builtin:{p} model.dtype={d}" + (" actor.moe.routing_replay=r3" if moe[p] else "")
         for p, d in runs), timeout=1500)

@@ -64,6 +64,27 @@ ARCHS: dict[str, dict] = {
                                          "full_attention": dict(rope_type="linear", rope_theta=1000000.0,
                                                                 factor=4.0)},
                         tie_word_embeddings=True),
+    # Qwen3-Next's shape: layer 0 a Gated DeltaNet (2 key heads, 4 value heads of 16, conv kernel 4),
+    # layer 1 gated attention with QK-norm and RoPE on a quarter of each head; 4 experts (top 2,
+    # renormalised) with the gated shared expert. Probe sequences of 12 tokens; the DeltaNet tests
+    # (tests/models/test_gated_deltanet.py) cross the chunked reference's 64-token chunks.
+    "qwen3_next": dict(model_type="qwen3_next", intermediate_size=96, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                       norm_topk_prob=True, router_aux_loss_coef=0.0, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                       linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+                       partial_rotary_factor=0.25, tie_word_embeddings=False),
+    # Qwen3.5's text models: Qwen3.5's four DeltaNet input projections, layer 0 full attention and
+    # layer 1 linear (the other order from qwen3_next's), dense or with Qwen3-Next's experts.
+    "qwen3_5_text": dict(model_type="qwen3_5_text", intermediate_size=96, head_dim=16, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                         linear_conv_kernel_dim=4, layer_types=["full_attention", "linear_attention"],
+                         tie_word_embeddings=True),
+    "qwen3_5_moe_text": dict(model_type="qwen3_5_moe_text", moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                             head_dim=16, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0,
+                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                             linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                             layer_types=["linear_attention", "full_attention"], tie_word_embeddings=False),
     "mixtral": dict(model_type="mixtral", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
                     tie_word_embeddings=False),
 }

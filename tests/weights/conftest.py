@@ -12,9 +12,15 @@ def reference_outputs(model, tokens: torch.Tensor) -> dict:
         logits = model(tokens).logits.float()
     logp_all = torch.log_softmax(logits[:, :-1], dim=-1)
     labels = tokens[:, 1:]
-    return dict(tokens=tokens, logits=logits,
-                logprobs=logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1),
-                entropy=-(logp_all.exp() * logp_all).sum(-1))
+    out = dict(tokens=tokens, logits=logits,
+               logprobs=logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1),
+               entropy=-(logp_all.exp() * logp_all).sum(-1))
+    norms = {n: p for n, p in model.named_parameters() if n.endswith("linear_attn.norm.weight")}
+    if norms:   # Gated DeltaNet hybrids: the gradient of the summed log-probs on each gated norm
+        logp = torch.log_softmax(model(tokens).logits.float()[:, :-1], -1).gather(-1, labels.unsqueeze(-1)).sum()
+        grads = torch.autograd.grad(logp, list(norms.values()))
+        out["norm_grads"] = {n: g.detach() for n, g in zip(norms, grads)}
+    return out
 
 
 @pytest.fixture(scope="session")

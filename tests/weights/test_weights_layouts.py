@@ -1,8 +1,8 @@
 """HF -> Megatron -> HF round trips and logits parity at TP=2, PP=2, EP=2 and DP=2 (2 gloo ranks).
 
 One torchrun launch per group: the MoE architectures and the types of issue 40 (gpt_oss,
-gemma3_text) share one (the EP=2 layout runs for each MoE type), since starting 2 ranks costs more
-than checking one more tiny model.
+gemma3_text, the Qwen3-Next / Qwen3.5 hybrids) share one (the EP=2 layout runs for each MoE
+type), since starting 2 ranks costs more than checking one more tiny model.
 """
 from __future__ import annotations
 
@@ -16,10 +16,15 @@ from tests.weights.archs import copy_config
 from tests.weights.conftest import ALL_ARCHS
 
 SCRIPT = REPO / "tests/weights/scripts/roundtrip.py"
-MOE = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "kimi_k2", "glm4_moe", "gpt_oss", "mixtral")
+MOE = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "kimi_k2", "glm4_moe", "gpt_oss", "mixtral", "qwen3_next",
+       "qwen3_5_moe_text")
 # one launch for the MoE types and the types of issue 40 (gemma3_text is dense: no EP layout)
-SHARED = MOE[:6] + ("gemma3_text",)
-LAUNCHES = [(a,) for a in ALL_ARCHS if a not in SHARED] + [SHARED]
+SHARED = MOE[:6] + ("gemma3_text", "qwen3_next", "qwen3_5_moe_text")
+# checked in the fast tier only (test_gated_deltanet.py: TP1 logits, packed rows), within the slow
+# tier's budget: qwen3_5_text is qwen3_5_moe_text's layers (the same DeltaNet transforms, run here
+# at TP2 / PP2 / EP2) with a dense MLP (measured by hand at TP2 / PP2 / DP2: bit-exact, 1.8e-6)
+FAST_ONLY = ("qwen3_5_text",)
+LAUNCHES = [(a,) for a in ALL_ARCHS if a not in SHARED + FAST_ONLY] + [SHARED]
 
 
 @pytest.mark.slow

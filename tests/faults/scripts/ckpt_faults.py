@@ -81,6 +81,9 @@ DAMAGE = {
     "empty_step_dir": (empty_dir, "no manifest.json"),
     "flipped_sign_bits": (lambda d: flip_signs(shard(d)), "checksum"),
     "broken_manifest": (lambda d: (d / "manifest.json").write_text("{"), "manifest.json"),
+    # the optimizer's own per-rank files (mrl.checkpoint.optim_state)
+    "flipped_optim_shard": (lambda d: flip_signs(d / "optim" / "rank_00000.bin"), "checksum"),
+    "missing_optim_index": (lambda d: (d / "optim" / "rank_00001.json").unlink(), "optim/rank_00001.json is missing"),
 }
 
 

@@ -123,7 +123,32 @@ def check_layout(d: Path, sizes: dict, out) -> None:
         print(f"MAXDIFF {d.name} {sizes} logits {diff.item():.3e}", flush=True)
         print(f"MAXDIFF {d.name} {sizes} logprobs {lp_diff.item():.3e}", flush=True)
     assert diff.item() <= 1e-5 and lp_diff.item() <= 1e-5, (diff.item(), lp_diff.item())
+    if "norm_grads" in ref and sizes["pp"] == 1:
+        check_norm_grads(chunks[0], tokens, ref["norm_grads"], hf, sizes)
     teardown()
+
+
+def check_norm_grads(model, tokens, want: dict, hf: dict, sizes: dict) -> None:
+    """Gated DeltaNet hybrids: the gradient of the summed log-probs on each layer's gated output norm
+    (a weight every TP rank holds, applied to its own heads) equals transformers' at this layout."""
+    from megatron.core import parallel_state as ps
+
+    from mrl.models.megatron import position_ids
+    from mrl.models.roles import token_logprobs
+
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens, position_ids(*tokens.shape), None)
+    lp, _ = token_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size=hf["vocab_size"],
+                           tp_group=ps.get_tensor_model_parallel_group() if sizes["tp"] > 1 else None)
+    lp.sum().backward()
+    worst = 0.0
+    for name, p in model.named_parameters():
+        if name.endswith("self_attention.out_norm.weight"):
+            layer = int(name.split(".")[2])
+            worst = max(worst, (p.grad - want[f"model.layers.{layer}.linear_attn.norm.weight"]).abs().max().item())
+    if dist.get_rank() == 0:
+        print(f"NORMGRAD {sizes} {worst:.3e}", flush=True)
+    assert worst <= 1e-4, worst
 
 
 if __name__ == "__main__":
