@@ -46,7 +46,7 @@ def model_params(hf: dict, *, active: bool = True) -> int:
         bias = bool(hf.get("attention_bias", model_type in ("qwen2", "gpt_oss"))
                     or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)))
         attn = h * heads * d + 2 * h * kv * d + heads * d * h + (bias * (heads + 2 * kv) * d)
-        if model_type in ("qwen3", "qwen3_moe", "gemma3_text") or (model_type == "glm4_moe" and hf.get("use_qk_norm")):
+        if model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3") or (model_type == "glm4_moe" and hf.get("use_qk_norm")):
             attn += 2 * d   # q_norm, k_norm
         if model_type == "gpt_oss":
             attn += h + heads   # o_proj bias, one sink per head
@@ -67,7 +67,7 @@ def model_params(hf: dict, *, active: bool = True) -> int:
     else:
         mlps = layers * dense_mlp
     embeddings = vocab * h * (1 if hf.get("tie_word_embeddings") else 2)
-    norms = 4 if model_type == "gemma3_text" else 2   # Gemma: a norm before and after attention and the MLP
+    norms = 4 if model_type in ("gemma3_text", "gemma3") else 2   # Gemma: a norm before and after attention and the MLP
     return layers * (attn + norms * h) + mlps + embeddings + h
 
 

@@ -199,6 +199,11 @@ TABLES: dict[str, tuple[Rule, ...]] = {
     # gpt-oss: GQA attention with biases and sinks, every layer's MLP routed experts.
     "gpt_oss": EMBEDDINGS + ATTENTION + QKV_BIAS + GPT_OSS,
     "gemma3_text": EMBEDDINGS + GEMMA3 + QKV_BIAS + QK_NORM,
+    # The multimodal Gemma 3: its text model under `model.language_model.`, the SigLIP tower and the
+    # projector (`mrl.models.gemma3_vlm.Gemma3Vision`) under their checkpoint names.
+    "gemma3": _under("model.language_model.", EMBEDDINGS + GEMMA3 + QKV_BIAS + QK_NORM)
+              + _rules(("vision.vision_tower.{R}", "model.vision_tower.{R}"),
+                       ("vision.multi_modal_projector.{R}", "model.multi_modal_projector.{R}")),
 }
 
 # Rows whose megatron side is a buffer, not a parameter (mapped like one when the model has it).
@@ -251,3 +256,12 @@ def table_for(model_type: str, role: str = "actor") -> tuple[Rule, ...]:
     if role in ("critic", "reward"):
         rows = tuple(r for r in rows if r.megatron != "output_layer.weight") + VALUE_HEAD
     return rows
+
+
+# Older checkpoint layouts of a type, as (stored prefix, the table's prefix) pairs, applied on
+# import (`hf_import.Checkpoint`): Gemma 3's Hub checkpoints (written by transformers 4) keep the
+# LLaVA layout that transformers 5 renames on load (`conversion_mapping.py`, "llava").
+LEGACY_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
+    "gemma3": (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+               ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector.")),
+}

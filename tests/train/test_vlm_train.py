@@ -49,3 +49,26 @@ def test_vlm_quickstart_resumes_exactly_in_fp32_and_trains_in_bf16(tmp_path):
         print(name, {k: [round(v, 7) for _, v in sorted(h[k].items())]
                      for k in ("reward/mean", "rollout/logprob_abs_diff_max", "actor/grad_norm")})
     assert all(r["actor/updated"] == 1 for r in results)
+
+
+def test_gemma3_vlm_trains_five_grpo_steps_with_images(tmp_path):
+    """The tiny multimodal Gemma 3 (`builtin:tiny-gemma3-vl`: SigLIP tower, images attending both
+    ways) on the quickstart's colour images, one rank, the hf engine: 5 GRPO steps in float32 and in
+    bf16 (one process); the step-1 audit (the engine's log-probs with images against the trainer's)
+    within 1e-4 in float32, the bf16 figure printed and bounded as the text presets' (test_train's
+    `BF16_AUDIT_MAX`)."""
+    from tests.train.test_train import BF16_AUDIT_MAX
+
+    base = (f"{ONE_RANK} reward.workers=1 model.path=builtin:tiny-gemma3-vl trainer.total_steps=5 "
+            "checkpoint.every_steps=0 data.prompts_per_step=2 rollout.responses_per_prompt=2 actor.mini_batch_prompts=1 "
+            "tracking.backends=[\"mlflow\"] job.name=run")
+    results = run_jobs("jobs/quickstart_vlm_cpu.toml", tmp_path,
+                       *(f"{base} model.dtype={d} job.output_dir={tmp_path / d}" for d in ("float32", "bfloat16")),
+                       timeout=900)
+    for dtype, m in zip(("float32", "bfloat16"), results):
+        h = _history(tmp_path / dtype)
+        assert sorted(h["reward/mean"]) == [1, 2, 3, 4, 5] and all(v == v for v in m.values()), (dtype, m)
+        audit = h["rollout/logprob_abs_diff_max"][1]
+        print(f"tiny-gemma3-vl {dtype}: step-1 audit max {audit:.2e} mean {h['rollout/logprob_abs_diff_mean'][1]:.2e}")
+        assert audit <= (1e-4 if dtype == "float32" else BF16_AUDIT_MAX), (dtype, audit)
+        assert all(v > 0 for v in h["actor/grad_norm"].values()), (dtype, h["actor/grad_norm"])

@@ -1,0 +1,170 @@
+"""The multimodal Gemma 3 (`gemma3`: SigLIP tower + projector + Gemma 3's text model on megatron)
+against `transformers`' Gemma3ForConditionalGeneration: the image blocks and their mask by hand,
+logits of a packed row of image prompts (fp32 1e-5, bf16 close), the bidirectional image
+attention, the export round trip, the preset and its refusals. TP=2 / PP=2 run in test_vlm's
+shared launch (`test_tp2_and_pp2_match_transformers`)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.weights.vlm_archs import save_gemma3_checkpoint
+
+
+@pytest.fixture(scope="module")
+def platform():
+    from mrl import platform as plat
+    from mrl.platform.config import ParallelConfig, PlatformConfig
+
+    ctx = plat.setup(PlatformConfig(device="cpu", ranks_per_node=1, cpu_threads=1), ParallelConfig(), seed=11)
+    yield ctx
+    plat.teardown()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_gemma3_checkpoint(tmp_path_factory.mktemp("gemma3"))
+
+
+def _megatron(d, dtype="float32"):
+    from mrl.models.megatron import complete_hf_config
+    from mrl.models.roles import build_role_model
+    from mrl.platform.config import ParallelConfig
+    from mrl.weights import load_hf_checkpoint
+
+    hf = complete_hf_config(json.loads((d / "config.json").read_text()))
+    model = build_role_model("actor", hf, ParallelConfig(), dtype=dtype, device="cpu")
+    load_hf_checkpoint([model], d, hf)
+    return hf, model.eval()
+
+
+def _packed(model, ref, dtype=torch.float32):
+    from mrl.engine.packing import _thd_params
+
+    with torch.no_grad():
+        return model(ref["row"], ref["position_ids"], None, packed_seq_params=_thd_params(ref["lengths"], "cpu"),
+                     pixel_values=ref["pixel_values"].to(dtype))[0]
+
+
+def _open(hf):
+    """The vocabulary without the placeholders the policy bans (image token, start and end: -1e9)."""
+    keep = torch.ones(hf["vocab_size"], dtype=torch.bool)
+    keep[[hf["image_token_id"], hf["boi_token_id"], hf["eoi_token_id"]]] = False
+    return keep
+
+
+def test_image_blocks_and_mask_by_hand():
+    """Runs of the image token are blocks (numbered over the tensor; a run does not continue into
+    the next batch row); a block sees itself both ways, text stays causal, and a window of 1
+    (megatron's: the token and one before) still cuts, also inside a block."""
+    from mrl.models.gemma3_vlm import block_mask, image_blocks
+
+    ids = torch.tensor([[1, 9, 9, 2, 9, 9, 9, 3], [9, 9, 4, 5, 6, 7, 8, 9]])
+    assert image_blocks(ids, 9).tolist() == [[-1, 0, 0, -1, 1, 1, 1, -1], [2, 2, -1, -1, -1, -1, -1, 3]]
+    blocks = torch.tensor([-1, 0, 0, -1, 1, 1, 1])
+    m = block_mask(blocks, None).int().tolist()
+    assert m[0] == [1, 0, 0, 0, 0, 0, 0]
+    assert m[1] == [1, 1, 1, 0, 0, 0, 0]       # sees the later token of its image
+    assert m[3] == [1, 1, 1, 1, 0, 0, 0]       # text: causal
+    assert m[4] == [1, 1, 1, 1, 1, 1, 1]       # the first token of the second image sees the whole image
+    w = block_mask(blocks, 1).int().tolist()
+    assert w[4] == [0, 0, 0, 1, 1, 1, 1]       # window: itself and one before; its image's later tokens
+    assert w[6] == [0, 0, 0, 0, 0, 1, 1]
+
+
+def test_packed_logits_equal_transformers(platform, checkpoint):
+    """Two image prompts (3 images) packed in one row: transformers' logits within 1e-5 (fp32),
+    the placeholders banned; the images matter, and so does their bidirectional attention
+    (transformers without `token_type_ids`, all causal, differs)."""
+    hf, model = _megatron(checkpoint)
+    ref = torch.load(checkpoint / "reference.pt")
+    keep = _open(hf)
+    got = _packed(model, ref)[:, : hf["vocab_size"]]
+    diff = (got[:, keep] - ref["logits"][:, keep]).abs().max().item()
+    print(f"gemma3 fp32 packed logits max diff {diff:.2e}")
+    assert diff <= 1e-5
+    assert (got[:, ~keep] == -1e9).all()
+    assert (ref["causal_logits"][:, keep] - ref["logits"][:, keep]).abs().max().item() > 1e-3
+    assert model.vision is not None and not any(p.requires_grad for p in model.vision.parameters())
+    blank = dict(ref, pixel_values=torch.zeros_like(ref["pixel_values"]))
+    assert (_packed(model, blank)[:, : hf["vocab_size"]][:, keep] - ref["logits"][:, keep]).abs().max().item() > 1e-2
+
+
+def test_bf16_logits_close_to_transformers(platform, checkpoint):
+    from transformers import AutoModelForImageTextToText
+
+    hf, model = _megatron(checkpoint, dtype="bfloat16")
+    ref = torch.load(checkpoint / "reference.pt")
+    keep = _open(hf)
+    got = _packed(model, ref, torch.bfloat16)[:, : hf["vocab_size"]][:, keep].float()
+    hf_bf16 = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        want = hf_bf16(input_ids=ref["ids"], attention_mask=ref["mask"], pixel_values=ref["pixel_values"].bfloat16(),
+                       token_type_ids=(ref["ids"] == hf["image_token_id"]).long()).logits.float()
+    want = torch.cat([want[i, :n] for i, n in enumerate(ref["lengths"])])[:, keep]
+    scale = ref["logits"].abs().max().item()
+    assert (got - ref["logits"][:, keep]).abs().max().item() <= 0.05 * scale
+    assert (got - want).abs().max().item() <= 0.05 * scale
+
+
+def test_export_is_bit_exact_and_loads_in_transformers(platform, checkpoint, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from mrl.weights import Exporter
+
+    hf, model = _megatron(checkpoint)
+    stream = dict(Exporter([model], hf).stream())
+    assert any(n.startswith("model.vision_tower.vision_model.encoder.layers.1.") for n in stream)
+    assert "model.multi_modal_projector.mm_input_projection_weight" in stream
+    saved = load_file(checkpoint / "model.safetensors")
+    assert set(stream) == set(saved)
+    assert all(torch.equal(stream[n], t) for n, t in saved.items())
+    save_file(stream, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(checkpoint / "config.json", tmp_path / "config.json")
+    ref = torch.load(checkpoint / "reference.pt")
+    reloaded = AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = reloaded(input_ids=ref["ids"], attention_mask=ref["mask"], pixel_values=ref["pixel_values"],
+                       token_type_ids=(ref["ids"] == hf["image_token_id"]).long()).logits
+    assert torch.equal(got, ref["batched_logits"])
+
+
+def test_preset_facts_and_refusals(platform):
+    from types import SimpleNamespace
+
+    from mrl.errors import UserError
+    from mrl.models.config import ModelConfig
+    from mrl.models.facts import find_hf_config, model_facts
+    from mrl.models.megatron import architecture_problems, hf_config, model_backend
+    from mrl.models.vlm import nested, training_problem
+    from mrl.weights.sync_plan import hf_tensors
+
+    hf = hf_config(ModelConfig(path="builtin:tiny-gemma3-vl"))
+    assert hf["model_type"] == "gemma3" and hf["hidden_size"] == 128 and hf["mm_tokens_per_image"] == 4
+    assert (hf["image_token_id"], hf["boi_token_id"], hf["eoi_token_id"]) == (260, 259, 261)
+    assert hf["vision_config"]["image_size"] == 56 and hf["layer_types"] == ["sliding_attention", "full_attention"]
+    back = nested(find_hf_config("builtin:tiny-gemma3-vl")[0])
+    assert back["text_config"]["model_type"] == "gemma3_text" and back["image_token_index"] == 260
+    facts = model_facts("builtin:tiny-gemma3-vl")
+    assert (facts.num_layers, facts.num_attention_heads, facts.num_query_groups, facts.vocab_size) == (2, 4, 2, 512)
+    assert architecture_problems(find_hf_config("builtin:tiny-gemma3-vl")[0]) == []
+    # the tensors mrl plan sizes the sync from: the text model nested, the tower and projector
+    names = {t.name for t in hf_tensors(find_hf_config("builtin:tiny-gemma3-vl")[0])}
+    assert {"model.language_model.layers.1.post_feedforward_layernorm.weight",
+            "model.multi_modal_projector.mm_soft_emb_norm.weight"} <= names
+    assert model_backend(hf, "auto", "cpu") == "sdpa" and model_backend(hf, "auto", "cuda") == "sdpa"
+    with pytest.raises(UserError, match="model.attention: 'varlen' cannot run gemma3's bidirectional image attention"):
+        model_backend(hf, "varlen", "cuda")
+
+    def spec(engine):
+        return SimpleNamespace(rollout=SimpleNamespace(engine=engine), parallel=SimpleNamespace(context=1),
+                               distill=SimpleNamespace(model_path=None))
+
+    assert training_problem(spec("hf"), hf) is None
+    assert training_problem(spec("vllm"), hf).startswith("model.path: gemma3 (vision-language) does not run with "
+                                                         "rollout.engine = 'vllm'")
