@@ -80,7 +80,7 @@ def test_gemma3_vlm_merge_loads_and_answers_like_the_engine(saved, tmp_path, cap
     assert "verified logits" in capsys.readouterr().out
     got = load_file(str(next(out.glob("model-*.safetensors"))))
     assert set(got) == set(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
-    assert any(k.startswith("model.vision_tower.") for k in got) and any(k.startswith("model.multi_modal") for k in got)
+    assert any(k.startswith("vision_tower.") for k in got) and any(k.startswith("multi_modal_projector.") for k in got)
     hf = hf_config(ModelConfig(path="builtin:tiny-gemma3-vl"))
     ours = model_image_processor("builtin:tiny-gemma3-vl", hf)
     loaded = ImageProcessor(AutoImageProcessor.from_pretrained(out), ours.tokens,

@@ -119,8 +119,10 @@ def test_export_is_bit_exact_and_loads_in_transformers(platform, checkpoint, tmp
 
     hf, model = _megatron(checkpoint)
     stream = dict(Exporter([model], hf).stream())
-    assert any(n.startswith("model.vision_tower.vision_model.encoder.layers.1.") for n in stream)
-    assert "model.multi_modal_projector.mm_input_projection_weight" in stream
+    # the names transformers 5 writes: language_model.model.*, vision_tower.*, multi_modal_projector.*
+    assert any(n.startswith("vision_tower.encoder.layers.1.") for n in stream)
+    assert "multi_modal_projector.mm_input_projection_weight" in stream
+    assert "language_model.model.layers.1.post_feedforward_layernorm.weight" in stream
     saved = load_file(checkpoint / "model.safetensors")
     assert set(stream) == set(saved)
     assert all(torch.equal(stream[n], t) for n, t in saved.items())
@@ -135,25 +137,29 @@ def test_export_is_bit_exact_and_loads_in_transformers(platform, checkpoint, tmp
 
 
 def test_hub_layout_of_transformers_4_imports_the_same_weights(platform, checkpoint, tmp_path):
-    """Gemma 3's Hub checkpoints keep transformers 4's LLaVA layout (`language_model.model.*`,
-    `vision_tower.*`, `multi_modal_projector.*`): imported under the tables' names, the same model."""
+    """Gemma 3's Hub checkpoints (transformers 4) nest the tower under `vision_tower.vision_model.`, and
+    transformers 5 holds `model.language_model.*` etc. in memory: either layout imports under the
+    tables' names as the same model."""
     from safetensors.torch import load_file
 
     from mrl.weights import Exporter
 
     saved = load_file(checkpoint / "model.safetensors")
-    moves = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
-             ("model.multi_modal_projector.", "multi_modal_projector."))
+    hub = (("vision_tower.", "vision_tower.vision_model."),)
+    memory = (("language_model.model.", "model.language_model."), ("vision_tower.", "model.vision_tower."),
+              ("multi_modal_projector.", "model.multi_modal_projector."))
+    for i, moves in enumerate((hub, memory)):
+        def moved(name):
+            return next((new + name[len(old):] for old, new in moves if name.startswith(old)), name)
 
-    def legacy(name):
-        return next((old + name[len(new):] for new, old in moves if name.startswith(new)), name)
-
-    save_file({legacy(n): t for n, t in saved.items()}, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    shutil.copy(checkpoint / "config.json", tmp_path / "config.json")
-    assert "language_model.model.norm.weight" in load_file(tmp_path / "model.safetensors")
-    hf, model = _megatron(tmp_path)
-    stream = dict(Exporter([model], hf).stream())
-    assert set(stream) == set(saved) and all(torch.equal(stream[n], t) for n, t in saved.items())
+        d = tmp_path / str(i)
+        d.mkdir()
+        save_file({moved(n): t for n, t in saved.items()}, d / "model.safetensors", metadata={"format": "pt"})
+        shutil.copy(checkpoint / "config.json", d / "config.json")
+        assert moved("vision_tower.post_layernorm.weight") in load_file(d / "model.safetensors")
+        hf, model = _megatron(d)
+        stream = dict(Exporter([model], hf).stream())
+        assert set(stream) == set(saved) and all(torch.equal(stream[n], t) for n, t in saved.items())
 
 
 def test_preset_facts_and_refusals(platform):
@@ -177,8 +183,8 @@ def test_preset_facts_and_refusals(platform):
     assert architecture_problems(find_hf_config("builtin:tiny-gemma3-vl")[0]) == []
     # the tensors mrl plan sizes the sync from: the text model nested, the tower and projector
     names = {t.name for t in hf_tensors(find_hf_config("builtin:tiny-gemma3-vl")[0])}
-    assert {"model.language_model.layers.1.post_feedforward_layernorm.weight",
-            "model.multi_modal_projector.mm_soft_emb_norm.weight"} <= names
+    assert {"language_model.model.layers.1.post_feedforward_layernorm.weight",
+            "multi_modal_projector.mm_soft_emb_norm.weight", "vision_tower.post_layernorm.weight"} <= names
     assert model_backend(hf, "auto", "cpu") == "sdpa" and model_backend(hf, "auto", "cuda") == "sdpa"
     with pytest.raises(UserError, match="model.attention: 'varlen' cannot run gemma3's bidirectional image attention"):
         model_backend(hf, "varlen", "cuda")

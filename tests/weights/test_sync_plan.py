@@ -56,8 +56,11 @@ def test_tensor_list_matches_a_transformers_model_of_the_config(preset):
             text = {n for n in model.state_dict() if not n.startswith("model.visual.")
                     and not (cfg.get("tie_word_embeddings") and n == "lm_head.weight")}
             assert {t.name for t in got if not t.name.startswith("model.visual.")} == text
-        if cfg["model_type"] == "gemma3":   # every name as transformers 5 holds it (tower, projector, text model)
-            assert {t.name for t in got} == set(model.state_dict()) - {"lm_head.weight"}
+        if cfg["model_type"] == "gemma3":   # every name as its checkpoints keep it (the hf engine's renames)
+            from mrl.rollout.hf_experts import checkpoint_name
+
+            assert {t.name for t in got} == {checkpoint_name(n, "gemma3") for n in model.state_dict()} - {
+                "language_model.lm_head.weight"}
         return
     hf_cfg = transformers.AutoConfig.for_model(**canonical_config(cfg))   # tiny-kimi-k2 as deepseek_v3
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg)

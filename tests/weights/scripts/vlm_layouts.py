@@ -58,7 +58,7 @@ def check(d: Path, tp: int, pp: int) -> None:
     assert set(got) == set(expected), set(got) ^ set(expected)
     for name, t in expected.items():
         assert torch.equal(got[name], t), f"{name} differs after round trip"
-    tower = sum(n.startswith(("visual.", "model.visual.", "model.vision_tower.", "model.multi_modal_projector.")) for n in got)
+    tower = sum(n.startswith(("visual.", "model.visual.", "vision_tower.", "multi_modal_projector.")) for n in got)
     ref = torch.load(d / "reference.pt")
     with torch.no_grad():
         logits = packed_logits(chunks, ref)
