@@ -22,8 +22,7 @@ _RENAMES = {"mixtral": ((".mlp.", ".block_sparse_moe."),),
             "qwen2_5_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
             # the multimodal Gemma 3: its checkpoints keep the LLaVA layout (transformers 5 writes it back)
             "gemma3": (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
-                       ("model.multi_modal_projector.", "multi_modal_projector."),
-                       ("lm_head.", "language_model.lm_head."))}
+                       ("model.multi_modal_projector.", "multi_modal_projector."))}
 
 
 def checkpoint_name(name: str, model_type: str) -> str:

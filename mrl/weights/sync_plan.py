@@ -117,9 +117,9 @@ def hf_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
     if model_type == "qwen3_vl":   # its checkpoints nest the language model (`mrl.weights.tables`)
         out = [dataclasses.replace(t, name="model.language_model." + t.name[len("model."):])
                if t.name.startswith("model.") else t for t in out]
-    if model_type == "gemma3":   # the multimodal Gemma 3's: `language_model.model.*`, `language_model.lm_head`
-        out = [dataclasses.replace(t, name="language_model." + (t.name if t.name.startswith("lm_head.") else
-                                                                 "model." + t.name[len("model."):])) for t in out]
+    if model_type == "gemma3":   # the multimodal Gemma 3's: `language_model.model.*`
+        out = [dataclasses.replace(t, name="language_model.model." + t.name[len("model."):])
+               if t.name.startswith("model.") else t for t in out]
     return out + (_vision_tensors(cfg) if is_vlm(cfg) else [])
 
 

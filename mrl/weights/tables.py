@@ -201,10 +201,9 @@ TABLES: dict[str, tuple[Rule, ...]] = {
     "gemma3_text": EMBEDDINGS + GEMMA3 + QKV_BIAS + QK_NORM,
     # The multimodal Gemma 3, under the names its checkpoints keep (transformers 5 writes them too,
     # though it holds `model.language_model.*` in memory): the text model under `language_model.model.`,
-    # its untied head as `language_model.lm_head`, the SigLIP tower and the projector
-    # (`mrl.models.gemma3_vlm.Gemma3Vision`) as `vision_tower.*` and `multi_modal_projector.*`.
-    "gemma3": tuple(Rule(r.megatron, "language_model.lm_head.weight", r.transform) if r.megatron == "output_layer.weight"
-                    else r for r in _under("language_model.model.", EMBEDDINGS + GEMMA3 + QKV_BIAS + QK_NORM))
+    # the SigLIP tower and the projector (`mrl.models.gemma3_vlm.Gemma3Vision`) as `vision_tower.*` and
+    # `multi_modal_projector.*`; an untied head as `lm_head` (stored `language_model.lm_head`: LEGACY_PREFIXES).
+    "gemma3": _under("language_model.model.", EMBEDDINGS + GEMMA3 + QKV_BIAS + QK_NORM)
               + _rules(("vision.vision_tower.{R}", "vision_tower.{R}"),
                        ("vision.multi_modal_projector.{R}", "multi_modal_projector.{R}")),
 }
@@ -264,9 +263,9 @@ def table_for(model_type: str, role: str = "actor") -> tuple[Rule, ...]:
 # Other checkpoint layouts of a type, as (stored prefix, the table's prefix) pairs, applied on
 # import (`hf_import.Checkpoint`). Gemma 3: the Hub's checkpoints (written by transformers 4) nest
 # the SigLIP tower under `vision_tower.vision_model.`; transformers 5's in-memory names
-# (`model.language_model.*`, ...) as some tools save them.
+# (`model.language_model.*`, ...) as some tools save them; an untied head as the tables' `lm_head`.
 LEGACY_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
     "gemma3": (("vision_tower.vision_model.", "vision_tower."), ("model.language_model.", "language_model.model."),
                ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector."),
-               ("lm_head.", "language_model.lm_head.")),
+               ("language_model.lm_head.", "lm_head.")),
 }
