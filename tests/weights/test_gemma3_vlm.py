@@ -229,3 +229,18 @@ def test_hf_engine_logprobs_with_images_equal_the_trainer(platform, checkpoint):
     print(f"gemma3 AUDIT max |rollout - trainer| log-prob {worst:.3e}")
     assert worst <= 1e-4, worst
     assert torch.isfinite(out["entropy"]).all()
+
+
+def test_validate_takes_a_gemma3_job_and_refuses_what_train_would(capsys):
+    """The VLM quickstart with the preset validates; vLLM and a backend without the image blocks
+    are one line each at `mrl validate`, under their keys."""
+    from mrl.cli import main
+
+    job = ["validate", "jobs/quickstart_vlm_cpu.toml", "model.path=builtin:tiny-gemma3-vl"]
+    assert main(job) == 0
+    capsys.readouterr()
+    assert main(job + ["rollout.engine=vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "model.path: gemma3 (vision-language) does not run with rollout.engine = 'vllm'" in err
+    assert main(job + ["model.attention=flex", "platform.device=cuda"]) == 2
+    assert "model.attention: 'flex' cannot run gemma3's bidirectional image attention" in capsys.readouterr().err
