@@ -104,7 +104,8 @@ def sdpa_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
     where value heads differ in size from query/key heads (multi-latent attention), or off CPU.
     `split`/`cat` cut and join the row (their backward is one copy each; slicing or index-put
     would cost a full-row buffer per sequence in the backward). `window`: keys limited to the
-    `window` before each query, by SDPA with a boolean `[L, L]` mask per sequence (no flash kernel).
+    `window` before each query, by SDPA with a boolean `[L, L]` mask per sequence (no flash kernel;
+    on CPU in float32, rounded once, as the flash path and the hf engine's CPU attention).
     `blocks` (`[T]`, Gemma 3's images, `mrl.models.gemma3_vlm.image_blocks`): a sequence holding
     image tokens takes SDPA with `gemma3_vlm.block_mask` (each image's tokens see each other both
     ways; the window still applies)."""
