@@ -244,3 +244,27 @@ def test_validate_takes_a_gemma3_job_and_refuses_what_train_would(capsys):
     assert "model.path: gemma3 (vision-language) does not run with rollout.engine = 'vllm'" in err
     assert main(job + ["model.attention=flex", "platform.device=cuda"]) == 2
     assert "model.attention: 'flex' cannot run gemma3's bidirectional image attention" in capsys.readouterr().err
+
+
+def test_image_processor_of_the_preset():
+    """Any image becomes one 56x56 picture of `mm_tokens_per_image` (4) tokens, no grid and no
+    mRoPE ids; the mark expands to the byte tokenizer's start, 4 image tokens, end (ids 259-261)."""
+    import io
+
+    from PIL import Image
+
+    from mrl.data.images import model_image_processor
+    from mrl.models.config import ModelConfig
+    from mrl.models.megatron import hf_config
+    from mrl.models.tokenizer import byte_tokenizer
+
+    hf = hf_config(ModelConfig(path="builtin:tiny-gemma3-vl"))
+    proc = model_image_processor("builtin:tiny-gemma3-vl", hf)
+    buf = io.BytesIO()
+    Image.new("RGB", (70, 50), (10, 200, 30)).save(buf, format="PNG")
+    cells = [{"bytes": buf.getvalue(), "path": None}] * 2
+    out = proc.process(cells, "<image>a<image>")
+    assert out.pixel_values.shape == (2, 3, 56, 56) and out.image_grid_thw is None and out.tokens_per_image == (4, 4)
+    ids = byte_tokenizer(vision=True)(proc.expand("<image>a<image>", out))["input_ids"]
+    assert ids == [259, 260, 260, 260, 260, 261, ord("a"), 259, 260, 260, 260, 260, 261]
+    assert proc.with_positions(out, ids) is out
