@@ -8,8 +8,8 @@ Gemma 3 4B/12B/27B are a SigLIP vision tower, a projector and Gemma 3's text mod
   average-pooled to `mm_tokens_per_image` tokens, normed (Gemma's `(1 + w)` RMSNorm) and
   projected (`Gemma3MultiModalProjector`); the tower and projector are `transformers`' own
   modules, held together by `Gemma3Vision` (megatron names `vision.vision_tower.*`,
-  `vision.multi_modal_projector.*`, the checkpoint's `model.vision_tower.*` /
-  `model.multi_modal_projector.*`);
+  `vision.multi_modal_projector.*`; the checkpoint's `vision_tower.*` / `multi_modal_projector.*`
+  and `language_model.model.*`, `mrl.weights.tables`);
 - the tokens of one image attend to each other both ways (`transformers`' `token_type_ids` /
   `block_sequence_ids`: a run of image tokens is one block), text stays causal, and sliding-window
   layers keep their window on top: `image_blocks` gives each token its block id, which the
