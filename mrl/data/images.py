@@ -134,12 +134,16 @@ def placeholder_count(prompt: Any) -> int:
 class ImageProcessor:
     """A model's image processor plus its placeholder tokens: images -> `ImageInputs`, marks -> tokens."""
 
-    def __init__(self, processor: Any, tokens: VisionTokens = VisionTokens(), positions: Any = None):
+    def __init__(self, processor: Any, tokens: VisionTokens = VisionTokens(), positions: Any = None,
+                 tokens_per_image: Optional[int] = None):
         """`positions(ids [1, S], image_grid_thw) -> [3, 1, S]`: the model's mRoPE ids of a prompt
-        (`mrl.models.vlm.mrope_position_ids`), kept with its images for the trainer."""
+        (`mrl.models.vlm.mrope_position_ids`), kept with its images for the trainer.
+        `tokens_per_image`: a model whose every image is that many tokens and which takes no
+        grid (Gemma 3's `mm_tokens_per_image`: its processor resizes every image to one size)."""
         self.processor = processor
         self.tokens = tokens
         self.positions = positions
+        self.tokens_per_image = tokens_per_image
 
     def with_positions(self, images: ImageInputs, token_ids: list[int]) -> ImageInputs:
         """`images` with the prompt's mRoPE ids (when this processor knows the model's)."""
@@ -160,6 +164,9 @@ class ImageProcessor:
             raise BadImage(f"{marks} {PLACEHOLDER} mark(s) for {len(cells)} image(s)")
         images = [self.resized(decode_image(c, base_dir)) for c in cells]
         out = self.processor(images=images, return_tensors="pt")
+        if self.tokens_per_image is not None:   # one size for every image, no grid (Gemma 3)
+            return ImageInputs(pixel_values=out["pixel_values"], image_grid_thw=None,
+                               tokens_per_image=(self.tokens_per_image,) * len(images), images=tuple(images))
         grid = out["image_grid_thw"]
         per = tuple(int(n) for n in (grid.prod(-1) // self.tokens.merge_size ** 2).tolist())
         return ImageInputs(pixel_values=out["pixel_values"], image_grid_thw=grid, tokens_per_image=per,
@@ -207,6 +214,8 @@ def model_image_processor(model_path: str, hf: dict[str, Any]) -> "ImageProcesso
 
     if not is_vlm(hf):
         return None
+    if hf["model_type"] == "gemma3":
+        return _gemma3_processor(model_path, hf)
     merge = int(hf["vision_config"].get("spatial_merge_size", 2))
 
     def positions(ids, grid):
@@ -222,3 +231,30 @@ def model_image_processor(model_path: str, hf: dict[str, Any]) -> "ImageProcesso
         raise UserError(f"model.path: no image processor in {model_path!r} ({str(e).splitlines()[0]}); a "
                         "vision-language checkpoint needs its preprocessor_config.json") from None
     return ImageProcessor(proc, VisionTokens(merge_size=merge), positions)
+
+
+#: Gemma 3's image tokens as its processor writes them (`Gemma3Processor.full_image_sequence`)
+GEMMA3_TOKENS = VisionTokens(start="\n\n<start_of_image>", pad="<image_soft_token>", end="<end_of_image>\n\n",
+                             merge_size=1)
+
+
+def _gemma3_processor(model_path: str, hf: dict[str, Any]) -> ImageProcessor:
+    """The multimodal Gemma 3's: every image `mm_tokens_per_image` tokens, plain positions; a
+    preset's byte tokenizer has the Qwen-VL specials as its image start / token / end (ids 259-261)."""
+    from mrl.errors import UserError
+    from mrl.models.vlm import tiny_image_processor
+
+    per = int(hf["mm_tokens_per_image"])
+    if model_path.startswith("builtin:"):
+        return ImageProcessor(tiny_image_processor(hf), VisionTokens(merge_size=1), tokens_per_image=per)
+    from transformers import AutoImageProcessor
+
+    try:
+        proc = AutoImageProcessor.from_pretrained(model_path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"model.path: no image processor in {model_path!r} ({str(e).splitlines()[0]}); a "
+                        "vision-language checkpoint needs its preprocessor_config.json") from None
+    if getattr(proc, "do_pan_and_scan", False):
+        raise UserError(f"model.path: {model_path!r}'s image processor has do_pan_and_scan (crops as extra images) "
+                        "which mrl does not run; set it to false in preprocessor_config.json")
+    return ImageProcessor(proc, GEMMA3_TOKENS, tokens_per_image=per)

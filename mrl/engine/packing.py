@@ -196,7 +196,7 @@ def pack(batch: Batch, index: Sequence[int], *, pad_to_multiple: int = 1,
     vision = {}
     items = sub.meta.get("prompt_item") or []
     if any(getattr(it, "images", None) is not None for it in items):
-        pos, vision = _vision_row(items, p_lens, r_lens, row - used)
+        pos, vision = _vision_row(items, p_lens, r_lens, row - used, pos)
     packed = _thd_params(seq_lens + ([row - used] if row > used else []), device)
     return MicroBatch(index=idx, batch=sub.to(device), tokens=tokens.to(device), position_ids=pos.to(device),
                       packed_seq_params=packed, response_positions=flat_pos.to(device),
@@ -206,11 +206,17 @@ def pack(batch: Batch, index: Sequence[int], *, pad_to_multiple: int = 1,
                       vision={k: v.to(device) for k, v in vision.items()})
 
 
-def _vision_row(items, p_lens: list[int], r_lens: list[int], padding: int) -> tuple[torch.Tensor, dict]:
+def _vision_row(items, p_lens: list[int], r_lens: list[int], padding: int,
+                plain: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """A row with images (vision-language models): `[3, 1, T]` mRoPE ids (each prompt's own from its
     `ImageInputs`, its response counting on from one past the prompt's largest id, text-only
     prompts the same id thrice) and the row's images in row order. Ids that cover the whole
-    sequence (an SFT example, whose images may follow its first trained token) are taken whole."""
+    sequence (an SFT example, whose images may follow its first trained token) are taken whole.
+    A model without mRoPE (Gemma 3: `ImageInputs` without a grid) keeps the row's plain ids
+    `plain` and gets its images' pixels only."""
+    with_images = [it.images for it in items if getattr(it, "images", None) is not None]
+    if all(img.image_grid_thw is None for img in with_images):
+        return plain, dict(pixel_values=torch.cat([img.pixel_values for img in with_images]))
     parts, pixels, grids = [], [], []
     for it, p, r in zip(items, p_lens, r_lens):
         img = getattr(it, "images", None)

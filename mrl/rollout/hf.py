@@ -77,8 +77,11 @@ class HFEngine(RolloutEngine):
         self._fp8 = Fp8Held(scaled_mm=fp8_matmul == "scaled_mm" or fp8_matmul == "auto" and scaled_mm_default(self.device))
         self._asleep = False
         self.vision = getattr(model.config, "vision_config", None) is not None
-        names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-        banned = [getattr(model.config, n, None) for n in names] if self.vision else []
+        # Qwen-VL: mRoPE ids from the model's get_rope_index; Gemma 3: plain ids, images marked by token_type_ids
+        self.mrope = self.vision and hasattr(getattr(model, "model", None), "get_rope_index")
+        from mrl.models.vlm import PLACEHOLDER_FIELDS
+
+        banned = [getattr(model.config, n, None) for n in PLACEHOLDER_FIELDS] if self.vision else []
         self.banned = torch.tensor([b for b in banned if b is not None and b < self.vocab_size], dtype=torch.long,
                                    device=self.device)
         from mrl.rollout.hf_routes import RouteCapture
@@ -179,7 +182,7 @@ class HFEngine(RolloutEngine):
             ids[r, width - len(p):] = torch.tensor(p, device=dev)
             mask[r, width - len(p):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        if self.vision:   # [3, B, width]: the model's own mRoPE ids (text-only rows: the same id thrice)
+        if self.mrope:   # [3, B, width]: the model's own mRoPE ids (text-only rows: the same id thrice)
             positions = self._mrope_positions(ids, mask, images or [None] * B)
         gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
         seen = None
@@ -220,18 +223,24 @@ class HFEngine(RolloutEngine):
                                                  if grids else None, attention_mask=mask)
         return pos
 
-    def _vision_kwargs(self, images, rows) -> dict:
-        """The model's image inputs for batch rows `rows`, in row order (none when no row has images)."""
+    def _vision_kwargs(self, images, rows, ids) -> dict:
+        """The model's image inputs for batch rows `rows` (their ids `ids`), in row order (none when
+        no row has images). Gemma 3 takes its images' `token_type_ids` (each image's tokens attend
+        to each other both ways) in the prefill only, as its `generate` does."""
         chosen = [images[r] for r in rows if images[r] is not None]
         if not chosen:
             return {}
+        if not self.mrope:
+            dtype = next(self.model.model.vision_tower.parameters()).dtype
+            return dict(pixel_values=torch.cat([x.pixel_values for x in chosen]).to(self.device, dtype),
+                        token_type_ids=(ids == self.model.config.image_token_id).long())
         dtype = next(self.model.model.visual.parameters()).dtype
         return dict(pixel_values=torch.cat([x.pixel_values for x in chosen]).to(self.device, dtype),
                     image_grid_thw=torch.cat([x.image_grid_thw for x in chosen]).to(self.device))
 
     def _position_arg(self, pos):
         """`pos` [B, S] (or [3, B, S] already) as the model takes it."""
-        return pos.unsqueeze(0).expand(3, -1, -1) if self.vision and pos.dim() == 2 else pos
+        return pos.unsqueeze(0).expand(3, -1, -1) if self.mrope and pos.dim() == 2 else pos
 
     def _prefill(self, ids, mask, positions, prompt_index, routes, images, max_tokens):
         """The prompts' forward pass: (last-position logits [B, 1, V], KV cache, prefill routes or
@@ -243,13 +252,13 @@ class HFEngine(RolloutEngine):
         inverse = [first.setdefault(i, len(first)) for i in prompt_index]
         if not self.share_prefill or len(first) == B:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                             logits_to_keep=1, **self._vision_kwargs(images, range(B)))
+                             logits_to_keep=1, **self._vision_kwargs(images, range(B), ids))
             return out.logits, self._decoding_cache(out.past_key_values, None, width + max_tokens), \
                 (routes.take(B, width) if routes is not None else None)
         rows = torch.tensor([inverse.index(u) for u in range(len(first))], device=ids.device)
         expand = torch.tensor(inverse, device=ids.device)
         out = self.model(input_ids=ids[rows], attention_mask=mask[rows], position_ids=positions[..., rows, :],
-                         use_cache=True, logits_to_keep=1, **self._vision_kwargs(images, rows.tolist()))
+                         use_cache=True, logits_to_keep=1, **self._vision_kwargs(images, rows.tolist(), ids[rows]))
         cache = self._decoding_cache(out.past_key_values, expand, width + max_tokens)   # row r: its prompt's cache
         taken = routes.take(len(first), width) if routes is not None else None
         return out.logits[expand], cache, (taken[expand.to(taken.device)] if taken is not None else None)

@@ -19,7 +19,10 @@ _NAMES = {"mixtral": ("w1", "w3", "w2")}
 # (in-memory module path piece, checkpoint's) pairs by model_type
 _RENAMES = {"mixtral": ((".mlp.", ".block_sparse_moe."),),
             # Qwen2.5-VL: transformers 5 nests the language model and the tower; checkpoints do not
-            "qwen2_5_vl": (("model.language_model.", "model."), ("model.visual.", "visual."))}
+            "qwen2_5_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
+            # the multimodal Gemma 3: its checkpoints keep the LLaVA layout (transformers 5 writes it back)
+            "gemma3": (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+                       ("model.multi_modal_projector.", "multi_modal_projector."))}
 
 
 def checkpoint_name(name: str, model_type: str) -> str:

@@ -50,7 +50,7 @@ def model_params(hf: dict, *, active: bool = True) -> int:
         attn = h * heads * d + 2 * h * kv * d + heads * d * h + (bias * (heads + 2 * kv) * d)
         if model_type in HYBRID_TYPES:   # gated attention: q_proj also emits each head's output gate
             attn += h * heads * d
-        if (model_type in ("qwen3", "qwen3_moe", "gemma3_text") + HYBRID_TYPES
+        if (model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3") + HYBRID_TYPES
                 or (model_type == "glm4_moe" and hf.get("use_qk_norm"))):
             attn += 2 * d   # q_norm, k_norm
         if model_type == "gpt_oss":
@@ -72,7 +72,7 @@ def model_params(hf: dict, *, active: bool = True) -> int:
     else:
         mlps = layers * dense_mlp
     embeddings = vocab * h * (1 if hf.get("tie_word_embeddings") else 2)
-    norms = 4 if model_type == "gemma3_text" else 2   # Gemma: a norm before and after attention and the MLP
+    norms = 4 if model_type in ("gemma3_text", "gemma3") else 2   # Gemma: a norm before and after attention and the MLP
     mixers = layers * attn
     if model_type in HYBRID_TYPES:   # Gated DeltaNet layers in place of attention where layer_types says
         linear = layer_kinds(hf).count("linear_attention")

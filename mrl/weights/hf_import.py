@@ -18,6 +18,7 @@ import torch
 from mrl.errors import UserError
 from mrl.weights import stacked as stacked_rows
 from mrl.weights.layout import Placement, has_value_head, is_tied, local_placements, model_dims, unwrap
+from mrl.weights.tables import LEGACY_PREFIXES
 from mrl.weights.transforms import SliceReader
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,8 @@ class Checkpoint:
     `file`: read only that file of the directory, its tensor names without `prefix` (a PEFT
     adapter directory: `adapter_model.safetensors`, names under `base_model.model.`)."""
 
-    def __init__(self, path: str | Path, *, file: str | None = None, prefix: str = ""):
+    def __init__(self, path: str | Path, *, file: str | None = None, prefix: str = "",
+                 renames: tuple[tuple[str, str], ...] = ()):
         from safetensors import safe_open
 
         self.path = Path(path)
@@ -53,6 +55,11 @@ class Checkpoint:
                 weight_map = {k: SINGLE for k in f.keys()}
         else:
             raise UserError(f"weights: {self.path} has neither {INDEX} nor {SINGLE}")
+        # `renames`: (stored prefix, table prefix) pairs, an older layout of the same tensors
+        # (`tables.LEGACY_PREFIXES`): the tables' names, read under the stored ones
+        self._stored = {_renamed(k, renames): k for k in weight_map} if renames else {}
+        if self._stored:
+            weight_map = {new: weight_map[old] for new, old in self._stored.items()}
         self.weight_map: dict[str, str] = weight_map
         self._open = safe_open
         self._handles: dict[str, Any] = {}
@@ -76,7 +83,7 @@ class Checkpoint:
             if not path.is_file():
                 raise UserError(f"weights: {INDEX} names {file} for {name!r}, but {path} does not exist")
             self._handles[file] = self._open(path, framework="pt")
-        return self._handles[file].get_slice(self.prefix + name)
+        return self._handles[file].get_slice(self.prefix + self._stored.get(name, name))
 
     def reader(self, name: str) -> SliceReader:
         sources = self._rows.get(name)
@@ -95,6 +102,13 @@ class Checkpoint:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
 @dataclass
@@ -138,7 +152,8 @@ def load_hf_checkpoint(chunks: Iterable[torch.nn.Module], path: str | Path | Che
     parameters is copied. A collective over the world: every rank must call it.
     """
     chunks = list(chunks)
-    ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
+    renames = LEGACY_PREFIXES.get(hf.get("model_type"), ())   # (the multimodal Gemma 3's older layout)
+    ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path, renames=renames)
     path = ckpt.path
     dims = model_dims(hf)
     tied = is_tied(chunks)

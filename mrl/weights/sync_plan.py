@@ -89,7 +89,7 @@ def hf_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
         else:
             out += _attention_tensors(cfg, layer)
         out.append(HFTensor(f"model.layers.{layer}.post_attention_layernorm.weight", (h,)))
-        if model_type == "gemma3_text":   # Gemma's norms before and after the MLP
+        if model_type in ("gemma3_text", "gemma3"):   # Gemma's norms before and after the MLP
             out += [HFTensor(f"model.layers.{layer}.{n}_feedforward_layernorm.weight", (h,)) for n in ("pre", "post")]
         if model_type == "gpt_oss":   # biased router, experts as rows of the stacked tensors (weights.stacked)
             out += [HFTensor(f"{m}.router.weight", (experts, h)), HFTensor(f"{m}.router.bias", (experts,))]
@@ -127,6 +127,9 @@ def hf_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
     if model_type == "qwen3_vl":   # its checkpoints nest the language model (`mrl.weights.tables`)
         out = [dataclasses.replace(t, name="model.language_model." + t.name[len("model."):])
                if t.name.startswith("model.") else t for t in out]
+    if model_type == "gemma3":   # the multimodal Gemma 3's: `language_model.model.*`
+        out = [dataclasses.replace(t, name="language_model.model." + t.name[len("model."):])
+               if t.name.startswith("model.") else t for t in out]
     return out + (_vision_tensors(cfg) if is_vlm(cfg) else [])
 
 
@@ -136,7 +139,7 @@ def _vision_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
     own module built on the meta device (no memory, no arithmetic of ours to drift from it)."""
     from mrl.models.vlm import vision_tower
 
-    prefix = "model.visual." if cfg["model_type"] == "qwen3_vl" else "visual."
+    prefix = {"qwen3_vl": "model.visual.", "gemma3": ""}.get(cfg["model_type"], "visual.")
     tower = vision_tower(cfg, None, device="meta")
     return [HFTensor(prefix + n, tuple(t.shape)) for n, t in tower.state_dict().items()]
 
@@ -151,7 +154,7 @@ def _attention_tensors(cfg: dict[str, Any], layer: int) -> list[HFTensor]:
     model_type = cfg.get("model_type", "llama")
     oss = model_type == "gpt_oss"   # q/k/v/o biases (attention_bias defaults on) and one sink per head
     bias = model_type in ("qwen2", "qwen2_5_vl") or bool(cfg.get("attention_bias", oss))
-    qk_norm = (model_type in ("qwen3", "qwen3_moe", "qwen3_vl", "gemma3_text") + HYBRID_TYPES
+    qk_norm = (model_type in ("qwen3", "qwen3_moe", "qwen3_vl", "gemma3_text", "gemma3") + HYBRID_TYPES
                or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm"))))
     a = f"model.layers.{layer}.self_attn"
     gate = 2 if model_type in HYBRID_TYPES else 1   # Qwen3-Next's q_proj: each head's query and output gate

@@ -230,6 +230,13 @@ TABLES: dict[str, tuple[Rule, ...]] = {
     "qwen3_5_text": EMBEDDINGS + GATED_ATTENTION + QK_NORM + DELTANET + QWEN3_5_IN_PROJ + DENSE_MLP,
     "qwen3_5_moe_text": (EMBEDDINGS + GATED_ATTENTION + QK_NORM + DELTANET + QWEN3_5_IN_PROJ + DENSE_MLP
                          + QWEN_MOE_EXPERTS + QWEN2_MOE_SHARED),
+    # The multimodal Gemma 3, under the names its checkpoints keep (transformers 5 writes them too,
+    # though it holds `model.language_model.*` in memory): the text model under `language_model.model.`,
+    # the SigLIP tower and the projector (`mrl.models.gemma3_vlm.Gemma3Vision`) as `vision_tower.*` and
+    # `multi_modal_projector.*`; an untied head as `lm_head` (stored `language_model.lm_head`: LEGACY_PREFIXES).
+    "gemma3": _under("language_model.model.", EMBEDDINGS + GEMMA3 + QKV_BIAS + QK_NORM)
+              + _rules(("vision.vision_tower.{R}", "vision_tower.{R}"),
+                       ("vision.multi_modal_projector.{R}", "multi_modal_projector.{R}")),
 }
 
 # Rows whose megatron side is a buffer, not a parameter (mapped like one when the model has it).
@@ -282,3 +289,14 @@ def table_for(model_type: str, role: str = "actor") -> tuple[Rule, ...]:
     if role in ("critic", "reward"):
         rows = tuple(r for r in rows if r.megatron != "output_layer.weight") + VALUE_HEAD
     return rows
+
+
+# Other checkpoint layouts of a type, as (stored prefix, the table's prefix) pairs, applied on
+# import (`hf_import.Checkpoint`). Gemma 3: the Hub's checkpoints (written by transformers 4) nest
+# the SigLIP tower under `vision_tower.vision_model.`; transformers 5's in-memory names
+# (`model.language_model.*`, ...) as some tools save them; an untied head as the tables' `lm_head`.
+LEGACY_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
+    "gemma3": (("vision_tower.vision_model.", "vision_tower."), ("model.language_model.", "language_model.model."),
+               ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector."),
+               ("language_model.lm_head.", "lm_head.")),
+}

@@ -442,6 +442,32 @@ def test_vlm_logits_on_cuda_match_transformers_and_a_trainable_tower_trains(cuda
     assert all(p.main_grad.abs().sum() > 0 for p in model.vision.parameters())
 
 
+def test_gemma3_vlm_logits_on_cuda_match_transformers(cuda_platform, tmp_path):
+    """The tiny multimodal Gemma 3 on CUDA: `model.attention = "auto"` resolves to `sdpa` (its
+    images' bidirectional blocks are an SDPA mask; `varlen` and `te` are refused), fp32 logits of
+    the packed image row within 1e-4 of transformers' (fp32 on the CPU)."""
+    from mrl.engine.packing import _thd_params
+    from mrl.models.megatron import complete_hf_config
+    from mrl.models.roles import build_role_model
+    from mrl.models.vlm import open_columns
+    from mrl.platform.config import ParallelConfig
+    from mrl.weights import load_hf_checkpoint
+    from tests.weights.vlm_archs import save_gemma3_checkpoint
+
+    d = save_gemma3_checkpoint(tmp_path)
+    hf = complete_hf_config(json.loads((d / "config.json").read_text()))
+    model = build_role_model("actor", hf, ParallelConfig(), dtype="float32", device="cuda", attention="auto")
+    assert model.mrl_attention == "sdpa"
+    load_hf_checkpoint([model], d, hf)
+    ref = torch.load(d / "reference.pt")
+    keep = open_columns(hf)
+    with torch.no_grad():
+        got = model(ref["row"].cuda(), ref["position_ids"].cuda(), None,
+                    packed_seq_params=_thd_params(ref["lengths"], "cuda"),
+                    pixel_values=ref["pixel_values"].cuda())[0, :, : hf["vocab_size"]].float().cpu()
+    assert (got[:, keep] - ref["logits"][:, keep]).abs().max().item() <= 1e-4
+
+
 def test_a_vision_language_grpo_run_on_cuda_in_bf16(tmp_path):
     """`mrl train` of the VLM quickstart (tiny Qwen2.5-VL: mRoPE language model, HF vision tower on
     the first stage) on one GPU in bf16 with the HF engine on CUDA, images through the processor to

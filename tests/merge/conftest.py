@@ -58,7 +58,8 @@ def saved(tmp_path_factory):
              "next_tp2": (nxt, "actor", "tp2", "float32"),
              "preset_bf16_tp2": ("builtin:tiny-qwen2", "actor", "tp2", "bfloat16"),
              "vl_preset_tp2": ("builtin:tiny-qwen2.5-vl", "actor", "tp2", "float32"),
-             "vl3_preset_tp2": ("builtin:tiny-qwen3-vl", "actor", "tp2", "float32")}
+             "vl3_preset_tp2": ("builtin:tiny-qwen3-vl", "actor", "tp2", "float32"),
+             "gemma3vl_preset_tp2": ("builtin:tiny-gemma3-vl", "actor", "tp2", "float32")}
     out = base / "ckpts"
     out.mkdir()
     run_torchrun(SCRIPT, "--out", str(out), *[f"{n}:{s}:{r}:{l}:{d}" for n, (s, r, l, d) in cases.items()],

@@ -56,6 +56,10 @@ def test_tensor_list_matches_a_transformers_model_of_the_config(preset):
             text = {n for n in model.state_dict() if not n.startswith("model.visual.")
                     and not (cfg.get("tie_word_embeddings") and n == "lm_head.weight")}
             assert {t.name for t in got if not t.name.startswith("model.visual.")} == text
+        if cfg["model_type"] == "gemma3":   # every name as its checkpoints keep it (the hf engine's renames)
+            from mrl.rollout.hf_experts import checkpoint_name
+
+            assert {t.name for t in got} == {checkpoint_name(n, "gemma3") for n in model.state_dict()} - {"lm_head.weight"}
         return
     hf_cfg = transformers.AutoConfig.for_model(**canonical_config(cfg))   # tiny-kimi-k2 as deepseek_v3
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
@@ -76,6 +80,8 @@ def test_known_models_have_their_published_parameter_counts():
     # gpt-oss-20b: 20.91 B in all, 3.6 B active with the unembedding (its model card); Gemma 3 1B: 1.0 B
     assert sum(t.numel for t in hf_tensors(KNOWN_MODELS["openai/gpt-oss-20b"])) / 1e9 == pytest.approx(20.91, abs=0.01)
     assert sum(t.numel for t in hf_tensors(KNOWN_MODELS["google/gemma-3-1b-it"])) / 1e9 == pytest.approx(1.00, abs=0.01)
+    # the multimodal Gemma 3 4B: text model, SigLIP tower and projector (its card: 4.3 B)
+    assert sum(t.numel for t in hf_tensors(KNOWN_MODELS["google/gemma-3-4b-it"])) / 1e9 == pytest.approx(4.30, abs=0.01)
     # GLM-4.5-Air: "106B total parameters" (its model card), without its MTP layer (not synced)
     assert sum(t.numel for t in hf_tensors(KNOWN_MODELS["zai-org/GLM-4.5-Air"])) / 1e9 == pytest.approx(106, abs=1)
 

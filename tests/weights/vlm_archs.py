@@ -67,3 +67,62 @@ def image_prompt_inputs(hf: dict, seed: int = 3):
     inputs = [ImageInputs(pixels[:cut[0]], grids[:1], (int(grids[0].prod()) // merge ** 2,)),
               ImageInputs(pixels[cut[0]:], grids[1:], tuple(int(g.prod()) // merge ** 2 for g in grids[1:]))]
     return [ids[i, :int(n)].tolist() for i, n in enumerate(mask.sum(1))], inputs
+
+
+def gemma3_image_prompts(hf: dict, seed: int = 3):
+    """The multimodal Gemma 3's `image_prompts`: two prompts `[2, S]` (the second right-padded), with
+    1 and 2 images of `vision_config.image_size` pixels each `mm_tokens_per_image` tokens between
+    the start and end specials, long enough (22 and 27 tokens) that the 16-token sliding window
+    cuts: (input_ids, attention_mask, pixel_values `[3, 3, S, S]`, None)."""
+    g = torch.Generator().manual_seed(seed)
+    size = hf["vision_config"]["image_size"]
+    pixels = torch.randn(3, 3, size, size, generator=g)
+    start, pad, end = hf["boi_token_index"], hf["image_token_index"], hf["eoi_token_index"]
+    image = [start] + [pad] * hf["mm_tokens_per_image"] + [end]
+
+    def text(n):
+        return torch.randint(0, 256, (n,), generator=g).tolist()
+
+    rows = [text(9) + image + text(7), text(5) + image + text(6) + image + text(4)]
+    width = max(map(len, rows))
+    ids = torch.full((2, width), 256)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+        mask[i, :len(r)] = 1
+    return ids, mask, pixels, None
+
+
+def gemma3_image_prompt_inputs(hf: dict, seed: int = 3):
+    """`gemma3_image_prompts` as an engine takes them: (prompt id lists, one `ImageInputs` per prompt)."""
+    from mrl.data.images import ImageInputs
+
+    ids, mask, pixels, _ = gemma3_image_prompts(hf, seed)
+    per = hf["mm_tokens_per_image"]
+    inputs = [ImageInputs(pixels[:1], None, (per,)), ImageInputs(pixels[1:], None, (per, per))]
+    return [ids[i, :int(n)].tolist() for i, n in enumerate(mask.sum(1))], inputs
+
+
+def save_gemma3_checkpoint(d: Path, preset: str = "tiny-gemma3-vl") -> Path:
+    """A saved tiny multimodal Gemma 3 in `d` and `reference.pt` (as `test_vlm.save_checkpoint`):
+    one packed row of the two image prompts with plain position ids, `transformers`' logits for
+    its real tokens (the images' `token_type_ids` given, so each image attends to itself both ways),
+    and the batched logits."""
+    import json
+
+    from mrl.models.megatron import complete_hf_config
+
+    model = make_vlm(d, preset=preset)
+    hf = complete_hf_config(json.loads((Path(d) / "config.json").read_text()))
+    ids, mask, pixels, _ = gemma3_image_prompts(hf)
+    types = (ids == hf["image_token_id"]).long()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, pixel_values=pixels, token_type_ids=types).logits
+        causal = model(input_ids=ids, attention_mask=mask, pixel_values=pixels).logits
+    lens = mask.sum(1).tolist()
+    torch.save(dict(ids=ids, mask=mask, batched_logits=logits, lengths=lens, pixel_values=pixels, image_grid_thw=None,
+                    row=torch.cat([ids[i, :n] for i, n in enumerate(lens)]).unsqueeze(0),
+                    position_ids=torch.cat([torch.arange(n) for n in lens]).unsqueeze(0),
+                    logits=torch.cat([logits[i, :n] for i, n in enumerate(lens)]),
+                    causal_logits=torch.cat([causal[i, :n] for i, n in enumerate(lens)])), Path(d) / "reference.pt")
+    return Path(d)
