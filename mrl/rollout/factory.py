@@ -43,13 +43,14 @@ def _architecture(hf_config: dict) -> str:
 
 
 def build_engine(rollout, model, *, seed: int, device: torch.device | str, max_model_len: int,
-                 return_routes: bool = False, log_dir: str | None = None) -> RolloutEngine:
+                 return_routes: bool = False, log_dir: str | None = None, trainer_tensor_parallel: int = 1) -> RolloutEngine:
     """The rollout engine for a job's `[rollout]` and `[model]` sections.
 
     `seed`: the job seed (rollout.seed wins when set); `max_model_len`: prompt + response tokens,
     used when rollout.max_model_len is unset; `return_routes`: MoE responses carry their routes
     (vllm: its routed-experts output, for routing replay R3; the hf engine always returns them);
-    `log_dir`: where a launched server writes its log (sglang; default a temporary directory).
+    `log_dir`: where a launched server writes its log (sglang; default a temporary directory);
+    `trainer_tensor_parallel`: the trainer's `parallel.tensor` (the hf engine rounds as it does on CPU).
     """
     seed = rollout.seed if rollout.seed is not None else seed
     dtype = rollout.dtype or model.dtype
@@ -65,13 +66,14 @@ def build_engine(rollout, model, *, seed: int, device: torch.device | str, max_m
 
         if preset is not None or rollout.load_format == "dummy" and not Path(model.path).is_dir():
             return HFEngine.from_config(found[0], dtype=dtype, device=device, seed=seed, max_num_seqs=rollout.max_num_seqs,
-                                        fp8_matmul=rollout.fp8.matmul)
+                                        fp8_matmul=rollout.fp8.matmul, trainer_tensor_parallel=trainer_tensor_parallel)
         raw = json.loads(Path(found[1]).read_text())   # found[1]: the config.json read
         # kimi_k2 -> deepseek_v3; a VLM's own type is the top-level one (its text_config says qwen2_5_vl_text)
         aliased = (raw.get("model_type") or raw.get("text_config", {}).get("model_type")) != found[0]["model_type"]
         return HFEngine.from_pretrained(model.path, dtype=dtype, device=device, seed=seed,
                                         trust_remote_code=model.trust_remote_code, max_num_seqs=rollout.max_num_seqs,
-                                        hf_config=found[0] if aliased else None, fp8_matmul=rollout.fp8.matmul)
+                                        hf_config=found[0] if aliased else None, fp8_matmul=rollout.fp8.matmul,
+                                        trainer_tensor_parallel=trainer_tensor_parallel)
     if rollout.engine == "sglang":
         from mrl.rollout.sglang_sync import launch, sglang_problems
 

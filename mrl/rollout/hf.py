@@ -54,11 +54,15 @@ class HFEngine(RolloutEngine):
 
     def __init__(self, model: torch.nn.Module, *, seed: int = 0, eos_token_ids: Optional[Sequence[int]] = None,
                  max_num_seqs: int = 256, share_prefill: bool = True, fp8_matmul: str = "auto",
-                 static_cache: bool = True, batched_sampler: bool = True):
+                 static_cache: bool = True, batched_sampler: bool = True, trainer_tensor_parallel: int = 1):
+        """`trainer_tensor_parallel`: the trainer's `parallel.tensor`, whose row-parallel rounding a
+        bf16 model on CPU follows (`hf_rounding`)."""
         self.model = model.eval()
         from mrl.rollout.hf_attention import float32_attention_on_cpu
+        from mrl.rollout.hf_rounding import trainer_rounding_on_cpu
 
         float32_attention_on_cpu(model)   # bf16 on CPU: attention rounds as the trainer's (`hf_attention`)
+        trainer_rounding_on_cpu(model, trainer_tensor_parallel)   # and norms, biases, row-parallel sums (`hf_rounding`)
         self.share_prefill = share_prefill
         self.static_cache = static_cache   # decode into KV buffers allocated once (`hf_cache`)
         # each row's exponential race on its own generator's uniforms, batched (`logprobs.sample_rows`:

@@ -192,7 +192,8 @@ def build_server_rollout(spec, tokenizer, *, device, tools=None, model_path: Opt
             from mrl.rollout.hf_async import HFAsyncEngine
 
             engine = HFAsyncEngine(build_engine(r, spec.model, seed=spec.job.seed, device=device,
-                                                max_model_len=r.max_model_len),
+                                                max_model_len=r.max_model_len,
+                                                trainer_tensor_parallel=spec.parallel.tensor),
                                    max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens)
         else:
             from mrl.rollout.vllm_async import VLLMAsyncEngine

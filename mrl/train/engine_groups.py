@@ -61,7 +61,8 @@ def build_rollout(spec, plan, ctx, tokenizer, *, is_leader: bool,
         return None, None, None
     engine = build_engine(r, spec.model, seed=spec.job.seed, device=ctx.device, max_model_len=r.max_model_len,
                           return_routes=spec.actor.moe.routing_replay == "r3",
-                          log_dir=str(Path(spec.job.output_dir) / spec.job.name))
+                          log_dir=str(Path(spec.job.output_dir) / spec.job.name),
+                          trainer_tensor_parallel=spec.parallel.tensor)
     generator = engine
     if r.multi_turn.enable:
         from mrl.rollout.engine import engine_group
