@@ -377,7 +377,8 @@ def test_a_request_draws_the_same_tokens_alone_and_in_batches_of_other_paddings(
 
     from .conftest import save_tiny_model
 
-    eng = HFEngine.from_pretrained(save_tiny_model(tmp_path / "v4k", {**TINY_LLAMA, "vocab_size": 4096}), seed=0)
+    eng = HFEngine.from_pretrained(save_tiny_model(tmp_path / "v4k", {**TINY_LLAMA, "vocab_size": 4096}), seed=0,
+                                   batched_sampler=True)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 4096, (n,), generator=g).tolist() for n in (3, 40, 7, 25, 12, 33)]
     s = Sampling(n=4, temperature=1.0, max_tokens=24, ignore_eos=True, seed=17)

@@ -18,7 +18,7 @@ The hf engine runs four ways, each adding one change: a prefill per response row
 KV cache, sampling each row with `torch.multinomial` (`share_prefill=False, static_cache=False,
 batched_sampler=False`); one prefill per distinct prompt whose KV cache its n rows share; decoding
 into KV buffers allocated once (`static_cache=True`); and the batched exponential-race sampler
-(`mrl.rollout.logprobs.sample_rows`, `batched_sampler=True`: the engine's default), run in turn,
+(`mrl.rollout.logprobs.sample_rows`, `batched_sampler=True`; off by default, see `HFEngine`), run in turn,
 best of `--repeats`, with the ratios (`--variants` picks some); then one more call of each with
 `HFEngine.stage_seconds` on prints where the time goes: prefill, decode forward calls, sampling
 (logit processing, softmax, the draw), log-probs, bookkeeping. `--profile`: one more call of the
@@ -138,7 +138,7 @@ def paired(*fns, repeats: int) -> list[float]:
 # the hf engine's variants, each adding one change: (share_prefill, static_cache, batched_sampler)
 VARIANTS = {"per-row prefill": (False, False, False), "dynamic cache": (True, False, False),
             "in-place cache": (True, True, False), "race sampler": (True, True, True)}
-DEFAULT = "race sampler"   # HFEngine's defaults
+DEFAULT = "in-place cache"   # HFEngine's defaults
 
 
 def main() -> None:
