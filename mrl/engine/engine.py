@@ -1,7 +1,9 @@
 """`Engine`: a megatron-core model (actor, critic, reference) driven by megatron's pipeline schedule.
 
-Role-agnostic: a role supplies callbacks on the model output of one packed micro-batch
-(`[1, T, V/tp]` logits for a language model, `[1, T, 1]` for a value head):
+Role-agnostic: a role supplies callbacks on the model output of one packed micro-batch, read
+through `mb.take` at its response positions. The output layer runs at those positions only
+(`mrl.models.head.at_rows`: the LM head on prompt tokens would be thrown away), so the output
+is `[1, N, V/tp]` logits for a language model, `[1, N, 1]` for a value head:
 
 - `LossFn(output, mb, totals) -> (loss, metrics)`: `loss` is this micro-batch's share of the
   mini-batch loss, aggregated with the global counts in `totals` (`mrl.algos.losses.aggregate(...,
@@ -36,6 +38,7 @@ import torch
 from mrl.batch import Batch
 from mrl.engine import packing
 from mrl.engine.packing import MicroBatch
+from mrl.models.head import at_rows
 from mrl.optim.step import StepOutcome, guarded_step
 
 log = logging.getLogger(__name__)
@@ -139,7 +142,9 @@ class Engine:
             mb = next(data_iterator)
             if self.routing is not None:
                 self.routing.before(model, mb)
-            output = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **mb.vision)
+            mb.head_rows = True   # every callback reads the response positions (`MicroBatch.take`)
+            with at_rows(model, mb.response_positions):
+                output = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **mb.vision)
             if self.routing is not None:
                 self.routing.after(model, mb)
             return output, step_fn(mb)

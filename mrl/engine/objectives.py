@@ -38,7 +38,8 @@ JOB_GROUP = object()   # a `group` default: the job's tensor-parallel group (`_t
 def response_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float = 1.0,
                       entropy: bool = True, vocab_size: Optional[int] = None,
                       kernels: str = "auto", group=JOB_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(logp [N], entropy [N])` of the response tokens of `mb` from logits `[1, T, V/tp]`.
+    """`(logp [N], entropy [N])` of the response tokens of `mb` from logits `[1, T, V/tp]` (or `[1, N, V/tp]`
+    when the engine ran the LM head at the response rows only, `MicroBatch.head_rows`).
 
     `vocab_size`: the tokenizer's vocabulary; Megatron's padding columns beyond it are masked
     out so they take no probability mass (None: no padding to mask). `kernels`: "auto" (Triton

@@ -107,6 +107,7 @@ def teacher_rows(teacher: Teacher):
     from megatron.core import parallel_state as ps
 
     from mrl.engine.objectives import _tp_group
+    from mrl.models.head import at_rows
     from mrl.models.roles import mask_padded_vocab
 
     model = teacher.engine.chunks[0]
@@ -115,7 +116,8 @@ def teacher_rows(teacher: Teacher):
 
     def fn(mb) -> torch.Tensor:
         with torch.no_grad():
-            out = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
+            with at_rows(model, mb.response_positions):   # the student's `mb.take` reads these rows
+                out = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
             rows = mask_padded_vocab(mb.take(out), teacher.vocab_size,
                                      tp_rank=torch.distributed.get_rank(group) if group else 0)
             width = rows.shape[-1] // teacher.copies

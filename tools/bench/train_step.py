@@ -46,6 +46,11 @@ SHAPES = {
     "tiny": dict(model_type="llama", vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
                  tie_word_embeddings=False),
+    # the SmolLM2 job's model (jobs/smollm2_chainsum_cpu.toml; tied embeddings): with --responses 32
+    # --prompt-len 80 --response-len 32 one rank's share of that job's update
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True),
     "370m": dict(model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=4096,
                  num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=4,
                  max_position_embeddings=32768, tie_word_embeddings=False),
