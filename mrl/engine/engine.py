@@ -65,11 +65,13 @@ class Engine:
 
     `chunks` are the model's virtual-pipeline chunks on this rank, wrapped in megatron DDP when
     the engine trains (`optimizer` given); a frozen model (reference) passes bare chunks and no
-    optimizer. `name` ("actor", "critic", ...) names the stage in errors and logs.
+    optimizer. `name` ("actor", "critic", ...) names the stage in errors and logs. `head_rows`
+    False runs the output layer over the whole packed row, as before it ran at the response
+    positions only (the equivalence checks and `tools/bench/train_step.py` compare the two).
     """
 
     def __init__(self, chunks: list, *, optimizer=None, scheduler=None, name: str = "actor",
-                 grad_clip: float = 0.0, nonfinite: str = "stop"):
+                 grad_clip: float = 0.0, nonfinite: str = "stop", head_rows: bool = True):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
@@ -79,6 +81,7 @@ class Engine:
         self.name = name
         self.grad_clip = grad_clip
         self.nonfinite = nonfinite
+        self.head_rows = head_rows
         self.config = self.chunks[0].config
         self.device = next(self.chunks[0].parameters()).device
         self.dp = ps.get_data_parallel_world_size()
@@ -142,8 +145,8 @@ class Engine:
             mb = next(data_iterator)
             if self.routing is not None:
                 self.routing.before(model, mb)
-            mb.head_rows = True   # every callback reads the response positions (`MicroBatch.take`)
-            with at_rows(model, mb.response_positions):
+            mb.head_rows = self.head_rows   # every callback reads the response positions (`MicroBatch.take`)
+            with at_rows(model, mb.response_positions) if self.head_rows else contextlib.nullcontext():
                 output = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **mb.vision)
             if self.routing is not None:
                 self.routing.after(model, mb)

@@ -17,6 +17,7 @@ own tokens, and its log-probs are attributed back to the student's tokens by cha
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -116,7 +117,7 @@ def teacher_rows(teacher: Teacher):
 
     def fn(mb) -> torch.Tensor:
         with torch.no_grad():
-            with at_rows(model, mb.response_positions):   # the student's `mb.take` reads these rows
+            with at_rows(model, mb.response_positions) if mb.head_rows else contextlib.nullcontext():
                 out = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
             rows = mask_padded_vocab(mb.take(out), teacher.vocab_size,
                                      tp_rank=torch.distributed.get_rank(group) if group else 0)
