@@ -12,6 +12,9 @@ per-token values. Algorithms come from `mrl.algos`; only the plumbing lives here
   per-row coefficients computed before the pass (its docstring has why this is exact).
 - `values_output` / `ValueObjective`: a value head's `[1, T, 1]` output read at the same
   positions as the log-probs (the state before each response token), clipped value loss.
+
+Every callback reads the model output through `mb.take`: the engine runs the output layer at
+the response positions only (`mrl.models.head.at_rows`), so the logits are `[1, N, V/tp]`.
 """
 from __future__ import annotations
 
@@ -275,7 +278,7 @@ def _share(mb: MicroBatch, totals: Totals, mode: str, all_rows: bool = False) ->
 
 
 def values_output():
-    """An `OutputFn` giving `values` per response token from a value head `[1, T, 1]`."""
+    """An `OutputFn` giving `values` per response token from a value head `[1, T, 1]` (`[1, N, 1]`)."""
 
     def fn(output: torch.Tensor, mb: MicroBatch) -> dict[str, torch.Tensor]:
         return {"values": mb.gather(mb.take(output)[..., 0])}

@@ -12,6 +12,8 @@ out along the row the same way (`MicroBatch.routes`).
 
 A `MicroBatch` knows where each response token sits in the row, so a role's output
 `[1, T, ...]` is cut to the response tokens (`take`) and laid back out as `[n, R]` (`to_padded`).
+The engine runs the output layer at those rows only (`head_rows`, `mrl.models.head`): its
+output is then `[1, N, ...]` and `take` only checks it.
 """
 from __future__ import annotations
 
@@ -125,8 +127,9 @@ class MicroBatch:
         if not self.head_rows:
             return output[0].index_select(0, self.response_positions)
         if output.shape[1] != self.response_positions.numel():
-            raise ValueError(f"model output has {output.shape[1]} rows, the micro-batch {self.response_positions.numel()} "
-                             "response positions: run the model under mrl.models.head.at_rows")
+            raise ValueError(f"model output has {output.shape[1]} rows, the micro-batch "
+                             f"{self.response_positions.numel()} response positions: run the model under "
+                             "mrl.models.head.at_rows")
         return output[0]
 
     def gather(self, flat: torch.Tensor) -> torch.Tensor:
