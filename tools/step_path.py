@@ -64,21 +64,24 @@ def short(path: str) -> str:
     return path[len(str(REPO)) + 1:]
 
 
-def main(argv: list[str]) -> None:
+def step_path(job: str = "jobs/quickstart_cpu.toml", overrides: tuple[str, ...] = (),
+              out: str | None = None) -> PathTrace:
+    """The entries of step 1 of `job` (one plain process, one step, no checkpoint, no tracking;
+    `overrides` on top), traced from `train_step` to the `publish` of the weights it made."""
     sys.path.insert(0, str(REPO))
     import mrl.train.loop as loop
     from mrl.config.loader import load
     from mrl.train import source
 
-    job = argv[0] if argv and argv[0].endswith(".toml") else "jobs/quickstart_cpu.toml"
-    overrides = argv[1:] if argv and argv[0].endswith(".toml") else argv
-    out = tempfile.mkdtemp(prefix="step-path-")
+    out = out or tempfile.mkdtemp(prefix="step-path-")
     spec, _ = load(str(REPO / job), ["platform.ranks_per_node=1", "parallel.tensor=1", "trainer.total_steps=1",
-                                     "checkpoint.every_steps=0", "tracking.backends=[]", f"job.output_dir={out}",
+                                     "checkpoint.every_steps=-1", "tracking.backends=[]", f"job.output_dir={out}",
                                      *overrides])
     trace = PathTrace()
     step_fn = loop.train_step
-    publish = {cls: cls.publish for cls in (source.ColocatedRollouts, source.SeparateRollouts)}
+    classes = (source.ColocatedRollouts, source.SeparateRollouts)
+    publish = {cls: cls.publish for cls in classes}
+    own = {cls: "publish" in vars(cls) for cls in classes}   # defined on the class, not inherited
 
     def traced_step(*a, **kw):
         sys.setprofile(trace)
@@ -94,12 +97,25 @@ def main(argv: list[str]) -> None:
         return wrapped
 
     loop.train_step = traced_step
-    for cls in publish:
+    for cls in classes:
         cls.publish = traced_publish(cls)
     try:
         loop.train(spec)
     finally:
         sys.setprofile(None)
+        loop.train_step = step_fn
+        for cls in classes:
+            if own[cls]:
+                cls.publish = publish[cls]
+            else:
+                del cls.publish
+    return trace
+
+
+def main(argv: list[str]) -> None:
+    job = argv[0] if argv and argv[0].endswith(".toml") else "jobs/quickstart_cpu.toml"
+    overrides = argv[1:] if argv and argv[0].endswith(".toml") else argv
+    trace = step_path(job, tuple(overrides))
     for i, (site, where) in enumerate(trace.entries, 1):
         print(f"{i:3d} {site} -> {where}")
     n = trace.summary()

@@ -140,7 +140,8 @@ def generate_rows(target: Target, prompts: list[Request] | FromData, overrides: 
     token count and finish reason, the policy step that generated it and, when every prompt has
     an answer (the job's data always does) and `scored`, its answer and the job's reward (`score`)."""
     from mrl.offline.session import session
-    from mrl.train.rollout import generate, score
+    from mrl.train.rollout import generate
+    from mrl.train.scoring import score
 
     sampling = sampling_of(target.spec, overrides)
     if not isinstance(prompts, FromData):

@@ -1,10 +1,11 @@
 """`ColocatedRollouts`: the rollout source when the engine shares the trainer's ranks
 (`rollout.placement = "colocated"`, see `mrl.train.source`).
 
-`publish(v)` loads version v into the engine (`sync_weights`, skipped when the
-engine already holds it) and leaves the engine awake: evaluation of v and the next step's
-generation use it. `take` produces the step's rollouts inline and then puts the engine to sleep
-for the training stages (`rollout.sleep_level`).
+`take` produces the step's rollouts inline (`mrl.train.produce`, or `mrl.train.driver` with one
+router over every engine group) and then puts the engine to sleep for the training stages
+(`rollout.sleep_level`). `publish(v)`, the step's last stage, is `mrl.train.engine_sync`'s: it
+loads version v into the engine and leaves it awake for the evaluation of v and the next step's
+generation.
 """
 from __future__ import annotations
 
@@ -15,30 +16,10 @@ from mrl.platform.collectives import dp_min, gather_objects, world_max
 from mrl.rollout.weight_channel import channel_metrics
 from mrl.train.carry import encode_carry, merge_carries, restore_shards
 from mrl.train.driver import driven_step, driver_routes
+from mrl.train.engine_sync import EngineWeights
 from mrl.train.parts import Generation, Learner, Prompts, Run, SampleLog
 from mrl.train.produce import ShardRollout, produce
 from mrl.train.evaluate import ValidationResult, evaluate, validation_steps
-
-
-def sync_weights(gen: Generation, learner: Learner, version: int) -> int:
-    """Colocated: stream the actor's weights into the rollout engine (skipped when it already
-    holds them) and record them as policy `version`; returns tensors sent (leader) or 0."""
-    gen.version = version
-    lost = gen.weights_key is None   # first sync, or the engine dropped its weights (sleep level 2)
-    if gen.weights_key == learner.actor.steps:
-        if gen.engine is not None:
-            gen.engine.wake()
-        return 0
-    gen.weights_key = learner.actor.steps
-    stream = learner.exporter.stream("all")
-    if gen.engine is None:
-        for _ in stream:   # every rank takes part in the gathers
-            pass
-        return 0
-    gen.engine.wake(tags=["weights"])   # weights first: the KV cache is not needed to load them
-    sent = gen.channel.push(stream, version, lost=lost) if gen.channel is not None else gen.engine.update_weights(stream)
-    gen.engine.wake(tags=["kv_cache"])
-    return sent
 
 
 def release_engine(gen: Generation, sleep_level: int) -> None:
@@ -51,26 +32,22 @@ def release_engine(gen: Generation, sleep_level: int) -> None:
         gen.weights_key = None
 
 
-class ColocatedRollouts:
+class ColocatedRollouts(EngineWeights):
     def __init__(self, run: Run, learner: Learner, gen: Generation, prompts: Prompts,
                  samples: Optional[SampleLog] = None):
         self.run, self.learner, self.gen, self.prompts = run, learner, gen, prompts
         self.samples = samples if samples is not None else SampleLog()
         self.validated: list[int] = []     # the versions this run validates
         self.sync_s = 0.0                  # the last publish's time (reported with the next step)
+        self.driven = driver_routes(run.spec)   # one router on rank 0 over every leader's engine
 
     def start(self, start: int) -> None:
         self.validated = validation_steps(self.run.spec.trainer, self.run.total_steps, start)
         self.publish(start)
 
-    def publish(self, version: int) -> None:
-        started = time.perf_counter()
-        sync_weights(self.gen, self.learner, version=version)
-        self.sync_s = time.perf_counter() - started
-
     def take(self, step: int, t) -> tuple[ShardRollout, dict[str, float]]:
         with t("rollout"):
-            if driver_routes(self.run.spec):   # one router on rank 0 over every leader's engine
+            if self.driven:
                 rollout = driven_step(self.run, self.gen, self.prompts, step, self.learner.reward_model)
             else:
                 rollout = produce(self.run, self.gen, self.prompts, step, dp_min, reward_model=self.learner.reward_model)

@@ -118,7 +118,7 @@ def driven_step(run, gen, prompts, step: int, reward_model=None):
     rollout = None
     if mine:
         with waits_within(gen.driver_group):   # the driver group's waits; the other ranks wait below
-            rollout = produce(run, gen, prompts, step, lambda count: count, reward_model=reward_model)
+            rollout = produce(run, gen, prompts, step, None, reward_model=reward_model)
     wait_for_peers("the driver's rollouts")
     if run.ctx.role == "rollout":
         return rollout

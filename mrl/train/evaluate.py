@@ -15,7 +15,8 @@ import torch
 from mrl.platform.collectives import dp_all_reduce, world_reduce
 from mrl.rollout.types import sampling_from_config
 from mrl.train.parts import Generation, Prompts, Run, SampleLog
-from mrl.train.rollout import generate, score
+from mrl.train.rollout import generate
+from mrl.train.scoring import score
 
 
 @dataclass

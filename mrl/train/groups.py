@@ -1,8 +1,9 @@
 """The groups a data-parallel shard has in hand while a step's batch fills (plain data).
 
 A group is one prompt's `responses_per_prompt` responses, generated whole or advanced in rounds
-of `rollout.partial_rollout_tokens` (`mrl.train.carry`). These types are a leaf module so the
-typed parts (`mrl.train.parts`) can name them without importing the generation code.
+of `rollout.partial_rollout_tokens` (`mrl.train.rollout.advance`; across steps: `mrl.train.carry`).
+These types are a leaf module so the typed parts (`mrl.train.parts`) can name them without
+importing the generation code.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """How a step's metrics combine, by key, in one place: over the scoring calls of one step
-(`RewardStats`) and over ranks (`reduce_over_ranks`).
+(`RewardStats`, `reward_stats`) and over ranks (`reduce_over_ranks`).
 
 A metric is one of three kinds (`kind`):
 - "sum": events counted (`mrl.reward.compose.is_count`: errors, dropped responses, calls; and the
@@ -72,3 +72,15 @@ def reduce_over_ranks(metrics: dict[str, float], dp: int) -> dict[str, float]:
 
     everyone = gather_objects(metrics, "metrics all-gather")
     return metrics if len(everyone) == 1 else combine(everyone, dp)
+
+
+def reward_stats(calls: dict[int, list[tuple[dict[str, float], int]]]) -> dict[int, dict[str, float]]:
+    """Each shard's reward statistics of one step (`RewardStats`) from its scoring calls, in order
+    (`calls`: shard -> `(stats, responses scored)` of each call)."""
+    out = {}
+    for d, scored in calls.items():
+        acc = RewardStats()
+        for stats, responses in scored:
+            acc.add(stats, responses)
+        out[d] = acc.result()
+    return out

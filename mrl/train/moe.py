@@ -1,24 +1,21 @@
-"""Mixture-of-experts stages of a training step: routing replay (`actor.moe.routing_replay`) and
-the `moe/*` metrics. The mechanism is `mrl.engine.routing`; this module says which routes each
-actor pass replays and what a step reports.
+"""Mixture-of-experts: routing replay's modes (`actor.moe.routing_replay`) and what a job needs
+for them, the replay hooks on an MoE actor, and the `moe/*` metrics a step reports (its last
+stage). The mechanism is `mrl.engine.routing`; where the routes travel:
 
-- "off": every pass routes by itself.
-- "r2": the old-log-prob pass records its own routes (`trainer_*_routes`) and the update passes
-  replay them, so the ratio compares the same experts. An on-policy step has no separate
-  old-log-prob pass (the update's forward gives the old log-probs): nothing to replay there.
-- "r3": every actor pass (old log-probs and updates) replays the routes the rollout engine chose
-  (`rollout_*_routes`, from `Response.routes`: the hf engine's router outputs, or vLLM's
-  routed-experts output, `enable_return_routed_experts`), prompt tokens included.
+- the rollout's routes enter the batch with the step's rollouts (`mrl.train.batching`:
+  `rollout_*_routes`, from `Response.routes`: the hf engine's router outputs, or vLLM's
+  routed-experts output, `enable_return_routed_experts`), prompt tokens included;
+- the actor passes of the step apply them (`mrl.train.step.actor_pass`, `recorded_routes`):
+  - "off": every pass routes by itself;
+  - "r2": the old-log-prob pass records its own routes (`trainer_*_routes`) and the update passes
+    replay them, so the ratio compares the same experts. An on-policy step has no separate
+    old-log-prob pass (the update's forward gives the old log-probs): nothing to replay there;
+  - "r3": every actor pass (old log-probs and updates) replays the rollout's routes.
 The reference model is not replayed: the KL is to the reference as it routes by itself.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Optional
-
 import torch
-
-from mrl.batch import Batch
 
 REPLAY_MODES = ("off", "r2", "r3")
 
@@ -46,59 +43,6 @@ def attach(actor, hf: dict) -> None:
     experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
     if experts:
         actor.attach_routing()
-
-
-def rollout_routes(responses, prompts: list[list[int]], batch: Batch) -> dict[str, torch.Tensor]:
-    """`rollout_prompt_routes [B, P, L, k]` (left-padded) and `rollout_response_routes [B, R, L, k]`
-    (right-padded) from each response's `routes` (`[prompt + response tokens, L, k]`), -1 at
-    padding; `{}` when a response has none (a dense model, an engine that does not return them)."""
-    if not responses or any(r.routes is None for r in responses):
-        return {}
-    L, k = responses[0].routes.shape[1:]
-    P, R = batch["prompt_ids"].shape[1], batch.response_width
-    prompt = torch.full((len(responses), P, L, k), -1, dtype=responses[0].routes.dtype)
-    response = torch.full((len(responses), R, L, k), -1, dtype=responses[0].routes.dtype)
-    for i, (r, p) in enumerate(zip(responses, prompts)):
-        if r.routes.shape[0] != len(p) + len(r.token_ids):
-            raise RuntimeError(f"response {i}: routes for {r.routes.shape[0]} tokens, but prompt + response "
-                               f"have {len(p) + len(r.token_ids)}")
-        prompt[i, P - len(p):] = r.routes[:len(p)]
-        response[i, :len(r.token_ids)] = r.routes[len(p):]
-    return {"rollout_prompt_routes": prompt, "rollout_response_routes": response}
-
-
-def begin_step(actor) -> None:
-    if actor.routing is not None:
-        actor.routing.reset()
-
-
-@contextlib.contextmanager
-def actor_pass(actor, mode: str, which: str, batch: Batch):
-    """Inside: the actor's passes replay what `mode` says for `which` ("old": the old-log-prob
-    pass, which records under r2; "update": the update passes)."""
-    hooks = actor.routing
-    if hooks is None or mode == "off":
-        yield
-        return
-    source: Optional[str] = None
-    if mode == "r3":
-        if "rollout_prompt_routes" not in batch:
-            raise RuntimeError("actor.moe.routing_replay = 'r3', but the rollout returned no routes")
-        source = "rollout"
-    elif which == "update" and "trainer_prompt_routes" in batch:
-        source = "trainer"
-    hooks.replay_from, hooks.record = source, (mode == "r2" and which == "old")
-    try:
-        yield
-    finally:
-        hooks.replay_from, hooks.record = None, False
-
-
-def recorded(actor, mode: str, batch: Batch) -> Batch:
-    """R2: the batch with the routes the old-log-prob pass recorded."""
-    if actor.routing is None or mode != "r2":
-        return batch
-    return batch.add(**actor.routing.take_recorded(batch))
 
 
 def step_metrics(actor) -> dict[str, float]:

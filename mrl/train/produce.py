@@ -6,24 +6,26 @@ groups (`mrl.train.plan`). One loop serves both ways of generating:
 - whole (`rollout.partial_rollout_tokens = 0`): each round draws a generation batch of prompts
   per shard and generates all their responses to the end in one call;
 - partial (C > 0): each round advances every unfinished response by at most C tokens
-  (`mrl.train.carry.advance`); groups still generating when the batch is complete, and kept
+  (`mrl.train.rollout.advance`); groups still generating when the batch is complete, and kept
   groups beyond it, are carried over to the next step, where they continue with newer weights.
   New prompts are drawn only when the groups in hand cannot complete the batch, and a group whose
   oldest response would lag the trained policy by more than `rollout.max_staleness` is dropped and
   counted (`rollout/stale_dropped_*`). `rollout/partial_tokens_carried` counts the tokens earlier
   steps generated for this step's responses.
 
-Finished groups are scored (`mrl.train.rollout.score`) and kept or dropped by `keep_groups_of`
-(dynamic sampling and `reward.on_error = "drop"`, the one keep/drop rule); reward statistics
-accumulate in one `RewardStats` (response-weighted means, `mrl.train.metrics`). With ReMax the
-greedy baseline of each kept prompt is generated and scored here too (`ShardRollout.greedy_scores`),
-so the learning half never generates.
+Finished groups are scored (`mrl.train.scoring.score`) and kept or dropped by `keep_groups_of`
+(dynamic sampling and `reward.on_error = "drop"`, the one keep/drop rule); the step's reward
+statistics are made once from every scoring call (`mrl.train.metrics.reward_stats`:
+response-weighted means). With ReMax the greedy baseline of each kept prompt is generated and
+scored here too (`ShardRollout.greedy_scores`), so the learning half never generates.
 
 `agree_min(k)` is the minimum of `k` over every shard of the step (colocated: the data-parallel
-ranks; separate: the rollout ranks), so all shards run the same rounds and keep the same count.
+ranks; separate: the rollout ranks), so all shards run the same rounds and keep the same count;
+None when this rank produces every shard (one router on the driver, `mrl.train.driver`).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
@@ -33,11 +35,13 @@ import torch
 from mrl.algos.dapo import keep_groups
 from mrl.errors import UserError
 from mrl.rollout.types import Response, sampling_from_config
-from mrl.train.carry import GroupInProgress, ShardCarry, advance, drop_stale, encode_carry
-from mrl.train.metrics import RewardStats
+from mrl.train.carry import encode_carry
+from mrl.train.groups import GroupInProgress, ShardCarry
+from mrl.train.metrics import reward_stats
 from mrl.train.parts import Generation, Prompts, Run
-from mrl.train.rollout import generate, leader_score, score
-from mrl.train.server_round import refresh_unstarted, server_round, server_rounds, target_groups
+from mrl.train.rollout import advance, generate
+from mrl.train.scoring import leader_score, score
+from mrl.train.server_round import server_round, server_rounds
 
 
 @dataclass
@@ -91,15 +95,47 @@ def keep_groups_of(scored: dict, n: int, dynamic_sampling: bool, drop_invalid: b
     return [bool(keep[i * n]) for i in range(responses // n)], dropped
 
 
+def drop_stale(c: ShardCarry, oldest: int, n: int, st: dict) -> None:
+    """Drop the groups whose oldest response began before policy version `oldest` (it would lag
+    the trained policy by more than `rollout.max_staleness`), counting them in `st`."""
+    for pool in (c.active, c.ready):
+        for g in [g for g in pool if min(g.versions) < oldest]:
+            pool.remove(g)
+            st["stale_dropped_responses"] += n
+            st["stale_dropped_tokens"] += sum(len(t) for t in g.tokens)
+
+
+def refresh_unstarted(active: list[GroupInProgress], version: int) -> None:
+    """Server mode: trajectories in hand that have not generated a token yet (drawn beyond the
+    submitted target, or aborted before their first token) are as new as the policy that will
+    start them, `version` (so `drop_stale` never drops a prompt that has not been tried)."""
+    for g in active:
+        for j, tokens in enumerate(g.tokens):
+            if not tokens and g.finish[j] is None:
+                g.versions[j] = version
+
+
+def target_groups(per_rank: int, ready: int, over_sample_rate: float) -> int:
+    """Server mode: the groups a shard keeps in hand (ready + generating) for a step of `per_rank`
+    groups: ceil((1 + rate) x what it still needs), plus what is ready."""
+    return ready + math.ceil((per_rank - ready) * (1 + over_sample_rate) - 1e-9)
+
+
+def _every_shard_here(count: int) -> int:
+    return count
+
+
 def _counters() -> dict[str, float]:
     return {"generated": 0.0, "tokens": 0.0, "dropped": 0.0, "stale_dropped_responses": 0.0,
             "stale_dropped_tokens": 0.0}
 
 
-def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: Callable[[int], int],
+def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: Optional[Callable[[int], int]],
             reward_model=None) -> StepRollout:
     """Generate and score step `step`'s responses for every shard of `prompts` (see the module
     docstring)."""
+    if agree_min is None:   # every shard is here: nothing to agree with
+        agree_min = _every_shard_here
     spec, plan = run.spec, run.plan
     roll, dyn = spec.rollout, spec.algorithm.dynamic_sampling
     n, chunk = roll.responses_per_prompt, roll.partial_rollout_tokens
@@ -111,7 +147,7 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
     for d in prompts.shards:
         carry.setdefault(d, ShardCarry())
     counts = {d: _counters() for d in prompts.shards}
-    rewards = {d: RewardStats() for d in prompts.shards}
+    scorings: dict[int, list] = {d: [] for d in prompts.shards}   # each scoring call's (stats, responses)
     oldest = step - 1 - roll.max_staleness   # the oldest policy version a trained response may start from
 
     def settle(d: int) -> None:
@@ -125,7 +161,7 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
             responses = [x for g in fresh for x in g.responses()]
             r = score(run, gen, [g.item for g in fresh], responses, n, step,
                       metric=dyn.metric if dyn.enable else None, reward_model=reward_model)
-            rewards[d].add(r["stats"], len(responses))
+            scorings[d].append((r["stats"], len(responses)))
             keep, dropped = keep_groups_of(r, n, dyn.enable, spec.reward.on_error == "drop")
             st["dropped"] += dropped
             judged.update({id(g): (r["scores"][i * n:(i + 1) * n], keep[i]) for i, g in enumerate(fresh)})
@@ -134,7 +170,7 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
                 r, g.prescored = g.prescored[0], None
                 if "filter_error" in r:
                     raise UserError(r["filter_error"])
-                rewards[d].add(r["stats"], n)
+                scorings[d].append((r["stats"], n))
                 keep, dropped = keep_groups_of(r, n, dyn.enable, spec.reward.on_error == "drop")
                 st["dropped"] += dropped
                 judged[id(g)] = (r["scores"], keep[0])
@@ -212,11 +248,11 @@ def produce(run: Run, gen: Generation, prompts: Prompts, step: int, agree_min: C
     count = min(have, per_rank)
     if count == 0:
         raise UserError(f"step {step}: no prompt kept after {rounds} generation rounds")
-    out = {}
+    out, rewards = {}, reward_stats(scorings)
     for d in prompts.shards:
         c, st = carry[d], counts[d]
         taken, c.ready = c.ready[:count], c.ready[count:]
-        stats = {**rewards[d].result(), "rollout/generation_rounds": float(rounds),
+        stats = {**rewards[d], "rollout/generation_rounds": float(rounds),
                  "rollout/responses_generated": st["generated"], "tokens/rollout_response": st["tokens"]}
         if server:
             stats.update({"rollout/aborted": st.get("aborted", 0.0), "rollout/engine_busy": st.get("engine_busy", 0.0),

@@ -1,22 +1,24 @@
-"""The rollout stages the producer (`mrl.train.produce`) and evaluation run: generation and reward
-scoring (the colocated engine's weight sync and sleep are `mrl.train.colocated`'s).
+"""The generation stage the producer (`mrl.train.produce`) and evaluation run: responses from the
+rollout engine within `rollout.generate_timeout_s`, whole (`generate`) or C tokens a round
+(`advance`, partial rollouts: `rollout.partial_rollout_tokens`). Reward scoring is
+`mrl.train.scoring`'s; the colocated engine's weights and sleep are `mrl.train.engine_sync`'s and
+`mrl.train.colocated`'s.
 
-Generation and scoring run on the group leader (the model-parallel group's first rank, or the
-engine group's); the responses and scores are broadcast to the group
-(`mrl.platform.collectives.from_leader`) so every rank of it agrees.
+Generation runs on the group leader (the model-parallel group's first rank, or the engine
+group's); the responses are broadcast to the group (`mrl.platform.collectives.from_leader`) so
+every rank of it agrees.
 """
 from __future__ import annotations
 
-import math
-import time
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
 
-from mrl.batch import Batch
 from mrl.errors import UserError
 from mrl.platform.collectives import from_leader
-from mrl.rollout.types import Response, Sampling
+from mrl.rollout.types import Response, Sampling, sampling_from_config
+from mrl.train.groups import GroupInProgress
 from mrl.train.parts import Generation, Run
 
 
@@ -71,84 +73,29 @@ def generate_within(call, timeout_s: float, prompts: int, n: int):
     return box["out"]
 
 
-def filter_values(result, metric: str) -> list[float]:
-    """Per-response values of `algorithm.dynamic_sampling.metric`: "score" (the reward), a reward
-    source's name (its own score), or a number the rewards return in their dicts, as "<source>/<key>"
-    or a bare "<key>" one source returns. A failed reward counts as 0, like its score. Raises
-    `UserError` naming what the rewards did return when none matches."""
-    if metric == "score":
-        values = result.scores
-    elif metric in result.source_scores:
-        values = result.source_scores[metric]
-    elif metric in result.metrics:
-        values = result.metrics[metric]
-    else:
-        found = [k for k in result.metrics if k.rpartition("/")[2] == metric]
-        if len(found) != 1:
-            returned = ", ".join(["score", *result.source_scores, *result.metrics])
-            why = f"several sources return it ({', '.join(found)}): name one" if found else f"the rewards return: {returned}"
-            raise UserError(f"algorithm.dynamic_sampling.metric = {metric!r}: no such reward output; {why}")
-        values = result.metrics[found[0]]
-    return [0.0 if math.isnan(v) else float(v) for v in values]
-
-
-def score(run: Run, gen: Generation, items: list, responses: list[Response], n: int, step: int,
-          metric: str | None = None, reward_model=None) -> dict:
-    """Rewards of `responses` (prompt-major, `n` per item) as plain lists, equal on the group;
-    with `metric`, also the dynamic-sampling values (`filter_values`) of each response.
-    `reward_model`: the value-head engine, run on every rank of the group first (colocated)."""
-    result = None
-    model_scores = (reward_model_scores(run, reward_model, items, responses, n) if reward_model is not None
-                    else None)
-    if gen.is_leader:
-        if model_scores is not None:
-            gen.rm_scores.scores = model_scores
-        result = leader_score(run, gen, items, responses, n, step, metric)
-    result = from_leader(result, gen.mp_group, gen.is_leader, "reward scoring")
-    if "filter_error" in result:
-        raise UserError(result["filter_error"])
-    for i, r in enumerate(responses if "components" in result else ()):
-        r.info["reward_components"] = [float(c[i]) for c in result["components"]]
-    return result
-
-
-def leader_score(run: Run, gen: Generation, items: list, responses: list[Response], n: int, step: int,
-                 metric: str | None = None) -> dict:
-    """`score`'s work on the group's leader alone (no broadcast, no reward model): the reward
-    function's scores, validity, stats and, with `metric`, the dynamic-sampling values; a metric
-    the rewards lack is returned as `filter_error` (raised on every rank after the broadcast)."""
-    from mrl.reward.compose import RewardSample
-
-    tok = run.tokenizer
-    samples = [RewardSample(sample_id=f"step {step} prompt {it.index} response {j}", prompt=it.prompt,
-                            response=tok.decode(r.token_ids, skip_special_tokens=True), ground_truth=it.answer,
-                            data_source=it.data_source, extra=dict(it.extra),
-                            token_ids=list(it.token_ids) + list(r.token_ids))
-               for it_i, it in enumerate(items) for j, r in enumerate(responses[it_i * n:(it_i + 1) * n])]
-    started = time.perf_counter()
-    res = gen.rewarder.score(samples)
-    result = dict(scores=res.scores, valid=res.valid, stats={**res.stats, "time/reward_scoring": time.perf_counter() - started})
-    try:
-        if metric is not None:
-            result["filter_values"] = filter_values(res, metric)
-        if run.spec.algorithm.gdpo_reward_keys:   # gdpo's components, read by `to_batch`
-            result["components"] = [filter_values(res, k) for k in run.spec.algorithm.gdpo_reward_keys]
-    except UserError as e:   # raised on every rank of the group, after the broadcast
-        result["filter_error"] = str(e)
-    return result
-
-
-def reward_model_scores(run: Run, reward_model, items: list, responses: list[Response], n: int) -> list[float]:
-    """The reward model's value at each sequence's last token (prompt + response), on every rank.
-
-    One padding token is appended to each response: the value read "before" it is the model's
-    output at the last real token.
-    """
-    from mrl.engine.objectives import values_output
-
-    pad = run.tokenizer.pad_token_id or 0
-    prompts = [list(it.token_ids) for it in items for _ in range(n)]
-    batch = Batch.from_sequences(prompts, [list(r.token_ids) + [pad] for r in responses], pad_id=pad)
-    budget = run.spec.reward.micro_batch_tokens   # resolved: actor.micro_batch_tokens unless set
-    values = reward_model.forward_only(batch, values_output(), micro_batch_tokens=budget)["values"].cpu()
-    return [float(values[i, len(r.token_ids)]) for i, r in enumerate(responses)]
+def advance(run, gen, active: list[GroupInProgress], chunk: int, seed: int, dp_rank: int, st: dict) -> None:
+    """Advance every unfinished response of `active` by at most `chunk` tokens: one generate call
+    per distinct budget (`chunk`, or what is left of `rollout.max_response_tokens`)."""
+    roll = run.spec.rollout
+    limit = roll.max_response_tokens
+    work = [(g, j) for g in active for j in range(len(g.finish)) if g.finish[j] is None]
+    by_budget: dict[int, list] = {}
+    for g, j in work:
+        by_budget.setdefault(min(chunk, limit - len(g.tokens[j])), []).append((g, j))
+    base = sampling_from_config(roll, seed=seed)
+    for budget in sorted(by_budget):
+        todo = by_budget[budget]
+        sampling = replace(base, n=1, max_tokens=budget, seed=(seed * 7919 + budget) % 2**31)
+        out = generate(run, gen, [list(g.item.token_ids) + g.tokens[j] for g, j in todo], sampling, dp_rank=dp_rank,
+                       images=[getattr(g.item, "images", None) for g, _ in todo])   # a carried response keeps them
+        for (g, j), r in zip(todo, out):
+            g.tokens[j] += r.token_ids
+            g.logprobs[j] += r.logprobs
+            if g.routes:   # the call fed prompt + every token so far: its routes cover them all
+                g.routes[j] = r.routes
+            st["generated"] += 1
+            st["tokens"] += len(r.token_ids)
+            if r.finish_reason == "stop":
+                g.finish[j] = "stop"
+            elif len(g.tokens[j]) >= limit:
+                g.finish[j] = "length"

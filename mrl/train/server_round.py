@@ -5,35 +5,19 @@ steps with some trajectories aborted) are run on the leader's `ServerRollout`, e
 trajectory its own coroutine (`mrl.rollout.agent_loop`); a carried trajectory continues from its
 tokens (`resume`). With `rollout.over_sample_rate`, once `need` groups have finished the rest are
 aborted: their trajectories keep what they generated and stay in `active`, carried to the next
-step under the partial-rollout rules (`mrl.train.carry`: a response is as old as its first token,
-`drop_stale` applies `rollout.max_staleness`). The leader broadcasts the round's outcome to its
-group (`from_leader`), so every rank of it holds the same groups.
+step under the partial-rollout rules (`mrl.train.produce`: a response is as old as its first token,
+`drop_stale` applies `rollout.max_staleness`; the producer stamps the trajectories not yet started
+with the policy that starts them, `refresh_unstarted`, before it submits a round). The leader
+broadcasts the round's outcome to its group (`from_leader`), so every rank of it holds the same groups.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Callable, Optional
 
 from mrl.platform.collectives import from_leader
 from mrl.rollout.types import Response, prompt_seed, sampling_from_config
 from mrl.train.groups import GroupInProgress
-
-
-def target_groups(per_rank: int, ready: int, over_sample_rate: float) -> int:
-    """Groups a shard keeps in hand (ready + generating) for a step of `per_rank` groups:
-    ceil((1 + rate) x what it still needs), plus what is ready."""
-    return ready + math.ceil((per_rank - ready) * (1 + over_sample_rate) - 1e-9)
-
-
-def refresh_unstarted(active: list[GroupInProgress], version: int) -> None:
-    """Trajectories in hand that have not generated a token yet (drawn beyond the submitted target,
-    or aborted before their first token) are as new as the policy that will start them: `version`
-    (so `drop_stale` never drops a prompt that has not been tried)."""
-    for g in active:
-        for j, tokens in enumerate(g.tokens):
-            if not tokens and g.finish[j] is None:
-                g.versions[j] = version
 
 
 def server_round(run, gen, active: list[GroupInProgress], need: int, seed: int, dp_rank: int, st: dict,
@@ -74,7 +58,6 @@ def _round(run, gen, active: list[GroupInProgress], need: int, seed: int, dp_ran
 
     roll = run.spec.rollout
     n = roll.responses_per_prompt
-    refresh_unstarted(active, gen.version)   # a trajectory is as old as its first token
     groups = list(active)
     work = [(gi, g, j) for gi, g in enumerate(groups) for j in range(n) if g.finish[j] is None]
     outcome = call = None

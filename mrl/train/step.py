@@ -1,9 +1,12 @@
 """One training step: the data path of docs/design.md, one line per stage.
 
     take the step's rollouts from the rollout source (`mrl.train.source`: produced inline when
-    colocated, waited for when separate) -> to a batch (+ overlong shaping)
-    -> old log-probs (+ audit) -> reference log-probs -> critic values
-    -> advantages (+ correction weights) -> critic update -> actor update
+    colocated, waited for when separate) -> to a batch (`mrl.train.batching`: + overlong shaping,
+    the rollout's MoE routes) -> old log-probs (+ audit) -> reference log-probs -> critic values
+    -> advantages (+ correction weights) -> critic update -> actor update -> the `moe/*` metrics
+
+An MoE actor's passes replay routes as `actor.moe.routing_replay` says (`actor_pass`): the
+old-log-prob pass and the updates, here, where they run.
 
 Every stage is timed (`time/<stage>`); `time/rollout_share` is the rollout's share of the step.
 Each stage function takes only the parts it reads (`mrl.train.parts`), so it can be called with
@@ -11,7 +14,7 @@ small fakes.
 """
 from __future__ import annotations
 
-import math
+import contextlib
 import time
 from typing import Optional
 
@@ -19,8 +22,8 @@ import torch
 
 from mrl.batch import Batch
 from mrl.platform.collectives import dp_sum
-from mrl.rollout.tools import tool_metrics
-from mrl.train import moe
+from mrl.train.batching import to_batch
+from mrl.train.moe import step_metrics as moe_metrics
 from mrl.train.parts import Learner, Run, SampleLog
 from mrl.train.timer import StageTimer
 
@@ -43,9 +46,10 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
         samples.put("train", rows)
     train_started_at = time.time()
     replay = spec.actor.moe.routing_replay
-    moe.begin_step(learner.actor)
+    if learner.actor.routing is not None:   # MoE: a step starts its route counts afresh
+        learner.actor.routing.reset()
     if not reuse:
-        with t("old_logprobs"), moe.actor_pass(learner.actor, replay, "old", batch):
+        with t("old_logprobs"), actor_pass(learner.actor, replay, "old", batch):
             if alg.advantage in ("optimal_token_baseline", "tir_optimal_token_baseline"):
                 batch = batch.add(**logprobs_of(learner.actor, run, batch, spec.actor.logprob_micro_batch_tokens,
                                                 pi_squared=True))
@@ -55,7 +59,7 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
             batch = batch.add(old_logprobs=batch["rollout_logprobs" if alg.correction.old_logprobs == "rollout"
                                                  else "trainer_logprobs"])
             metrics.update(audit(batch))
-        batch = moe.recorded(learner.actor, replay, batch)
+        batch = recorded_routes(learner.actor, replay, batch)
     elif alg.correction.old_logprobs == "rollout":
         batch = batch.add(old_logprobs=batch["rollout_logprobs"])
     if learner.ref is not None:
@@ -93,14 +97,14 @@ def train_step(run: Run, learner: Learner, rollouts, step: int, on_stage=None,
                                   "critic"))
     if learner.critic is None or step > spec.critic.warmup_steps:
         recorded = UpdateLogprobs(batch) if reuse else None
-        with t("actor_update"), moe.actor_pass(learner.actor, replay, "update", batch):
+        with t("actor_update"), actor_pass(learner.actor, replay, "update", batch):
             metrics.update(update(learner.actor, batch, spec.actor, run.plan.actor, policy_objective(run, recorded, learner.teacher),
                                   step, "actor"))
         metrics["tokens/actor_update"] = float(batch.sequence_lengths.sum()) * spec.actor.epochs
         if recorded is not None:   # the audit from the update's forward pass
             batch = batch.add(trainer_logprobs=recorded.logprobs)
             metrics.update(audit(batch))
-    metrics.update(moe.step_metrics(learner.actor))
+    metrics.update(moe_metrics(learner.actor))
     # when this step learned (wall clock: with a separate rollout, generation overlaps it)
     metrics.update({"time/train_started_at": train_started_at, "time/train_ended_at": time.time()})
     metrics.update(t.metrics())
@@ -333,56 +337,36 @@ def update(engine, batch: Batch, section, plan, objective, step: int, name: str)
     return out
 
 
-# ---------------------------------------------------------------------------- rollouts to a batch
 
-def to_batch(run: Run, shard, step: int) -> tuple[Batch, dict[str, float], Optional[dict]]:
-    """A trainer rank's `Batch` for `step` from its shard: token ids, group indices, `rewards`
-    (after overlong shaping), `rollout_logprobs`, and the step's rollout metrics; plus a sample
-    table on the main rank when the step logs one (else None)."""
-    spec = run.spec
-    alg = spec.algorithm
-    n = spec.rollout.responses_per_prompt
-    kept_items, kept_resp, kept_scores = shard.items, shard.responses, shard.scores
-    batch = Batch.from_sequences([list(it.token_ids) for it in kept_items for _ in range(n)],
-                                 [r.token_ids for r in kept_resp],
-                                 group_index=[i for i in range(len(kept_items)) for _ in range(n)],
-                                 loss_masks=[r.loss_mask for r in kept_resp],
-                                 pad_id=run.tokenizer.pad_token_id or 0)
-    width = batch.response_width
-    rollout_lp = torch.zeros(len(kept_resp), width)
-    for i, r in enumerate(kept_resp):
-        rollout_lp[i, :len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
-    truncated = torch.tensor([r.finish_reason == "length" for r in kept_resp])
-    scores = torch.tensor(kept_scores, dtype=torch.float32)
-    raw_scores = scores.clone()
-    if alg.overlong.enable:
-        from mrl.algos.dapo import overlong_penalty
+# ---------------------------------------------------------------------------- MoE routing replay
 
-        scores = scores + overlong_penalty(batch["response_lengths"], spec.rollout.max_response_tokens,
-                                           alg.overlong.buffer_tokens, alg.overlong.penalty_factor)
-    mask = batch["response_mask"]
-    if alg.overlong.enable and alg.overlong.mask_truncated:
-        mask = mask * (~truncated).long().unsqueeze(1)
-    batch = Batch({**batch.tensors, "response_mask": mask}, {"prompt_item": [it for it in kept_items for _ in range(n)]})
-    batch = batch.add(rewards=scores, raw_scores=raw_scores, rollout_logprobs=rollout_lp, truncated=truncated.long())
-    if alg.gdpo_reward_keys:
-        batch = batch.add(reward_components=torch.tensor([r.info["reward_components"] for r in kept_resp],
-                                                         dtype=torch.float32).view(len(kept_resp), -1))
-    batch = batch.add(**moe.rollout_routes(kept_resp, [list(it.token_ids) for it in kept_items for _ in range(n)],
-                                           batch))
-    if shard.greedy_scores is not None:   # ReMax: the baseline produced with the group
-        batch = batch.add(greedy_scores=torch.tensor(shard.greedy_scores, dtype=torch.float32).repeat_interleave(n))
-    metrics = {
-        "reward/mean": float(raw_scores.mean()),
-        "reward/shaped_mean": float(scores.mean()),
-        "response/length_mean": float(batch["response_lengths"].float().mean()),
-        "response/truncated_fraction": float(truncated.float().mean()),
-        **{k: v for k, v in shard.stats.items() if not math.isnan(v)},
-        **tool_metrics(kept_resp),   # multi-turn: tools/calls, tools/errors_*, tools/truncated
-    }
-    rows = None
-    from mrl.tracking.samples import sample_rows, wants_samples
+@contextlib.contextmanager
+def actor_pass(actor, mode: str, which: str, batch: Batch):
+    """Inside: the actor's passes replay what `actor.moe.routing_replay` (`mode`) says for `which`
+    ("old": the old-log-prob pass, which records its own routes under r2; "update": the update
+    passes). r3 replays the rollout's routes (`rollout_*_routes`, put in the batch by
+    `mrl.train.batching`), r2's updates the routes the old-log-prob pass recorded; a dense actor
+    (no hooks) or "off" routes by itself. The mechanism is `mrl.engine.routing.RouterHooks`."""
+    hooks = actor.routing
+    if hooks is None or mode == "off":
+        yield
+        return
+    source: Optional[str] = None
+    if mode == "r3":
+        if "rollout_prompt_routes" not in batch:
+            raise RuntimeError("actor.moe.routing_replay = 'r3', but the rollout returned no routes")
+        source = "rollout"
+    elif which == "update" and "trainer_prompt_routes" in batch:
+        source = "trainer"
+    hooks.replay_from, hooks.record = source, (mode == "r2" and which == "old")
+    try:
+        yield
+    finally:
+        hooks.replay_from, hooks.record = None, False
 
-    if run.ctx.is_main and wants_samples(spec.trainer.log_samples_every, step, run.total_steps):
-        rows = sample_rows(step, kept_items, kept_resp, raw_scores.tolist(), n, run.tokenizer)
-    return batch, metrics, rows
+
+def recorded_routes(actor, mode: str, batch: Batch) -> Batch:
+    """R2: the batch with the routes the old-log-prob pass recorded."""
+    if actor.routing is None or mode != "r2":
+        return batch
+    return batch.add(**actor.routing.take_recorded(batch))

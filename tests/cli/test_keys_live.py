@@ -166,7 +166,7 @@ def _result(**kw):
 
 def test_dynamic_sampling_metric_picks_the_reward_output_that_decides_equality():
     from mrl.algos.dapo import keep_groups
-    from mrl.train.rollout import filter_values
+    from mrl.train.scoring import filter_values
 
     r = _result()
     assert filter_values(r, "score") == [0.5, 0.5, 1.0, 0.0]

@@ -13,7 +13,7 @@ from mrl.engine import packing
 from mrl.engine.routing import (ObservingReplay, load_ratio, moe_layer_numbers, pack_row, same_experts, sp_slice,
                                 unpack_row)
 from mrl.rollout.types import Response, routes_to
-from mrl.train.moe import rollout_routes
+from mrl.train.batching import rollout_routes
 
 
 def token_routes(batch: Batch, layers: int = 2, k: int = 2) -> dict:
@@ -196,7 +196,7 @@ def test_engine_rows_over_all_layers_become_moe_layer_routes():
 
 
 def test_each_actor_pass_replays_what_the_mode_says():
-    from mrl.train.moe import actor_pass
+    from mrl.train.step import actor_pass
 
     batch = small_batch()
     recorded = batch.add(trainer_prompt_routes=batch["rollout_prompt_routes"],

@@ -75,9 +75,9 @@ def test_server_mode_and_a_resumed_trajectory_keep_their_images(vlm):
 
 
 def test_partial_rollouts_carry_the_prompts_images(vlm):
-    """`mrl.train.carry.advance` (partial rollouts, 3 tokens a round): each call sends the prompt's
+    """`mrl.train.rollout.advance` (partial rollouts, 3 tokens a round): each call sends the prompt's
     images with prompt + tokens so far, and the greedy result equals one whole call."""
-    from mrl.train.carry import advance
+    from mrl.train.rollout import advance
     from mrl.train.groups import GroupInProgress
 
     eng, prompts, inputs = vlm

@@ -308,7 +308,8 @@ def test_the_train_loop_syncs_full_after_a_level_2_sleep_and_delta_otherwise(lev
     from types import SimpleNamespace
 
     from mrl.train.parts import Generation, Learner
-    from mrl.train.colocated import release_engine, sync_weights
+    from mrl.train.colocated import release_engine
+    from mrl.train.engine_sync import sync_weights
 
     engine = _engine()
     trainer = Trainer(_shapes(engine))

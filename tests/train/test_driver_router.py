@@ -36,7 +36,8 @@ OVER = ("rollout.router=leader rollout.over_sample_rate=0.25 rollout.max_stalene
 
 def test_one_router_over_two_leaders_in_two_processes(tmp_path):
     step2 = tmp_path / "run2" / "checkpoints" / "actor" / "step_00000002"
-    proc = run_torchrun("tests/train/scripts/driver_router.py", str(tmp_path), f"{BASE} rollout.router=leader",
+    proc = run_torchrun("tests/train/scripts/driver_router.py", str(tmp_path),
+                        f"{BASE} rollout.router=leader checkpoint.every_steps=-1",   # nothing to save
                         f"{BASE} rollout.router=driver", f"{BASE} {OVER}", f"{BASE} {OVER} checkpoint.load_from={step2}",
                         timeout=900)
     out = proc.stdout

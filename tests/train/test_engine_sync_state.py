@@ -30,7 +30,8 @@ def _parts():
 
 @pytest.mark.parametrize("level,reloads", [(0, 1), (1, 1), (2, 2)])
 def test_unchanged_weights_are_resent_only_after_a_level_2_sleep(level, reloads):
-    from mrl.train.colocated import release_engine, sync_weights
+    from mrl.train.colocated import release_engine
+    from mrl.train.engine_sync import sync_weights
 
     learner, gen = _parts()
     sync_weights(gen, learner, 0)   # e.g. validation before training

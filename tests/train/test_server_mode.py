@@ -107,9 +107,8 @@ def test_groups_waiting_unstarted_are_not_dropped_as_stale():
     """A group drawn beyond the submitted target waits in hand without a token; steps later it is
     as new as the policy that starts it, so max_staleness never drops it untried, while a group
     that began generating under an old policy is dropped."""
-    from mrl.train.carry import drop_stale
     from mrl.train.groups import GroupInProgress, ShardCarry
-    from mrl.train.server_round import refresh_unstarted
+    from mrl.train.produce import drop_stale, refresh_unstarted
 
     waiting = GroupInProgress.new(SimpleNamespace(index=0), 2, version=0)
     begun = GroupInProgress.new(SimpleNamespace(index=1), 2, version=0)
@@ -180,6 +179,7 @@ def test_the_other_ranks_of_the_group_replay_the_groups_started_in_flight(monkey
     replacement groups from their own samplers: their step, carry and data position equal the
     leader's (the broadcasts recorded on the leader, replayed on a follower)."""
     import mrl.train.rollout as rollout_mod
+    import mrl.train.scoring as scoring_mod
     import mrl.train.server_round as round_mod
     from mrl.train.carry import encode_carry
     from mrl.train.produce import produce
@@ -195,12 +195,14 @@ def test_the_other_ranks_of_the_group_replay_the_groups_started_in_flight(monkey
     try:
         monkeypatch.setattr(round_mod, "from_leader", record)
         monkeypatch.setattr(rollout_mod, "from_leader", record)
+        monkeypatch.setattr(scoring_mod, "from_leader", record)
         lead = produce(run, gen, prompts, 1, agree_min=lambda x: x).shards[0]
     finally:
         server.shutdown()
     replay = iter(sent)
     monkeypatch.setattr(round_mod, "from_leader", lambda obj, group, is_leader, work: next(replay))
     monkeypatch.setattr(rollout_mod, "from_leader", lambda obj, group, is_leader, work: next(replay))
+    monkeypatch.setattr(scoring_mod, "from_leader", lambda obj, group, is_leader, work: next(replay))
     run2, gen2, prompts2, server2 = _parts([2, 3, 30, 150, 5, 5], extra=extra)
     server2.shutdown()
     gen2.generator = gen2.engine = gen2.rewarder = None

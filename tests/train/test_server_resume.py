@@ -26,19 +26,24 @@ ARGS = ["job.name=run", "tracking.backends=[\"mlflow\"]", "platform.ranks_per_no
         "platform.cpu_threads=1",
         "rollout.mode=server", "rollout.over_sample_rate=0.25", "rollout.max_staleness=1", "rollout.max_num_seqs=6",
         "rollout.max_num_batched_tokens=64", "rollout.max_response_tokens=16", "data.prompts_per_step=4",
-        "rollout.responses_per_prompt=4", "trainer.total_steps=4", "checkpoint.every_steps=2"]
+        "rollout.responses_per_prompt=4", "trainer.total_steps=4", "checkpoint.every_steps=2",
+        # the quickstart's reward, which the killed run holds once its step-2 checkpoint exists (a
+        # held call waits to be killed: the reward timeout outlasts the test's wait; the workers see
+        # the hold's variable)
+        "reward.function=tests/train/held_reward.py:score", "reward.timeout_s=600",
+        "reward.env_allow=[\"MRL_TEST_HOLD_WHEN\"]"]
 
 
-def _launch(out: Path, *args: str) -> subprocess.Popen:
+def _launch(out: Path, *args: str, hold: dict | None = None) -> subprocess.Popen:
     """`mrl train` in one plain process (no torchrun), in a session of its own (killed as a group);
-    its output goes to `out`.log."""
+    its output goes to `out`.log. `hold`: the variable that holds its reward (`held_reward.py`)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                              "MASTER_PORT")}
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{out}.log", "a") as log:
         return subprocess.Popen([sys.executable, "-m", "mrl", "train", JOB, f"job.output_dir={out}", *args], cwd=REPO,
-                                env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(hold or {})},
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _finish(proc: subprocess.Popen, out: Path) -> str:
@@ -56,12 +61,17 @@ def test_killed_server_mode_run_with_partial_trajectories_resumes_exactly(tmp_pa
     dtypes = ("float32", "bfloat16")
     args = {d: [*ARGS, f"model.dtype={d}"] for d in dtypes}
     whole = {d: _launch(tmp_path / d / "whole", *args[d]) for d in dtypes}
-    killed = {d: _launch(tmp_path / d / "killed", *args[d]) for d in dtypes}
     ckpt = {d: tmp_path / d / "killed" / "run" / "checkpoints" / "actor" for d in dtypes}
-    deadline = time.monotonic() + 500
+    # the killed run's reward holds every call once the step-2 checkpoint exists (step 3's scoring)
+    # until the kill, so the kill, once `latest` names that checkpoint, cannot come too late
+    # however loaded the machine
+    killed = {d: _launch(tmp_path / d / "killed", *args[d], hold={"MRL_TEST_HOLD_WHEN": str(ckpt[d] / "step_00000002")})
+              for d in dtypes}
+    deadline = time.monotonic() + 500   # a failure bound only: the kill waits for the checkpoint
     while killed and time.monotonic() < deadline:
         for d, proc in list(killed.items()):
-            if (ckpt[d] / "step_00000002").is_dir() or proc.poll() is not None:
+            latest = ckpt[d] / "latest"
+            if (latest.exists() and latest.read_text().strip() == "step_00000002") or proc.poll() is not None:
                 kill_process_group(proc)
                 del killed[d]
         time.sleep(0.1)

@@ -31,7 +31,7 @@ from mrl.engine.objectives import PolicyObjective, actor_outputs
 from mrl.models.megatron import complete_hf_config, parallel_from_state
 from mrl.models.roles import build_role_model
 from mrl.rollout.hf_routes import RouteCapture
-from mrl.train.moe import rollout_routes
+from mrl.train.batching import rollout_routes
 from mrl.weights import load_hf_checkpoint
 from tests.weights.archs import make_hf_model
 

@@ -22,7 +22,7 @@ def main(job: str, overrides: list[str]) -> None:
     from mrl.config.loader import load
     from mrl.train.build import build, close
     from mrl.train.colocated import ColocatedRollouts
-    from mrl.train.colocated import sync_weights as sync
+    from mrl.train.engine_sync import sync_weights as sync
     from mrl.train.step import logprobs_of, train_step
 
     spec, _ = load(job, overrides)

@@ -133,8 +133,11 @@ def part1(out: Path, dtype: str) -> None:
         dist.barrier()
         served = [None, None]
         dist.all_gather_object(served, {"received": mine.server.log.received, "aborted": mine.server.log.aborted})
+    if rank == 0:   # the driver closes its channel first: rank 1's server then stops with no connection open
+        mine.shutdown()
     dist.barrier()
-    mine.shutdown()
+    if rank == 1:
+        mine.shutdown()
 
 
 def part2(out: Path, runs: list[str]) -> None:
