@@ -1,7 +1,9 @@
 """`Engine`: a megatron-core model (actor, critic, reference) driven by megatron's pipeline schedule.
 
-Role-agnostic: a role supplies callbacks on the model output of one packed micro-batch
-(`[1, T, V/tp]` logits for a language model, `[1, T, 1]` for a value head):
+Role-agnostic: a role supplies callbacks on the model output of one packed micro-batch, read
+through `mb.take` at its response positions. The output layer runs at those positions only
+(`mrl.models.head.at_rows`: the LM head on prompt tokens would be thrown away), so the output
+is `[1, N, V/tp]` logits for a language model, `[1, N, 1]` for a value head:
 
 - `LossFn(output, mb, totals) -> (loss, metrics)`: `loss` is this micro-batch's share of the
   mini-batch loss, aggregated with the global counts in `totals` (`mrl.algos.losses.aggregate(...,
@@ -36,6 +38,7 @@ import torch
 from mrl.batch import Batch
 from mrl.engine import packing
 from mrl.engine.packing import MicroBatch
+from mrl.models.head import at_rows
 from mrl.optim.step import StepOutcome, guarded_step
 
 log = logging.getLogger(__name__)
@@ -62,11 +65,13 @@ class Engine:
 
     `chunks` are the model's virtual-pipeline chunks on this rank, wrapped in megatron DDP when
     the engine trains (`optimizer` given); a frozen model (reference) passes bare chunks and no
-    optimizer. `name` ("actor", "critic", ...) names the stage in errors and logs.
+    optimizer. `name` ("actor", "critic", ...) names the stage in errors and logs. `head_rows`
+    False runs the output layer over the whole packed row, as before it ran at the response
+    positions only (the equivalence checks and `tools/bench/train_step.py` compare the two).
     """
 
     def __init__(self, chunks: list, *, optimizer=None, scheduler=None, name: str = "actor",
-                 grad_clip: float = 0.0, nonfinite: str = "stop"):
+                 grad_clip: float = 0.0, nonfinite: str = "stop", head_rows: bool = True):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
@@ -76,6 +81,7 @@ class Engine:
         self.name = name
         self.grad_clip = grad_clip
         self.nonfinite = nonfinite
+        self.head_rows = head_rows
         self.config = self.chunks[0].config
         self.device = next(self.chunks[0].parameters()).device
         self.dp = ps.get_data_parallel_world_size()
@@ -139,7 +145,9 @@ class Engine:
             mb = next(data_iterator)
             if self.routing is not None:
                 self.routing.before(model, mb)
-            output = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **mb.vision)
+            mb.head_rows = self.head_rows   # every callback reads the response positions (`MicroBatch.take`)
+            with at_rows(model, mb.response_positions) if self.head_rows else contextlib.nullcontext():
+                output = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **mb.vision)
             if self.routing is not None:
                 self.routing.after(model, mb)
             return output, step_fn(mb)

@@ -12,6 +12,9 @@ per-token values. Algorithms come from `mrl.algos`; only the plumbing lives here
   per-row coefficients computed before the pass (its docstring has why this is exact).
 - `values_output` / `ValueObjective`: a value head's `[1, T, 1]` output read at the same
   positions as the log-probs (the state before each response token), clipped value loss.
+
+Every callback reads the model output through `mb.take`: the engine runs the output layer at
+the response positions only (`mrl.models.head.at_rows`), so the logits are `[1, N, V/tp]`.
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ JOB_GROUP = object()   # a `group` default: the job's tensor-parallel group (`_t
 def response_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float = 1.0,
                       entropy: bool = True, vocab_size: Optional[int] = None,
                       kernels: str = "auto", group=JOB_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(logp [N], entropy [N])` of the response tokens of `mb` from logits `[1, T, V/tp]`.
+    """`(logp [N], entropy [N])` of the response tokens of `mb` from logits `[1, T, V/tp]` (or `[1, N, V/tp]`
+    when the engine ran the LM head at the response rows only, `MicroBatch.head_rows`).
 
     `vocab_size`: the tokenizer's vocabulary; Megatron's padding columns beyond it are masked
     out so they take no probability mass (None: no padding to mask). `kernels`: "auto" (Triton
@@ -274,7 +278,7 @@ def _share(mb: MicroBatch, totals: Totals, mode: str, all_rows: bool = False) ->
 
 
 def values_output():
-    """An `OutputFn` giving `values` per response token from a value head `[1, T, 1]`."""
+    """An `OutputFn` giving `values` per response token from a value head `[1, T, 1]` (`[1, N, 1]`)."""
 
     def fn(output: torch.Tensor, mb: MicroBatch) -> dict[str, torch.Tensor]:
         return {"values": mb.gather(mb.take(output)[..., 0])}

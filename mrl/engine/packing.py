@@ -12,6 +12,8 @@ out along the row the same way (`MicroBatch.routes`).
 
 A `MicroBatch` knows where each response token sits in the row, so a role's output
 `[1, T, ...]` is cut to the response tokens (`take`) and laid back out as `[n, R]` (`to_padded`).
+The engine runs the output layer at those rows only (`head_rows`, `mrl.models.head`): its
+output is then `[1, N, ...]` and `take` only checks it.
 """
 from __future__ import annotations
 
@@ -112,6 +114,7 @@ class MicroBatch:
     real: Optional[torch.Tensor] = None  # [T] bool: real tokens of the (local) row, padding False
     cp: Optional[CPShare] = None         # context parallelism: this rank's share
     vision: dict = dataclasses.field(default_factory=dict)   # pixel_values / image_grid_thw of the row's images
+    head_rows: bool = False              # the model's output layer ran at `response_positions` only (`mrl.models.head`)
 
     @property
     def row_tokens(self) -> int:
@@ -119,8 +122,15 @@ class MicroBatch:
 
     def take(self, output: torch.Tensor) -> torch.Tensor:
         """The response-token rows `[N, ...]` of a model output `[1, T, ...]` (differentiable;
-        under CP this rank's response tokens, in its local order: `gather` makes them whole)."""
-        return output[0].index_select(0, self.response_positions)
+        under CP this rank's response tokens, in its local order: `gather` makes them whole).
+        With `head_rows` the engine ran the output layer at those rows only (`[1, N, ...]`)."""
+        if not self.head_rows:
+            return output[0].index_select(0, self.response_positions)
+        if output.shape[1] != self.response_positions.numel():
+            raise ValueError(f"model output has {output.shape[1]} rows, the micro-batch "
+                             f"{self.response_positions.numel()} response positions: run the model under "
+                             "mrl.models.head.at_rows")
+        return output[0]
 
     def gather(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-response-token values `[N_local, ...]` of `take` -> `[N, ...]` of the whole micro-batch

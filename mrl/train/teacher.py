@@ -17,6 +17,7 @@ own tokens, and its log-probs are attributed back to the student's tokens by cha
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -107,6 +108,7 @@ def teacher_rows(teacher: Teacher):
     from megatron.core import parallel_state as ps
 
     from mrl.engine.objectives import _tp_group
+    from mrl.models.head import at_rows
     from mrl.models.roles import mask_padded_vocab
 
     model = teacher.engine.chunks[0]
@@ -115,7 +117,8 @@ def teacher_rows(teacher: Teacher):
 
     def fn(mb) -> torch.Tensor:
         with torch.no_grad():
-            out = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
+            with at_rows(model, mb.response_positions) if mb.head_rows else contextlib.nullcontext():
+                out = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
             rows = mask_padded_vocab(mb.take(out), teacher.vocab_size,
                                      tp_rank=torch.distributed.get_rank(group) if group else 0)
             width = rows.shape[-1] // teacher.copies

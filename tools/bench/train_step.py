@@ -46,6 +46,11 @@ SHAPES = {
     "tiny": dict(model_type="llama", vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
                  tie_word_embeddings=False),
+    # the SmolLM2 job's model (jobs/smollm2_chainsum_cpu.toml; tied embeddings): with --responses 32
+    # --prompt-len 80 --response-len 32 one rank's share of that job's update
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True),
     "370m": dict(model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=4096,
                  num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=4,
                  max_position_embeddings=32768, tie_word_embeddings=False),
@@ -93,6 +98,9 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--response-len", type=int, default=None)
     ap.add_argument("--micro-batch-tokens", type=int, default=None)
+    ap.add_argument("--full-head", action="store_true",
+                    help="the LM head over the whole packed row (Engine(head_rows=False), the path before issue 41) "
+                         "instead of the response positions only")
     ap.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up step)")
     ap.add_argument("--json", metavar="PATH", default=None,
                     help="also write the figures to PATH as JSON (the printed output is unchanged)")
@@ -128,7 +136,7 @@ def main():
         optim = OptimConfig(lr=1e-6, grad_clip=1.0)
         opt = build_optimizer(ddp, optim, distributed_optimizer=parallel.distributed_optimizer)
         sched = build_scheduler(opt, optim, ScheduleConfig(), 100)
-        engine = Engine(ddp, optimizer=opt, scheduler=sched, grad_clip=1.0)
+        engine = Engine(ddp, optimizer=opt, scheduler=sched, grad_clip=1.0, head_rows=not args.full_head)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         pack_t = Timed(engine.micro_batches, sync)
         engine.micro_batches = pack_t
@@ -156,7 +164,8 @@ def main():
         math_s = step_s - pack_s - loss_s - opt_step
         print(f"train_step: {ctx.platform}, {args.shape if not args.big else '370m'} ({params / 1e6:.1f}M params, "
               f"{dtype}, attention {model.mrl_attention}, recompute {args.recompute}), {responses} responses, "
-              f"{tokens} tokens/step, {int(m['micro_batches'])} micro-batch(es) of <= {budget} tokens")
+              f"{tokens} tokens/step, {int(m['micro_batches'])} micro-batch(es) of <= {budget} tokens, LM head at "
+              f"{'every row position' if args.full_head else 'the response positions'}; last loss {m['loss']:.9g}")
         print(f"  step {step_s * 1e3:.1f} ms  ->  {tokens / step_s:,.0f} tokens/s")
         print(f"  packing {pack_s / step_s:6.2%}   loss callback (incl. log-prob kernel) {loss_s / step_s:6.2%}   "
               f"optimizer step {opt_step / step_s:6.2%}   model forward/backward {math_s / step_s:6.2%}")
@@ -166,7 +175,8 @@ def main():
         figures = dict(device=args.device, device_name="cpu", shape="370m" if args.big else args.shape,
                        params=params, dtype=dtype, attention=model.mrl_attention, recompute=args.recompute,
                        responses=responses, tokens_per_step=tokens, micro_batches=int(m["micro_batches"]),
-                       micro_batch_tokens=budget, step_ms=step_s * 1e3, tokens_per_s=tokens / step_s,
+                       micro_batch_tokens=budget, head_rows=not args.full_head, step_ms=step_s * 1e3,
+                       tokens_per_s=tokens / step_s,
                        share_packing=pack_s / step_s, share_loss=loss_s / step_s,
                        share_optimizer=opt_step / step_s, share_model=math_s / step_s,
                        share_outside_model_math=(pack_s + loss_s + opt_step) / step_s,
