@@ -10,17 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.weights.vlm_archs import image_prompt_inputs, make_vlm
+from tests.weights.vlm_archs import image_prompt_inputs, make_vlm, one_rank_platform
 
 
-@pytest.fixture(scope="module")
-def platform():
-    from mrl import platform as plat
-    from mrl.platform.config import ParallelConfig, PlatformConfig
-
-    ctx = plat.setup(PlatformConfig(device="cpu", ranks_per_node=1, cpu_threads=1), ParallelConfig(), seed=11)
-    yield ctx
-    plat.teardown()
+platform = pytest.fixture(scope="module")(one_rank_platform)
 
 
 @pytest.fixture(scope="module")

@@ -5,49 +5,23 @@ attention, the export round trip, the preset and its refusals. TP=2 / PP=2 run i
 shared launch (`test_tp2_and_pp2_match_transformers`)."""
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.weights.vlm_archs import save_gemma3_checkpoint
+from tests.weights.vlm_archs import megatron_from_dir as _megatron
+from tests.weights.vlm_archs import one_rank_platform, save_gemma3_checkpoint
+from tests.weights.vlm_archs import packed_logits as _packed
 
 
-@pytest.fixture(scope="module")
-def platform():
-    from mrl import platform as plat
-    from mrl.platform.config import ParallelConfig, PlatformConfig
-
-    ctx = plat.setup(PlatformConfig(device="cpu", ranks_per_node=1, cpu_threads=1), ParallelConfig(), seed=11)
-    yield ctx
-    plat.teardown()
+platform = pytest.fixture(scope="module")(one_rank_platform)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return save_gemma3_checkpoint(tmp_path_factory.mktemp("gemma3"))
-
-
-def _megatron(d, dtype="float32"):
-    from mrl.models.megatron import complete_hf_config
-    from mrl.models.roles import build_role_model
-    from mrl.platform.config import ParallelConfig
-    from mrl.weights import load_hf_checkpoint
-
-    hf = complete_hf_config(json.loads((d / "config.json").read_text()))
-    model = build_role_model("actor", hf, ParallelConfig(), dtype=dtype, device="cpu")
-    load_hf_checkpoint([model], d, hf)
-    return hf, model.eval()
-
-
-def _packed(model, ref, dtype=torch.float32):
-    from mrl.engine.packing import _thd_params
-
-    with torch.no_grad():
-        return model(ref["row"], ref["position_ids"], None, packed_seq_params=_thd_params(ref["lengths"], "cpu"),
-                     pixel_values=ref["pixel_values"].to(dtype))[0]
 
 
 def _open(hf):

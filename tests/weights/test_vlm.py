@@ -13,17 +13,12 @@ import torch
 from safetensors.torch import save_file
 
 from tests.dist_util import REPO, run_torchrun
-from tests.weights.vlm_archs import image_prompts, make_vlm, save_gemma3_checkpoint
+from tests.weights.vlm_archs import image_prompts, make_vlm, one_rank_platform, save_gemma3_checkpoint
+from tests.weights.vlm_archs import megatron_from_dir as _megatron
+from tests.weights.vlm_archs import packed_logits as _packed
 
 
-@pytest.fixture(scope="module")
-def platform():
-    from mrl import platform as plat
-    from mrl.platform.config import ParallelConfig, PlatformConfig
-
-    ctx = plat.setup(PlatformConfig(device="cpu", ranks_per_node=1, cpu_threads=1), ParallelConfig(), seed=11)
-    yield ctx
-    plat.teardown()
+platform = pytest.fixture(scope="module")(one_rank_platform)
 
 
 PRESETS = ("tiny-qwen2.5-vl", "tiny-qwen3-vl")
@@ -62,26 +57,6 @@ def _open(hf):
     keep = torch.ones(hf["vocab_size"], dtype=torch.bool)
     keep[[hf[f] for f in PLACEHOLDER_FIELDS if hf.get(f) is not None]] = False
     return keep
-
-
-def _megatron(d, dtype="float32"):
-    from mrl.models.megatron import complete_hf_config
-    from mrl.models.roles import build_role_model
-    from mrl.platform.config import ParallelConfig
-    from mrl.weights import load_hf_checkpoint
-
-    hf = complete_hf_config(json.loads((d / "config.json").read_text()))
-    model = build_role_model("actor", hf, ParallelConfig(), dtype=dtype, device="cpu")
-    load_hf_checkpoint([model], d, hf)
-    return hf, model.eval()
-
-
-def _packed(model, ref, dtype=torch.float32):
-    from mrl.engine.packing import _thd_params
-
-    with torch.no_grad():
-        return model(ref["row"], ref["position_ids"], None, packed_seq_params=_thd_params(ref["lengths"], "cpu"),
-                     pixel_values=ref["pixel_values"].to(dtype), image_grid_thw=ref["image_grid_thw"])[0]
 
 
 def test_rope_index_by_hand():

@@ -9,6 +9,54 @@ import torch
 from mrl.models.facts import BUILTIN_PRESETS
 
 
+def right_padded(rows: list[list[int]], pad: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as `[n, width]` ids right-padded with `pad` (the byte tokenizer's end) and the mask."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+        mask[i, :len(r)] = 1
+    return ids, mask
+
+
+def one_rank_platform():
+    """A one-rank CPU platform (one thread, seed 11) for a test module: use as
+    `platform = pytest.fixture(scope="module")(one_rank_platform)`."""
+    from mrl import platform as plat
+    from mrl.platform.config import ParallelConfig, PlatformConfig
+
+    ctx = plat.setup(PlatformConfig(device="cpu", ranks_per_node=1, cpu_threads=1), ParallelConfig(), seed=11)
+    yield ctx
+    plat.teardown()
+
+
+def megatron_from_dir(d: Path, dtype: str = "float32"):
+    """(completed hf config, the actor built at one rank with `d`'s checkpoint loaded, in eval mode)."""
+    import json
+
+    from mrl.models.megatron import complete_hf_config
+    from mrl.models.roles import build_role_model
+    from mrl.platform.config import ParallelConfig
+    from mrl.weights import load_hf_checkpoint
+
+    hf = complete_hf_config(json.loads((Path(d) / "config.json").read_text()))
+    model = build_role_model("actor", hf, ParallelConfig(), dtype=dtype, device="cpu")
+    load_hf_checkpoint([model], d, hf)
+    return hf, model.eval()
+
+
+def packed_logits(model, ref: dict, dtype=torch.float32) -> torch.Tensor:
+    """The model's logits on a reference's packed row (`row`, `position_ids`, `lengths`, the images'
+    `pixel_values` and, for Qwen-VL, `image_grid_thw`)."""
+    from mrl.engine.packing import _thd_params
+
+    extra = {"image_grid_thw": ref["image_grid_thw"]} if ref.get("image_grid_thw") is not None else {}
+    with torch.no_grad():
+        return model(ref["row"], ref["position_ids"], None, packed_seq_params=_thd_params(ref["lengths"], "cpu"),
+                     pixel_values=ref["pixel_values"].to(dtype), **extra)[0]
+
+
 def make_vlm(out_dir: str | Path, seed: int = 0, preset: str = "tiny-qwen2.5-vl"):
     """The preset's architecture with random weights (norms and biases perturbed), saved; the model."""
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -47,12 +95,7 @@ def image_prompts(hf: dict, seed: int = 3):
 
     rows = [text(3) + image(grids[0]) + text(5),
             text(2) + image(grids[1]) + text(4) + image(grids[2]) + text(3)]
-    width = max(map(len, rows))
-    ids = torch.full((2, width), 256)
-    mask = torch.zeros(2, width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
-        mask[i, :len(r)] = 1
+    ids, mask = right_padded(rows)
     return ids, mask, pixels, grids
 
 
@@ -84,12 +127,7 @@ def gemma3_image_prompts(hf: dict, seed: int = 3):
         return torch.randint(0, 256, (n,), generator=g).tolist()
 
     rows = [text(9) + image + text(7), text(5) + image + text(6) + image + text(4)]
-    width = max(map(len, rows))
-    ids = torch.full((2, width), 256)
-    mask = torch.zeros(2, width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
-        mask[i, :len(r)] = 1
+    ids, mask = right_padded(rows)
     return ids, mask, pixels, None
 
 
