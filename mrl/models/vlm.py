@@ -27,11 +27,14 @@ from __future__ import annotations
 
 from typing import Any
 
-VLM_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "gemma3")
+VLM_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "gemma3", "qwen3_5", "qwen3_5_moe")
 #: the VLMs with multimodal RoPE (the multimodal Gemma 3, `mrl.models.gemma3_vlm`, has plain RoPE)
-MROPE_TYPES = ("qwen2_5_vl", "qwen3_vl")
+MROPE_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+#: the multimodal Qwen3.5 (dense, MoE): Qwen3-VL's tower without deepstack, the Gated DeltaNet hybrid
+#: text model (`mrl.models.gated_deltanet`), Qwen3-VL's interleaved sections on the partial-rotary dims
+QWEN3_5_TYPES = ("qwen3_5", "qwen3_5_moe")
 #: each type's default mRoPE split of the rotary half-dimension (temporal, height, width)
-_SECTIONS = {"qwen2_5_vl": [16, 24, 24], "qwen3_vl": [24, 20, 20]}
+_SECTIONS = {"qwen2_5_vl": [16, 24, 24], "qwen3_vl": [24, 20, 20], "qwen3_5": [11, 11, 10], "qwen3_5_moe": [11, 11, 10]}
 #: top-level fields of a VLM config.json that are not the text model's
 _TOP = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "tie_word_embeddings")
 #: what `flatten` adds on top of the text fields; `nested` moves it back out
@@ -101,9 +104,9 @@ def mrope_section(hf: dict[str, Any]) -> list[int]:
 
 
 def mrope_interleaved(hf: dict[str, Any]) -> bool:
-    """Whether the sections interleave over the frequencies (Qwen3-VL: `transformers` always does,
-    whatever `mrope_interleaved` says) rather than take contiguous runs (Qwen2.5-VL)."""
-    return hf["model_type"] == "qwen3_vl"
+    """Whether the sections interleave over the frequencies (Qwen3-VL, Qwen3.5: `transformers` always
+    does, whatever `mrope_interleaved` says) rather than take contiguous runs (Qwen2.5-VL)."""
+    return hf["model_type"] in ("qwen3_vl",) + QWEN3_5_TYPES
 
 
 def deepstack_layers(hf: dict[str, Any]) -> int:
@@ -119,6 +122,14 @@ def _classes(hf: dict[str, Any]):
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel, Qwen3VLVisionModel
 
         return Qwen3VLVisionModel, Qwen3VLModel
+    if hf["model_type"] == "qwen3_5":
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model, Qwen3_5VisionModel
+
+        return Qwen3_5VisionModel, Qwen3_5Model
+    if hf["model_type"] == "qwen3_5_moe":
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeModel, Qwen3_5MoeVisionModel
+
+        return Qwen3_5MoeVisionModel, Qwen3_5MoeModel
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (Qwen2_5_VisionTransformerPretrainedModel,
                                                                     Qwen2_5_VLModel)
 
@@ -203,7 +214,7 @@ def tiny_image_processor(hf: dict[str, Any]):
         from mrl.models.gemma3_vlm import image_processor
 
         return image_processor(hf)
-    return Qwen2VLImageProcessorPil(**(TINY_QWEN3_IMAGE_PROCESSOR if hf["model_type"] == "qwen3_vl"
+    return Qwen2VLImageProcessorPil(**(TINY_QWEN3_IMAGE_PROCESSOR if hf["model_type"] in ("qwen3_vl",) + QWEN3_5_TYPES
                                        else TINY_IMAGE_PROCESSOR))
 
 

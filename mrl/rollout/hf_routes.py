@@ -63,7 +63,7 @@ def moe_layer_indices(hf: dict) -> list[int]:
     architecture (Qwen-MoE: not in `mlp_only_layers` and every `decoder_sparse_step`-th; DeepSeek-V3, GLM-4.5:
     from `first_k_dense_replace` on, every `moe_layer_freq`-th; Mixtral: all)."""
     n, kind = int(hf["num_hidden_layers"]), hf.get("model_type")
-    if kind in ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe_text"):   # (Qwen3-Next, Qwen3.5-MoE: Qwen2-MoE blocks)
+    if kind in ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"):   # (Qwen3-Next, Qwen3.5-MoE: Qwen2-MoE blocks)
         dense, step = set(hf.get("mlp_only_layers") or ()), int(hf.get("decoder_sparse_step") or 1)
         return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
     if kind in ("deepseek_v3", "glm4_moe"):

@@ -124,7 +124,7 @@ def hf_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
     out.append(HFTensor("model.norm.weight", (h,)))
     if not cfg.get("tie_word_embeddings", False):
         out.append(HFTensor("lm_head.weight", (vocab, h), tp_sharded=True))
-    if model_type == "qwen3_vl":   # its checkpoints nest the language model (`mrl.weights.tables`)
+    if model_type in ("qwen3_vl", "qwen3_5", "qwen3_5_moe"):   # checkpoints nesting the language model (`mrl.weights.tables`)
         out = [dataclasses.replace(t, name="model.language_model." + t.name[len("model."):])
                if t.name.startswith("model.") else t for t in out]
     if model_type == "gemma3":   # the multimodal Gemma 3's: `language_model.model.*`
@@ -139,7 +139,8 @@ def _vision_tensors(cfg: dict[str, Any]) -> list[HFTensor]:
     own module built on the meta device (no memory, no arithmetic of ours to drift from it)."""
     from mrl.models.vlm import vision_tower
 
-    prefix = {"qwen3_vl": "model.visual.", "gemma3": ""}.get(cfg["model_type"], "visual.")
+    prefix = {"qwen3_vl": "model.visual.", "qwen3_5": "model.visual.", "qwen3_5_moe": "model.visual.",
+              "gemma3": ""}.get(cfg["model_type"], "visual.")
     tower = vision_tower(cfg, None, device="meta")
     return [HFTensor(prefix + n, tuple(t.shape)) for n, t in tower.state_dict().items()]
 

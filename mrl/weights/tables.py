@@ -230,6 +230,12 @@ TABLES: dict[str, tuple[Rule, ...]] = {
     "qwen3_5_text": EMBEDDINGS + GATED_ATTENTION + QK_NORM + DELTANET + QWEN3_5_IN_PROJ + DENSE_MLP,
     "qwen3_5_moe_text": (EMBEDDINGS + GATED_ATTENTION + QK_NORM + DELTANET + QWEN3_5_IN_PROJ + DENSE_MLP
                          + QWEN_MOE_EXPERTS + QWEN2_MOE_SHARED),
+    # The multimodal Qwen3.5 (dense, MoE): its text model's rows under `model.language_model.`, the
+    # tower as `model.visual.*`, an untied head as `lm_head` (the names transformers saves).
+    "qwen3_5": _under("model.language_model.", EMBEDDINGS + GATED_ATTENTION + QK_NORM + DELTANET + QWEN3_5_IN_PROJ
+                      + DENSE_MLP) + _rules(("vision.{R}", "model.visual.{R}")),
+    "qwen3_5_moe": _under("model.language_model.", EMBEDDINGS + GATED_ATTENTION + QK_NORM + DELTANET + QWEN3_5_IN_PROJ
+                          + DENSE_MLP + QWEN_MOE_EXPERTS + QWEN2_MOE_SHARED) + _rules(("vision.{R}", "model.visual.{R}")),
     # The multimodal Gemma 3, under the names its checkpoints keep (transformers 5 writes them too,
     # though it holds `model.language_model.*` in memory): the text model under `language_model.model.`,
     # the SigLIP tower and the projector (`mrl.models.gemma3_vlm.Gemma3Vision`) as `vision_tower.*` and

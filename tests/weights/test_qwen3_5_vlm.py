@@ -1,0 +1,135 @@
+"""The multimodal Qwen3.5 (`qwen3_5`, `qwen3_5_moe`: Qwen3-VL's tower without deepstack + the Gated
+DeltaNet hybrid text model, interleaved mRoPE on the gated-attention layers' partial-rotary dims)
+against `transformers`' Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration:
+logits of a packed row of image prompts (fp32 1e-5), the HF -> megatron -> HF round trip, the hf
+engine's log-probs with images against the trainer's, the presets and refusals. TP2 / PP2 are not
+run for these types."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.weights.vlm_archs import image_prompt_inputs, image_prompts, make_vlm, one_rank_platform
+from tests.weights.vlm_archs import megatron_from_dir as _megatron
+from tests.weights.vlm_archs import packed_logits as _packed
+
+platform = pytest.fixture(scope="module")(one_rank_platform)
+
+PRESETS = ("tiny-qwen3.5-vl", "tiny-qwen3.5-moe-vl")
+
+
+def _save(d, preset):
+    """A saved tiny multimodal Qwen3.5 in `d` and `reference.pt`: one packed row of two image prompts
+    (3 images) with its mRoPE ids, `transformers`' logits for its real tokens (and with blank images)."""
+    from mrl.models.megatron import complete_hf_config
+    from mrl.models.vlm import mrope_position_ids
+
+    model = make_vlm(d, preset=preset)
+    hf = complete_hf_config(json.loads((d / "config.json").read_text()))
+    ids, mask, pixels, grids = image_prompts(hf)
+    types = (ids == hf["image_token_id"]).int()
+    lens = mask.sum(1).tolist()
+    with torch.no_grad():   # each prompt alone (no padding through the DeltaNet recurrence)
+        logits = [model(input_ids=ids[i:i + 1, :n], pixel_values=p, image_grid_thw=g,
+                        mm_token_type_ids=types[i:i + 1, :n]).logits[0]
+                  for i, n, p, g in ((0, lens[0], pixels[:16], grids[:1]), (1, lens[1], pixels[16:], grids[1:]))]
+    pos = mrope_position_ids(hf, ids, grids, mask)
+    torch.save(dict(ids=ids, mask=mask, lengths=lens, pixel_values=pixels, image_grid_thw=grids,
+                    row=torch.cat([ids[i, :n] for i, n in enumerate(lens)]).unsqueeze(0),
+                    position_ids=torch.cat([pos[:, i, :n] for i, n in enumerate(lens)], 1).unsqueeze(1),
+                    logits=torch.cat(logits)), d / "reference.pt")
+    return d
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def checkpoint(request, tmp_path_factory):
+    return _save(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def _open(hf):
+    from mrl.models.vlm import PLACEHOLDER_FIELDS
+
+    keep = torch.ones(hf["vocab_size"], dtype=torch.bool)
+    keep[[hf[f] for f in PLACEHOLDER_FIELDS if hf.get(f) is not None]] = False
+    return keep
+
+
+def test_packed_logits_equal_transformers(platform, checkpoint):
+    """Two image prompts (3 images) packed in one row: transformers' logits within 1e-5 (fp32), the
+    placeholders banned; the images and the mRoPE ids matter (blank images, or plain ids, differ)."""
+    hf, model = _megatron(checkpoint)
+    ref = torch.load(checkpoint / "reference.pt")
+    keep = _open(hf)
+    got = _packed(model, ref)[:, : hf["vocab_size"]]
+    diff = (got[:, keep] - ref["logits"][:, keep]).abs().max().item()
+    print(f"{hf['model_type']} fp32 packed logits max diff {diff:.2e}")
+    assert diff <= 1e-5
+    assert (got[:, ~keep] == -1e9).all()
+    assert model.vision is not None and not any(p.requires_grad for p in model.vision.parameters())
+    blank = dict(ref, pixel_values=torch.zeros_like(ref["pixel_values"]))
+    assert (_packed(model, blank)[:, : hf["vocab_size"]][:, keep] - ref["logits"][:, keep]).abs().max().item() > 1e-2
+    plain = dict(ref, position_ids=torch.cat([torch.arange(n) for n in ref["lengths"]]).unsqueeze(0))
+    assert (_packed(model, plain)[:, : hf["vocab_size"]][:, keep] - ref["logits"][:, keep]).abs().max().item() > 1e-4
+
+
+def test_export_is_bit_exact_and_loads_in_transformers(platform, checkpoint, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from mrl.weights import Exporter
+
+    hf, model = _megatron(checkpoint)
+    stream = dict(Exporter([model], hf).stream())
+    assert any(n.startswith("model.visual.blocks.1.") for n in stream)
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in stream
+    assert ("lm_head.weight" in stream) == (not hf["tie_word_embeddings"])
+    saved = load_file(checkpoint / "model.safetensors")
+    assert set(stream) == set(saved)
+    assert all(torch.equal(stream[n], t) for n, t in saved.items())
+    save_file(stream, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(checkpoint / "config.json", tmp_path / "config.json")
+    ref = torch.load(checkpoint / "reference.pt")
+    reloaded = AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    n = ref["lengths"][0]
+    with torch.no_grad():
+        got = reloaded(input_ids=ref["ids"][:1, :n], pixel_values=ref["pixel_values"][:16],
+                       image_grid_thw=ref["image_grid_thw"][:1],
+                       mm_token_type_ids=(ref["ids"][:1, :n] == hf["image_token_id"]).int()).logits[0]
+    assert torch.equal(got, ref["logits"][:n])
+
+
+def test_hf_engine_logprobs_with_images_equal_the_trainer(platform, checkpoint):
+    """The hf engine samples from the two image prompts (mRoPE ids in its prefill and decode,
+    placeholders never sampled); the trainer (a Batch whose prompt items carry their images, packed
+    by the Engine) scores the same tokens within 1e-4 (the step-1 audit, fp32)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from mrl.batch import Batch
+    from mrl.engine.engine import Engine
+    from mrl.engine.objectives import actor_outputs
+    from mrl.rollout.hf import HFEngine
+    from mrl.models.vlm import mrope_position_ids
+    from mrl.rollout.types import Sampling
+
+    hf, model = _megatron(checkpoint)
+    prompts, inputs = image_prompt_inputs(hf)
+    eng = HFEngine.from_pretrained(str(checkpoint), seed=0)
+    resp = eng.generate(prompts, Sampling(n=2, temperature=1.0, max_tokens=8, seed=5, ignore_eos=True), images=inputs)
+    banned = {hf["image_token_id"], hf["video_token_id"], hf["vision_start_token_id"], hf["vision_end_token_id"]}
+    assert not banned & {t for r in resp for t in r.token_ids}
+    items = [SimpleNamespace(images=replace(x, prompt_positions=mrope_position_ids(
+        hf, torch.tensor([p]), x.image_grid_thw)[:, 0])) for p, x in zip(prompts, inputs)]
+    batch = Batch.from_sequences([prompts[r.prompt_index] for r in resp], [r.token_ids for r in resp], pad_id=256)
+    batch = Batch(batch.tensors, {"prompt_item": [items[r.prompt_index] for r in resp]})
+    out = Engine([model], name="actor").forward_only(
+        batch, actor_outputs(1.0, entropy=True, vocab_size=hf["vocab_size"]), micro_batch_tokens=80)
+    worst = max((out["logprobs"][i, :len(r.token_ids)] - torch.tensor(r.logprobs)).abs().max().item()
+                for i, r in enumerate(resp))
+    print(f"{hf['model_type']} AUDIT max |rollout - trainer| log-prob {worst:.3e}")
+    assert worst <= 1e-4, worst
+    assert torch.isfinite(out["entropy"]).all()
