@@ -40,11 +40,11 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_5_text": ("TP1 (tests/weights); TP2 PP2 DP2 through qwen3_5_moe_text's layers, checked once by hand "
                      "(Qwen3.5's text model, Gated DeltaNet layers: no context parallelism; hf rollout engine)"),
     "qwen3_5_moe_text": _MOE + " (Qwen3.5-MoE's text model, as qwen3_5_text)",
-    "qwen3_5": ("TP1 (tests/weights/test_qwen3_5_vlm.py: logits with images, round trip, hf engine audit; TP2/PP2 "
-                "untested) (the multimodal Qwen3.5: its vision tower and qwen3_5_text, interleaved mRoPE on the "
-                "partial-rotary dims; hf rollout engine, docs/vlm.md)"),
-    "qwen3_5_moe": ("TP1 as qwen3_5 (its MoE text model qwen3_5_moe_text; EP/TP2/PP2 untested with images; hf "
-                    "rollout engine)"),
+    "qwen3_5": ("TP1 TP2 PP2 (the multimodal Qwen3.5: its vision tower and qwen3_5_text, interleaved mRoPE on the "
+                "partial-rotary dims; logits with images, round trip, hf engine audit; DP2 untested; hf rollout "
+                "engine, docs/vlm.md)"),
+    "qwen3_5_moe": ("TP1 (the multimodal Qwen3.5-MoE: its vision tower and qwen3_5_moe_text; TP2 PP2 EP2 untested "
+                    "with images; hf rollout engine, docs/vlm.md)"),
 }
 
 

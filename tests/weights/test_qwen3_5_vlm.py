@@ -6,14 +6,13 @@ engine's log-probs with images against the trainer's, the presets and refusals. 
 run for these types."""
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.weights.vlm_archs import image_prompt_inputs, image_prompts, make_vlm, one_rank_platform
+from tests.weights.vlm_archs import image_prompt_inputs, one_rank_platform, save_qwen3_5_checkpoint
 from tests.weights.vlm_archs import megatron_from_dir as _megatron
 from tests.weights.vlm_archs import packed_logits as _packed
 
@@ -22,32 +21,9 @@ platform = pytest.fixture(scope="module")(one_rank_platform)
 PRESETS = ("tiny-qwen3.5-vl", "tiny-qwen3.5-moe-vl")
 
 
-def _save(d, preset):
-    """A saved tiny multimodal Qwen3.5 in `d` and `reference.pt`: one packed row of two image prompts
-    (3 images) with its mRoPE ids, `transformers`' logits for its real tokens (and with blank images)."""
-    from mrl.models.megatron import complete_hf_config
-    from mrl.models.vlm import mrope_position_ids
-
-    model = make_vlm(d, preset=preset)
-    hf = complete_hf_config(json.loads((d / "config.json").read_text()))
-    ids, mask, pixels, grids = image_prompts(hf)
-    types = (ids == hf["image_token_id"]).int()
-    lens = mask.sum(1).tolist()
-    with torch.no_grad():   # each prompt alone (no padding through the DeltaNet recurrence)
-        logits = [model(input_ids=ids[i:i + 1, :n], pixel_values=p, image_grid_thw=g,
-                        mm_token_type_ids=types[i:i + 1, :n]).logits[0]
-                  for i, n, p, g in ((0, lens[0], pixels[:16], grids[:1]), (1, lens[1], pixels[16:], grids[1:]))]
-    pos = mrope_position_ids(hf, ids, grids, mask)
-    torch.save(dict(ids=ids, mask=mask, lengths=lens, pixel_values=pixels, image_grid_thw=grids,
-                    row=torch.cat([ids[i, :n] for i, n in enumerate(lens)]).unsqueeze(0),
-                    position_ids=torch.cat([pos[:, i, :n] for i, n in enumerate(lens)], 1).unsqueeze(1),
-                    logits=torch.cat(logits)), d / "reference.pt")
-    return d
-
-
 @pytest.fixture(scope="module", params=PRESETS)
 def checkpoint(request, tmp_path_factory):
-    return _save(tmp_path_factory.mktemp(request.param), request.param)
+    return save_qwen3_5_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
 
 
 def _open(hf):

@@ -164,3 +164,28 @@ def save_gemma3_checkpoint(d: Path, preset: str = "tiny-gemma3-vl") -> Path:
                     logits=torch.cat([logits[i, :n] for i, n in enumerate(lens)]),
                     causal_logits=torch.cat([causal[i, :n] for i, n in enumerate(lens)])), Path(d) / "reference.pt")
     return Path(d)
+
+
+def save_qwen3_5_checkpoint(d: Path, preset: str = "tiny-qwen3.5-vl") -> Path:
+    """A saved tiny multimodal Qwen3.5 in `d` and `reference.pt`: one packed row of two image prompts
+    (3 images) with its mRoPE ids, and `transformers`' logits for its real tokens (each prompt run alone)."""
+    import json
+
+    from mrl.models.megatron import complete_hf_config
+    from mrl.models.vlm import mrope_position_ids
+
+    model = make_vlm(d, preset=preset)
+    hf = complete_hf_config(json.loads((Path(d) / "config.json").read_text()))
+    ids, mask, pixels, grids = image_prompts(hf)
+    types = (ids == hf["image_token_id"]).int()
+    lens, cut = mask.sum(1).tolist(), int(grids[0].prod())
+    with torch.no_grad():   # each prompt alone (no padding through the DeltaNet recurrence)
+        logits = [model(input_ids=ids[i:i + 1, :n], pixel_values=p, image_grid_thw=g,
+                        mm_token_type_ids=types[i:i + 1, :n]).logits[0]
+                  for i, n, p, g in ((0, lens[0], pixels[:cut], grids[:1]), (1, lens[1], pixels[cut:], grids[1:]))]
+    pos = mrope_position_ids(hf, ids, grids, mask)
+    torch.save(dict(ids=ids, mask=mask, lengths=lens, pixel_values=pixels, image_grid_thw=grids,
+                    row=torch.cat([ids[i, :n] for i, n in enumerate(lens)]).unsqueeze(0),
+                    position_ids=torch.cat([pos[:, i, :n] for i, n in enumerate(lens)], 1).unsqueeze(1),
+                    logits=torch.cat(logits)), Path(d) / "reference.pt")
+    return Path(d)

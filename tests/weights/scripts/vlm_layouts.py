@@ -1,4 +1,4 @@
-"""Qwen2.5-VL / Qwen3-VL / multimodal Gemma 3 HF checkpoints -> Megatron at TP=2 and PP=2 (one gloo launch, each
+"""Qwen2.5-VL / Qwen3-VL / multimodal Gemma 3 / multimodal Qwen3.5 HF checkpoints -> Megatron at TP=2 and PP=2 (one gloo launch, each
 checkpoint and layout in turn).
 
 Per layout: the exported stream equals the checkpoint bit for bit (vision tower included, read
