@@ -11,7 +11,8 @@ What `transformers` computes, and how mrl builds it:
 - `qwen3_next` / `qwen3_5_moe_text`: routed experts (softmax, top-k renormalised) plus Qwen2-MoE's
   shared expert scaled by `sigmoid(shared_expert_gate(x))`; `qwen3_5_text`: a dense SwiGLU MLP;
 - Qwen3.5's multimodal RoPE reduces to the plain table for text positions (its three position
-  streams are equal), so its text models take the ordinary RoPE.
+  streams are equal), so its text models take the ordinary RoPE; the multimodal `qwen3_5` /
+  `qwen3_5_moe` take interleaved mRoPE on the same partial-rotary dims (`mrl.models.vlm_gpt`).
 
 Why not megatron-core 0.16.1's `megatron.core.ssm.gated_delta_net.GatedDeltaNet`: it allocates its
 conv and gates with `torch.cuda.current_device()`, refuses to build without `fla`, and raises

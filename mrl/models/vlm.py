@@ -1,5 +1,8 @@
-"""Vision-language models (Qwen2.5-VL, Qwen3-VL): megatron-core's GPTModel with mRoPE plus the
-Hugging Face vision tower on the first pipeline stage (slime's native path). The multimodal Gemma 3
+"""Vision-language models (Qwen2.5-VL, Qwen3-VL, the multimodal Qwen3.5): megatron-core's GPTModel
+with mRoPE plus the Hugging Face vision tower on the first pipeline stage (slime's native path).
+The multimodal Qwen3.5 (`qwen3_5`, `qwen3_5_moe`) is Qwen3-VL's path without deepstack, with the
+Gated DeltaNet hybrid as its language model (`mrl.models.gated_deltanet`; mRoPE on the gated
+attention's partial-rotary dims). The multimodal Gemma 3
 (`gemma3`: plain RoPE, SigLIP tower and projector, images attending both ways) takes the same path
 with its own pieces (`mrl.models.gemma3_vlm`); the mRoPE parts below are Qwen-VL's (`uses_mrope`).
 

@@ -44,15 +44,19 @@ def test_tensor_list_matches_a_transformers_model_of_the_config(preset):
     cfg = dict(BUILTIN_PRESETS[preset])
     if is_vlm(cfg):   # an image-text model: the language model under its own prefix, the tower as `visual.*`
         model = transformers.AutoModelForImageTextToText.from_config(hf_config_object(flatten(cfg)))
-        want = sorted(tuple(t.shape) for n, t in model.state_dict().items()
-                      if not (cfg.get("tie_word_embeddings") and n == "lm_head.weight"))
+        kept = {n: tuple(t.shape) for n, t in model.state_dict().items()
+                if not (cfg.get("tie_word_embeddings") and n == "lm_head.weight")}
         got = hf_tensors(cfg)
-        assert sorted(t.shape for t in got) == want
+        # (the multimodal Qwen3.5-MoE: fused experts in memory, one tensor per expert projection in the list)
+        assert sorted(s for n, s in kept.items() if ".mlp.experts." not in n) == sorted(
+            t.shape for t in got if ".mlp.experts." not in t.name)
+        assert sum(math.prod(s) for n, s in kept.items() if ".mlp.experts." in n) == sum(
+            t.numel for t in got if ".mlp.experts." in t.name)
         tower = {n for n in model.state_dict() if n.startswith("model.visual.")}
         # Qwen2.5-VL checkpoints keep the tower as `visual.*`, Qwen3-VL's as `model.visual.*`
         named = {t.name for t in got if t.name.startswith(("visual.", "model.visual."))}
         assert {n if n.startswith("model.") else "model." + n for n in named} == tower
-        if cfg["model_type"] == "qwen3_vl":   # and the language model as `model.language_model.*`
+        if cfg["model_type"] in ("qwen3_vl", "qwen3_5"):   # and the language model as `model.language_model.*`
             text = {n for n in model.state_dict() if not n.startswith("model.visual.")
                     and not (cfg.get("tie_word_embeddings") and n == "lm_head.weight")}
             assert {t.name for t in got if not t.name.startswith("model.visual.")} == text
