@@ -85,7 +85,8 @@ def test_export_is_bit_exact_and_loads_in_transformers(platform, checkpoint, tmp
 def test_hf_engine_logprobs_with_images_equal_the_trainer(platform, checkpoint):
     """The hf engine samples from the two image prompts (mRoPE ids in its prefill and decode,
     placeholders never sampled); the trainer (a Batch whose prompt items carry their images, packed
-    by the Engine) scores the same tokens within 1e-4 (the step-1 audit, fp32)."""
+    by the Engine) scores the same tokens within 1e-4 (the step-1 audit, fp32). The MoE model's
+    responses carry the routes its routers took (what routing replay feeds the trainer)."""
     from dataclasses import replace
     from types import SimpleNamespace
 
@@ -113,6 +114,19 @@ def test_hf_engine_logprobs_with_images_equal_the_trainer(platform, checkpoint):
     print(f"{hf['model_type']} AUDIT max |rollout - trainer| log-prob {worst:.3e}")
     assert worst <= 1e-4, worst
     assert torch.isfinite(out["entropy"]).all()
+    assert eng.returns_routes == (hf["model_type"] == "qwen3_5_moe")
+    if eng.returns_routes:   # each response's routes are the experts a whole-sequence forward with its images picks
+        from mrl.rollout.hf_routes import RouteCapture
+
+        for r in resp:
+            seq = torch.tensor([prompts[r.prompt_index] + r.token_ids])
+            x = inputs[r.prompt_index]
+            with RouteCapture(eng.model) as cap, torch.no_grad():
+                eng.model(input_ids=seq, pixel_values=x.pixel_values, image_grid_thw=x.image_grid_thw,
+                          mm_token_type_ids=(seq == hf["image_token_id"]).int())
+                want = cap.take(1, seq.shape[1])[0]
+            assert r.routes.shape == (seq.shape[1], 2, hf["num_experts_per_tok"])
+            assert torch.equal(r.routes, want)
 
 
 def test_presets_facts_and_refusals(capsys):
