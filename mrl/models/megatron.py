@@ -44,8 +44,6 @@ SUPPORTED_MODEL_TYPES = tuple(t for t in ARCHITECTURES if t not in MODEL_TYPE_AL
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Quantized checkpoints mrl dequantizes on load (`mrl.weights.stacked`), by model type.
 DEQUANTIZED_ON_LOAD = {"gpt_oss": ("mxfp4",)}
-# Model types transformers builds that mrl does not map yet, and what is missing (issue 40).
-UNMAPPED_MODEL_TYPES: dict[str, str] = {}
 from mrl.platform.device import DTYPES as _DTYPES
 
 
@@ -70,8 +68,7 @@ def complete_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     cfg = canonical_config(cfg)
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        why = f" yet: {UNMAPPED_MODEL_TYPES[model_type]}" if model_type in UNMAPPED_MODEL_TYPES else ""
-        raise UserError(f"model.path: model_type {model_type!r} is not supported{why} (supported: "
+        raise UserError(f"model.path: model_type {model_type!r} is not supported (supported: "
                         f"{', '.join(SUPPORTED_MODEL_TYPES)}, and {', '.join(f'{a} as {t}' for a, t in MODEL_TYPE_ALIASES.items())})")
     quant = cfg.get("quantization_config")
     if quant and isinstance(quant, dict) and quant.get("quant_method") in DEQUANTIZED_ON_LOAD.get(model_type, ()):
