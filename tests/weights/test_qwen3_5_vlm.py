@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from tests.weights.vlm_archs import image_prompt_inputs, one_rank_platform, save_qwen3_5_checkpoint
 from tests.weights.vlm_archs import megatron_from_dir as _megatron
 from tests.weights.vlm_archs import packed_logits as _packed
+from tests.weights.vlm_archs import trainer_audit
 
 platform = pytest.fixture(scope="module")(one_rank_platform)
 
@@ -117,9 +118,7 @@ def test_hf_engine_logprobs_with_images_equal_the_trainer(platform, checkpoint):
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from mrl.batch import Batch
     from mrl.engine.engine import Engine
-    from mrl.engine.objectives import actor_outputs
     from mrl.rollout.hf import HFEngine
     from mrl.models.vlm import mrope_position_ids
     from mrl.rollout.types import Sampling
@@ -132,12 +131,7 @@ def test_hf_engine_logprobs_with_images_equal_the_trainer(platform, checkpoint):
     assert not banned & {t for r in resp for t in r.token_ids}
     items = [SimpleNamespace(images=replace(x, prompt_positions=mrope_position_ids(
         hf, torch.tensor([p]), x.image_grid_thw)[:, 0])) for p, x in zip(prompts, inputs)]
-    batch = Batch.from_sequences([prompts[r.prompt_index] for r in resp], [r.token_ids for r in resp], pad_id=256)
-    batch = Batch(batch.tensors, {"prompt_item": [items[r.prompt_index] for r in resp]})
-    out = Engine([model], name="actor").forward_only(
-        batch, actor_outputs(1.0, entropy=True, vocab_size=hf["vocab_size"]), micro_batch_tokens=80)
-    worst = max((out["logprobs"][i, :len(r.token_ids)] - torch.tensor(r.logprobs)).abs().max().item()
-                for i, r in enumerate(resp))
+    worst, out = trainer_audit(model, hf, prompts, resp, items)
     print(f"{hf['model_type']} AUDIT max |rollout - trainer| log-prob {worst:.3e}")
     assert worst <= 1e-4, worst
     assert torch.isfinite(out["entropy"]).all()

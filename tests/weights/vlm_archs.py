@@ -57,6 +57,24 @@ def packed_logits(model, ref: dict, dtype=torch.float32) -> torch.Tensor:
                      pixel_values=ref["pixel_values"].to(dtype), **extra)[0]
 
 
+def trainer_audit(model, hf: dict, prompts, responses, items) -> tuple[float, dict]:
+    """The step-1 audit by hand: the trainer's own path (a `Batch` whose prompt items carry their
+    images, packed by the `Engine`) scores an engine's `responses`; (max |engine - trainer| log-prob,
+    the trainer's outputs)."""
+    from mrl.batch import Batch
+    from mrl.engine.engine import Engine
+    from mrl.engine.objectives import actor_outputs
+
+    batch = Batch.from_sequences([prompts[r.prompt_index] for r in responses], [r.token_ids for r in responses],
+                                 pad_id=256)
+    batch = Batch(batch.tensors, {"prompt_item": [items[r.prompt_index] for r in responses]})
+    out = Engine([model], name="actor").forward_only(
+        batch, actor_outputs(1.0, entropy=True, vocab_size=hf["vocab_size"]), micro_batch_tokens=80)
+    worst = max((out["logprobs"][i, :len(r.token_ids)] - torch.tensor(r.logprobs)).abs().max().item()
+                for i, r in enumerate(responses))
+    return worst, out
+
+
 def make_vlm(out_dir: str | Path, seed: int = 0, preset: str = "tiny-qwen2.5-vl"):
     """The preset's architecture with random weights (norms and biases perturbed), saved; the model."""
     from transformers import AutoConfig, AutoModelForImageTextToText
