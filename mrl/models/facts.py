@@ -43,7 +43,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_5": ("TP1 TP2 PP2 (the multimodal Qwen3.5: its vision tower and qwen3_5_text, interleaved mRoPE on the "
                 "partial-rotary dims; logits with images, round trip, hf engine audit; DP2 untested; hf rollout "
                 "engine, docs/vlm.md)"),
-    "qwen3_5_moe": ("TP1 (the multimodal Qwen3.5-MoE: its vision tower and qwen3_5_moe_text; TP2 PP2 EP2 untested "
+    "qwen3_5_moe": ("TP1 TP2 PP2 (the multimodal Qwen3.5-MoE: its vision tower and qwen3_5_moe_text; EP2 untested "
                     "with images; hf rollout engine, docs/vlm.md)"),
 }
 

@@ -210,10 +210,12 @@ def test_deepstack_layers_off_the_first_stage_are_refused(platform):
 
 @pytest.mark.slow
 def test_tp2_and_pp2_match_transformers(tmp_path):
-    """The four models (Qwen2.5-VL, Qwen3-VL, the multimodal Gemma 3 and Qwen3.5), TP=2 then PP=2, in one launch:
+    """The five models (Qwen2.5-VL, Qwen3-VL, the multimodal Gemma 3, Qwen3.5 and Qwen3.5-MoE), TP=2 then PP=2, in one launch:
     bit-exact round trip, logits within 1e-5 (Gemma 3: its images attending both ways); the trainable tower's gradients (TP-averaged at TP=2, through the pipeline at PP=2)."""
     dirs = [save_checkpoint(tmp_path / p, p) for p in PRESETS] + [save_gemma3_checkpoint(tmp_path / "tiny-gemma3-vl"),
-                                                                  save_qwen3_5_checkpoint(tmp_path / "tiny-qwen3.5-vl")]
+                                                                  save_qwen3_5_checkpoint(tmp_path / "tiny-qwen3.5-vl"),
+                                                                  save_qwen3_5_checkpoint(tmp_path / "tiny-qwen3.5-moe-vl",
+                                                                                          "tiny-qwen3.5-moe-vl")]
     proc = run_torchrun(REPO / "tests/weights/scripts/vlm_layouts.py", *[a for d in dirs for a in ("--dir", str(d))],
                         timeout=600)
     found = re.findall(r"^VLM (\w+) (tp\d pp\d) roundtrip ok \d+ tensors \((\d+) tower\) logits (\S+)",
@@ -222,12 +224,13 @@ def test_tp2_and_pp2_match_transformers(tmp_path):
     assert [f[:2] for f in found] == [("qwen2_5_vl", "tp2 pp1"), ("qwen2_5_vl", "tp1 pp2"),
                                       ("qwen3_vl", "tp2 pp1"), ("qwen3_vl", "tp1 pp2"),
                                       ("gemma3", "tp2 pp1"), ("gemma3", "tp1 pp2"),
-                                      ("qwen3_5", "tp2 pp1"), ("qwen3_5", "tp1 pp2")], proc.stdout
+                                      ("qwen3_5", "tp2 pp1"), ("qwen3_5", "tp1 pp2"),
+                                      ("qwen3_5_moe", "tp2 pp1"), ("qwen3_5_moe", "tp1 pp2")], proc.stdout
     assert all(int(t) > 0 and float(d) <= 1e-5 for _, _, t, d in found), proc.stdout
     # at TP=2 the trainable tower's gradients are equal over the TP group and averaged by megatron
-    assert len(re.findall(r"^VLM \w+ tp2 pp1 .* tower grads \d+ equal over tp, averaged$", proc.stdout, re.M)) == 4
+    assert len(re.findall(r"^VLM \w+ tp2 pp1 .* tower grads \d+ equal over tp, averaged$", proc.stdout, re.M)) == 5
     # at PP=2 it trains through the pipeline schedule (the tower and deepstack on the first stage)
-    assert len(re.findall(r"^VLM \w+ tp1 pp2 .* tower grads [1-9]\d* through the pipeline$", proc.stdout, re.M)) == 4
+    assert len(re.findall(r"^VLM \w+ tp1 pp2 .* tower grads [1-9]\d* through the pipeline$", proc.stdout, re.M)) == 5
 
 
 def test_validate_refuses_a_vlm_job_train_would_refuse(capsys):
