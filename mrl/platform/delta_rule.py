@@ -21,7 +21,9 @@ Triton checksum):
   `g = beta = 0`, which leaves a state unchanged and is dropped), one vectorised step per token,
   everything in float32 and the output rounded once to the input dtype. Its arithmetic order is
   the recurrence's, not the chunked form's: it equals `transformers`' `torch_chunk_gated_delta_rule`
-  to float32 rounding (tests/models/test_gated_deltanet.py), not bit for bit.
+  to float32 rounding (tests/weights/test_gated_deltanet.py), not bit for bit. It steps token by
+  token and autograd keeps every step's `[N, H_v, d_k, d_v]` state for the backward: memory and
+  time linear in the tokens, fine for the tiny models CPU runs train, not a production kernel.
 
 `megatron.core.ssm.gated_delta_net` imports the same `fla` kernel and has a torch fallback
 (`torch_chunk_gated_delta_rule`, transformers' chunked form) but builds only on CUDA and takes no
