@@ -25,7 +25,8 @@ def to_batch(run: Run, shard, step: int) -> tuple[Batch, dict[str, float], Optio
     alg = spec.algorithm
     n = spec.rollout.responses_per_prompt
     kept_items, kept_resp, kept_scores = shard.items, shard.responses, shard.scores
-    batch = Batch.from_sequences([list(it.token_ids) for it in kept_items for _ in range(n)],
+    prompts = [list(it.token_ids) for it in kept_items for _ in range(n)]   # one per response
+    batch = Batch.from_sequences(prompts,
                                  [r.token_ids for r in kept_resp],
                                  group_index=[i for i in range(len(kept_items)) for _ in range(n)],
                                  loss_masks=[r.loss_mask for r in kept_resp],
@@ -50,8 +51,7 @@ def to_batch(run: Run, shard, step: int) -> tuple[Batch, dict[str, float], Optio
     if alg.gdpo_reward_keys:
         batch = batch.add(reward_components=torch.tensor([r.info["reward_components"] for r in kept_resp],
                                                          dtype=torch.float32).view(len(kept_resp), -1))
-    batch = batch.add(**rollout_routes(kept_resp, [list(it.token_ids) for it in kept_items for _ in range(n)],
-                                           batch))
+    batch = batch.add(**rollout_routes(kept_resp, prompts, batch))
     if shard.greedy_scores is not None:   # ReMax: the baseline produced with the group
         batch = batch.add(greedy_scores=torch.tensor(shard.greedy_scores, dtype=torch.float32).repeat_interleave(n))
     metrics = {
