@@ -37,6 +37,16 @@ def run_torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float 
     return proc
 
 
+def print_result(tag: object, payload: object) -> None:
+    """Print `RESULT <tag> <payload as JSON>` from rank 0 only (RANK unset counts as rank 0). Every
+    rank's stdout shares torchrun's pipe, and two ranks' long lines can interleave inside one line;
+    the metrics a run returns are the same on every rank."""
+    import json
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"RESULT {tag} {json.dumps(payload, sort_keys=True)}", flush=True)
+
+
 def kill_process_group(proc: subprocess.Popen, timeout: float = 60.0) -> None:
     """SIGKILL every process of `proc`'s session (started with `start_new_session=True`) and wait
     until none is left: waiting for the launcher alone is not enough, its ranks can still exist

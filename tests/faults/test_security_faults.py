@@ -83,7 +83,9 @@ def _reward(name: str, extra: dict, **pool_kw):
 
 
 def _reward_secrets(tmp: Path) -> tuple[str, str]:
-    secrets = {"MLFLOW_TRACKING_TOKEN": "t1", "WANDB_API_KEY": "t2", "HF_TOKEN": "t3", "AWS_SECRET_ACCESS_KEY": "t4"}
+    # values no environment holds by chance: the reward searches its whole environment block for them
+    secrets = {k: f"mrl-fault-s3cr3t-{k.lower()}" for k in
+               ("MLFLOW_TRACKING_TOKEN", "WANDB_API_KEY", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY")}
     old = {k: os.environ.get(k) for k in secrets}
     os.environ.update(secrets)
     try:

@@ -22,7 +22,6 @@ per run.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 from dataclasses import replace
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from tests.dist_util import print_result
 
 SPECS = 8
 
@@ -108,7 +109,11 @@ def part1(out: Path, dtype: str) -> None:
             router.loads[0].outstanding += 10**6
             long = Sampling(n=1, temperature=1.0, max_tokens=400, ignore_eos=True)
             far = asyncio.ensure_future(router.generate("far", GenRequest("far-0", (1, 7, 7), long, seed=5)))
-            await asyncio.sleep(0.5)
+            while "far-0" not in router.loads[1].requests:   # placed on rank 1's engine
+                await asyncio.sleep(0.001)
+            # 400 tokens take this tiny model >= ~0.3 s on an idle core: 20 ms in, the abort lands mid-request
+            # (an abort that overtakes the request still ends it as "abort": remote.py's early aborts)
+            await asyncio.sleep(0.02)
             await router.abort(["far"])
             res = await far
             router.loads[0].outstanding -= 10**6
@@ -149,7 +154,7 @@ def part2(out: Path, runs: list[str]) -> None:
         STARTUP.start()   # its lines, as `mrl train` prints them (rank 0)
         spec, _ = load("jobs/quickstart_cpu.toml", [f"job.output_dir={out}", f"job.name=run{i}", *overrides.split()])
         metrics = train(spec)
-        print(f"RESULT {i} {json.dumps(metrics, sort_keys=True)}", flush=True)
+        print_result(i, metrics)
 
 
 def main() -> None:

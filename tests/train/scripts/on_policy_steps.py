@@ -8,8 +8,9 @@ Prints `RESULT <separate|reuse> <json list of per-step metrics>` per run.
 """
 from __future__ import annotations
 
-import json
 import sys
+
+from tests.dist_util import print_result
 
 
 def main() -> None:
@@ -34,7 +35,7 @@ def main() -> None:
         finally:
             close(gen)
             teardown()
-        print(f"RESULT {mode} {json.dumps(out, sort_keys=True)}", flush=True)
+        print_result(mode, out)
 
 
 if __name__ == "__main__":

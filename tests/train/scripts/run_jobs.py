@@ -9,8 +9,9 @@ OUT_DIR/run<index>.
 """
 from __future__ import annotations
 
-import json
 import sys
+
+from tests.dist_util import print_result
 
 
 def main() -> None:
@@ -24,7 +25,7 @@ def main() -> None:
         this_job = words.pop(0) if words and words[0].endswith(".toml") else job
         spec, _ = load(this_job, [f"job.output_dir={out}", f"job.name=run{i}", *words])
         metrics = sft(spec) if hasattr(spec, "sft") else train(spec)
-        print(f"RESULT {i} {json.dumps(metrics, sort_keys=True)}", flush=True)
+        print_result(i, metrics)
 
 
 if __name__ == "__main__":
