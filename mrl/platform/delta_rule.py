@@ -141,7 +141,9 @@ def chunked_twin(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     nothing, decays nothing and is dropped. The sequences are not padded to the longest: every
     sequence is its own chunks (`_chunk_layout`), and the state of a sequence that has ended
     leaves the scan. Autograd keeps one `[d_k, d_v]` state per chunk and O(T C) intra-chunk
-    values, against the recurrence's one state per token."""
+    values, against the recurrence's one state per token. The padding costs up to C - 1 slots per
+    sequence, so rows of many sequences much shorter than C pay for it (as the recurrence pays
+    for padding every sequence to the row's longest)."""
     dtype = v.dtype
     total, hv, dv = v.shape
     dk = k.shape[-1]
