@@ -140,8 +140,8 @@ def test_chunked_twin_equals_the_recurrence(case):
 
 def test_chunked_twin_keeps_its_precision_after_a_run_of_strong_decay():
     """20 tokens of g = -200 then g near 0 within one chunk: the cumulative gate reaches -4000,
-    where float32 resolves 2.4e-4, so decays taken as differences of cumulative sums would be off
-    by that much; the twin sums g between the two tokens instead and stays within 1e-6."""
+    where float32 resolves 2.4e-4, so decays taken as differences of cumulative sums put the
+    outputs 5e-5 off (measured); the twin sums g between the two tokens instead: within 1e-6."""
     q, k, v, g, beta = _random_rule_inputs(64, seed=2, decay_scale=0.05)
     g[:20] = -200.0
     cu = torch.tensor([0, 64])

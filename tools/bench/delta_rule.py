@@ -31,6 +31,10 @@ with the machine's load), recurrent / chunked:
     qwen3.5  1024      78.9       37.1         692.5       522.3      8.8x  14.1x
     qwen3.5  4096     516.3      148.3        7929.4      2088.5     15.4x  14.1x
 
+With `--sequences 16` (a seeded random split, so the recurrence pads every sequence to the
+longest): qwen3.5 T=1024 165 ms / 63 MiB chunked vs 5656 ms / 4101 MiB (34x, 65x); T=4096
+408 ms / 180 MiB vs 6808 ms / 4774 MiB (17x, 26x); tiny T=1024 18x, 13x; T=4096 8.5x, 5.4x.
+
 Both keep memory linear in T; the chunked twin keeps per token a few `[C]` rows of the chunk's
 `[C, C]` matrices where the recurrence keeps its `[d_k, d_v]` states, so the gap is d_k d_v / C
 (small at 32 x 32, 14x at 128 x 128). The time gap grows with T: the recurrence's T small Python
@@ -154,8 +158,8 @@ def main():
         ap.error("--sequences must be between 1 and every --tokens")
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"delta rule twins: cpu, float32, {torch.get_num_threads()} thread(s), fwd+bwd, {args.sequences} sequence(s) per row; "
-          f"shapes (H_k, H_v, d_k, d_v): " + ", ".join(f"{s} {SHAPES[s]}" for s in args.shapes))
+    print(f"delta rule twins: cpu, float32, {torch.get_num_threads()} thread(s), fwd+bwd, "
+          f"{args.sequences} sequence(s) per row; shapes (H_k, H_v, d_k, d_v): " + ", ".join(f"{s} {SHAPES[s]}" for s in args.shapes))
     rows = [bench(t, s, args.sequences, args.iters, args.warmup, args.skip_recurrent_above)
             for s in args.shapes for t in args.tokens]
     if args.json:
