@@ -69,7 +69,7 @@ fused kernels (`*_fusion` flags, `gradient_accumulation_fusion`) are CUDA-only a
 
 Kernels without a CPU build get torch twins in modules of this platform layer, chosen by the
 tensors' device where the kernel is called: the gated delta rule of Qwen3-Next / Qwen3.5's Gated
-DeltaNet layers (fla's Triton kernel on CUDA) is `mrl.platform.delta_rule.recurrent_twin` on cpu
+DeltaNet layers (fla's Triton kernel on CUDA) is `mrl.platform.delta_rule.chunked_twin` on cpu
 (megatron-core 0.16.1's own `ssm/gated_delta_net.py` is not used: it builds on CUDA only and takes
 no packed sequences; `mrl.models.gated_deltanet`).
 
