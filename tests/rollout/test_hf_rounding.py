@@ -164,10 +164,10 @@ def test_bf16_decoding_departs_from_the_forward_only_at_an_attention_rounding(pl
         first = None   # the first position whose attention output rounds apart
         for j in range(p + len(tokens) - 1):
             for layer in range(L):
-                if j < p:   # the prefill: prompt u = r.prompt_index, left-padded to `width`
-                    q, k, v, o = decoding[layer]
-                    q, k, v, o = q[r.prompt_index, :, width - p + j], k[r.prompt_index, :, width - p:width - p + j + 1], \
-                        v[r.prompt_index, :, width - p:width - p + j + 1], o[r.prompt_index, width - p + j]
+                if j < p:   # the prefill: one row per prompt, left-padded to `width`
+                    q, k, v, o = (x[r.prompt_index] for x in decoding[layer])
+                    pad = width - p
+                    q, k, v, o = q[:, pad + j], k[:, pad:pad + j + 1], v[:, pad:pad + j + 1], o[pad + j]
                 else:       # decoding call j - p + 1 fed token j - p at position j
                     q, k, v, o = decoding[L * (j - p + 1) + layer]
                     q, k, v, o = q[b, :, -1], k[b, :, -j - 1:], v[b, :, -j - 1:], o[b, -1]
@@ -182,7 +182,7 @@ def test_bf16_decoding_departs_from_the_forward_only_at_an_attention_rounding(pl
             if first is not None:
                 break
         decoded = torch.tensor(r.logprobs)
-        before = (first - p + 1) if first is not None else len(tokens)   # tokens predicted before `first`
+        before = max(first - p + 1, 0) if first is not None else len(tokens)   # tokens predicted before `first`
         assert torch.equal(decoded[:before], full[:before]), (b, first, decoded - full)
         rows_apart += first is not None
         if first is None:
