@@ -68,8 +68,9 @@ class HFEngine(RolloutEngine):
         # True: each row's exponential race on its own generator's uniforms, batched (`logprobs.sample_rows`:
         # torch.multinomial's algorithm without its per-row passes). Off by default: it draws other tokens
         # from the same seeds, and the slow tests' learning bounds and the jobs' documented rewards were
-        # measured with multinomial's. Its bf16 audit is multinomial's (the floor of bf16 decoding, which
-        # depends on the tokens drawn, not on the sampler: `hf_rounding`'s docstring)
+        # measured with multinomial's (with the race tests/lora's job misses its bound: mrl/rollout/README.md).
+        # Its bf16 audit is multinomial's (the floor of bf16 decoding, which depends on the tokens drawn,
+        # not on the sampler: `hf_rounding`'s docstring)
         self.batched_sampler = batched_sampler
         self.stage_seconds: Optional[dict[str, float]] = None   # a dict: per-stage wall time accumulates
         self.device = next(model.parameters()).device
