@@ -66,10 +66,11 @@ class HFEngine(RolloutEngine):
         self.share_prefill = share_prefill
         self.static_cache = static_cache   # decode into KV buffers allocated once (`hf_cache`)
         # True: each row's exponential race on its own generator's uniforms, batched (`logprobs.sample_rows`:
-        # torch.multinomial's algorithm without its per-row passes). Off: with its draws the bf16 audit
-        # bound of tests/rollout/test_hf_rounding.py (qwen3, seed 3) fails (mean 2.0e-4 > 1e-5). That bound
-        # is draw-dependent: seeds 3..8 read 0, 0, 3.8e-5, 0, 7.2e-5, 0 with multinomial, 2.0e-4, 2.8e-5,
-        # 2.9e-4, 6e-7, 0, 2.3e-5 with the race; why some draws meet a bf16 rounding gap is open
+        # torch.multinomial's algorithm without its per-row passes). Off by default: it draws other tokens
+        # from the same seeds, and the slow tests' learning bounds and the jobs' documented rewards were
+        # measured with multinomial's (with the race tests/lora's job misses its bound: mrl/rollout/README.md).
+        # Its bf16 audit is multinomial's (the floor of bf16 decoding, which depends on the tokens drawn,
+        # not on the sampler: `hf_rounding`'s docstring)
         self.batched_sampler = batched_sampler
         self.stage_seconds: Optional[dict[str, float]] = None   # a dict: per-stage wall time accumulates
         self.device = next(model.parameters()).device

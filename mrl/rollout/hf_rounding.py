@@ -24,10 +24,29 @@ since norm weights start at 1 and biases at 0:
 
 Measured on the bf16 quickstart (hf engine, CPU), audit mean at steps 1..5: one rank 9.1e-6,
 2.2e-6, 4.6e-8 (steps 1..3; before: 9.1e-6, 9.0e-4, 7.6e-4); TP=2 1.8e-7, 1.9e-6, 1.1e-7, 4.4e-8,
-4.5e-8 (before: 8.4e-4, 9.1e-4, 8.1e-4, 8.3e-4, 8.9e-4). What remains is the engine's own: its
-decoding (one token against the KV cache) against its full forward of the same tokens, which
-round alike except where a GEMM sums in another order (one rank, step 15 of 20: 3.1e-5, one
-token's logit one bf16 ulp apart; the engine's full forward equalled the trainer's to 2.5e-7).
+4.5e-8 (before: 8.4e-4, 9.1e-4, 8.1e-4, 8.3e-4, 8.9e-4).
+
+What remains is the floor of bf16 decoding, not a rounding of mrl's: the engine's full forward of
+the sampled tokens equals the trainer's bit for bit, and its decoding departs from that forward
+only at an attention output (tests/rollout/test_hf_rounding.py checks both). Decoding runs one
+query against the KV cache; the trainer (and a full forward) the causal block of the whole
+sequence; both in float32 (`hf_attention`), summing in other orders: about 60% of the float32
+outputs differ in their last bits and 6e-5 of them round to another bf16 value. No decoding
+kernel can round as the trainer does: the trainer's own output at a position (torch's CPU flash
+kernel, causal, which the full forward also runs) moves alike with the sequence's total length,
+which decoding does not know yet (random q, k, v: 21 tokens against their first 15, 56% and
+4.4e-5), and the two paths are equally close to float64 (6.9e-5 and 7.6e-5 of their bf16
+roundings off). One element one ulp off moves the token's logits (through o_proj and
+the residual) and every later token of its row (through the next layer's keys and values): in the
+test's tiny model a log-prob by 1e-4 to 1e-2. Which responses meet such a rounding depends on
+their tokens, so the audit depends on the draws, of either sampler alike (the test's scenario,
+seeds 0..39: audit mean above 0 at 15 seeds with `torch.multinomial` and 22 with the race for
+qwen3, largest 2.1e-4 and 2.9e-4, rounding-apart rate 6.2e-5 and 7.1e-5; qwen2 8 and 11, 2.6e-4
+and 1.4e-4, 6.7e-5 and 5.5e-5; the full forward 0 at all 160). It is not low-probability tokens
+(the worst tokens' probabilities 0.0013 to 0.029 in a vocabulary of 250), nor the first token after
+the prompt (never the worst here), nor left padding (rows with and without it alike). The
+quickstart's one-rank step 15 of 20 has the same signature (3.1e-5: one token's logit one bf16
+ulp apart, the engine's full forward equal to the trainer's to 2.5e-7; not traced to its op).
 
 Only the language model changes (a vision tower runs the same transformers modules on both
 sides); norms of another formula keep theirs (gpt-oss' already multiplies in float32 and rounds
