@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from tests.dist_util import REPO, run_torchrun
-from tests.weights.vlm_archs import image_prompts, make_vlm, one_rank_platform, save_gemma3_checkpoint, save_qwen3_5_checkpoint
+from tests.weights.vlm_archs import assert_bf16_logits_close, image_prompts, make_vlm, one_rank_platform, open_columns
+from tests.weights.vlm_archs import packed_logits_gap, save_gemma3_checkpoint, save_qwen3_5_checkpoint
 from tests.weights.vlm_archs import megatron_from_dir as _megatron
 from tests.weights.vlm_archs import packed_logits as _packed
 
@@ -49,14 +50,6 @@ def save_checkpoint(d, preset):
 def vlm_checkpoint(request, tmp_path_factory):
     return save_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
 
-
-def _open(hf):
-    """Vocabulary columns other than the vision placeholders (which the model's policy bans: -1e9)."""
-    from mrl.models.vlm import PLACEHOLDER_FIELDS
-
-    keep = torch.ones(hf["vocab_size"], dtype=torch.bool)
-    keep[[hf[f] for f in PLACEHOLDER_FIELDS if hf.get(f) is not None]] = False
-    return keep
 
 
 def test_rope_index_by_hand():
@@ -94,20 +87,15 @@ def test_packed_and_batched_logits_equal_transformers(platform, vlm_checkpoint):
 
     hf, model = _megatron(vlm_checkpoint)
     ref = torch.load(vlm_checkpoint / "reference.pt")
-    keep = _open(hf)
-    got = _packed(model, ref)[:, : hf["vocab_size"]]
-    assert (got[:, keep] - ref["logits"][:, keep]).abs().max().item() <= 1e-5
-    assert (got[:, ~keep] == -1e9).all()
+    keep = open_columns(hf)
+    # also: placeholders banned, the tower frozen and on this (first) stage, the images matter
+    assert packed_logits_gap(model, hf, ref) <= 1e-5
     pos = mrope_position_ids(hf, ref["ids"], ref["image_grid_thw"], ref["mask"])
     with torch.no_grad():
         batched = model(ref["ids"], pos, None, pixel_values=ref["pixel_values"],
                         image_grid_thw=ref["image_grid_thw"])[..., : hf["vocab_size"]]
     for i, n in enumerate(ref["lengths"]):
         assert (batched[i, :n, keep] - ref["batched_logits"][i, :n, keep]).abs().max().item() <= 1e-5
-    # the tower is frozen and sits on this (first) stage; the images matter
-    assert model.vision is not None and not any(p.requires_grad for p in model.vision.parameters())
-    blank = dict(ref, pixel_values=torch.zeros_like(ref["pixel_values"]))
-    assert (_packed(model, blank)[:, : hf["vocab_size"]][:, keep] - ref["logits"][:, keep]).abs().max().item() > 1e-2
 
 
 def test_bf16_logits_close_to_transformers(platform, vlm_checkpoint):
@@ -115,7 +103,7 @@ def test_bf16_logits_close_to_transformers(platform, vlm_checkpoint):
 
     hf, model = _megatron(vlm_checkpoint, dtype="bfloat16")
     ref = torch.load(vlm_checkpoint / "reference.pt")
-    keep = _open(hf)
+    keep = open_columns(hf)
     got = _packed(model, ref, torch.bfloat16)[:, : hf["vocab_size"]][:, keep].float()
     hf_bf16 = Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm_checkpoint, dtype=torch.bfloat16).eval()
     with torch.no_grad():
@@ -123,10 +111,7 @@ def test_bf16_logits_close_to_transformers(platform, vlm_checkpoint):
                        image_grid_thw=ref["image_grid_thw"],
                        mm_token_type_ids=(ref["ids"] == hf["image_token_id"]).int()).logits.float()
     want = torch.cat([want[i, :n] for i, n in enumerate(ref["lengths"])])[:, keep]
-    scale = ref["logits"].abs().max().item()
-    # bf16 both sides: each within bf16 rounding of the fp32 logits, and of each other
-    assert (got - ref["logits"][:, keep]).abs().max().item() <= 0.05 * scale
-    assert (got - want).abs().max().item() <= 0.05 * scale
+    assert_bf16_logits_close(got, want, ref, keep)
 
 
 def test_export_loads_in_transformers_with_the_same_logits(platform, vlm_checkpoint, tmp_path):

@@ -57,6 +57,36 @@ def packed_logits(model, ref: dict, dtype=torch.float32) -> torch.Tensor:
                      pixel_values=ref["pixel_values"].to(dtype), **extra)[0]
 
 
+def open_columns(hf: dict) -> torch.Tensor:
+    """Vocabulary columns other than the vision placeholders (which the model's policy bans: -1e9)."""
+    from mrl.models.vlm import PLACEHOLDER_FIELDS
+
+    keep = torch.ones(hf["vocab_size"], dtype=torch.bool)
+    keep[[hf[f] for f in PLACEHOLDER_FIELDS if hf.get(f) is not None]] = False
+    return keep
+
+
+def packed_logits_gap(model, hf: dict, ref: dict) -> float:
+    """The max difference of the model's fp32 packed logits from the reference's on the open
+    columns (the caller bounds it), after checking what every VLM's packed row must show: the
+    placeholders banned at -1e9, the tower frozen, and blank images moving the logits by > 1e-2."""
+    keep = open_columns(hf)
+    got = packed_logits(model, ref)[:, : hf["vocab_size"]]
+    assert (got[:, ~keep] == -1e9).all()
+    assert model.vision is not None and not any(p.requires_grad for p in model.vision.parameters())
+    blank = dict(ref, pixel_values=torch.zeros_like(ref["pixel_values"]))
+    assert (packed_logits(model, blank)[:, : hf["vocab_size"]][:, keep] - ref["logits"][:, keep]).abs().max().item() > 1e-2
+    return (got[:, keep] - ref["logits"][:, keep]).abs().max().item()
+
+
+def assert_bf16_logits_close(got: torch.Tensor, want: torch.Tensor, ref: dict, keep: torch.Tensor) -> None:
+    """bf16 on both sides (`got` mrl's, `want` transformers', open columns): each within bf16
+    rounding (5% of the fp32 logits' largest magnitude) of the fp32 logits, and of each other."""
+    scale = ref["logits"].abs().max().item()
+    assert (got - ref["logits"][:, keep]).abs().max().item() <= 0.05 * scale
+    assert (got - want).abs().max().item() <= 0.05 * scale
+
+
 def trainer_audit(model, hf: dict, prompts, responses, items) -> tuple[float, dict]:
     """The step-1 audit by hand: the trainer's own path (a `Batch` whose prompt items carry their
     images, packed by the `Engine`) scores an engine's `responses`; (max |engine - trainer| log-prob,

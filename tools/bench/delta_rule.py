@@ -45,10 +45,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from interleaved import interleaved_medians  # noqa: E402  (tools/bench/interleaved.py)
 
 SHAPES = {"tiny": (2, 4, 32, 32), "qwen3.5": (2, 4, 128, 128)}     # H_k, H_v, d_k, d_v
 
@@ -86,20 +89,6 @@ def saved_bytes(fn, xs: list[torch.Tensor], cu: torch.Tensor) -> tuple[int, torc
     return sum(storages.values()), out
 
 
-def timed(fns: dict, iters: int, warmup: int) -> dict[str, float]:
-    """Median seconds of each `fns[name]()` over `iters` interleaved rounds after `warmup`."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(iters):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def bench(tokens: int, shape_name: str, sequences: int, iters: int, warmup: int, skip_recurrent_above: int) -> dict:
     """One grid point: times, saved bytes and their ratios, printed as one line and returned."""
     from mrl.platform.delta_rule import chunked_twin, recurrent_twin
@@ -124,7 +113,7 @@ def bench(tokens: int, shape_name: str, sequences: int, iters: int, warmup: int,
             (fn(*xs, cu) * weight).sum().backward()
         return run
 
-    seconds = timed({name: step(fn) for name, fn in twins.items()}, iters, warmup)
+    seconds = interleaved_medians({name: step(fn) for name, fn in twins.items()}, iters, warmup)
     row = dict(shape=shape_name, tokens=tokens, sequences=sequences, ms={k: v * 1e3 for k, v in seconds.items()},
                saved_mib={k: v / 2 ** 20 for k, v in memory.items()})
     line = (f"  {shape_name:<8} T={tokens:<6} chunked {seconds['chunked'] * 1e3:9.1f} ms "

@@ -31,10 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from interleaved import interleaved_medians  # noqa: E402  (tools/bench/interleaved.py)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -52,23 +55,6 @@ def rope_table(max_len: int, dim: int, device, base: float = 10000.0) -> torch.T
     inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32, device=device), inv_freq)
     return torch.cat((angles, angles), dim=-1)[:, None, None, :]
-
-
-def timed(fns: dict, iters: int, warmup: int, sync) -> dict[str, float]:
-    """Median seconds of each `fns[name]()` over `iters` rounds after `warmup`; every round runs
-    each variant once, so a load change on the machine hits all of them alike."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    sync()
-    times = {name: [] for name in fns}
-    for _ in range(iters):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main():
@@ -122,8 +108,8 @@ def main():
     print(f"rope: {device.type}, {str(dtype).removeprefix('torch.')}, {t} tokens in {len(lengths)} sequences "
           f"(lengths {min(lengths)}..{max(lengths)}), q {args.heads} x {d}, k {kv_heads} x {d}, fwd+bwd of q and k; "
           f"max |mrl - megatron| {diff:.3g}")
-    results = timed({"megatron per-sequence thd": megatron, "mrl +tables": mrl_with_tables, "mrl rotate": mrl_rotate},
-                    args.iters, args.warmup, sync)
+    results = interleaved_medians({"megatron per-sequence thd": megatron, "mrl +tables": mrl_with_tables,
+                                   "mrl rotate": mrl_rotate}, args.iters, args.warmup, sync)
     base = results["megatron per-sequence thd"]
     for name, sec in results.items():
         print(f"  {name:<28} {sec * 1e3:9.3f} ms  {base / sec:6.1f}x")
